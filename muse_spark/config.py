@@ -1,0 +1,418 @@
+"""Frozen, validated configs for the Muse Spark target and the DSpark draft.
+
+Both are parsed from HF-style ``config.json`` files (DESIGN.md §2–3). Every
+inconsistency is a ``ValueError`` naming the field and the values, so a bad
+checkpoint fails at load time and never half-way through a build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+def parse_dtype(name: str | torch.dtype, what: str = "dtype") -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"{what}: unknown dtype {name!r} (expected one of {sorted(set(_DTYPES))})")
+    return _DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class MetapConfig:
+    use_metap: bool = False
+    router_has_one_inf_dim: bool = False
+    base_width: int = 1
+    metap_mode: str = "mup"
+
+
+def _req(d: dict, key: str, kind: type | tuple, where: str) -> Any:
+    if key not in d:
+        raise ValueError(f"{where}: missing required field {key!r}")
+    value = d[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        raise ValueError(f"{where}: field {key!r} must be {kind}, got {value!r}")
+    if not isinstance(value, kinds):
+        raise ValueError(f"{where}: field {key!r} must be {kind}, got {value!r}")
+    return value
+
+
+def _opt(d: dict, key: str, kind: type | tuple, default: Any, where: str) -> Any:
+    if key not in d or d[key] is None and default is None:
+        return default
+    return _req(d, key, kind, where)
+
+
+@dataclass(frozen=True)
+class MuseSpark1xConfig:
+    """The dense Muse Spark target (``MuseSpark1xForCausalLM``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    norm_affine: bool = True
+    norm_zero_centered_gamma: bool = False
+    use_rope: bool = True
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    attn_output_gate: bool = False
+    residual_dtype: str = "float32"
+    torch_dtype: str = "bfloat16"
+    residual_multiplier: float = 1.0
+    metap: MetapConfig = field(default_factory=MetapConfig)
+    output_soft_cap_temp: float | None = None
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    architectures: tuple[str, ...] = ("MuseSpark1xForCausalLM",)
+
+    KIND = "target"
+
+    # ---- parsing -----------------------------------------------------------------
+    @classmethod
+    def _fields_from_dict(cls, d: dict, where: str) -> dict[str, Any]:
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: config must be a JSON object, got {type(d).__name__}")
+        out: dict[str, Any] = {}
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
+            out[key] = _req(d, key, int, where)
+        out["num_key_value_heads"] = _opt(d, "num_key_value_heads", int, out["num_attention_heads"], where)
+        default_hd = out["hidden_size"] // max(out["num_attention_heads"], 1)
+        out["head_dim"] = _opt(d, "head_dim", int, default_hd, where)
+        out["rms_norm_eps"] = float(_opt(d, "rms_norm_eps", (int, float), 1e-6, where))
+        for key, default in (
+            ("norm_affine", True),
+            ("norm_zero_centered_gamma", False),
+            ("use_rope", True),
+            ("attn_output_gate", False),
+            ("tie_word_embeddings", False),
+        ):
+            out[key] = _opt(d, key, bool, default, where)
+        out["rope_theta"] = float(_opt(d, "rope_theta", (int, float), 10000.0, where))
+        out["max_position_embeddings"] = _opt(d, "max_position_embeddings", int, 4096, where)
+        out["residual_dtype"] = _opt(d, "residual_dtype", str, "float32", where)
+        out["torch_dtype"] = _opt(d, "torch_dtype", str, "bfloat16", where)
+        out["residual_multiplier"] = float(_opt(d, "residual_multiplier", (int, float), 1.0, where))
+        metap = d.get("metap") or {}
+        if not isinstance(metap, dict):
+            raise ValueError(f"{where}: field 'metap' must be an object, got {metap!r}")
+        out["metap"] = MetapConfig(
+            use_metap=bool(metap.get("use_metap", False)),
+            router_has_one_inf_dim=bool(metap.get("router_has_one_inf_dim", False)),
+            base_width=int(metap.get("base_width", 1)),
+            metap_mode=str(metap.get("metap_mode", "mup")),
+        )
+        cap = d.get("output_soft_cap_temp")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
+            raise ValueError(f"{where}: field 'output_soft_cap_temp' must be a number or null, got {cap!r}")
+        out["output_soft_cap_temp"] = None if cap is None else float(cap)
+        for key in ("bos_token_id", "pad_token_id"):
+            out[key] = _opt(d, key, int, None, where)
+        eos = d.get("eos_token_id")
+        if eos is None:
+            out["eos_token_id"] = ()
+        elif isinstance(eos, int) and not isinstance(eos, bool):
+            out["eos_token_id"] = (eos,)
+        elif isinstance(eos, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+            out["eos_token_id"] = tuple(eos)
+        else:
+            raise ValueError(f"{where}: field 'eos_token_id' must be an int or a list of ints, got {eos!r}")
+        arch = d.get("architectures")
+        if arch is not None:
+            out["architectures"] = tuple(arch)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config.json") -> "MuseSpark1xConfig":
+        cfg = cls(**cls._fields_from_dict(d, where))
+        cfg.validate(where)
+        return cfg
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "MuseSpark1xConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON: {e}") from None
+        return cls.from_dict(d, where=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eos_token_id"] = list(self.eos_token_id)
+        d["architectures"] = list(self.architectures)
+        return d
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    # ---- validation --------------------------------------------------------------
+    def validate(self, where: str = "config") -> None:
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{where}: {key} must be >= 1, got {getattr(self, key)}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"{where}: num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.use_rope and self.head_dim % 2 != 0:
+            raise ValueError(f"{where}: head_dim={self.head_dim} must be even when use_rope is true")
+        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
+            raise ValueError(f"{where}: rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.residual_dtype != "float32":
+            raise ValueError(f"{where}: residual_dtype must be 'float32', got {self.residual_dtype!r}")
+        parse_dtype(self.torch_dtype, f"{where}: torch_dtype")
+        if self.output_soft_cap_temp is not None and not self.output_soft_cap_temp > 0:
+            raise ValueError(
+                f"{where}: output_soft_cap_temp must be positive or null, got {self.output_soft_cap_temp}"
+            )
+        if self.metap.use_metap and self.metap.router_has_one_inf_dim:
+            if self.metap.metap_mode not in ("mup", "sp"):
+                raise ValueError(f"Unknown Metap mode {self.metap.metap_mode!r}")
+            if self.metap.base_width < 1:
+                raise ValueError(f"{where}: metap.base_width must be >= 1, got {self.metap.base_width}")
+        for key in ("bos_token_id", "pad_token_id"):
+            v = getattr(self, key)
+            if v is not None and not 0 <= v < self.vocab_size:
+                raise ValueError(f"{where}: {key}={v} is outside the vocabulary [0, {self.vocab_size})")
+        for e in self.eos_token_id:
+            if not 0 <= e < self.vocab_size:
+                raise ValueError(f"{where}: eos_token_id {e} is outside the vocabulary [0, {self.vocab_size})")
+
+    # ---- derived -----------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return parse_dtype(self.torch_dtype)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def qkv_out(self) -> int:
+        return 2 * self.q_size + 2 * self.kv_size if self.attn_output_gate else self.q_size + 2 * self.kv_size
+
+    @property
+    def output_multiplier(self) -> float:
+        m = self.metap
+        if not (m.use_metap and m.router_has_one_inf_dim):
+            return 1.0
+        width_mult = self.hidden_size / m.base_width
+        if m.metap_mode == "mup":
+            return width_mult**-1
+        if m.metap_mode == "sp":
+            return width_mult**-0.5
+        raise ValueError(f"Unknown Metap mode {m.metap_mode!r}")
+
+
+@dataclass(frozen=True)
+class MuseSparkDSparkConfig(MuseSpark1xConfig):
+    """The DSpark draft (``MuseSparkDSparkForCausalLM``): Muse layers plus the
+    block-drafting, Markov and confidence heads."""
+
+    draft_vocab_size: int = 0
+    target_hidden_size: int = 0
+    target_layer_ids: tuple[int, ...] = ()
+    mask_token_id: int = 0
+    block_size: int = 1
+    sample_from_anchor: bool = True
+    causal: bool = True
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    dspark_draft_topk: int | None = None
+    # Positional mode of the draft layers, when the checkpoint records it apart
+    # from ``use_rope`` (the seed's per-layer rotary_emb); must equal use_rope.
+    layer_use_rope: tuple[bool, ...] | None = None
+    # Per-layer KV geometry (num_key_value_heads, head_dim), when recorded.
+    layer_kv_geometry: tuple[tuple[int, int], ...] | None = None
+    architectures: tuple[str, ...] = ("MuseSparkDSparkForCausalLM",)
+
+    KIND = "draft"
+
+    @classmethod
+    def _fields_from_dict(cls, d: dict, where: str) -> dict[str, Any]:
+        out = super()._fields_from_dict(d, where)
+        out["draft_vocab_size"] = _req(d, "draft_vocab_size", int, where)
+        out["target_hidden_size"] = _req(d, "target_hidden_size", int, where)
+        ids = _req(d, "target_layer_ids", list, where)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"{where}: target_layer_ids must be a list of ints, got {ids!r}")
+        out["target_layer_ids"] = tuple(ids)
+        out["mask_token_id"] = _req(d, "mask_token_id", int, where)
+        out["block_size"] = _req(d, "block_size", int, where)
+        out["sample_from_anchor"] = _opt(d, "sample_from_anchor", bool, True, where)
+        out["causal"] = _opt(d, "causal", bool, True, where)
+        out["markov_rank"] = _opt(d, "markov_rank", int, 0, where)
+        out["markov_head_type"] = _opt(d, "markov_head_type", str, "vanilla", where)
+        out["enable_confidence_head"] = _opt(d, "enable_confidence_head", bool, False, where)
+        out["confidence_head_with_markov"] = _opt(d, "confidence_head_with_markov", bool, False, where)
+        out["dspark_draft_topk"] = _opt(d, "dspark_draft_topk", int, None, where)
+        lur = d.get("layer_use_rope")
+        if lur is not None:
+            out["layer_use_rope"] = tuple(bool(x) for x in lur)
+        geo = d.get("layer_kv_geometry")
+        if geo is not None:
+            out["layer_kv_geometry"] = tuple((int(a), int(b)) for a, b in geo)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        for key in ("layer_use_rope", "layer_kv_geometry"):
+            if d[key] is None:
+                del d[key]
+        return d
+
+    def validate(self, where: str = "config") -> None:
+        super().validate(where)
+        if self.draft_vocab_size < 1 or self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"{where}: draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
+                f"got {self.draft_vocab_size}"
+            )
+        if self.target_hidden_size < 1:
+            raise ValueError(f"{where}: target_hidden_size must be >= 1, got {self.target_hidden_size}")
+        if not self.target_layer_ids:
+            raise ValueError(f"{where}: target_layer_ids must not be empty")
+        ids = self.target_layer_ids
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            raise ValueError(f"{where}: target_layer_ids must be strictly increasing, got {list(ids)}")
+        if ids[0] < 0:
+            raise ValueError(f"{where}: target_layer_ids must be >= 0, got {list(ids)}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"{where}: mask_token_id={self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"{where}: block_size must be >= 1, got {self.block_size}")
+        if self.markov_rank < 0:
+            raise ValueError(f"{where}: markov_rank must be >= 0, got {self.markov_rank}")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(
+                f"{where}: unknown markov_head_type {self.markov_head_type!r} "
+                f"(expected one of {list(MARKOV_HEAD_TYPES)})"
+            )
+        if self.confidence_head_with_markov and self.markov_rank == 0:
+            raise ValueError(f"{where}: confidence_head_with_markov needs markov_rank > 0")
+        if self.dspark_draft_topk is not None and not 1 <= self.dspark_draft_topk <= self.draft_vocab_size:
+            raise ValueError(
+                f"{where}: dspark_draft_topk must be in [1, draft_vocab_size={self.draft_vocab_size}], "
+                f"got {self.dspark_draft_topk}"
+            )
+        if not self.sample_from_anchor:
+            raise ValueError(f"{where}: sample_from_anchor=false is not supported (DESIGN.md §3)")
+        if self.layer_use_rope is not None:
+            if len(self.layer_use_rope) != self.num_hidden_layers or any(
+                u != self.use_rope for u in self.layer_use_rope
+            ):
+                raise ValueError("Muse Spark DSpark layers must share their positional mode")
+        if self.layer_kv_geometry is not None:
+            if len(set(self.layer_kv_geometry)) > 1 or (
+                self.layer_kv_geometry
+                and self.layer_kv_geometry[0] != (self.num_key_value_heads, self.head_dim)
+            ):
+                raise ValueError("Muse Spark DSpark layers must share KV geometry")
+
+    def validate_against(self, target: MuseSpark1xConfig, where: str = "draft config") -> None:
+        """Checks that need the target's config too."""
+        if self.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"{where}: vocab_size={self.vocab_size} differs from the target's vocab_size={target.vocab_size}"
+            )
+        if self.target_hidden_size != target.hidden_size:
+            raise ValueError(
+                f"{where}: target_hidden_size={self.target_hidden_size} differs from the target's "
+                f"hidden_size={target.hidden_size}"
+            )
+        last = target.num_hidden_layers - 1
+        bad = [i for i in self.target_layer_ids if not 0 <= i < last]
+        if bad:
+            raise ValueError(
+                f"{where}: target_layer_ids {bad} out of range: must be in [0, {last}) "
+                f"(the target has {target.num_hidden_layers} layers; its last layer {last} is excluded)"
+            )
+        if self.hidden_size != target.hidden_size:
+            # The draft embeds tokens with the target's embed_tokens.
+            raise ValueError(
+                f"{where}: hidden_size={self.hidden_size} differs from the target's hidden_size="
+                f"{target.hidden_size}; the draft embeds with the target's embed_tokens"
+            )
+        if self.use_rope and target.use_rope and self.rope_theta != target.rope_theta:
+            raise ValueError(
+                f"{where}: rope_theta={self.rope_theta} differs from the target's {target.rope_theta}"
+            )
+
+    @property
+    def gamma(self) -> int:
+        return self.block_size
+
+
+def load_config(path: str | Path) -> MuseSpark1xConfig:
+    """Parse a target or draft config, choosing the class by its keys."""
+    path = Path(path)
+    p = path / "config.json" if path.is_dir() else path
+    if not p.is_file():
+        raise FileNotFoundError(f"no config.json at {p}")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON: {e}") from None
+    if isinstance(d, dict) and "draft_vocab_size" in d:
+        return MuseSparkDSparkConfig.from_dict(d, str(p))
+    return MuseSpark1xConfig.from_dict(d, str(p))

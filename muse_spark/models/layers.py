@@ -1,0 +1,173 @@
+"""Muse Spark building blocks in plain PyTorch (DESIGN.md §2).
+
+These modules are the reference the compiled engines are checked against.
+Parameter names are the *canonical* (stacked) ones the loader produces:
+``self_attn.qkv_proj`` = [q | k | v | o_gate] and ``feed_forward.gate_up_proj``
+= [gate | up].
+
+Attention is written over an explicit key set and a boolean mask so that the
+target (KV cache) and the draft (cached context + fresh block) share one
+implementation; scores and softmax run in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+import muse_spark.plugins  # noqa: F401  (registers torch.ops.muse_spark.*)
+from muse_spark.config import MuseSpark1xConfig
+from muse_spark.plugins.norm import rms_norm
+
+# (k_new [B,S,KV,Dh], v_new) -> (keys [B,T,KV,Dh], values, mask [B,S,T] bool)
+KVProvider = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, affine: bool, zero_centered: bool):
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.empty(dim)) if affine else None
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.zero_centered, out_dtype)
+
+
+def make_norm(cfg: MuseSpark1xConfig, dim: int | None = None) -> RMSNorm:
+    return RMSNorm(dim or cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_affine, cfg.norm_zero_centered_gamma)
+
+
+def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless per-head RMS normalization of q/k, in fp32, back to x's dtype."""
+    return rms_norm(x, None, eps, False, x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half (NeoX) RoPE. x: [B, S, heads, Dh]; positions: [B, S] int64."""
+    dh = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dh, 2, device=x.device, dtype=torch.float32) / dh))
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, S, Dh/2]
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1).unsqueeze(2)  # [B, S, 1, Dh]
+    sin = torch.cat([freqs.sin(), freqs.sin()], -1).unsqueeze(2)
+    xf = x.float()
+    x1, x2 = xf[..., : dh // 2], xf[..., dh // 2 :]
+    rotated = torch.cat([-x2, x1], -1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked GQA attention. q [B,S,H,Dh], k/v [B,T,KV,Dh], mask [B,S,T] → [B,S,H,Dh] (q's dtype)."""
+    B, S, H, dh = q.shape
+    kv = k.shape[2]
+    rep = H // kv
+    qf = q.float().view(B, S, kv, rep, dh)
+    scores = torch.einsum("bskrd,btkd->bkrst", qf, k.float()) * (1.0 / math.sqrt(dh))
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A query with no visible key (cannot happen for valid inputs) yields zeros, not NaN.
+    probs = torch.nan_to_num(probs, nan=0.0)
+    out = torch.einsum("bkrst,btkd->bskrd", probs, v.float())
+    return out.reshape(B, S, H, dh).to(q.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MuseSpark1xConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.qkv_out, bias=False)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.pre_qkv_proj_norm = make_norm(cfg)
+
+    def kv_weight(self) -> torch.Tensor:
+        """The k and v rows of the stacked projection, [2·KV·Dh, D]."""
+        q = self.cfg.q_size
+        return self.qkv_proj.weight[q : q + 2 * self.cfg.kv_size]
+
+    def normalize_k(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Per-head weightless RMS norm, then RoPE at ``positions``. k: [B, S, KV, Dh]."""
+        k = head_rms_norm(k, self.cfg.rms_norm_eps)
+        return rope(k, positions, self.cfg.rope_theta) if self.cfg.use_rope else k
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider) -> torch.Tensor:
+        # x: [B, S, D] normed input (compute dtype); positions: [B, S]
+        c = self.cfg
+        B, S, _ = x.shape
+        qkv = self.qkv_proj(x)
+        qs, kvs = c.q_size, c.kv_size
+        q, k, v = qkv[..., :qs], qkv[..., qs : qs + kvs], qkv[..., qs + kvs : qs + 2 * kvs]
+        q = head_rms_norm(q.reshape(B, S, c.num_attention_heads, c.head_dim), c.rms_norm_eps)
+        if c.use_rope:
+            q = rope(q, positions, c.rope_theta)
+        k = self.normalize_k(k.reshape(B, S, c.num_key_value_heads, c.head_dim), positions)
+        v = v.reshape(B, S, c.num_key_value_heads, c.head_dim)
+        keys, values, mask = kv(k, v)
+        out = attend(q, keys, values, mask).reshape(B, S, c.q_size)
+        if c.attn_output_gate:
+            gate = qkv[..., c.q_size + 2 * c.kv_size :]
+            out = (out.float() * torch.sigmoid(gate.float())).to(out.dtype)
+        return self.o_proj(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: MuseSpark1xConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        return self.down_proj(torch.nn.functional.silu(gu[..., : self.inter]) * gu[..., self.inter :])
+
+
+class DecoderLayer(nn.Module):
+    """Muse layer with the materialized, gated FP32 residual (the seed's forward)."""
+
+    def __init__(self, cfg: MuseSpark1xConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.self_attn = Attention(cfg)
+        self.post_attn_norm = make_norm(cfg)
+        self.pre_ffn_norm = make_norm(cfg)
+        self.post_ffn_norm = make_norm(cfg)
+        self.feed_forward = FeedForward(cfg)
+        # Raw gates as stored in the checkpoint (ones when absent) …
+        self.register_buffer("attn_residual_gate", torch.ones(cfg.hidden_size))
+        self.register_buffer("ffn_residual_gate", torch.ones(cfg.hidden_size))
+        # … and the materialized constants g = residual_multiplier · gate (fp32).
+        self.register_buffer("g_attn", torch.ones(cfg.hidden_size), persistent=False)
+        self.register_buffer("g_ffn", torch.ones(cfg.hidden_size), persistent=False)
+
+    def materialize_residual_constants(self) -> None:
+        m = self.cfg.residual_multiplier
+        self.g_attn = (m * self.attn_residual_gate.float()).contiguous()
+        self.g_ffn = (m * self.ffn_residual_gate.float()).contiguous()
+
+    def forward(self, stream: torch.Tensor, positions: torch.Tensor, kv: KVProvider) -> torch.Tensor:
+        # stream: [B, S, D] fp32 residual stream
+        dt = self.self_attn.qkv_proj.weight.dtype
+        c = self.cfg
+        x = self.self_attn.pre_qkv_proj_norm(stream.to(dt), dt)
+        attn = self.self_attn(x, positions, kv)
+        stream, x = torch.ops.muse_spark.gated_residual_add(
+            stream, self.post_attn_norm(attn, dt), self.g_attn,
+            self.pre_ffn_norm.weight, c.rms_norm_eps, c.norm_zero_centered_gamma, True, dt,
+        )
+        ffn = self.feed_forward(x)
+        stream, _ = torch.ops.muse_spark.gated_residual_add(
+            stream, self.post_ffn_norm(ffn, dt), self.g_ffn,
+            None, c.rms_norm_eps, c.norm_zero_centered_gamma, False, dt,
+        )
+        return stream
+
+
+def output_transform(logits: torch.Tensor, multiplier: float, soft_cap: float | None) -> torch.Tensor:
+    """The target's output-distribution transform, shared by target and draft."""
+    logits = logits.float() * multiplier
+    if soft_cap is not None:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
+    return logits

@@ -1,0 +1,110 @@
+"""The Muse Spark 1.x dense target (``MuseSpark1xForCausalLM``) in plain PyTorch.
+
+One ``forward`` serves prefill (a chunk of prompt tokens) and multi-token
+verification (``[a, t_1 … t_γ]``): tokens at explicit positions are written
+into a slot-indexed KV cache and attend to every cached key at a position
+≤ their own. It returns the final normed hidden states and the auxiliary
+hidden states (the FP32 stream after each of ``aux_layer_ids``) that feed the
+draft's context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from muse_spark.config import MuseSpark1xConfig
+from muse_spark.models.layers import DecoderLayer, make_norm, output_transform
+
+
+@dataclass
+class KVCache:
+    """Per-layer K/V, [slots, max_seq, KV, Dh] each, allocated once."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, layers: int, slots: int, max_seq: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> "KVCache":
+        shape = (slots, max_seq, kv_heads, head_dim)
+        return cls(
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+            [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
+        )
+
+    @property
+    def max_seq(self) -> int:
+        return self.k[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class MuseSpark1xModel(nn.Module):
+    def __init__(self, cfg: MuseSpark1xConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = make_norm(cfg)
+
+
+class MuseSpark1xForCausalLM(nn.Module):
+    def __init__(self, cfg: MuseSpark1xConfig, aux_layer_ids: tuple[int, ...] = ()):
+        super().__init__()
+        self.cfg = cfg
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.model = MuseSpark1xModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def after_load(self) -> None:
+        for layer in self.model.layers:
+            layer.materialize_residual_constants()
+
+    def allocate_cache(self, slots: int, max_seq: int, device=None) -> KVCache:
+        c = self.cfg
+        return KVCache.allocate(c.num_hidden_layers, slots, max_seq, c.num_key_value_heads, c.head_dim,
+                                self.dtype, device or self.model.embed_tokens.weight.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, S] int64
+        positions: torch.Tensor,  # [B, S] int64
+        slots: torch.Tensor,  # [B] int64 cache rows
+        cache: KVCache,
+        kv_len: int,  # keys [0, kv_len) are read; must exceed every position
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (h = norm(stream) [B, S, D] compute dtype, aux [B, S, D·len(aux_layer_ids)] fp32)."""
+        dt = self.dtype
+        stream = self.model.embed_tokens(tokens).to(torch.float32)
+        key_pos = torch.arange(kv_len, device=tokens.device)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, S, T]
+        rows = slots[:, None]
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+
+            def kv(k_new, v_new, i=i):
+                cache.k[i][rows, positions] = k_new
+                cache.v[i][rows, positions] = v_new
+                return cache.k[i][slots, :kv_len], cache.v[i][slots, :kv_len], mask
+
+            stream = layer(stream, positions, kv)
+            if i in self.aux_layer_ids:
+                aux.append(stream)
+        h = self.model.norm(stream.to(dt), dt)
+        aux_t = torch.cat(aux, -1) if aux else stream.new_zeros(stream.shape[:2] + (0,))
+        return h, aux_t
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Transformed fp32 logits over the target vocabulary."""
+        raw = torch.nn.functional.linear(h, self.lm_head_weight())
+        return output_transform(raw, self.cfg.output_multiplier, self.cfg.output_soft_cap_temp)

@@ -1,0 +1,18 @@
+"""Custom ops of the Muse Spark backend, in the ``muse_spark`` torch.library namespace.
+
+Each plugin folder holds ``reference.py`` (the plain-torch spec, used on CPU and
+ROCm) and ``op.py`` (the torch.library registration). GPU kernels are
+registered as CUDA implementations of the same ops, so every fast path has the
+same schema as its reference. Importing this package registers the ops; it
+never touches a GPU at import time.
+"""
+
+from muse_spark.plugins import keyed_random  # noqa: F401
+from muse_spark.plugins.gated_residual import op as _gated_residual_op  # noqa: F401
+from muse_spark.plugins.markov import op as _markov_op  # noqa: F401
+
+PLUGIN_VERSIONS = {
+    "gated_residual_add": 1,
+    "markov_sample": 1,
+    "keyed_random": 1,
+}

@@ -1,0 +1,40 @@
+"""torch.library registration of ``muse_spark::gated_residual_add``.
+
+The CompositeExplicitAutograd implementation is the reference; the CUDA
+kernel (Triton) registers itself for the CUDA key when its module is imported
+by the engine builder / runtime on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
+
+
+@torch.library.custom_op("muse_spark::gated_residual_add", mutates_args=())
+def gated_residual_add(
+    stream: torch.Tensor,
+    branch: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    zero_centered: bool,
+    apply_norm: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if stream.dtype != torch.float32:
+        raise ValueError(f"gated_residual_add: stream must be float32, got {stream.dtype}")
+    if stream.shape != branch.shape:
+        raise ValueError(
+            f"gated_residual_add: branch shape {list(branch.shape)} differs from stream {list(stream.shape)}"
+        )
+    if gate.shape != stream.shape[-1:]:
+        raise ValueError(f"gated_residual_add: expected gate of shape [{stream.shape[-1]}], got {list(gate.shape)}")
+    return gated_residual_add_ref(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype)
+
+
+@gated_residual_add.register_fake
+def _(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype):
+    normed = stream.new_empty(stream.shape if apply_norm else (0,), dtype=out_dtype)
+    return torch.empty_like(stream), normed

@@ -1,0 +1,36 @@
+"""Reference (spec) of the gated FP32 residual plugin.
+
+The decoder layer's residual update (DESIGN.md §2) is
+
+    stream = stream + g ⊙ branch.float()          # fp32 [N, D]
+    x      = norm(stream.to(compute_dtype))        # the next input norm
+
+where ``g`` is the materialized residual constant (``residual_multiplier *
+<layer>.{attn,ffn}_residual_gate``, fp32 [D]). Note the rounding: the norm
+reads the stream *rounded to the compute dtype* (the seed rounds "to the draft
+compute dtype before each trained input norm"), so a fused kernel must round
+the same way before it reduces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from muse_spark.plugins.norm import rms_norm
+
+
+def gated_residual_add_ref(
+    stream: torch.Tensor,  # [N, D] fp32
+    branch: torch.Tensor,  # [N, D] compute dtype
+    gate: torch.Tensor,  # [D] fp32
+    norm_weight: torch.Tensor | None,  # [D] or None (norm_affine false)
+    eps: float,
+    zero_centered: bool,
+    apply_norm: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_stream = stream + gate.float() * branch.float()
+    if not apply_norm:
+        return new_stream, new_stream.new_empty((0,), dtype=out_dtype)
+    normed = rms_norm(new_stream.to(out_dtype), norm_weight, eps, zero_centered, out_dtype)
+    return new_stream, normed

@@ -1,0 +1,1 @@
+"""The fused DSpark Markov loop: sequential draft sampling with the Markov head."""
