@@ -120,8 +120,12 @@ def make_tiny(out: str | Path, kind: str = "agreeing", seed: int = 0, gamma: int
     tcfg, dcfg = tiny_configs(gamma=gamma, head_type=head_type, dtype=dtype)
     d, r = HIDDEN, dcfg["markov_rank"]
     agreeing = kind == "agreeing"
-    # Draft vocabulary: a sorted subset of ordinary byte tokens (no specials).
-    draft_ids = torch.sort(torch.randperm(256, generator=g)[:DRAFT_VOCAB]).values
+    # Draft vocabulary: a sorted subset of ordinary byte tokens (no specials): all
+    # printable ASCII bytes plus random others, so demo text stays readable.
+    printable = torch.arange(32, 127)
+    others = torch.tensor([b for b in range(256) if not 32 <= b < 127])
+    extra = others[torch.randperm(len(others), generator=g)[: DRAFT_VOCAB - len(printable)]]
+    draft_ids = torch.sort(torch.cat([printable, extra])).values
     d2t = draft_ids - torch.arange(DRAFT_VOCAB)
 
     # ---- target ------------------------------------------------------------------------
@@ -136,7 +140,12 @@ def make_tiny(out: str | Path, kind: str = "agreeing", seed: int = 0, gamma: int
     if agreeing:
         # Bigram: the greedy successor of draft-vocab token s is f(s) (a permutation
         # of the draft vocabulary): lm_head row f(s) points along embed[s].
-        perm = draft_ids[torch.randperm(DRAFT_VOCAB, generator=g)]
+        # f permutes the printable bytes among themselves and the others among themselves.
+        is_pr = (draft_ids >= 32) & (draft_ids < 127)
+        perm = draft_ids.clone()
+        for sel in (is_pr, ~is_pr):
+            idx = sel.nonzero().flatten()
+            perm[idx] = draft_ids[idx[torch.randperm(len(idx), generator=g)]]
         lm = torch.randn(VOCAB, d, generator=g) * 0.05
         lm[perm] = embed[draft_ids] / embed[draft_ids].norm(dim=-1, keepdim=True) * 2.0
         succ = dict(zip(draft_ids.tolist(), perm.tolist()))
@@ -156,6 +165,10 @@ def make_tiny(out: str | Path, kind: str = "agreeing", seed: int = 0, gamma: int
         # W2[dj] · W1[s] is large when target(dj) == f(s).
         inv = {v: k for k, v in succ.items()}
         w2 = torch.stack([w1[inv[int(t)]] for t in draft_ids]) * 12.0
+        # Swap a few row pairs so that ~15 % of the draft's bigrams are wrong:
+        # acceptance is high but partial, and the rejection path runs too.
+        swap = torch.randperm(DRAFT_VOCAB, generator=g)[: 2 * (DRAFT_VOCAB * 15 // 200)].view(-1, 2)
+        w2[swap[:, 0]], w2[swap[:, 1]] = w2[swap[:, 1]].clone(), w2[swap[:, 0]].clone()
         dt_["lm_head.weight"] = torch.randn(DRAFT_VOCAB, d, generator=g) * 0.05
     else:
         w2 = torch.randn(DRAFT_VOCAB, r, generator=g) * 0.5

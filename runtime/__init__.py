@@ -1,0 +1,46 @@
+"""The Muse Spark runtime: engine directories → lossless speculative generation.
+
+    from muse_spark.runtime import load_engine, Generator, SamplingParams
+    engine = load_engine("engines/tiny")
+    gen = Generator(engine)
+    for tokens in gen.stream([1, 2, 3], SamplingParams(max_tokens=32)):
+        ...
+
+The runtime reads engine directories only; it never imports builder code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from muse_spark.runtime.engine import EagerEngine, EngineError, read_manifest
+from muse_spark.runtime.generator import Generator, Request, RequestError, SamplingParams, StepRecord
+
+__all__ = [
+    "EagerEngine",
+    "EngineError",
+    "Generator",
+    "Request",
+    "RequestError",
+    "SamplingParams",
+    "StepRecord",
+    "load_engine",
+    "load_tokenizer",
+]
+
+
+def load_engine(engine_dir: str | Path, device: str | None = None, **kw):
+    """Load an engine directory with the backend its manifest names."""
+    m = read_manifest(engine_dir)
+    backend = m["backend"]
+    if backend == "eager":
+        return EagerEngine.from_dir(engine_dir, device=device, **kw)
+    raise EngineError(f"{engine_dir}: engine backend {backend!r} is not supported by this runtime")
+
+
+def load_tokenizer(path: str | Path | None):
+    if path is None or not Path(path).is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))

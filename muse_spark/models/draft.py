@@ -89,7 +89,7 @@ class MuseSparkDSparkForCausalLM(nn.Module):
                 f"draft: expected target embed_tokens of shape [{self.cfg.vocab_size}, {self.cfg.hidden_size}], "
                 f"got {list(embed_weight.shape)}"
             )
-        self.embed_weight = embed_weight
+        self.embed_weight = embed_weight.detach()  # shared storage; a plain tensor is not registered
 
     def after_load(self) -> None:
         for layer in self.model.layers:

@@ -1,0 +1,130 @@
+"""Engine builder: checkpoint pair → ``engines/<name>/`` (manifest.json + engine files).
+
+The ``eager`` backend stores the canonical (stacked, validated, converted)
+weights as safetensors next to the configs and the tokenizer; the manifest
+records what DESIGN.md §4 asks for (schema, backend, device, versions,
+configs, checkpoint tensor hashes, dtype, γ, limits, batch buckets, plugin
+versions, tokenizer and a sha256 of every engine file).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import muse_spark
+from muse_spark.checkpoint import file_sha256, load_pair, save_canonical, tensors_hash
+from muse_spark.config import dtype_name
+from muse_spark.plugins import PLUGIN_VERSIONS
+from muse_spark.runtime.engine import ENGINE_FORMAT, SCHEMA_VERSION
+
+BACKENDS = ("eager", "aoti", "tensorrt", "migraphx")
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[build] {msg}", file=sys.stderr, flush=True)
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    b, out = 1, []
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+def device_info(device: str) -> dict:
+    dev = torch.device(device)
+    info = {"kind": dev.type, "name": "cpu", "compute_capability": None}
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but no CUDA device is available")
+        cc = torch.cuda.get_device_capability(dev)
+        info.update(name=torch.cuda.get_device_name(dev), compute_capability=list(cc))
+    return info
+
+
+def versions() -> dict:
+    v = {"torch": torch.__version__, "muse_spark": muse_spark.__version__, "python": sys.version.split()[0]}
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except ImportError:
+        v["triton"] = None
+    return v
+
+
+def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path, *, backend: str = "eager",
+                 device: str = "cpu", max_batch: int = 8, max_seq: int = 1024, dtype: str | None = None,
+                 overwrite: bool = True, quiet: bool = False) -> dict:
+    """Build an engine directory; returns its manifest."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} (expected one of {list(BACKENDS)})")
+    if backend != "eager":
+        raise ValueError(f"backend {backend!r} is not available in this build yet; use --backend eager")
+    if max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+    t0 = time.perf_counter()
+    out = Path(out)
+    _log(f"loading checkpoints {target_dir} + {draft_dir}", quiet)
+    target, draft = load_pair(target_dir, draft_dir, dtype, "cpu")
+    gamma = draft.cfg.block_size
+    if max_seq < gamma + 2:
+        raise ValueError(f"--max-seq must be at least γ+2 = {gamma + 2}, got {max_seq}")
+    if max_seq > target.cfg.max_position_embeddings:
+        raise ValueError(
+            f"--max-seq {max_seq} exceeds the target's max_position_embeddings {target.cfg.max_position_embeddings}"
+        )
+    dev = device_info(device)
+    if out.exists():
+        if not overwrite:
+            raise FileExistsError(f"{out} exists")
+        if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
+            raise FileExistsError(f"{out} exists and is not an engine directory; refusing to overwrite it")
+        shutil.rmtree(out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _log("hashing checkpoint tensors", quiet)
+    hashes = {"target": tensors_hash(target_dir), "draft": tensors_hash(draft_dir)}
+    _log("writing engine weights", quiet)
+    save_canonical(target, tmp / "target.safetensors")
+    save_canonical(draft, tmp / "draft.safetensors")
+    tokenizer = None
+    for src in (Path(target_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"):
+        if src.is_file():
+            shutil.copy(src, tmp / "tokenizer.json")
+            tokenizer = "tokenizer.json"
+            break
+    files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    manifest = {
+        "format": ENGINE_FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "backend": backend,
+        "device": dev,
+        "versions": versions(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "target_config": target.cfg.to_dict(),
+        "draft_config": draft.cfg.to_dict(),
+        "checkpoint_hashes": hashes,
+        "dtype": dtype_name(target.dtype),
+        "gamma": gamma,
+        "max_seq": max_seq,
+        "max_batch": max_batch,
+        "batch_buckets": default_buckets(max_batch),
+        "plugins": dict(PLUGIN_VERSIONS),
+        "tokenizer": tokenizer,
+        "files": files,
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.rename(out)
+    _log(f"engine written to {out} in {time.perf_counter() - t0:.1f}s", quiet)
+    return manifest

@@ -1,0 +1,182 @@
+"""``muse-spark``: the command-line front end.
+
+    muse-spark make-tiny OUT [--kind random|agreeing] [--seed N]
+    muse-spark build --target DIR --draft DIR --out DIR [--backend eager] [--device cpu|cuda]
+    muse-spark generate (--engine DIR | --target DIR --draft DIR) (--prompt TEXT | --prompt-ids 1,2,3)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _die(msg: str, code: int = 2) -> int:
+    print(f"muse-spark: error: {msg}", file=sys.stderr)
+    return code
+
+
+# ---- make-tiny ------------------------------------------------------------------------------
+def cmd_make_tiny(a) -> int:
+    from muse_spark.builder.tiny import make_tiny
+
+    info = make_tiny(a.out, kind=a.kind, seed=a.seed, gamma=a.gamma, head_type=a.head_type, dtype=a.dtype)
+    print(f"wrote {a.kind} tiny pair: {info['out']}/target and {info['out']}/draft (γ={a.gamma})")
+    acc = measure_greedy_acceptance(Path(a.out) / "target", Path(a.out) / "draft")
+    print(
+        f"built for acceptance: greedy drafts accept {acc['mean_accepted']:.2f} of γ={a.gamma} tokens per step "
+        f"on average ({acc['mean_emitted']:.2f} emitted per step; {acc['steps']} steps over {acc['prompts']} "
+        f"prompts, measured now with the eager runtime)"
+    )
+    return 0
+
+
+def measure_greedy_acceptance(target_dir, draft_dir, prompts=((1, 2, 3), (40, 41), (100,), (7, 7, 7, 7))) -> dict:
+    from muse_spark.runtime import EagerEngine, Generator, SamplingParams
+
+    engine = EagerEngine.from_checkpoints(target_dir, draft_dir, max_batch=len(prompts), max_seq=128)
+    reqs = Generator(engine).generate([list(p) for p in prompts], SamplingParams(max_tokens=48, ignore_eos=True))
+    steps = [s for r in reqs for s in r.steps]
+    return {
+        "mean_accepted": sum(s.accepted for s in steps) / max(len(steps), 1),
+        "mean_emitted": sum(len(s.emitted) for s in steps) / max(len(steps), 1),
+        "steps": len(steps),
+        "prompts": len(prompts),
+    }
+
+
+# ---- build ----------------------------------------------------------------------------------
+def cmd_build(a) -> int:
+    from muse_spark.builder.engine import build_engine
+
+    build_engine(a.target, a.draft, a.out, backend=a.backend, device=a.device, max_batch=a.max_batch,
+                 max_seq=a.max_seq, dtype=a.dtype)
+    print(f"engine: {a.out}")
+    return 0
+
+
+# ---- generate -------------------------------------------------------------------------------
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def cmd_generate(a) -> int:
+    from muse_spark.runtime import EagerEngine, Generator, RequestError, SamplingParams, load_engine, load_tokenizer
+
+    if bool(a.engine) == bool(a.target or a.draft):
+        return _die("give either --engine DIR or both --target DIR and --draft DIR")
+    if a.engine:
+        engine = load_engine(a.engine, device=a.device, dtype=a.dtype)
+    else:
+        if not (a.target and a.draft):
+            return _die("--target and --draft must be given together")
+        engine = EagerEngine.from_checkpoints(a.target, a.draft, device=a.device or "cpu", dtype=a.dtype, max_batch=1)
+    tok = load_tokenizer(engine.tokenizer_path)
+    if (a.prompt is None) == (a.prompt_ids is None):
+        return _die("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if a.prompt is not None:
+        if tok is None:
+            return _die("this engine has no tokenizer: use --prompt-ids")
+        prompt = tok.encode(a.prompt).ids
+    else:
+        prompt = _parse_ids(a.prompt_ids)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed, ignore_eos=a.ignore_eos)
+    gen = Generator(engine)
+    try:
+        if a.stream:
+            req = gen.add(prompt, params)
+            for chunk in gen.iter_request(req):
+                if not a.json:
+                    piece = tok.decode(chunk, skip_special_tokens=True) if tok else " ".join(map(str, chunk)) + " "
+                    print(piece, end="", flush=True)
+            if not a.json:
+                print()
+        else:
+            req = gen.generate([prompt], params)[0]
+    except RequestError as e:
+        return _die(str(e))
+    stats = req.stats(engine.gamma)
+    text = tok.decode(req.output, skip_special_tokens=True) if tok else None
+    if a.json:
+        print(json.dumps({
+            "output_ids": req.output,
+            "text": text,
+            "steps": [{"position": s.position, "draft_ids": s.draft_ids, "accepted": s.accepted, "emitted": s.emitted}
+                      for s in req.steps],
+            "stats": stats,
+        }))
+    else:
+        if not a.stream:
+            print(text if text is not None else " ".join(map(str, req.output)))
+        per_pos = " ".join(f"{x:.2f}" for x in stats["acceptance_per_position"])
+        print(
+            f"acceptance: {stats['accepted_draft_tokens']} draft tokens accepted over {stats['steps']} steps "
+            f"(mean {stats['mean_accepted_per_step']:.2f} of γ={engine.gamma}, "
+            f"{stats['mean_emitted_per_step']:.2f} tokens per step); per position: {per_pos}"
+        )
+        print(f"generated {stats['generated_tokens']} tokens in {stats['seconds']:.3f}s "
+              f"({stats['tokens_per_second']:.1f} tokens/s), finish reason: {stats['finish_reason']}")
+    return 0
+
+
+# ---- main -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="muse-spark", description="Muse Spark DSpark deployment backend")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("make-tiny", help="write a tiny target + draft checkpoint pair")
+    t.add_argument("out")
+    t.add_argument("--kind", choices=["random", "agreeing"], default="agreeing")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--gamma", type=int, default=5)
+    t.add_argument("--head-type", choices=["vanilla", "gated", "rnn"], default="vanilla")
+    t.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    t.set_defaults(fn=cmd_make_tiny)
+
+    b = sub.add_parser("build", help="build an engine directory from a checkpoint pair")
+    b.add_argument("--target", required=True)
+    b.add_argument("--draft", required=True)
+    b.add_argument("--out", required=True)
+    b.add_argument("--backend", default="eager", choices=["eager", "aoti", "tensorrt", "migraphx"])
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    b.add_argument("--max-batch", type=int, default=8)
+    b.add_argument("--max-seq", type=int, default=1024)
+    b.add_argument("--dtype", default=None, help="override the checkpoint's torch_dtype")
+    b.set_defaults(fn=cmd_build)
+
+    g = sub.add_parser("generate", help="speculative generation")
+    g.add_argument("--engine")
+    g.add_argument("--target")
+    g.add_argument("--draft")
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-ids")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stream", action="store_true")
+    g.add_argument("--json", action="store_true")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    g.add_argument("--dtype", default=None)
+    g.set_defaults(fn=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from muse_spark.checkpoint import CheckpointError
+    from muse_spark.runtime.engine import EngineError
+
+    try:
+        return args.fn(args)
+    except (CheckpointError, EngineError, ValueError, FileNotFoundError, FileExistsError) as e:
+        return _die(str(e))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Engine directories and the eager engine.
+
+An engine directory (``engines/<name>/``) holds ``manifest.json`` and the
+engine files. ``load_engine`` checks the manifest against the machine and its
+own file hashes before anything is loaded, and refuses a mismatch with a clear
+error. The runtime reads engines only: it never imports builder code.
+
+The ``eager`` backend keeps the canonical (stacked) weights as safetensors and
+runs the reference modules: it runs on any device and is also the ROCm
+fallback. Compiled backends must reproduce it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from muse_spark.checkpoint import file_sha256
+from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig, parse_dtype
+from muse_spark.models.draft import MuseSparkDSparkForCausalLM
+from muse_spark.models.target import MuseSpark1xForCausalLM
+from muse_spark.plugins import PLUGIN_VERSIONS
+from muse_spark.runtime.sampling import accept, sample_tokens
+
+SCHEMA_VERSION = 1
+ENGINE_FORMAT = "muse-spark-engine"
+
+
+class EngineError(RuntimeError):
+    """An engine directory that cannot be used here; the message says why."""
+
+
+def read_manifest(engine_dir: str | Path) -> dict:
+    d = Path(engine_dir)
+    path = d / "manifest.json"
+    if not d.is_dir():
+        raise EngineError(f"engine directory {d} does not exist")
+    if not path.is_file():
+        raise EngineError(f"{d} is not an engine directory: manifest.json is missing (build one with `muse-spark build`)")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise EngineError(f"{path}: corrupted manifest ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != ENGINE_FORMAT:
+        raise EngineError(f"{path}: not a Muse Spark engine manifest")
+    if m.get("schema_version") != SCHEMA_VERSION:
+        raise EngineError(
+            f"{path}: engine schema version {m.get('schema_version')} is not supported "
+            f"(this runtime reads version {SCHEMA_VERSION}); rebuild the engine"
+        )
+    for key in ("backend", "files", "target_config", "draft_config", "gamma", "max_seq", "max_batch", "dtype"):
+        if key not in m:
+            raise EngineError(f"{path}: manifest lacks {key!r}")
+    return m
+
+
+def verify_files(engine_dir: str | Path, manifest: dict) -> None:
+    """Every file the manifest lists exists and matches its sha256."""
+    d = Path(engine_dir)
+    for name, digest in manifest["files"].items():
+        p = d / name
+        if not p.is_file():
+            raise EngineError(f"{d}: engine file {name} is missing")
+        actual = file_sha256(p)
+        if actual != digest:
+            raise EngineError(
+                f"{d}: engine file {name} does not match the manifest's hash "
+                f"(expected sha256 {digest[:16]}…, got {actual[:16]}…): the engine is corrupted or was modified"
+            )
+
+
+def check_plugins(manifest: dict) -> None:
+    built = manifest.get("plugins", {})
+    for name, version in built.items():
+        if PLUGIN_VERSIONS.get(name) != version:
+            raise EngineError(
+                f"engine was built with plugin {name} v{version}; this runtime has "
+                f"v{PLUGIN_VERSIONS.get(name)}: rebuild the engine"
+            )
+
+
+def configs_from_manifest(m: dict) -> tuple[MuseSpark1xConfig, MuseSparkDSparkConfig]:
+    try:
+        tcfg = MuseSpark1xConfig.from_dict(m["target_config"], "manifest target_config")
+        dcfg = MuseSparkDSparkConfig.from_dict(m["draft_config"], "manifest draft_config")
+    except ValueError as e:
+        raise EngineError(f"engine manifest holds an invalid config: {e}") from None
+    dcfg.validate_against(tcfg)
+    return tcfg, dcfg
+
+
+def build_modules(tcfg, dcfg, target_sd, draft_sd, dtype: torch.dtype, device) -> tuple[MuseSpark1xForCausalLM, MuseSparkDSparkForCausalLM]:
+    """Reference modules from canonical state dicts (assigned, no second copy)."""
+    with torch.device("meta"):
+        target = MuseSpark1xForCausalLM(tcfg, dcfg.target_layer_ids)
+        draft = MuseSparkDSparkForCausalLM(dcfg)
+    for module, sd in ((target, target_sd), (draft, draft_sd)):
+        sd = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith("residual_gate") else v) for k, v in sd.items()}
+        module.load_state_dict(sd, strict=True, assign=True)
+        module.after_load()
+        module.to(device).eval().requires_grad_(False)
+    draft.bind_target_embeddings(target.model.embed_tokens.weight)
+    return target, draft
+
+
+class EagerEngine:
+    """Runs prefill and speculative steps with the reference modules.
+
+    Owns the KV caches (allocated once): target K/V per layer and the draft's
+    context K/V per layer, ``[max_batch slots, max_seq, KV, Dh]`` each.
+    """
+
+    backend = "eager"
+
+    def __init__(self, target: MuseSpark1xForCausalLM, draft: MuseSparkDSparkForCausalLM, *,
+                 max_batch: int, max_seq: int, device, tokenizer_path: str | Path | None = None,
+                 manifest: dict | None = None, prefill_chunk: int = 128):
+        self.target, self.draft = target, draft
+        self.tcfg, self.dcfg = target.cfg, draft.cfg
+        self.gamma = self.dcfg.block_size
+        self.max_batch, self.max_seq = max_batch, max_seq
+        self.device = torch.device(device)
+        self.prefill_chunk = prefill_chunk
+        self.manifest = manifest or {}
+        self.tokenizer_path = tokenizer_path
+        self.target_cache = target.allocate_cache(max_batch, max_seq, self.device)
+        self.draft_cache = draft.allocate_cache(max_batch, max_seq, self.device)
+
+    # ---- construction -----------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, engine_dir: str | Path, device: str | None = None, dtype: str | None = None,
+                 max_batch: int | None = None, **kw) -> "EagerEngine":
+        d = Path(engine_dir)
+        m = read_manifest(d)
+        if m["backend"] != "eager":
+            raise EngineError(f"{d}: backend {m['backend']!r} is not an eager engine")
+        verify_files(d, m)
+        check_plugins(m)
+        tcfg, dcfg = configs_from_manifest(m)
+        dev = torch.device(device or m.get("device", {}).get("kind", "cpu"))
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError(f"{d}: engine device is cuda but no CUDA device is available (use --device cpu)")
+        dt = parse_dtype(dtype or m["dtype"])
+        try:
+            target_sd = load_file(str(d / "target.safetensors"))
+            draft_sd = load_file(str(d / "draft.safetensors"))
+            target, draft = build_modules(tcfg, dcfg, target_sd, draft_sd, dt, dev)
+        except (RuntimeError, ValueError, OSError) as e:
+            raise EngineError(f"{d}: engine weights cannot be loaded: {e}") from None
+        tok = d / m["tokenizer"] if m.get("tokenizer") else None
+        return cls(target, draft, max_batch=max_batch or m["max_batch"], max_seq=m["max_seq"], device=dev,
+                   tokenizer_path=tok, manifest=m, **kw)
+
+    @classmethod
+    def from_checkpoints(cls, target_dir, draft_dir, device="cpu", dtype=None, max_batch=8,
+                         max_seq=None, **kw) -> "EagerEngine":
+        from muse_spark.checkpoint import load_pair
+
+        target, draft = load_pair(target_dir, draft_dir, dtype, device)
+        tok = Path(target_dir) / "tokenizer.json"
+        max_seq = max_seq or min(target.cfg.max_position_embeddings, 2048)
+        return cls(target, draft, max_batch=max_batch, max_seq=max_seq, device=device,
+                   tokenizer_path=tok if tok.is_file() else None, **kw)
+
+    # ---- prefill -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], slot: int, seed: int, temperature: float) -> torch.Tensor:
+        """Run the target over the prompt (chunked), store target KV and draft context K/V,
+        and sample the first token (position len(prompt)). → [1] int64 on the device."""
+        dev = self.device
+        slots = torch.tensor([slot], device=dev)
+        ids = torch.tensor(prompt, dtype=torch.int64, device=dev)
+        L = len(prompt)
+        h_last = None
+        for start in range(0, L, self.prefill_chunk):
+            end = min(L, start + self.prefill_chunk)
+            pos = torch.arange(start, end, device=dev)[None]
+            h, aux = self.target(ids[None, start:end], pos, slots, self.target_cache, end)
+            self.draft.store_context(aux, pos, slots, self.draft_cache)
+            h_last = h[:, -1]
+        logits = self.target.logits(h_last)  # [1, V]
+        return sample_tokens(logits, torch.tensor([temperature], device=dev, dtype=torch.float32),
+                             torch.tensor([seed], device=dev), torch.tensor([L], device=dev))
+
+    # ---- speculative step ---------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, slots: torch.Tensor, seeds: torch.Tensor,
+             temperature: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One speculative step for a batch. All inputs [B] on the device; ``kv_len`` ≥ max(p)+γ+1.
+
+        → packed [B, γ+2] int64: the γ draft tokens (target ids), n accepted, the bonus token.
+        """
+        g = self.gamma
+        ids, probs, _conf = self.draft.propose(anchor, anchor_pos, slots, self.draft_cache, kv_len - g - 1,
+                                               seeds, temperature)
+        tokens = torch.cat([anchor[:, None], ids], 1)  # [B, γ+1]
+        positions = anchor_pos[:, None] + torch.arange(g + 1, device=anchor.device)
+        h, aux = self.target(tokens, positions, slots, self.target_cache, kv_len)
+        n, bonus = accept(self.target.logits(h), ids, probs, self.draft.d2t, temperature, seeds, anchor_pos)
+        # Draft context for the newly verified tokens a, t_1 … t_n (positions p … p+n).
+        # All γ+1 are written (static shapes); those past p+n are overwritten next step
+        # before any query can read them.
+        self.draft.store_context(aux, positions, slots, self.draft_cache)
+        return torch.cat([ids, n[:, None], bonus[:, None]], 1)
+
+    # ---- target-only decoding (the reference the speculative output must equal) ---------
+    @torch.inference_mode()
+    def target_step(self, token: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, seeds: torch.Tensor,
+                    temperature: torch.Tensor, kv_len: int) -> torch.Tensor:
+        h, _ = self.target(token[:, None], pos[:, None], slots, self.target_cache, kv_len)
+        return sample_tokens(self.target.logits(h[:, 0]), temperature, seeds, pos + 1)

@@ -1,0 +1,234 @@
+"""Request scheduling, in-flight batching and streaming over an engine.
+
+``Generator`` owns the request slots of one engine. Requests are validated
+when they are added (a bad request raises ``RequestError`` and touches no
+cache), are prefilled when they join, and share every speculative step with
+the other active requests; they leave as soon as they finish, freeing their
+slot. Each step costs one device→host copy (draft tokens, accepted counts,
+bonus tokens), from which the host emits tokens, clipped at stop tokens and
+``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+
+class RequestError(ValueError):
+    """A request that cannot be served; nothing was allocated or run for it."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class StepRecord:
+    position: int  # the anchor's position
+    draft_ids: list[int]
+    accepted: int
+    emitted: list[int]
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    slot: int = -1
+    output: list[int] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    anchor: int = -1
+    position: int = -1  # the anchor's position (tokens before it are cached)
+    finished: bool = False
+    finish_reason: str | None = None
+    t_start: float = 0.0
+    t_end: float = 0.0
+    pending: list[int] = field(default_factory=list)  # emitted, not yet streamed
+
+    def stats(self, gamma: int) -> dict:
+        accepted = [s.accepted for s in self.steps]
+        per_pos = [sum(1 for a in accepted if a > k) / len(accepted) if accepted else 0.0 for k in range(gamma)]
+        secs = max(self.t_end - self.t_start, 1e-9)
+        return {
+            "steps": len(self.steps),
+            "generated_tokens": len(self.output),
+            "accepted_draft_tokens": sum(accepted),
+            "mean_accepted_per_step": sum(accepted) / len(accepted) if accepted else 0.0,
+            "mean_emitted_per_step": (sum(len(s.emitted) for s in self.steps) / len(self.steps)) if self.steps else 0.0,
+            "acceptance_per_position": per_pos,
+            "tokens_per_second": len(self.output) / secs,
+            "seconds": secs,
+            "finish_reason": self.finish_reason,
+        }
+
+
+class Generator:
+    def __init__(self, engine):
+        self.engine = engine
+        self.gamma = engine.gamma
+        self.free_slots = list(range(engine.max_batch))[::-1]
+        self.waiting: list[Request] = []
+        self.active: list[Request] = []
+        self._ids = itertools.count()
+        self.vocab = engine.tcfg.vocab_size
+        self.eos = frozenset(engine.tcfg.eos_token_id)
+        self.step_times: list[float] = []
+
+    # ---- validation ------------------------------------------------------------------
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab})")
+        if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {params.max_tokens!r}")
+        t = params.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or math.isnan(t) or math.isinf(t) or t < 0:
+            raise RequestError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not isinstance(params.seed, int) or not -(2**63) <= params.seed < 2**64:
+            raise RequestError(f"seed must be a 64-bit integer, got {params.seed!r}")
+        bad_stop = [s for s in params.stop_token_ids if not isinstance(s, int) or not 0 <= s < self.vocab]
+        if bad_stop:
+            raise RequestError(f"stop token ids {bad_stop[:5]} are outside the vocabulary [0, {self.vocab})")
+        need = len(prompt) + params.max_tokens + self.gamma
+        if need > self.engine.max_seq:
+            raise RequestError(
+                f"prompt length {len(prompt)} + max_tokens {params.max_tokens} (+ {self.gamma} draft slots) = "
+                f"{need} exceeds the engine's maximum sequence length {self.engine.max_seq}"
+            )
+
+    # ---- requests --------------------------------------------------------------------
+    def add(self, prompt: list[int], params: SamplingParams | None = None) -> Request:
+        params = params or SamplingParams()
+        self.validate(prompt, params)
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= self.eos
+        seed = params.seed - 2**64 if params.seed >= 2**63 else params.seed  # stored as int64
+        req = Request(next(self._ids), list(prompt), SamplingParams(**{**params.__dict__, "seed": seed}),
+                      frozenset(stop))
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "cancelled")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.finished:
+            return
+        req.finished, req.finish_reason, req.t_end = True, reason, time.perf_counter()
+        if req in self.active:
+            self.active.remove(req)
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
+
+    def _emit(self, req: Request, tokens: list[int]) -> list[int]:
+        """Append tokens, clipped at the first stop token (kept) and at max_tokens."""
+        room = req.params.max_tokens - len(req.output)
+        out = []
+        for t in tokens[:room]:
+            out.append(t)
+            if t in req.stop_ids:
+                break
+        req.output.extend(out)
+        req.pending.extend(out)
+        if out and out[-1] in req.stop_ids:
+            self._finish(req, "stop")
+        elif len(req.output) >= req.params.max_tokens:
+            self._finish(req, "length")
+        return out
+
+    # ---- scheduling ------------------------------------------------------------------
+    def _admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting and self.free_slots:
+            req = self.waiting.pop(0)
+            req.slot = self.free_slots.pop()
+            req.t_start = time.perf_counter()
+            p = req.params
+            first = self.engine.prefill(req.prompt, req.slot, p.seed, float(p.temperature))
+            req.anchor, req.position = int(first.item()), len(req.prompt)
+            self.active.append(req)
+            self._emit(req, [req.anchor])
+            admitted.append(req)
+        return admitted
+
+    def step(self) -> list[Request]:
+        """Admit waiting requests, run one speculative step over all active ones.
+        → the requests that emitted tokens (their ``pending`` holds them)."""
+        newly = self._admit()
+        batch = list(self.active)
+        if not batch:
+            return newly
+        dev = self.engine.device
+        t0 = time.perf_counter()
+        anchor = torch.tensor([r.anchor for r in batch], device=dev)
+        pos = torch.tensor([r.position for r in batch], device=dev)
+        slots = torch.tensor([r.slot for r in batch], device=dev)
+        seeds = torch.tensor([r.params.seed for r in batch], device=dev, dtype=torch.int64)
+        temps = torch.tensor([float(r.params.temperature) for r in batch], device=dev, dtype=torch.float32)
+        kv_len = max(r.position for r in batch) + self.gamma + 1
+        packed = self.engine.step(anchor, pos, slots, seeds, temps, kv_len).cpu().tolist()  # the one D2H copy
+        self.step_times.append(time.perf_counter() - t0)
+        g = self.gamma
+        for req, row in zip(batch, packed):
+            draft, n, bonus = row[:g], row[g], row[g + 1]
+            emitted = draft[:n] + [bonus]
+            shown = self._emit(req, emitted)
+            req.steps.append(StepRecord(req.position, draft, n, shown))
+            req.anchor, req.position = bonus, req.position + n + 1
+        return newly + [r for r in batch if r not in newly]
+
+    def run(self) -> None:
+        while self.has_work():
+            self.step()
+
+    # ---- conveniences ------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[Request]:
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        reqs = [self.add(p, sp) for p, sp in zip(prompts, plist)]
+        while any(not r.finished for r in reqs):
+            self.step()
+        return reqs
+
+    def stream(self, prompt: list[int], params: SamplingParams | None = None) -> Iterator[list[int]]:
+        """Yield lists of token ids as steps accept them (the first from prefill)."""
+        return self.iter_request(self.add(prompt, params))
+
+    def iter_request(self, req: Request) -> Iterator[list[int]]:
+        """Drive the scheduler until ``req`` finishes, yielding its tokens as they come;
+        closing the iterator early cancels the request and frees its slot."""
+        try:
+            while True:
+                if req.pending:
+                    chunk, req.pending = req.pending, []
+                    yield chunk
+                if req.finished:
+                    if req.pending:
+                        chunk, req.pending = req.pending, []
+                        yield chunk
+                    return
+                self.step()
+        finally:
+            if not req.finished:
+                self.cancel(req)

@@ -1,0 +1,96 @@
+"""Target-side sampling and the lossless acceptance rule (DESIGN.md §3, Verification).
+
+Everything is batch-vectorized and free of host synchronisation, so the same
+code runs eagerly, under ``torch.export`` and inside a captured CUDA graph.
+Randomness is keyed by (request seed, position): a request's output does not
+depend on its batch mates, and target-only sampling with the same seed draws
+the same bonus noise.
+
+The rule, per request with γ draft tokens t_1 … t_γ drawn from q_0 … q_{γ−1}
+and target distributions P_0 … P_γ over ``[a, t_1 … t_γ]``:
+
+* greedy (T = 0): accept t_{k+1} while t_{k+1} == argmax P_k; the bonus is
+  argmax P_n at the first mismatch n (or P_γ when all match);
+* sampling: accept t_{k+1} with probability min(1, P_k(t)/q_k(t)), q scattered
+  into the target vocabulary through d2t; at the first rejection n sample the
+  bonus from normalize(max(P_n − q_n, 0)); if all γ are accepted, from P_γ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from muse_spark.plugins.keyed_random import SALT_ACCEPT, SALT_TARGET, keyed_gumbel, keyed_uniform
+from muse_spark.plugins.markov.reference import sanitize_logits
+
+
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """softmax(logits / T) in fp32; logits [B, S, V], temperature [B] (>0 rows; T = 0 rows use T = 1)."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+    return torch.softmax(sanitize_logits(logits.float()) / t[:, None, None], -1)
+
+
+def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Exact categorical sample by the Gumbel-max trick, keyed (seed, position, SALT_TARGET).
+
+    probs [B, V] (need not be normalized); → [B] int64.
+    """
+    noise = keyed_gumbel(seeds, positions, SALT_TARGET, probs.shape[-1])
+    return (torch.log(probs) + noise).argmax(-1)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """Next token from target logits [B, V] for the token at ``positions`` [B]: greedy where T = 0."""
+    greedy = sanitize_logits(logits.float()).argmax(-1)
+    sampled = sample_from_probs(target_probs(logits[:, None], temperature)[:, 0], seeds, positions)
+    return torch.where(temperature == 0, greedy, sampled)
+
+
+def accept(
+    target_logits: torch.Tensor,  # [B, γ+1, V] transformed fp32 logits over [a, t_1 … t_γ]
+    draft_ids: torch.Tensor,  # [B, γ] int64 target ids
+    draft_probs: torch.Tensor,  # [B, γ, Vd] fp32 distributions the drafts were sampled from
+    d2t: torch.Tensor,  # [Vd] int64 offsets
+    temperature: torch.Tensor,  # [B] fp32
+    seeds: torch.Tensor,  # [B] int64
+    anchor_pos: torch.Tensor,  # [B] int64 p
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ (n accepted [B] int64, bonus token [B] int64)."""
+    B, g1, V = target_logits.shape
+    gamma = g1 - 1
+    Vd = draft_probs.shape[-1]
+    dev = target_logits.device
+    ar = torch.arange(gamma, device=dev)
+    greedy_row = temperature == 0
+
+    # ---- greedy ------------------------------------------------------------------------
+    tgt_argmax = sanitize_logits(target_logits.float()).argmax(-1)  # [B, γ+1]
+    ok_greedy = draft_ids == tgt_argmax[:, :gamma]
+
+    # ---- sampling ----------------------------------------------------------------------
+    P = target_probs(target_logits, temperature)  # [B, γ+1, V]
+    draft_target_ids = torch.arange(Vd, device=dev) + d2t.to(torch.int64)  # [Vd]
+    zeros = torch.zeros(B, g1, V, device=dev, dtype=torch.float32)
+    # q scattered into the target vocabulary; row γ stays zero (no draft after t_γ).
+    Q = torch.cat([zeros[:, :gamma].index_add(-1, draft_target_ids, draft_probs.float()), zeros[:, gamma:]], 1)
+    p_t = P[:, :gamma].gather(-1, draft_ids[..., None]).squeeze(-1)  # [B, γ]
+    q_t = Q[:, :gamma].gather(-1, draft_ids[..., None]).squeeze(-1)
+    u = keyed_uniform(seeds[:, None], anchor_pos[:, None] + 1 + ar, SALT_ACCEPT, 1).squeeze(-1)  # [B, γ]
+    # u < p/q  ⇔  u·q < p  (q > 0 for every sampled token; q = 0 would reject)
+    ok_sample = u * q_t < p_t
+
+    ok = torch.where(greedy_row[:, None], ok_greedy, ok_sample)
+    n = torch.cumprod(ok.to(torch.int64), -1).sum(-1)  # [B] leading accepts
+
+    # ---- bonus -------------------------------------------------------------------------
+    idx = n[:, None, None].expand(B, 1, V)
+    p_n = P.gather(1, idx).squeeze(1)  # [B, V]
+    q_n = Q.gather(1, idx).squeeze(1)  # zero row when n == γ
+    resid = torch.clamp(p_n - q_n, min=0.0)
+    # p == q exactly leaves nothing (and then rejection had probability 0): fall back to p.
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_n)
+    bonus_sampled = sample_from_probs(resid, seeds, anchor_pos + n + 1)
+    bonus_greedy = tgt_argmax.gather(1, n[:, None]).squeeze(1)
+    bonus = torch.where(greedy_row, bonus_greedy, bonus_sampled)
+    return n, bonus
