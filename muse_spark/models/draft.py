@@ -19,6 +19,7 @@ from torch import nn
 from muse_spark.config import MuseSparkDSparkConfig
 from muse_spark.models.layers import DecoderLayer, make_norm, output_transform
 from muse_spark.models.target import KVCache
+from muse_spark.plugins import dispatch
 
 
 class _Proj(nn.Module):
@@ -179,7 +180,7 @@ class MuseSparkDSparkForCausalLM(nn.Module):
         """The Markov loop → (draft ids in target vocabulary [B, γ], draft probs [B, γ, Vd])."""
         mh = self.model.markov_head
         head_w, head_b = mh.head_params()
-        return torch.ops.muse_spark.markov_sample(
+        return dispatch.markov_sample(
             U, h, anchor, mh.markov_w1.weight, mh.markov_w2.weight, self.d2t, seeds, anchor_pos,
             temperature, mh.head_type, head_w, head_b, self.cfg.dspark_draft_topk or 0,
         )

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import muse_spark.plugins  # noqa: F401  (registers torch.ops.muse_spark.*)
+from muse_spark.plugins import dispatch
 from muse_spark.config import MuseSpark1xConfig
 from muse_spark.plugins.norm import rms_norm
 
@@ -153,12 +154,12 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         x = self.self_attn.pre_qkv_proj_norm(stream.to(dt), dt)
         attn = self.self_attn(x, positions, kv)
-        stream, x = torch.ops.muse_spark.gated_residual_add(
+        stream, x = dispatch.gated_residual_add(
             stream, self.post_attn_norm(attn, dt), self.g_attn,
             self.pre_ffn_norm.weight, c.rms_norm_eps, c.norm_zero_centered_gamma, True, dt,
         )
         ffn = self.feed_forward(x)
-        stream, _ = torch.ops.muse_spark.gated_residual_add(
+        stream, _ = dispatch.gated_residual_add(
             stream, self.post_ffn_norm(ffn, dt), self.g_ffn,
             None, c.rms_norm_eps, c.norm_zero_centered_gamma, False, dt,
         )

@@ -1,0 +1,72 @@
+"""Which implementation of each plugin the models call.
+
+* ``"op"`` (default): the registered ``torch.ops.muse_spark.*`` custom ops
+  (reference implementation on every device; eager engines).
+* ``"inline"``: the plain-torch reference function called directly, so that
+  ``torch.export`` traces *through* it and an AOTInductor package needs no
+  Python-registered op at run time (CPU AOTI builds, C++ embedding).
+* ``"triton"``: the Triton kernels registered with ``torch.library.triton_op``
+  (``muse_spark::*_triton``), compiled into CUDA AOTI packages.
+
+Tests use ``plugin_impl(...)`` to force a path and compare it with another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
+from muse_spark.plugins.markov.reference import markov_sample_ref
+
+IMPLS = ("op", "inline", "triton")
+_current = {"impl": "op"}
+
+
+@contextlib.contextmanager
+def plugin_impl(impl: str) -> Iterator[None]:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown plugin implementation {impl!r} (expected one of {list(IMPLS)})")
+    prev = _current["impl"]
+    _current["impl"] = impl
+    try:
+        yield
+    finally:
+        _current["impl"] = prev
+
+
+def current_impl() -> str:
+    return _current["impl"]
+
+
+def _triton_ops():
+    # Imported lazily: no GPU/Triton work at import time.
+    from muse_spark.plugins import triton_ops  # noqa: F401
+
+    return triton_ops
+
+
+def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype):
+    impl = _current["impl"]
+    if impl == "inline":
+        return gated_residual_add_ref(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype)
+    if impl == "triton":
+        return _triton_ops().gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm,
+                                                out_dtype)
+    import torch
+
+    return torch.ops.muse_spark.gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered,
+                                                   apply_norm, out_dtype)
+
+
+def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w,
+                  head_b, topk):
+    impl = _current["impl"]
+    args = (base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w, head_b, topk)
+    if impl == "inline":
+        return markov_sample_ref(*args)
+    if impl == "triton":
+        return _triton_ops().markov_sample(*args)
+    import torch
+
+    return torch.ops.muse_spark.markov_sample(*args)

@@ -1,0 +1,1 @@
+"""Serving: Triton Inference Server model repository and launcher."""
