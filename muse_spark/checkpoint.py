@@ -229,13 +229,14 @@ def load_state_dict(directory: str | Path, cfg: MuseSpark1xConfig, dtype: torch.
             extra = set(have) - set(order)
             if extra:
                 raise CheckpointError(f"{directory}: unexpected tensor {have[sorted(extra)[0]]!r}")
-            pieces = []
-            for part in order:
-                ck = name.rsplit(".", 2)[0].replace("qkv_proj", part).replace("gate_up_proj", part) + ".weight"
-                if part not in have:
-                    raise CheckpointError(f"{directory}: missing tensor {ck!r}")
-                pieces.append(source.get(have[part]))
-            tensor = _stack_checked(directory, name, pieces, order, cfg)
+            prefix = name.rsplit(".", 2)[0]  # model.layers.N.self_attn / .feed_forward
+            if is_draft:
+                prefix = prefix.removeprefix("model.")  # as the draft checkpoint names it
+            missing = [f"{prefix}.{part}.weight" for part in order if part not in have]
+            if missing:
+                raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}")
+            pieces = [(have[part], source.get(have[part])) for part in order]
+            tensor = _stack_checked(directory, pieces, order, cfg)
         else:
             tensor = source.get(parts[0][1])
         shape = expect[name]
@@ -265,22 +266,21 @@ def load_state_dict(directory: str | Path, cfg: MuseSpark1xConfig, dtype: torch.
     return sd
 
 
-def _stack_checked(directory, name, pieces, order, cfg) -> torch.Tensor:
+def _stack_checked(directory, pieces, order, cfg) -> torch.Tensor:
+    """Concatenate [(checkpoint name, tensor)] in ``order`` after checking each shape."""
     d = cfg.hidden_size
     sizes = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size, "o_gate_proj": cfg.q_size,
              "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
-    prefix = name.rsplit(".", 2)[0]
-    for part, p in zip(order, pieces):
+    for part, (ck, p) in zip(order, pieces):
         want = (sizes[part], d)
         if tuple(p.shape) != want:
-            if isinstance(cfg, MuseSparkDSparkConfig) and part in ("k_proj", "v_proj") and p.dim() == 2:
+            if isinstance(cfg, MuseSparkDSparkConfig) and part in ("k_proj", "v_proj"):
                 raise CheckpointError(
-                    f"Muse Spark DSpark layers must share KV geometry: {prefix.replace('model.', '', 1)}."
-                    f"{part.split('_')[0] + '_proj'}.weight has shape {list(p.shape)}, expected {list(want)}"
+                    f"Muse Spark DSpark layers must share KV geometry: {ck} has shape {list(p.shape)}, "
+                    f"expected {list(want)} ({cfg.num_key_value_heads} KV heads of dim {cfg.head_dim})"
                 )
-            ck = prefix.replace("qkv_proj", part).replace("gate_up_proj", part) + ".weight"
             raise CheckpointError(f"{directory}: tensor {ck!r} has shape {list(p.shape)}, expected {list(want)}")
-    return torch.cat(pieces, 0)
+    return torch.cat([p for _, p in pieces], 0)
 
 
 def check_d2t(d2t: torch.Tensor, cfg: MuseSparkDSparkConfig) -> None:

@@ -71,7 +71,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     probs = torch.softmax(scores, dim=-1)
     # A query with no visible key (cannot happen for valid inputs) yields zeros, not NaN.
     probs = torch.nan_to_num(probs, nan=0.0)
-    out = torch.einsum("bkrst,btkd->bskrd", probs, v.float())
+    # Masked keys get weight 0, but 0·NaN is NaN: zero the values no query may read,
+    # so stale garbage in a reused cache slot can never leak into a request.
+    key_visible = mask.any(1)[:, :, None, None]  # [B, T, 1, 1]
+    vf = torch.where(key_visible, v.float(), 0.0)
+    out = torch.einsum("bkrst,btkd->bskrd", probs, vf)
     return out.reshape(B, S, H, dh).to(q.dtype)
 
 

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny checkpoint pairs and engines, built once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from muse_spark.builder.tiny import make_tiny
+from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
+from muse_spark.checkpoint import expected_shapes
+from muse_spark.runtime.engine import EagerEngine, build_modules
+
+
+@pytest.fixture(scope="session")
+def agreeing_pair(tmp_path_factory):
+    out = tmp_path_factory.mktemp("agreeing")
+    make_tiny(out, kind="agreeing", seed=0)
+    return out / "target", out / "draft"
+
+
+@pytest.fixture(scope="session")
+def random_pair(tmp_path_factory):
+    out = tmp_path_factory.mktemp("random")
+    make_tiny(out, kind="random", seed=1)
+    return out / "target", out / "draft"
+
+
+@pytest.fixture(scope="session")
+def agreeing_engine(agreeing_pair):
+    return EagerEngine.from_checkpoints(*agreeing_pair, max_batch=8, max_seq=256)
+
+
+@pytest.fixture(scope="session")
+def random_engine(random_pair):
+    return EagerEngine.from_checkpoints(*random_pair, max_batch=8, max_seq=256)
+
+
+def small_configs(vocab=12, draft_vocab=7, gamma=3, rank=4, head_type="vanilla", dtype="float32", **draft_kw):
+    """Very small configs (tiny vocabularies make statistical tests cheap)."""
+    common = dict(vocab_size=vocab, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                  intermediate_size=24, torch_dtype=dtype, attn_output_gate=True, output_soft_cap_temp=8.0,
+                  eos_token_id=[vocab - 1], max_position_embeddings=512)
+    t = MuseSpark1xConfig.from_dict(dict(common, num_hidden_layers=3))
+    d = MuseSparkDSparkConfig.from_dict(dict(
+        common, num_hidden_layers=2, draft_vocab_size=draft_vocab, target_hidden_size=16, target_layer_ids=[0, 1],
+        mask_token_id=0, block_size=gamma, markov_rank=rank, markov_head_type=head_type, **draft_kw))
+    return t, d
+
+
+def random_state_dict(cfg, seed: int, scale: float = 0.5) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name == "draft_id_to_target_id":
+            ids = torch.sort(torch.randperm(cfg.vocab_size, generator=g)[: cfg.draft_vocab_size]).values
+            sd[name] = ids - torch.arange(cfg.draft_vocab_size)
+        elif name.endswith("residual_gate"):
+            sd[name] = 0.5 + torch.rand(shape, generator=g)
+        elif name.endswith("norm.weight"):
+            sd[name] = 1 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            sd[name] = scale * torch.randn(shape, generator=g)
+    return sd
+
+
+def small_engine(seed=0, max_batch=8, max_seq=64, **cfg_kw) -> EagerEngine:
+    tcfg, dcfg = small_configs(**cfg_kw)
+    target, draft = build_modules(tcfg, dcfg, random_state_dict(tcfg, seed), random_state_dict(dcfg, seed + 1),
+                                  tcfg.dtype, "cpu")
+    return EagerEngine(target, draft, max_batch=max_batch, max_seq=max_seq, device="cpu")

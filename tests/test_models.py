@@ -1,0 +1,121 @@
+"""Reference models: cached/incremental computation equals computing from scratch."""
+
+import pytest
+import torch
+
+from muse_spark.checkpoint import load_pair
+from muse_spark.models.layers import output_transform
+
+from conftest import small_engine
+from tolerances import TOL
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def pair(request, agreeing_pair, random_pair):
+    target, draft = load_pair(*random_pair, dtype=request.param)
+    return target, draft
+
+
+def full_forward(target, tokens, slot=0, max_seq=64):
+    cache = target.allocate_cache(4, max_seq)
+    S = tokens.shape[1]
+    h, aux = target(tokens, torch.arange(S)[None], torch.tensor([slot]), cache, S)
+    return target.logits(h), aux
+
+
+def test_target_incremental_decoding_equals_full_forward(pair):
+    target, _ = pair
+    tokens = torch.randint(0, 259, (1, 20), generator=torch.Generator().manual_seed(0))
+    full, full_aux = full_forward(target, tokens)
+    cache = target.allocate_cache(4, 64)
+    slot = torch.tensor([2])
+    outs, auxs = [], []
+    # A chunk of 7, a chunk of 5, then one token at a time.
+    bounds = [0, 7, 12] + list(range(13, 21))
+    for a, b in zip(bounds, bounds[1:]):
+        h, aux = target(tokens[:, a:b], torch.arange(a, b)[None], slot, cache, b)
+        outs.append(target.logits(h))
+        auxs.append(aux)
+    tol = TOL[target.dtype]
+    torch.testing.assert_close(torch.cat(outs, 1), full, **tol)
+    torch.testing.assert_close(torch.cat(auxs, 1), full_aux, **tol)
+
+
+def test_batched_rows_of_different_lengths_equal_single_rows(pair):
+    target, _ = pair
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(0, 259, (1, 9), generator=g), torch.randint(0, 259, (1, 14), generator=g)
+    cache = target.allocate_cache(4, 64)
+    slots = torch.tensor([0, 3])
+    target(a[:, :6], torch.arange(6)[None], slots[:1], cache, 6)
+    target(b[:, :11], torch.arange(11)[None], slots[1:], cache, 11)
+    # One batched verify-shaped call: 3 tokens each at their own positions.
+    toks = torch.cat([a[:, 6:9], b[:, 11:14]])
+    pos = torch.stack([torch.arange(6, 9), torch.arange(11, 14)])
+    h, _ = target(toks, pos, slots, cache, 14)
+    got = target.logits(h)
+    tol = TOL[target.dtype]
+    torch.testing.assert_close(got[0], full_forward(target, a)[0][0, 6:9], **tol)
+    torch.testing.assert_close(got[1], full_forward(target, b)[0][0, 11:14], **tol)
+
+
+def test_draft_cached_context_equals_recomputation(pair):
+    """Context K/V stored chunk by chunk (as prefill + steps do) equal one from-scratch
+    pass over the full sequence, and so does the block the draft runs on them."""
+    target, draft = pair
+    tokens = torch.randint(0, 259, (1, 17), generator=torch.Generator().manual_seed(2))
+    p = 16  # anchor = tokens[16] at position 16; context = positions 0..15
+    _, aux_full = full_forward(target, tokens)
+    scratch = draft.allocate_cache(2, 64)
+    draft.store_context(aux_full[:, :p], torch.arange(p)[None], torch.tensor([0]), scratch)
+
+    tcache, dcache = target.allocate_cache(2, 64), draft.allocate_cache(2, 64)
+    slot = torch.tensor([1])
+    for a, b in ((0, 5), (5, 11), (11, 16)):
+        pos = torch.arange(a, b)[None]
+        _, aux = target(tokens[:, a:b], pos, slot, tcache, b)
+        draft.store_context(aux, pos, slot, dcache)
+    tol = TOL[draft.dtype]
+    for i in range(draft.cfg.num_hidden_layers):
+        torch.testing.assert_close(dcache.k[i][1, :p], scratch.k[i][0, :p], **tol)
+        torch.testing.assert_close(dcache.v[i][1, :p], scratch.v[i][0, :p], **tol)
+    anchor, ppos = tokens[:, p], torch.tensor([p])
+    h1, u1 = draft.block(anchor, ppos, slot, dcache, p)
+    h0, u0 = draft.block(anchor, ppos, torch.tensor([0]), scratch, p)
+    torch.testing.assert_close(h1, h0, **tol)
+    torch.testing.assert_close(u1, u0, **tol)
+    # Garbage past the anchor position is never read: filling it (and widening the
+    # key window over it) changes nothing beyond reduction-order rounding.
+    for i in range(draft.cfg.num_hidden_layers):
+        dcache.k[i][1, p:] = 100.0
+        dcache.v[i][1, p:] = float("nan")
+    h2, u2 = draft.block(anchor, ppos, slot, dcache, p + 5)
+    torch.testing.assert_close(h2, h1, **tol)
+    torch.testing.assert_close(u2, u1, **tol)
+
+
+def test_draft_block_causality():
+    """With causal=True, slot k does not see later slots: changing the mask embedding
+    row only moves slots ≥ 1, and slot 0 stays fixed."""
+    eng = small_engine(seed=4, causal=True)
+    d = eng.draft
+    h, _ = d.block(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), eng.draft_cache, 0)
+    d.embed_weight[0] += 1.0  # mask_token_id = 0
+    h2, _ = d.block(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), eng.draft_cache, 0)
+    d.embed_weight[0] -= 1.0
+    assert torch.equal(h[:, 0], h2[:, 0])
+    assert not torch.allclose(h[:, 1:], h2[:, 1:])
+
+    eng_nc = small_engine(seed=4, causal=False)
+    d = eng_nc.draft
+    h, _ = d.block(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), eng_nc.draft_cache, 0)
+    d.embed_weight[0] += 1.0
+    h2, _ = d.block(torch.tensor([3]), torch.tensor([0]), torch.tensor([0]), eng_nc.draft_cache, 0)
+    assert not torch.allclose(h[:, 0], h2[:, 0])  # non-causal: slot 0 sees the masks
+
+
+def test_output_transform():
+    x = torch.tensor([[-100.0, 0.0, 3.0]])
+    y = output_transform(x, 0.5, 10.0)
+    torch.testing.assert_close(y, 10.0 * torch.tanh(x * 0.5 / 10.0))
+    assert torch.equal(output_transform(x.bfloat16(), 1.0, None), x)
