@@ -47,6 +47,13 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     return torch.where(temperature == 0, greedy, sampled)
 
 
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(p − q, 0), unnormalized (the Gumbel-max sampler needs no normalization).
+    Where p == q exactly nothing is left (rejection then had probability 0): use p."""
+    resid = torch.clamp(p - q, min=0.0)
+    return torch.where(resid.sum(-1, keepdim=True) > 0, resid, p)
+
+
 def accept(
     target_logits: torch.Tensor,  # [B, γ+1, V] transformed fp32 logits over [a, t_1 … t_γ]
     draft_ids: torch.Tensor,  # [B, γ] int64 target ids
@@ -87,9 +94,7 @@ def accept(
     idx = n[:, None, None].expand(B, 1, V)
     p_n = P.gather(1, idx).squeeze(1)  # [B, V]
     q_n = Q.gather(1, idx).squeeze(1)  # zero row when n == γ
-    resid = torch.clamp(p_n - q_n, min=0.0)
-    # p == q exactly leaves nothing (and then rejection had probability 0): fall back to p.
-    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_n)
+    resid = residual_distribution(p_n, q_n)
     bonus_sampled = sample_from_probs(resid, seeds, anchor_pos + n + 1)
     bonus_greedy = tgt_argmax.gather(1, n[:, None]).squeeze(1)
     bonus = torch.where(greedy_row, bonus_greedy, bonus_sampled)

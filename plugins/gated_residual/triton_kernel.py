@@ -1,0 +1,111 @@
+"""Triton kernel of the gated FP32 residual add, fused with the RMSNorm after it.
+
+Reference (``reference.py``, the spec)::
+
+    new_stream = stream + g ⊙ branch.float()                      # fp32 [N, D]
+    normed     = rms_norm(new_stream.to(out_dtype), w, eps, zc)   # out_dtype [N, D]
+
+One program per row: the row is read once, the new fp32 stream written once,
+and the norm reduces the row while it is still in registers.
+
+Memory traffic per row: read D·4 (stream) + D·s (branch, s = 2 for bf16)
++ D·4 (gate, L2-resident) + D·s (norm weight, L2-resident); write D·4 (new
+stream) + D·s (normed). The unfused pair (add, then norm) reads the new stream
+back: one D·4 read and one launch saved.
+
+Rounding, against the reference:
+* the new stream is bit-identical: ``gate·branch`` and the add are rounded
+  separately (``mul_rn``/``add_rn``), never contracted into an FMA;
+* the norm reads the stream *rounded to out_dtype*, as the reference does;
+* the mean of squares is summed in another order than torch's reduction and
+  ``rsqrt`` is the hardware approximation (torch's CUDA ``rsqrt`` is too), so
+  ``normed`` differs from the reference by rounding only (tests/
+  test_gpu_kernels.py holds the tolerance table).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from muse_spark.plugins.triton_math import add_rn, mul_rn
+
+
+@triton.jit
+def _gated_residual_norm_kernel(
+    stream_ptr,  # [N, D] fp32
+    branch_ptr,  # [N, D] compute dtype
+    gate_ptr,  # [D] fp32
+    weight_ptr,  # [D] norm weight (unused unless HAS_WEIGHT)
+    new_ptr,  # [N, D] fp32 out: the new stream
+    out_ptr,  # [N, D] out_dtype out: the normed row (unused unless APPLY_NORM)
+    D,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    APPLY_NORM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    base = row * D
+    # read D·4 + D·s + D·4 B
+    s = tl.load(stream_ptr + base + cols, mask=mask, other=0.0)
+    b = tl.load(branch_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + cols, mask=mask, other=0.0)
+    new = add_rn(s, mul_rn(g, b))  # stream + (g * branch): two roundings, as in torch
+    tl.store(new_ptr + base + cols, new, mask=mask)  # write D·4 B
+    if APPLY_NORM:
+        # The norm reads the stream rounded to the compute dtype (reference.py).
+        x = new.to(out_ptr.dtype.element_ty).to(tl.float32)
+        ms = tl.sum(x * x, axis=0) / D
+        y = x * tl.rsqrt(ms + eps)
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                y = y * (1.0 + w)
+            else:
+                y = y * w
+        tl.store(out_ptr + base + cols, y.to(out_ptr.dtype.element_ty), mask=mask)  # write D·s B
+
+
+def launch_gated_residual_add(
+    stream: torch.Tensor,  # [..., D] fp32
+    branch: torch.Tensor,  # [..., D] compute dtype
+    gate: torch.Tensor,  # [D] fp32
+    norm_weight: torch.Tensor | None,  # [D] or None
+    eps: float,
+    zero_centered: bool,
+    apply_norm: bool,
+    out_dtype: torch.dtype,
+    wrap=lambda k: k,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the fused kernel; ``wrap`` is ``torch.library.wrap_triton`` inside the op."""
+    D = stream.shape[-1]
+    if stream.dtype != torch.float32:
+        raise ValueError(f"gated_residual_add: stream must be float32, got {stream.dtype}")
+    if branch.shape != stream.shape:
+        raise ValueError(f"gated_residual_add: branch shape {list(branch.shape)} differs from stream {list(stream.shape)}")
+    if gate.shape != (D,):
+        raise ValueError(f"gated_residual_add: expected gate of shape [{D}], got {list(gate.shape)}")
+    if norm_weight is not None and norm_weight.shape != (D,):
+        raise ValueError(f"gated_residual_add: expected norm weight of shape [{D}], got {list(norm_weight.shape)}")
+    s2 = stream.reshape(-1, D).contiguous()
+    b2 = branch.reshape(-1, D).contiguous()
+    g = gate.float().contiguous()
+    N = s2.shape[0]
+    new = torch.empty_like(s2)
+    out = torch.empty((N, D) if apply_norm else (0,), dtype=out_dtype, device=stream.device)
+    if N > 0:
+        block_d = triton.next_power_of_2(D)
+        num_warps = min(16, max(1, block_d // 512))
+        w = norm_weight.contiguous() if norm_weight is not None else g
+        wrap(_gated_residual_norm_kernel)[(N,)](
+            s2, b2, g, w, new, out if apply_norm else new, D, eps,
+            HAS_WEIGHT=norm_weight is not None, ZERO_CENTERED=zero_centered, APPLY_NORM=apply_norm,
+            BLOCK_D=block_d, num_warps=num_warps,
+        )
+    new = new.reshape(stream.shape)
+    return new, (out.reshape(stream.shape) if apply_norm else out)

@@ -1,0 +1,74 @@
+"""Exactly-rounded arithmetic for the Triton plugin kernels (imports Triton).
+
+The plugin kernels must reproduce their plain-torch references bit for bit
+where the reference's rounding decides a result (a sampled token, the fp32
+residual stream). Two habits of the Triton compiler get in the way:
+
+* it contracts ``a * b + c`` into one fused multiply-add (one rounding instead
+  of the reference's two), and
+* ``tl.log`` / ``tl.exp`` lower to the approximate hardware instructions,
+  while torch's CUDA kernels call the accurate CUDA math library.
+
+So the kernels call these helpers: on the GPU they are libdevice's
+``__nv_fmul_rn`` / ``__nv_fadd_rn`` (explicit round-to-nearest, which ptxas
+never contracts) and ``__nv_logf`` / ``__nv_expf`` (the CUDA math library
+that torch's kernels use). Triton's CPU interpreter (``TRITON_INTERPRET=1``)
+cannot call libdevice; there numpy's IEEE float32 arithmetic is already
+uncontracted, and ``log``/``exp`` are numpy's.
+
+Only Triton kernel modules import this module, and only
+``muse_spark.plugins.triton_ops`` imports those.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if interpreting():
+
+    @triton.jit
+    def mul_rn(a, b):
+        return a * b
+
+    @triton.jit
+    def add_rn(a, b):
+        return a + b
+
+    @triton.jit
+    def log_exact(x):
+        return tl.log(x)
+
+    @triton.jit
+    def exp_exact(x):
+        return tl.exp(x)
+
+else:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def mul_rn(a, b):
+        return libdevice.mul_rn(a, b)
+
+    @triton.jit
+    def add_rn(a, b):
+        return libdevice.add_rn(a, b)
+
+    @triton.jit
+    def log_exact(x):
+        return libdevice.log(x)
+
+    @triton.jit
+    def exp_exact(x):
+        return libdevice.exp(x)
