@@ -174,12 +174,14 @@ class Generator:
         return admitted
 
     def step(self) -> list[Request]:
-        """Admit waiting requests, run one speculative step over all active ones.
-        → the requests that emitted tokens (their ``pending`` holds them)."""
-        newly = self._admit()
+        """One scheduler iteration: admit (prefill) waiting requests if a slot is free —
+        their first token streams at once — otherwise run one speculative step over
+        all active requests. → the requests that emitted tokens (``pending`` holds them)."""
+        if self.waiting and self.free_slots:
+            return self._admit()
         batch = list(self.active)
         if not batch:
-            return newly
+            return []
         dev = self.engine.device
         t0 = time.perf_counter()
         anchor = torch.tensor([r.anchor for r in batch], device=dev)
@@ -197,7 +199,7 @@ class Generator:
             shown = self._emit(req, emitted)
             req.steps.append(StepRecord(req.position, draft, n, shown))
             req.anchor, req.position = bonus, req.position + n + 1
-        return newly + [r for r in batch if r not in newly]
+        return batch
 
     def run(self) -> None:
         while self.has_work():

@@ -1,0 +1,112 @@
+"""The Triton implementations of the plugin ops, registered with ``torch.library.triton_op``.
+
+Importing this module imports Triton and registers
+
+* ``muse_spark::gated_residual_add_triton`` — gated FP32 residual add fused with the next RMSNorm;
+* ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop.
+
+Their schemas are those of the reference ops (``muse_spark::gated_residual_add``,
+``muse_spark::markov_sample``). Because they are ``triton_op``s, ``torch.export``
+keeps them as ops and AOTInductor compiles their kernels *into* the package, so
+a CUDA engine runs them without this module (or Triton) at load time.
+
+Only ``plugins.dispatch`` imports this module, lazily, when the ``"triton"``
+implementation is selected; ``import muse_spark.plugins`` never does.
+
+Where a kernel's assumptions do not hold the op says so and stays exact:
+* ``markov_sample`` with a gated or rnn head runs the reference loop (logged
+  once); with ``topk > 0`` it raises, as the seed's fused path does;
+* on a CPU tensor (no Triton interpreter) both ops run their references.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
+from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
+from muse_spark.plugins.markov.op import check_markov_inputs
+from muse_spark.plugins.markov.reference import markov_sample_ref
+from muse_spark.plugins.markov.triton_kernel import launch_markov_sample
+from muse_spark.plugins.triton_math import interpreting
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
+
+TOPK_ERROR = (
+    "The Muse Spark specialized decode runs the fused DSpark Markov loop, which does not run here: "
+    "dspark_draft_topk is set"
+)
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("markov_sample_triton: %s; running the reference Markov loop", reason)
+
+
+def _runs_kernels(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" or interpreting()
+
+
+@triton_op("muse_spark::gated_residual_add_triton", mutates_args=())
+def _gated_residual_add_op(
+    stream: torch.Tensor,
+    branch: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    zero_centered: bool,
+    apply_norm: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _runs_kernels(stream):
+        return gated_residual_add_ref(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype)
+    return launch_gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype,
+                                     wrap=wrap_triton)
+
+
+@triton_op("muse_spark::markov_sample_triton", mutates_args=())
+def _markov_sample_op(
+    base_logits: torch.Tensor,
+    hidden: torch.Tensor,
+    anchor: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    d2t: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    temperature: torch.Tensor,
+    head_type: str,
+    head_w: torch.Tensor | None,
+    head_b: torch.Tensor | None,
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_markov_inputs(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w,
+                        head_b)
+    if topk > 0:
+        raise ValueError(TOPK_ERROR)
+    args = (base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w, head_b, topk)
+    if head_type != "vanilla" and w1.shape[1] > 0:
+        _log_once(f"the fused kernel covers the vanilla head only, not {head_type!r}")
+        return markov_sample_ref(*args)
+    if not _runs_kernels(base_logits):
+        return markov_sample_ref(*args)
+    return launch_markov_sample(base_logits, anchor, w1, w2, d2t, seeds, positions, temperature, wrap=wrap_triton,
+                                interpret=interpreting())
+
+
+def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype):
+    """Same signature as ``gated_residual_add_ref``; runs ``muse_spark::gated_residual_add_triton``."""
+    return torch.ops.muse_spark.gated_residual_add_triton(stream, branch, gate, norm_weight, eps, zero_centered,
+                                                          apply_norm, out_dtype)
+
+
+def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w,
+                  head_b, topk):
+    """Same signature as ``markov_sample_ref``; runs ``muse_spark::markov_sample_triton``."""
+    return torch.ops.muse_spark.markov_sample_triton(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions,
+                                                     temperature, head_type, head_w, head_b, topk)

@@ -1,0 +1,85 @@
+"""The muse-spark command line, run as a user runs it (subprocesses)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "muse_spark.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    r = cli("make-tiny", root / "pair", "--kind", "agreeing", "--seed", "3")
+    assert r.returncode == 0, r.stderr
+    assert "built for acceptance" in r.stdout
+    r = cli("build", "--target", root / "pair/target", "--draft", root / "pair/draft", "--out", root / "engine",
+            "--backend", "eager", "--device", "cpu", "--max-batch", "2", "--max-seq", "128")
+    assert r.returncode == 0, r.stderr
+    assert "[build]" in r.stderr  # progress output
+    return root
+
+
+def test_generate_json_contract(tiny):
+    r = cli("generate", "--engine", tiny / "engine", "--prompt-ids", "1,2,3", "--max-tokens", "17", "--ignore-eos",
+            "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    ids = out["output_ids"]
+    assert len(ids) == 17
+    assert [ids[0]] + [t for s in out["steps"] for t in s["emitted"]] == ids
+    for s in out["steps"]:
+        assert len(s["draft_ids"]) == 5 and 0 <= s["accepted"] <= 5
+        # emitted = accepted drafts + the bonus, clipped at max_tokens on the last step
+        assert s["emitted"][: s["accepted"]] == s["draft_ids"][: min(s["accepted"], len(s["emitted"]))]
+    assert isinstance(out["text"], str)
+    assert out["stats"]["generated_tokens"] == 17
+
+
+def test_generate_from_checkpoints_matches_the_engine(tiny):
+    a = cli("generate", "--engine", tiny / "engine", "--prompt", "Hello", "--max-tokens", "12", "--json",
+            "--temperature", "0.8", "--seed", "9", "--ignore-eos")
+    b = cli("generate", "--target", tiny / "pair/target", "--draft", tiny / "pair/draft", "--prompt", "Hello",
+            "--max-tokens", "12", "--json", "--temperature", "0.8", "--seed", "9", "--ignore-eos")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    ja, jb = (json.loads(x.stdout.strip().splitlines()[-1]) for x in (a, b))
+    assert ja["output_ids"] == jb["output_ids"] and ja["text"] == jb["text"]
+
+
+def test_generate_stream_prints_acceptance(tiny):
+    r = cli("generate", "--engine", tiny / "engine", "--prompt", "Hi", "--max-tokens", "20", "--stream",
+            "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert "acceptance:" in r.stdout and "tokens/s" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt-ids", "1,2,999"], "outside the vocabulary"),
+        (["--prompt-ids", "1,x"], "comma-separated integers"),
+        (["--prompt-ids", "1", "--max-tokens", "-1"], "max_tokens must be a positive integer"),
+        (["--prompt-ids", "1", "--temperature", "nan"], "temperature must be a finite number"),
+        (["--prompt-ids", "1", "--max-tokens", "500"], "exceeds the engine's maximum sequence length"),
+        ([], "give exactly one of --prompt"),
+    ],
+)
+def test_generate_bad_input_exits_with_a_message(tiny, args, message):
+    r = cli("generate", "--engine", tiny / "engine", *args)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generate_with_a_missing_engine(tmp_path):
+    r = cli("generate", "--engine", tmp_path / "nope", "--prompt-ids", "1")
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_make_tiny_rejects_unknown_kind(tmp_path):
+    r = cli("make-tiny", tmp_path / "x", "--kind", "weird")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
