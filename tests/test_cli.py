@@ -83,3 +83,17 @@ def test_generate_with_a_missing_engine(tmp_path):
 def test_make_tiny_rejects_unknown_kind(tmp_path):
     r = cli("make-tiny", tmp_path / "x", "--kind", "weird")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_build_engine_script_wraps_the_cli(tiny, tmp_path):
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "build_engine.py"
+    r = subprocess.run([sys.executable, str(script), "--target", tiny / "pair/target", "--draft",
+                        tiny / "pair/draft", "--out", tmp_path / "e", "--max-seq", "64"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "e" / "manifest.json").is_file()
+    bad = subprocess.run([sys.executable, str(script), "--target", tmp_path / "missing", "--draft",
+                          tiny / "pair/draft", "--out", tmp_path / "e2"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "no config.json" in bad.stderr
