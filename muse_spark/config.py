@@ -166,16 +166,8 @@ class MuseSpark1xConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "MuseSpark1xConfig":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json at {path}")
-        try:
-            d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON: {e}") from None
-        return cls.from_dict(d, where=str(path))
+        d, where = _read_config_json(path)
+        return cls.from_dict(d, where=where)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -403,16 +395,22 @@ class MuseSparkDSparkConfig(MuseSpark1xConfig):
         return self.block_size
 
 
-def load_config(path: str | Path) -> MuseSpark1xConfig:
-    """Parse a target or draft config, choosing the class by its keys."""
-    path = Path(path)
-    p = path / "config.json" if path.is_dir() else path
+def _read_config_json(path: str | Path) -> tuple[Any, str]:
+    """A checkpoint directory or a config.json path → (parsed JSON, its path for messages)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
     if not p.is_file():
         raise FileNotFoundError(f"no config.json at {p}")
     try:
-        d = json.loads(p.read_text())
+        return json.loads(p.read_text()), str(p)
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not valid JSON: {e}") from None
+
+
+def load_config(path: str | Path) -> MuseSpark1xConfig:
+    """Parse a target or draft config, choosing the class by its keys."""
+    d, where = _read_config_json(path)
     if isinstance(d, dict) and "draft_vocab_size" in d:
-        return MuseSparkDSparkConfig.from_dict(d, str(p))
-    return MuseSpark1xConfig.from_dict(d, str(p))
+        return MuseSparkDSparkConfig.from_dict(d, where)
+    return MuseSpark1xConfig.from_dict(d, where)

@@ -18,7 +18,7 @@ from torch import nn
 
 from muse_spark.config import MuseSparkDSparkConfig
 from muse_spark.models.layers import DecoderLayer, make_norm, output_transform
-from muse_spark.models.target import KVCache
+from muse_spark.models.target import KVCache, LayerStackLM
 from muse_spark.plugins import dispatch
 
 
@@ -66,7 +66,7 @@ class DSparkModel(nn.Module):
             self.confidence_head = ConfidenceHead(width)
 
 
-class MuseSparkDSparkForCausalLM(nn.Module):
+class MuseSparkDSparkForCausalLM(LayerStackLM):
     def __init__(self, cfg: MuseSparkDSparkConfig):
         super().__init__()
         self.cfg = cfg
@@ -91,15 +91,6 @@ class MuseSparkDSparkForCausalLM(nn.Module):
                 f"got {list(embed_weight.shape)}"
             )
         self.embed_weight = embed_weight.detach()  # shared storage; a plain tensor is not registered
-
-    def after_load(self) -> None:
-        for layer in self.model.layers:
-            layer.materialize_residual_constants()
-
-    def allocate_cache(self, slots: int, max_seq: int, device=None) -> KVCache:
-        c = self.cfg
-        return KVCache.allocate(c.num_hidden_layers, slots, max_seq, c.num_key_value_heads, c.head_dim,
-                                self.dtype, device or self.lm_head.weight.device)
 
     # ---- context K/V ------------------------------------------------------------------
     def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -51,7 +51,25 @@ class MuseSpark1xModel(nn.Module):
         self.norm = make_norm(cfg)
 
 
-class MuseSpark1xForCausalLM(nn.Module):
+class LayerStackLM(nn.Module):
+    """What the target and the draft share: a stack of ``DecoderLayer`` at
+    ``self.model.layers`` and a KV cache shaped by ``self.cfg``."""
+
+    cfg: MuseSpark1xConfig
+    dtype: torch.dtype
+
+    def after_load(self) -> None:
+        for layer in self.model.layers:
+            layer.materialize_residual_constants()
+
+    def allocate_cache(self, slots: int, max_seq: int, device=None) -> KVCache:
+        c = self.cfg
+        device = device or next(self.parameters()).device
+        return KVCache.allocate(c.num_hidden_layers, slots, max_seq, c.num_key_value_heads, c.head_dim,
+                                self.dtype, device)
+
+
+class MuseSpark1xForCausalLM(LayerStackLM):
     def __init__(self, cfg: MuseSpark1xConfig, aux_layer_ids: tuple[int, ...] = ()):
         super().__init__()
         self.cfg = cfg
@@ -65,15 +83,6 @@ class MuseSpark1xForCausalLM(nn.Module):
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def after_load(self) -> None:
-        for layer in self.model.layers:
-            layer.materialize_residual_constants()
-
-    def allocate_cache(self, slots: int, max_seq: int, device=None) -> KVCache:
-        c = self.cfg
-        return KVCache.allocate(c.num_hidden_layers, slots, max_seq, c.num_key_value_heads, c.head_dim,
-                                self.dtype, device or self.model.embed_tokens.weight.device)
 
     def forward(
         self,
