@@ -20,6 +20,9 @@ from typing import Iterator
 import torch
 
 
+GREEDY_BELOW = 1e-5
+
+
 class RequestError(ValueError):
     """A request that cannot be served; nothing was allocated or run for it."""
 
@@ -53,7 +56,8 @@ class Request:
     anchor: int = -1
     position: int = -1  # the anchor's position (tokens before it are cached)
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    error: str | None = None
     t_start: float = 0.0
     t_end: float = 0.0
     pending: list[int] = field(default_factory=list)  # emitted, not yet streamed
@@ -119,7 +123,10 @@ class Generator:
         if not params.ignore_eos:
             stop |= self.eos
         seed = params.seed - 2**64 if params.seed >= 2**63 else params.seed  # stored as int64
-        req = Request(next(self._ids), list(prompt), SamplingParams(**{**params.__dict__, "seed": seed}),
+        # Temperatures below 1e-5 are greedy (as in vLLM): z/T would overflow fp32.
+        temperature = 0.0 if params.temperature < GREEDY_BELOW else float(params.temperature)
+        req = Request(next(self._ids), list(prompt),
+                      SamplingParams(**{**params.__dict__, "seed": seed, "temperature": temperature}),
                       frozenset(stop))
         self.waiting.append(req)
         return req
@@ -166,7 +173,13 @@ class Generator:
             req.slot = self.free_slots.pop()
             req.t_start = time.perf_counter()
             p = req.params
-            first = self.engine.prefill(req.prompt, req.slot, p.seed, float(p.temperature))
+            try:
+                first = self.engine.prefill(req.prompt, req.slot, p.seed, float(p.temperature))
+            except Exception as e:  # this request fails alone; its slot is freed
+                req.error = f"{type(e).__name__}: {e}"
+                self._finish(req, "error")
+                admitted.append(req)
+                continue
             req.anchor, req.position = int(first.item()), len(req.prompt)
             self.active.append(req)
             self._emit(req, [req.anchor])

@@ -165,3 +165,31 @@ def test_build_limits_are_checked(agreeing_pair, tmp_path):
         build_engine(*agreeing_pair, tmp_path / "e", max_seq=10**6, quiet=True)
     with pytest.raises(ValueError, match="--max-batch must be >= 1"):
         build_engine(*agreeing_pair, tmp_path / "e", max_batch=0, quiet=True)
+
+
+def test_a_prefill_failure_fails_that_request_alone(engine_dir, monkeypatch):
+    engine = load_engine(engine_dir)
+    gen = Generator(engine)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ok = gen.add([1, 2, 3], params)
+    gen.step()
+    real = engine.prefill
+
+    def failing(prompt, *a):
+        if prompt == [66, 66]:
+            raise RuntimeError("simulated device failure")
+        return real(prompt, *a)
+
+    monkeypatch.setattr(engine, "prefill", failing)
+    bad = gen.add([66, 66], params)
+    gen.run()
+    assert bad.finish_reason == "error" and "simulated device failure" in bad.error
+    assert ok.output == generate_target_only(engine, ok.prompt, params)
+    assert len(gen.free_slots) == engine.max_batch
+
+
+def test_tiny_temperatures_are_greedy(engine_dir):
+    engine = load_engine(engine_dir)
+    tiny = Generator(engine).generate([[4, 5]], SamplingParams(max_tokens=10, temperature=1e-9, seed=3))[0]
+    assert tiny.params.temperature == 0.0
+    assert tiny.output == generate_target_only(engine, [4, 5], SamplingParams(max_tokens=10))
