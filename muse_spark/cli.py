@@ -3,6 +3,8 @@
     muse-spark make-tiny OUT [--kind random|agreeing] [--seed N]
     muse-spark build --target DIR --draft DIR --out DIR [--backend eager] [--device cpu|cuda]
     muse-spark generate (--engine DIR | --target DIR --draft DIR) (--prompt TEXT | --prompt-ids 1,2,3)
+    muse-spark triton-repo --engine DIR --out REPO [--model-name muse_spark] [--instances N]
+    muse-spark serve --repo REPO [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002] [--host 127.0.0.1]
 """
 
 from __future__ import annotations
@@ -164,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=["cpu", "cuda"], default=None)
     g.add_argument("--dtype", default=None)
     g.set_defaults(fn=cmd_generate)
+
+    from muse_spark.serving.repo import add_triton_repo_command  # light: no torch at parser time
+    from muse_spark.serving.server import add_serve_command
+
+    add_triton_repo_command(sub)
+    add_serve_command(sub)
     return p
 
 

@@ -10,6 +10,10 @@ from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
 from muse_spark.checkpoint import expected_shapes
 from muse_spark.runtime.engine import EagerEngine, build_modules
 
+# The test models are tiny: one intra-op thread beats two (thread hand-off costs
+# more than the work), and the serving tests run a server beside the test process.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def agreeing_pair(tmp_path_factory):

@@ -1,0 +1,200 @@
+"""The Triton python-backend model (``TritonPythonModel``) serving one engine.
+
+``muse-spark triton-repo`` copies this file to ``REPO/<model>/1/model.py``; it
+only ever runs inside Triton's python stub (it imports
+``triton_python_backend_utils``, which exists nowhere else). The stub runs the
+interpreter that launched ``muse-spark serve``, so ``muse_spark`` and torch
+import from the same environment (see ``server.py``).
+
+The model is *decoupled*: ``execute`` parses each request, hands it to the
+scheduler thread (``scheduler.py``) and returns at once; responses are sent
+from the scheduler thread — one per speculative step for ``stream=true``, one
+final response otherwise. Bad requests get an INVALID_ARG error response and
+touch nothing else. ``config.pbtxt`` parameters: ``engine_dir`` (required),
+``device`` (optional override of the engine's device), ``max_queue``,
+``torch_threads`` (CPU threads of this instance; default torch's).
+
+Metrics (on Triton's metrics endpoint, labelled by model and instance):
+``muse_spark_requests_total{outcome=completed|rejected|cancelled|failed}``,
+``muse_spark_generated_tokens_total``, ``muse_spark_steps_total``,
+``muse_spark_accepted_draft_tokens_total`` (accepted / steps = mean accepted
+length − 1), and the gauges ``muse_spark_active_requests``,
+``muse_spark_waiting_requests``, ``muse_spark_free_slots``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from muse_spark.runtime import RequestError, load_engine, load_tokenizer
+from muse_spark.serving.protocol import StreamDecoder, parse_request, response_arrays
+from muse_spark.serving.scheduler import Scheduler
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _log(msg: str, error: bool = False) -> None:
+    logger = getattr(pb_utils, "Logger", None)
+    if logger is None:
+        print(msg, flush=True)
+    elif error:
+        logger.log_error(msg)
+    else:
+        logger.log_info(msg)
+
+
+def _error(message: str, kind: str):
+    codes = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "cancelled": "CANCELLED", "internal": "INTERNAL"}
+    code = getattr(pb_utils.TritonError, codes.get(kind, "INTERNAL"), None)
+    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+
+
+class _ResponseSink:
+    """Turns one request's tokens into Triton responses (called from the scheduler thread)."""
+
+    def __init__(self, sender, stream: bool, tokenizer, gamma: int):
+        self.sender, self.stream, self.gamma = sender, stream, gamma
+        self.decoder = StreamDecoder(tokenizer)
+
+    def deliver(self, req, new_tokens: list[int]) -> None:
+        if not self.stream and not req.finished:
+            return  # a non-streamed request gets one final response
+        if self.stream:
+            ids, text = new_tokens, self.decoder.push(req.output, final=req.finished)
+        else:
+            ids, text = req.output, self.decoder.full(req.output)
+        arrays = response_arrays(ids, text, req.finish_reason if req.finished else None, req.stats(self.gamma))
+        response = pb_utils.InferenceResponse([pb_utils.Tensor(name, a) for name, a in arrays.items()])
+        try:
+            self.sender.send(response, flags=FINAL if req.finished else 0)
+        except Exception:
+            if req.finished:  # still close the request so Triton can release it
+                try:
+                    self.sender.send(flags=FINAL)
+                except Exception:
+                    pass
+            raise
+
+    def fail(self, message: str, kind: str) -> None:
+        self.sender.send(pb_utils.InferenceResponse(error=_error(message, kind)), flags=FINAL)
+
+    def cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+
+class _Metrics:
+    """Custom Prometheus metrics; updated from the scheduler thread when they change."""
+
+    OUTCOMES = ("completed", "rejected", "cancelled", "failed")
+
+    def __init__(self, model: str, instance: str):
+        labels = {"model": model, "instance": instance}
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+
+        def family(name, doc, kind):
+            f = pb_utils.MetricFamily(name=name, description=doc, kind=kind)
+            self._families.append(f)
+            return f
+
+        self._families: list = []
+        req = family("muse_spark_requests_total", "Requests by outcome: completed, rejected, cancelled, failed",
+                     counter)
+        self.outcomes = {o: req.Metric(labels={**labels, "outcome": o}) for o in self.OUTCOMES}
+        self.counters = {
+            "generated_tokens": family("muse_spark_generated_tokens_total", "Tokens generated", counter),
+            "steps": family("muse_spark_steps_total", "Per-request speculative steps", counter),
+            "accepted_draft_tokens": family("muse_spark_accepted_draft_tokens_total", "Draft tokens accepted",
+                                            counter),
+        }
+        self.counters = {k: f.Metric(labels=labels) for k, f in self.counters.items()}
+        self.gauges = {
+            "active": family("muse_spark_active_requests", "Requests holding a slot", gauge),
+            "waiting": family("muse_spark_waiting_requests", "Requests waiting for a slot", gauge),
+            "free_slots": family("muse_spark_free_slots", "Free request slots", gauge),
+        }
+        self.gauges = {k: f.Metric(labels=labels) for k, f in self.gauges.items()}
+        self._last: dict[str, float] = {}
+
+    def update(self, counters, occupancy) -> None:
+        totals = {**{f"outcome:{o}": counters.outcomes[o] for o in self.OUTCOMES},
+                  "generated_tokens": counters.generated_tokens, "steps": counters.steps,
+                  "accepted_draft_tokens": counters.accepted_draft_tokens}
+        for key, value in totals.items():
+            delta = value - self._last.get(key, 0)
+            if delta:
+                metric = self.outcomes[key[8:]] if key.startswith("outcome:") else self.counters[key]
+                metric.increment(delta)
+                self._last[key] = value
+        for key in ("active", "waiting", "free_slots"):
+            value = getattr(occupancy, key)
+            if self._last.get(key) != value:
+                self.gauges[key].set(value)
+                self._last[key] = value
+
+    def close(self) -> None:
+        # Metrics must go before their families (the python backend insists).
+        self.outcomes.clear()
+        self.counters.clear()
+        self.gauges.clear()
+        self._families.clear()
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException(
+                "muse_spark: config.pbtxt must set model_transaction_policy { decoupled: true }")
+        engine_dir = params.get("engine_dir")
+        if not engine_dir:
+            raise pb_utils.TritonModelException("muse_spark: config.pbtxt lacks the engine_dir parameter")
+        device = params.get("device") or None
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        if params.get("torch_threads"):
+            import torch
+
+            torch.set_num_threads(int(params["torch_threads"]))
+        self.name = args["model_name"]
+        self.engine = load_engine(engine_dir, device=device)
+        self.tokenizer = load_tokenizer(self.engine.tokenizer_path)
+        self.metrics = None
+        if hasattr(pb_utils, "MetricFamily"):
+            self.metrics = _Metrics(self.name, args["model_instance_name"])
+        self.scheduler = Scheduler(self.engine, max_queue=int(params.get("max_queue") or 256),
+                                   on_change=self.metrics.update if self.metrics else None,
+                                   log=lambda m: _log(m, error=True))
+        self.scheduler.start()
+        e = self.engine
+        _log(f"muse_spark: {args['model_instance_name']} serves engine {engine_dir} (γ={e.gamma}, "
+             f"max_batch={e.max_batch}, max_seq={e.max_seq}, device={e.device}, "
+             f"tokenizer={'yes' if self.tokenizer else 'no'})")
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                parsed = parse_request(lambda name: _input(request, name), self.tokenizer)
+            except RequestError as e:
+                self.scheduler.reject(_ResponseSink(sender, False, None, 0), str(e))
+                continue
+            except Exception as e:  # a parsing bug: this request fails, the others go on
+                _log(f"muse_spark: cannot parse a request: {type(e).__name__}: {e}", error=True)
+                self.scheduler.reject(_ResponseSink(sender, False, None, 0), f"bad request: {e}", kind="internal")
+                continue
+            sink = _ResponseSink(sender, parsed.stream, self.tokenizer, self.engine.gamma)
+            self.scheduler.submit(parsed.prompt, parsed.params, sink)
+        return None  # decoupled: the responses go through the senders
+
+    def finalize(self) -> None:
+        self.scheduler.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def _input(request, name: str):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()

@@ -1,0 +1,221 @@
+"""The model's wire protocol: tensor names, request parsing, streamed text.
+
+One table (``INPUTS`` / ``OUTPUTS``) is the single source of the tensor names:
+``repo.py`` renders ``config.pbtxt`` from it and the python-backend model reads
+requests through it. Names follow NVIDIA's tensorrtllm_backend (``text_input``,
+``input_ids``, ``max_tokens``, ``temperature``, ``random_seed``, ``stream``,
+``end_id``, ``stop_words``, ``bad_words``; ``text_output``, ``output_ids``) so
+its clients and Triton's ``generate`` / ``generate_stream`` endpoints work;
+``seed``, ``stop_ids`` and ``ignore_eos`` are ours.
+
+Footguns handled here rather than in the model:
+
+* Triton's ``generate`` endpoint does **not** enforce required inputs: a
+  request without ``max_tokens`` reaches the model. Everything is checked here
+  and turned into ``RequestError`` (→ an INVALID_ARG response), never an
+  exception that would leave a decoupled request without its final response.
+* numpy scalars are not ``int``: values are converted to Python types before
+  they reach ``Generator.validate``.
+* Streaming text: decoding each step's ids alone splits multi-byte characters.
+  ``StreamDecoder`` decodes a small window and holds back a trailing U+FFFD
+  until the character completes, so the streamed pieces concatenate to the
+  text of the whole output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from muse_spark.runtime.generator import RequestError, SamplingParams
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # Triton config type, e.g. TYPE_INT32
+    dims: tuple[int, ...]  # without the batch dimension (max_batch_size is 1)
+    optional: bool = False
+    doc: str = ""
+
+
+INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("text_input", "TYPE_STRING", (1,), True, "prompt text (tokenized with the engine's tokenizer)"),
+    TensorSpec("input_ids", "TYPE_INT32", (-1,), True, "prompt token ids (instead of text_input)"),
+    TensorSpec("max_tokens", "TYPE_INT32", (1,), False, "number of tokens to generate, >= 1"),
+    TensorSpec("temperature", "TYPE_FP32", (1,), True, "0 = greedy (default)"),
+    TensorSpec("seed", "TYPE_UINT64", (1,), True, "sampling seed (default 0)"),
+    TensorSpec("random_seed", "TYPE_UINT64", (1,), True, "tensorrtllm_backend's name for seed"),
+    TensorSpec("stream", "TYPE_BOOL", (1,), True, "one response per speculative step (default false)"),
+    TensorSpec("end_id", "TYPE_INT32", (1,), True, "end token; replaces the engine's EOS ids"),
+    TensorSpec("stop_ids", "TYPE_INT32", (-1,), True, "extra stop token ids (kept in the output)"),
+    TensorSpec("stop_words", "TYPE_STRING", (-1,), True, "stop strings; each must be one token"),
+    TensorSpec("bad_words", "TYPE_STRING", (-1,), True, "accepted for compatibility; must be empty"),
+    TensorSpec("ignore_eos", "TYPE_BOOL", (1,), True, "do not stop at the engine's EOS ids"),
+)
+
+OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("text_output", "TYPE_STRING", (1,), doc="generated text (the step's new text when streaming)"),
+    TensorSpec("output_ids", "TYPE_INT32", (-1,), doc="generated ids (the step's new ids when streaming)"),
+    TensorSpec("finish_reason", "TYPE_STRING", (1,), doc="'stop' | 'length' on the final response, else ''"),
+    TensorSpec("num_steps", "TYPE_INT32", (1,), doc="speculative steps so far"),
+    TensorSpec("accepted_draft_tokens", "TYPE_INT32", (1,), doc="draft tokens accepted so far"),
+    TensorSpec("mean_accepted_per_step", "TYPE_FP32", (1,), doc="accepted draft tokens per step"),
+    TensorSpec("acceptance_per_position", "TYPE_FP32", (-1,), doc="[γ] acceptance rate of each draft position"),
+)
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    prompt: list[int]
+    params: SamplingParams
+    stream: bool
+
+
+# ---- request parsing ------------------------------------------------------------------------
+def _scalar(name: str, arr: np.ndarray):
+    if arr.size != 1:
+        raise RequestError(f"{name} must hold exactly one value, got shape {list(arr.shape)}")
+    return arr.reshape(-1)[0]
+
+
+def _int_list(name: str, arr: np.ndarray) -> list[int]:
+    if arr.dtype.kind not in "iu":
+        raise RequestError(f"{name} must be integers, got {arr.dtype}")
+    return [int(x) for x in arr.reshape(-1)]
+
+
+def _strings(arr: np.ndarray) -> list[str]:
+    out = []
+    for x in arr.reshape(-1):
+        if isinstance(x, bytes):
+            try:
+                x = x.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise RequestError(f"text is not valid UTF-8: {e}") from None
+        out.append(str(x))
+    return out
+
+
+def parse_request(get: Callable[[str], np.ndarray | None], tokenizer) -> ParsedRequest:
+    """Build the prompt and sampling parameters of one request.
+
+    ``get(name)`` returns the input tensor as a numpy array, or None when the
+    request lacks it. Raises ``RequestError`` with a client-facing message.
+    The limits that need the engine (vocabulary, sequence length) are checked
+    by ``Generator.add``.
+    """
+    text, ids = get("text_input"), get("input_ids")
+    if text is not None and ids is not None:
+        raise RequestError("give either text_input or input_ids, not both")
+    if text is None and ids is None:
+        raise RequestError("the request has no prompt: send text_input (text) or input_ids (token ids)")
+    if ids is not None:
+        prompt = _int_list("input_ids", ids)
+    else:
+        if tokenizer is None:
+            raise RequestError("this engine has no tokenizer: send input_ids instead of text_input")
+        (prompt_text,) = _strings(np.asarray([_scalar("text_input", text)], dtype=object))
+        prompt = tokenizer.encode(prompt_text).ids
+    if not prompt:
+        raise RequestError("the prompt is empty")
+
+    max_tokens = get("max_tokens")
+    if max_tokens is None:
+        raise RequestError("max_tokens is required")
+    max_tokens = _scalar("max_tokens", max_tokens)
+    if not isinstance(max_tokens, (np.integer, int)):
+        raise RequestError(f"max_tokens must be an integer, got {max_tokens!r}")
+
+    temperature = get("temperature")
+    temperature = 0.0 if temperature is None else float(_scalar("temperature", temperature))
+
+    seed, rseed = get("seed"), get("random_seed")
+    seed = None if seed is None else int(_scalar("seed", seed))
+    rseed = None if rseed is None else int(_scalar("random_seed", rseed))
+    if seed is not None and rseed is not None and seed != rseed:
+        raise RequestError(f"seed ({seed}) and random_seed ({rseed}) disagree; send one of them")
+    seed = seed if seed is not None else (rseed if rseed is not None else 0)
+
+    stream = get("stream")
+    stream = False if stream is None else bool(_scalar("stream", stream))
+    ignore_eos = get("ignore_eos")
+    ignore_eos = False if ignore_eos is None else bool(_scalar("ignore_eos", ignore_eos))
+
+    stop: list[int] = []
+    end_id = get("end_id")
+    if end_id is not None:
+        stop.append(int(_scalar("end_id", end_id)))
+        ignore_eos = True  # end_id replaces the engine's EOS, as in tensorrtllm_backend
+    if get("stop_ids") is not None:
+        stop += _int_list("stop_ids", get("stop_ids"))
+    if get("stop_words") is not None:
+        stop += _stop_word_ids(_strings(get("stop_words")), tokenizer)
+    if get("bad_words") is not None and any(_strings(get("bad_words"))):
+        raise RequestError("bad_words is not supported by this model (send an empty string or leave it out)")
+
+    params = SamplingParams(max_tokens=int(max_tokens), temperature=temperature, seed=seed,
+                            stop_token_ids=tuple(stop), ignore_eos=ignore_eos)
+    return ParsedRequest(prompt, params, stream)
+
+
+def _stop_word_ids(words: list[str], tokenizer) -> list[int]:
+    words = [w for w in words if w]
+    if words and tokenizer is None:
+        raise RequestError("this engine has no tokenizer: send stop_ids instead of stop_words")
+    out = []
+    for w in words:
+        ids = tokenizer.encode(w).ids
+        if len(ids) != 1:
+            raise RequestError(f"stop word {w!r} is {len(ids)} tokens; only single-token stop words are supported "
+                               f"(or send stop_ids)")
+        out.append(ids[0])
+    return out
+
+
+# ---- responses ------------------------------------------------------------------------------
+def response_arrays(ids: list[int], text: str, finish_reason: str | None, stats: dict) -> dict[str, np.ndarray]:
+    """The output tensors of one response, each with the batch dimension 1."""
+    return {
+        "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
+        "output_ids": np.array([ids], dtype=np.int32).reshape(1, len(ids)),
+        "finish_reason": np.array([[(finish_reason or "").encode()]], dtype=np.object_),
+        "num_steps": np.array([[stats["steps"]]], dtype=np.int32),
+        "accepted_draft_tokens": np.array([[stats["accepted_draft_tokens"]]], dtype=np.int32),
+        "mean_accepted_per_step": np.array([[stats["mean_accepted_per_step"]]], dtype=np.float32),
+        "acceptance_per_position": np.array([stats["acceptance_per_position"]], dtype=np.float32),
+    }
+
+
+class StreamDecoder:
+    """Incremental detokenization: ``push(all ids so far)`` → the new text.
+
+    Decodes only a window ``ids[prefix:]`` (the last emitted piece is kept as
+    context so tokenizers that merge across the boundary still agree) and holds
+    back text ending in U+FFFD — an incomplete UTF-8 character — until more ids
+    arrive or the request finishes (``final=True`` flushes everything).
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.prefix = 0  # start of the decode window
+        self.read = 0  # ids before this are already emitted as text
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tok is None:
+            return "".join(f"{t} " for t in ids)
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        if len(ids) <= self.read and not final:
+            return ""
+        seen = self._decode(ids[self.prefix:self.read])
+        text = self._decode(ids[self.prefix:])
+        if not final and (len(text) <= len(seen) or text.endswith("\ufffd")):
+            return ""
+        self.prefix, self.read = self.read, len(ids)
+        return text[len(seen):]
+
+    def full(self, ids: list[int]) -> str:
+        return self._decode(ids)

@@ -1,0 +1,248 @@
+"""In-flight batching for the Triton model: one thread owns the ``Generator``.
+
+Triton calls ``execute`` on its own threads; ``Generator`` is not thread-safe.
+So ``execute`` only *submits* (prompt, params, sink) to an inbox, and a single
+scheduler thread does everything else:
+
+    loop:
+        take the inbox → Generator.add (a bad request fails its sink alone)
+        drop requests whose client went away → Generator.cancel (frees the slot)
+        Generator.step()  (admits waiting requests, one speculative step for all)
+        hand each request's new tokens to its sink (a streamed response, or the
+        single final response of a non-streamed request)
+
+New requests join between steps; a finished or cancelled request leaves at
+once and its slot goes to the next waiting one. Every request gets exactly one
+final call on its sink — ``deliver(..., finished)`` or ``fail`` — whatever
+happens (bad input, cancellation, engine error, shutdown): in decoupled mode a
+request without its final response would hang its client and block shutdown.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from muse_spark.runtime.generator import Generator, Request, RequestError, SamplingParams
+
+# How often the scheduler asks the sinks whether their client went away. Each
+# question is an IPC round trip to the Triton process, so not every step.
+CANCEL_POLL_SECONDS = 0.02
+
+
+class Sink(Protocol):
+    """Where one request's results go (``model.py`` wraps a Triton response sender)."""
+
+    def deliver(self, req: Request, new_tokens: list[int]) -> None:
+        """New tokens of ``req`` (``req.finished`` says whether this is the last call).
+        May raise: the client is then treated as gone and the request cancelled."""
+
+    def fail(self, message: str, kind: str) -> None:
+        """The final, error answer. ``kind``: 'invalid' | 'unavailable' | 'cancelled' | 'internal'."""
+
+    def cancelled(self) -> bool:
+        """Whether the client cancelled the request or went away."""
+
+
+@dataclass
+class Counters:
+    """Totals since start (read by the metrics publisher; written by the scheduler thread)."""
+
+    outcomes: dict[str, int] = field(default_factory=lambda: {"completed": 0, "rejected": 0, "cancelled": 0,
+                                                             "failed": 0})
+    generated_tokens: int = 0
+    steps: int = 0  # per-request speculative steps, summed
+    accepted_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    active: int
+    waiting: int
+    free_slots: int
+
+
+class Scheduler:
+    def __init__(self, engine, *, max_queue: int = 256, on_change=None, log=print):
+        self.gen = Generator(engine)
+        self.gamma = engine.gamma
+        self.max_queue = max_queue
+        self.counters = Counters()
+        self._on_change = on_change  # called (counters, occupancy) from the scheduler thread
+        self._log = log
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple[list[int] | None, SamplingParams | None, Sink]] = deque()
+        self._live: dict[int, tuple[Request, Sink]] = {}
+        self._stopping = False
+        self._last_poll = 0.0
+        self._occupancy = Occupancy(0, 0, len(self.gen.free_slots))
+        self._thread = threading.Thread(target=self._run, name="muse-spark-scheduler", daemon=True)
+
+    # ---- called from Triton's threads -------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
+        with self._cond:
+            queued = len(self._inbox) + self._occupancy.waiting
+            if self._stopping:
+                refusal = "the model is shutting down"
+            elif queued >= self.max_queue:
+                self.counters.outcomes["rejected"] += 1
+                refusal = f"the request queue is full ({queued} requests waiting); retry later"
+            else:
+                self._inbox.append((prompt, params, sink))
+                self._cond.notify()
+                return
+        _safe_fail(sink, refusal, "unavailable")
+
+    def reject(self, sink: Sink, message: str, kind: str = "invalid") -> None:
+        """Answer a request that failed before it could be submitted (counted with the others)."""
+        with self._cond:
+            self.counters.outcomes["rejected" if kind == "invalid" else "failed"] += 1
+            self._inbox.append((None, None, sink))  # wakes the loop so the metrics follow
+            self._cond.notify()
+        _safe_fail(sink, message, kind)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Fail everything still queued or running, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        else:  # never started (or already gone): answer what is left here
+            self._close()
+
+    @property
+    def occupancy(self) -> Occupancy:
+        return self._occupancy
+
+    # ---- the scheduler thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._inbox and not self.gen.has_work() and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    incoming = list(self._inbox)
+                    self._inbox.clear()
+                for prompt, params, sink in incoming:
+                    if prompt is not None:  # (None, None, sink): an already answered rejection
+                        self._add(prompt, params, sink)
+                self._drop_cancelled()
+                if self.gen.has_work():
+                    self._step()
+                self._publish()
+        except BaseException:  # a bug here must not leave clients hanging
+            self._log(f"muse_spark scheduler crashed:\n{traceback.format_exc()}")
+            self._fail_all("the scheduler crashed (see the server log)", "internal")
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            leftover = list(self._inbox)
+            self._inbox.clear()
+        for prompt, _, sink in leftover:
+            if prompt is not None:
+                _safe_fail(sink, "the model is shutting down", "unavailable")
+        self._fail_all("the model is shutting down", "unavailable")
+        self._publish()
+
+    def _add(self, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
+        try:
+            req = self.gen.add(prompt, params)
+        except RequestError as e:
+            self._count("rejected")
+            _safe_fail(sink, str(e), "invalid")
+            return
+        self._live[req.id] = (req, sink)
+
+    def _drop_cancelled(self) -> None:
+        now = time.monotonic()
+        if now - self._last_poll < CANCEL_POLL_SECONDS:
+            return
+        self._last_poll = now
+        for req, sink in list(self._live.values()):
+            try:
+                gone = sink.cancelled()
+            except Exception:
+                gone = True
+            if gone:
+                self._cancel(req, sink, "the request was cancelled")
+
+    def _cancel(self, req: Request, sink: Sink, message: str) -> None:
+        self.gen.cancel(req)  # frees its slot (or removes it from the waiting list)
+        self._live.pop(req.id, None)
+        self._count("cancelled")
+        _safe_fail(sink, message, "cancelled")
+
+    def _step(self) -> None:
+        try:
+            updated = self.gen.step()
+        except Exception as e:  # engine failure: fail the requests in it, keep serving
+            self._log(f"muse_spark engine step failed:\n{traceback.format_exc()}")
+            self._fail_all(f"the engine failed: {type(e).__name__}: {e}", "internal")
+            return
+        for req in updated:
+            entry = self._live.get(req.id)
+            if entry is None:
+                continue
+            sink = entry[1]
+            if req.finish_reason == "error":  # the engine failed on this request alone (e.g. its prefill)
+                self._live.pop(req.id, None)
+                self._count("failed")
+                _safe_fail(sink, f"the engine failed on this request: {getattr(req, 'error', None)}", "internal")
+                continue
+            new, req.pending = req.pending, []
+            try:
+                sink.deliver(req, new)
+            except Exception:  # the client is gone
+                if not req.finished:
+                    self._cancel(req, sink, "the response could not be sent")
+                    continue
+            if req.finished:
+                self._live.pop(req.id, None)
+                self._account(req)
+
+    def _account(self, req: Request) -> None:
+        self._count("completed")
+        c = self.counters
+        c.generated_tokens += len(req.output)
+        c.steps += len(req.steps)
+        c.accepted_draft_tokens += sum(s.accepted for s in req.steps)
+
+    def _fail_all(self, message: str, kind: str) -> None:
+        for req, sink in list(self._live.values()):
+            self.gen.cancel(req)
+            self._count("failed" if kind == "internal" else "cancelled")
+            _safe_fail(sink, message, kind)
+        self._live.clear()
+
+    def _count(self, outcome: str) -> None:
+        with self._cond:  # submit() and reject() count too, from Triton's threads
+            self.counters.outcomes[outcome] += 1
+
+    def _publish(self) -> None:
+        occ = Occupancy(len(self.gen.active), len(self.gen.waiting), len(self.gen.free_slots))
+        self._occupancy = occ
+        if self._on_change is not None:
+            try:
+                self._on_change(self.counters, occ)
+            except Exception:
+                self._log(f"muse_spark metrics update failed:\n{traceback.format_exc()}")
+
+
+def _safe_fail(sink: Sink, message: str, kind: str) -> None:
+    try:
+        sink.fail(message, kind)
+    except Exception:
+        pass  # the client is gone; nothing left to tell it

@@ -1,0 +1,539 @@
+"""The Triton model repository and launcher, tested against the real ``tritonserver``.
+
+The module starts ``muse-spark serve`` once (a real tritonserver from the
+nvidia-pytriton wheel, on free loopback ports, CPU, a tiny engine) and talks to
+it over HTTP (``generate``, ``generate_stream``) and gRPC streaming
+(tritonclient). Every output is compared with the runtime run in this process
+(``Generator``), which is the specification. Skips when nvidia-pytriton or
+tritonclient is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from muse_spark.builder.engine import build_engine
+from muse_spark.cli import main as cli_main
+from muse_spark.runtime import Generator, SamplingParams, load_engine, load_tokenizer
+from muse_spark.serving.protocol import StreamDecoder
+from muse_spark.serving.repo import RepoError, render_config, write_repository
+from muse_spark.serving.scheduler import Scheduler
+from muse_spark.serving.server import ServingError, TritonInstall, check_repository, server_env
+
+MODEL = "muse_spark"
+MAX_BATCH, MAX_SEQ, GAMMA = 8, 512, 5
+START_TIMEOUT = 180
+
+
+# ---- fixtures ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_dir(agreeing_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("serving") / "engine"
+    build_engine(*agreeing_pair, out, max_batch=MAX_BATCH, max_seq=MAX_SEQ, quiet=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref(engine_dir):
+    return Reference(engine_dir)
+
+
+@contextmanager
+def one_torch_thread():
+    """The server and this process share the CPU: with torch's default (one thread per
+    core) both, OpenMP oversubscription slows every step 10-50x on 2 cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+class Reference:
+    """The runtime in this process: what the server must return."""
+
+    def __init__(self, engine_dir):
+        self.engine = load_engine(engine_dir)
+        self.tok = load_tokenizer(self.engine.tokenizer_path)
+        self.gen = Generator(self.engine)
+        self._lock = threading.Lock()
+
+    def run(self, prompt, **params):
+        with self._lock, one_torch_thread():
+            return self.gen.generate([list(prompt)], SamplingParams(**params))[0]
+
+    def chunks(self, prompt, **params):
+        """The token chunks a stream yields: one per scheduler step."""
+        with self._lock, one_torch_thread():
+            return list(self.gen.iter_request(self.gen.add(list(prompt), SamplingParams(**params))))
+
+    def text(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+@dataclass
+class Server:
+    http: str
+    grpc: str
+    metrics: str
+    proc: subprocess.Popen
+    log: Path
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir, tmp_path_factory):
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed (extra: serve)")
+    try:
+        server_env(TritonInstall.find())  # the binary, the stub, libpython, python3 on PATH
+    except ServingError as e:
+        pytest.skip(f"tritonserver cannot run here: {e}")
+    work = tmp_path_factory.mktemp("triton")
+    repo = work / "repo"
+    assert cli_main(["triton-repo", "--engine", str(engine_dir), "--out", str(repo), "--torch-threads", "1"]) == 0
+    http, grpc, metrics = _free_ports(3)
+    log = work / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "muse_spark.cli", "serve", "--repo", str(repo), "--http-port", str(http),
+             "--grpc-port", str(grpc), "--metrics-port", str(metrics)], stdout=f, stderr=subprocess.STDOUT)
+    srv = Server(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics", proc, log)
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"muse-spark serve exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(f"{srv.http}/v2/models/{MODEL}/ready", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the server was not ready after {START_TIMEOUT}s:\n{_tail(log)}")
+        time.sleep(0.5)
+    yield srv
+    # Clean exit on SIGTERM: forwarded to tritonserver, which unloads the model and exits 0.
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"muse-spark serve did not exit within 60s of SIGTERM:\n{_tail(log)}")
+    assert rc == 0, f"muse-spark serve exited with {rc}:\n{_tail(log)}"
+    assert "successfully unloaded" in log.read_text(errors="replace")
+
+
+def _tail(path: Path, n: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+# ---- clients ----------------------------------------------------------------------------------
+def generate(srv: Server, payload: dict, timeout: float = 120) -> tuple[int, dict]:
+    """POST /generate → (HTTP status, JSON body)."""
+    req = urllib.request.Request(f"{srv.http}/v2/models/{MODEL}/generate", json.dumps(payload).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def generate_stream(srv: Server, payload: dict, stop_after: int | None = None, timeout: float = 120):
+    """POST /generate_stream → (HTTP status, the events); closes the connection after ``stop_after`` events."""
+    req = urllib.request.Request(f"{srv.http}/v2/models/{MODEL}/generate_stream", json.dumps(payload).encode(),
+                                 {"Content-Type": "application/json"})
+    events = []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for line in r:
+                if line.startswith(b"data:"):
+                    events.append(json.loads(line[5:]))
+                    if stop_after is not None and len(events) >= stop_after:
+                        break
+            return r.status, events
+    except urllib.error.HTTPError as e:
+        return e.code, [json.loads(e.read() or b"{}")]
+
+
+def ids_of(body: dict) -> list[int]:
+    ids = body["output_ids"]  # the generate endpoint turns one-element arrays into scalars
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+def grpc_stream(srv: Server, inputs: dict, cancel_after: int | None = None, timeout: float = 120):
+    """One request over a gRPC stream → list of (output_ids, text, finish_reason) or an error string last."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(srv.grpc)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    tensors = []
+    for name, value in inputs.items():
+        arr = np.asarray(value)
+        arr = arr.reshape(1, -1) if arr.ndim <= 1 else arr
+        t = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype.kind in "OSU" else
+                                  np_to_triton_dtype(arr.dtype))
+        t.set_data_from_numpy(arr.astype(object) if arr.dtype.kind in "SU" else arr)
+        tensors.append(t)
+    out = []
+    try:
+        client.async_stream_infer(MODEL, tensors, enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                out.append(str(error))
+                break
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            ids = result.as_numpy("output_ids")
+            if ids is not None:
+                out.append((ids.reshape(-1).tolist(), result.as_numpy("text_output").reshape(-1)[0].decode(),
+                            result.as_numpy("finish_reason").reshape(-1)[0].decode()))
+            if final:
+                break
+            if cancel_after is not None and len(out) >= cancel_after:
+                break
+    finally:
+        client.stop_stream(cancel_requests=cancel_after is not None)
+        client.close()
+    return out
+
+
+def metrics(srv: Server) -> dict[str, float]:
+    with urllib.request.urlopen(srv.metrics, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\w+)\{([^}]*)\} (\S+)$", line)
+        if m and f'model="{MODEL}"' in m.group(2):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            key = m.group(1) + (f":{labels['outcome']}" if "outcome" in labels else "")
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def wait_for(srv: Server, check, what: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(srv)
+        if check(m):
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"metrics never showed {what}: {m}")
+        time.sleep(0.1)
+
+
+def all_slots_free(m: dict) -> bool:
+    return (m.get("muse_spark_free_slots") == MAX_BATCH and m.get("muse_spark_active_requests") == 0
+            and m.get("muse_spark_waiting_requests") == 0)
+
+
+# ---- the repository (no server) ---------------------------------------------------------------
+def test_repository_layout_and_config(engine_dir, tmp_path):
+    model_dir = write_repository(engine_dir, tmp_path / "repo", instances=2)
+    assert (model_dir / "1" / "model.py").read_text().startswith('"""The Triton python-backend model')
+    cfg = (model_dir / "config.pbtxt").read_text()
+    assert 'backend: "python"' in cfg and "decoupled: true" in cfg and "count: 2" in cfg and "KIND_CPU" in cfg
+    for name in ("text_input", "input_ids", "max_tokens", "temperature", "seed", "random_seed", "stream",
+                 "end_id", "stop_ids", "text_output", "output_ids", "accepted_draft_tokens",
+                 "acceptance_per_position"):
+        assert f'name: "{name}"' in cfg
+    assert f'string_value: "{Path(engine_dir).resolve().as_posix()}"' in cfg
+    assert check_repository(tmp_path / "repo") == [MODEL]
+
+
+def test_repository_refuses_bad_arguments(engine_dir, tmp_path):
+    foreign = tmp_path / "repo" / MODEL
+    foreign.mkdir(parents=True)
+    (foreign / "config.pbtxt").write_text('name: "mine"\n')
+    with pytest.raises(RepoError, match="not written by muse-spark"):
+        write_repository(engine_dir, tmp_path / "repo")
+    with pytest.raises(RepoError, match="instances"):
+        write_repository(engine_dir, tmp_path / "other", instances=0)
+    with pytest.raises(RepoError, match="model name"):
+        write_repository(engine_dir, tmp_path / "other", model_name="a b")
+    assert cli_main(["triton-repo", "--engine", str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
+
+
+def test_serve_refuses_a_missing_or_broken_repository(tmp_path, capsys):
+    assert cli_main(["serve", "--repo", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "repo" / MODEL).mkdir(parents=True)
+    (tmp_path / "repo" / MODEL / "config.pbtxt").write_text(render_config(MODEL, tmp_path / "gone"))
+    with pytest.raises(ServingError, match="engine directory .* is missing"):
+        check_repository(tmp_path / "repo")
+
+
+class Collector:
+    """A real Sink that keeps what the scheduler hands it."""
+
+    def __init__(self, cancel_after: int | None = None):
+        self.chunks, self.error, self.done, self.cancel_after = [], None, threading.Event(), cancel_after
+
+    def deliver(self, req, new_tokens):
+        self.chunks.append(list(new_tokens))
+        if req.finished:
+            self.done.set()
+
+    def fail(self, message, kind):
+        self.error = (kind, message)
+        self.done.set()
+
+    def cancelled(self):
+        return self.cancel_after is not None and len(self.chunks) >= self.cancel_after
+
+
+def test_stream_decoder_holds_back_split_characters(ref):
+    text = "héllo wörld ✓ — 🚀 done"
+    ids = ref.tok.encode(text).ids
+    dec, pieces = StreamDecoder(ref.tok), []
+    for n in range(1, len(ids) + 1):
+        pieces.append(dec.push(ids[:n], final=n == len(ids)))
+    assert "".join(pieces) == text == ref.text(ids)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_scheduler_batches_requests_in_flight_and_frees_every_slot(engine_dir, ref):
+    with one_torch_thread():
+        _scheduler_batches_requests(engine_dir, ref)
+
+
+def _scheduler_batches_requests(engine_dir, ref):
+    sched = Scheduler(load_engine(engine_dir), max_queue=64)
+    sched.start()
+    jobs = [([i + 1, 2 * i + 3], dict(max_tokens=5 + 3 * i, ignore_eos=True)) for i in range(12)]  # > 8 slots
+    sinks = [Collector() for _ in jobs]
+    for (prompt, params), sink in zip(jobs, sinks):
+        sched.submit(prompt, SamplingParams(**params), sink)
+    bad = Collector()
+    sched.submit([1, 2], SamplingParams(max_tokens=0), bad)
+    cancelled = Collector(cancel_after=2)
+    sched.submit([9, 9], SamplingParams(max_tokens=400, ignore_eos=True), cancelled)
+    for sink in [*sinks, bad, cancelled]:
+        assert sink.done.wait(60)
+    for (prompt, params), sink in zip(jobs, sinks):
+        assert sink.error is None and sink.chunks == ref.chunks(prompt, **params)
+    assert bad.error[0] == "invalid" and "max_tokens" in bad.error[1]
+    assert cancelled.error[0] == "cancelled" and len(cancelled.chunks) < 400
+    time.sleep(0.2)
+    assert sched.occupancy.free_slots == MAX_BATCH and sched.occupancy.active == 0
+    assert sched.counters.outcomes == {"completed": 12, "rejected": 1, "cancelled": 1, "failed": 0}
+    sched.stop()
+
+
+def test_scheduler_refuses_past_its_queue_and_answers_everything_on_stop(engine_dir):
+    sched = Scheduler(load_engine(engine_dir), max_queue=2)  # not started: requests stay queued
+    queued = [Collector() for _ in range(2)]
+    for sink in queued:
+        sched.submit([1, 2, 3], SamplingParams(max_tokens=4), sink)
+    refused = Collector()
+    sched.submit([1, 2, 3], SamplingParams(max_tokens=4), refused)
+    assert refused.error[0] == "unavailable" and "queue is full" in refused.error[1]
+    sched.stop()
+    assert all(s.error and s.error[0] == "unavailable" for s in queued)
+    late = Collector()
+    sched.submit([1], SamplingParams(max_tokens=1), late)
+    assert late.error[0] == "unavailable" and "shutting down" in late.error[1]
+
+
+# ---- the server ---------------------------------------------------------------------------------
+def test_generate_is_exactly_the_greedy_runtime_output(server, ref):
+    want = ref.run([1, 2, 3], max_tokens=40, ignore_eos=True)
+    status, body = generate(server, {"input_ids": [1, 2, 3], "max_tokens": 40, "ignore_eos": True})
+    assert status == 200, body
+    assert ids_of(body) == want.output
+    assert body["text_output"] == ref.text(want.output)
+    assert body["finish_reason"] == "length"
+    stats = want.stats(GAMMA)
+    assert body["num_steps"] == stats["steps"] and body["accepted_draft_tokens"] == stats["accepted_draft_tokens"]
+    assert body["accepted_draft_tokens"] > 0  # the agreeing pair really accepts drafts
+    assert len(body["acceptance_per_position"]) == GAMMA
+
+    text = "Speculative decoding, served."
+    prompt = ref.tok.encode(text).ids
+    want = ref.run(prompt, max_tokens=30)
+    # The request shape of tensorrtllm_backend's examples (empty bad_words / stop_words).
+    status, body = generate(server, {"text_input": text, "max_tokens": 30, "bad_words": "", "stop_words": ""})
+    assert status == 200, body
+    assert ids_of(body) == want.output and body["text_output"] == ref.text(want.output)
+
+
+def test_end_id_and_stop_ids_end_generation(server, ref):
+    free_run = ref.run([4, 5, 6], max_tokens=40, ignore_eos=True).output
+    end, stop = free_run[12], free_run[6]
+    for extra, stops in (({"end_id": end}, (end,)), ({"stop_ids": [stop], "ignore_eos": True}, (stop,))):
+        want = ref.run([4, 5, 6], max_tokens=40, stop_token_ids=stops, ignore_eos=True)
+        status, body = generate(server, {"input_ids": [4, 5, 6], "max_tokens": 40, **extra})
+        assert status == 200, body
+        assert ids_of(body) == want.output and ids_of(body)[-1] in stops
+        assert body["finish_reason"] == "stop"
+
+
+def test_generate_stream_yields_each_step_and_concatenates_to_the_result(server, ref):
+    payload = {"input_ids": [7, 8, 9, 10], "max_tokens": 60, "stream": True, "ignore_eos": True}
+    status, events = generate_stream(server, payload)
+    assert status == 200, events
+    chunks = [ids_of(e) for e in events]
+    assert chunks == ref.chunks([7, 8, 9, 10], max_tokens=60, ignore_eos=True)  # one event per runtime step
+    assert len(chunks) > 3
+    assert [e["finish_reason"] for e in events] == [""] * (len(events) - 1) + ["length"]
+    _, whole = generate(server, {**payload, "stream": False})
+    assert sum(chunks, []) == ids_of(whole)
+    assert "".join(e["text_output"] for e in events) == whole["text_output"]
+
+
+def test_grpc_streaming_with_tritonclient(server, ref):
+    prompt = ref.tok.encode("gRPC streams").ids
+    out = grpc_stream(server, {"text_input": np.array([["gRPC streams"]], dtype=object),
+                               "max_tokens": np.array([[25]], np.int32), "stream": np.array([[True]]),
+                               "temperature": np.array([[0.9]], np.float32), "seed": np.array([[1234]], np.uint64)})
+    assert all(isinstance(o, tuple) for o in out), out
+    want = ref.chunks(prompt, max_tokens=25, temperature=0.9, seed=1234)
+    assert [ids for ids, _, _ in out] == want
+    assert "".join(text for _, text, _ in out) == ref.text(sum(want, []))
+
+
+def test_sixteen_concurrent_requests_with_different_parameters(server, ref):
+    rng = random.Random(0)
+    jobs = []
+    for i in range(20):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
+        params = dict(max_tokens=rng.randint(1, 48), temperature=rng.choice([0.0, 0.0, 0.7, 1.3]),
+                      seed=rng.randrange(2**63), ignore_eos=rng.random() < 0.5)
+        jobs.append((prompt, params, i % 3 == 0))
+
+    def run(job):
+        prompt, params, stream = job
+        payload = {"input_ids": prompt, **params, "stream": stream}
+        if stream:
+            status, events = generate_stream(server, payload)
+            return status, sum((ids_of(e) for e in events), []), "".join(e["text_output"] for e in events)
+        status, body = generate(server, payload)
+        return status, ids_of(body), body["text_output"]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    for (prompt, params, stream), (status, ids, text) in zip(jobs, results):
+        want = ref.run(prompt, **params).output
+        assert status == 200
+        assert ids == want, (prompt, params, stream)
+        assert text == ref.text(want)
+    wait_for(server, all_slots_free, "all slots free")
+
+
+BAD_REQUESTS = [
+    ({"max_tokens": 5}, "no prompt"),
+    ({"input_ids": [1, 2, 400], "max_tokens": 5}, "outside the vocabulary"),
+    ({"input_ids": [1, 2, 3], "max_tokens": -3}, "max_tokens must be a positive integer"),
+    ({"input_ids": [1, 2, 3]}, "max_tokens is required"),
+    ({"input_ids": [5] * (MAX_SEQ - 10), "max_tokens": 20}, "exceeds the engine's maximum sequence length"),
+    ({"input_ids": [1], "text_input": "x", "max_tokens": 5}, "not both"),
+    ({"input_ids": [1, 2], "max_tokens": 5, "temperature": -1.0}, "temperature"),
+    ({"input_ids": [1, 2], "max_tokens": 5, "bad_words": "nope"}, "bad_words"),
+    ({"input_ids": [1, 2], "max_tokens": "ten"}, "parse"),  # wrong datatype (JSON string for INT32)
+]
+
+
+def test_bad_requests_get_errors_while_the_server_keeps_serving(server, ref):
+    long_payload = {"input_ids": [3, 1, 4, 1, 5], "max_tokens": 300, "ignore_eos": True, "stream": True}
+    holder = {}
+    t = threading.Thread(target=lambda: holder.update(result=generate_stream(server, long_payload)))
+    t.start()
+    for payload, message in BAD_REQUESTS:
+        status, body = generate(server, payload)
+        assert status >= 400 and message in body.get("error", ""), (payload, status, body)
+    # Wrong datatype over gRPC: Triton itself refuses it, before the model.
+    out = grpc_stream(server, {"input_ids": np.array([[1, 2]], np.int32), "max_tokens": np.array([[5.0]], np.float32)})
+    assert len(out) == 1 and isinstance(out[0], str) and "max_tokens" in out[0] and "FP32" in out[0]
+    t.join(timeout=120)
+    status, events = holder["result"]
+    assert status == 200 and sum((ids_of(e) for e in events), []) == ref.run(
+        [3, 1, 4, 1, 5], max_tokens=300, ignore_eos=True).output
+    wait_for(server, all_slots_free, "all slots free")
+
+
+def test_a_cancelled_stream_frees_its_slot(server):
+    before = wait_for(server, all_slots_free, "all slots free")
+    long = {"input_ids": [2, 7, 1, 8], "max_tokens": MAX_SEQ - 20, "ignore_eos": True, "stream": True}
+    # HTTP: the client reads two events and hangs up.
+    status, events = generate_stream(server, long, stop_after=2)
+    assert status == 200 and len(events) == 2
+    # gRPC: stop_stream(cancel_requests=True) after two responses.
+    out = grpc_stream(server, {"input_ids": np.array([[2, 7, 1, 8]], np.int32),
+                               "max_tokens": np.array([[MAX_SEQ - 20]], np.int32),
+                               "ignore_eos": np.array([[True]]), "stream": np.array([[True]])}, cancel_after=2)
+    assert len(out) == 2
+    after = wait_for(server, lambda m: all_slots_free(m) and m["muse_spark_requests_total:cancelled"]
+                     >= before["muse_spark_requests_total:cancelled"] + 2, "two cancellations and free slots")
+    assert after["muse_spark_requests_total:completed"] == before["muse_spark_requests_total:completed"]
+
+
+def test_metrics_count_the_requests(server):
+    key = "nv_inference_request_success"
+    before = wait_for(server, all_slots_free, "all slots free")
+    for n in (3, 4):
+        assert generate(server, {"input_ids": [n], "max_tokens": n})[0] == 200
+    assert generate(server, {"input_ids": [300], "max_tokens": 2})[0] == 400
+    expected = {key: 3, "muse_spark_requests_total:completed": 2, "muse_spark_requests_total:rejected": 1,
+                "muse_spark_generated_tokens_total": 7}
+    # Metrics are published after the responses go out (one update at a time): wait for all of them.
+    after = wait_for(server, lambda m: all(m[k] >= before[k] + n for k, n in expected.items()), "the three requests")
+    assert {k: after[k] - before[k] for k in expected} == expected
+    assert after["muse_spark_steps_total"] > before["muse_spark_steps_total"]
+
+
+def test_load_loop_ends_without_failure_or_leaked_slot(server, ref):
+    prompts = [[i, i + 1, (7 * i) % 256] for i in range(10)]
+    full = {tuple(p): ref.run(p, max_tokens=24).output for p in prompts}
+    rng = random.Random(1)
+    jobs = [(rng.choice(prompts), rng.randint(1, 24), rng.random() < 0.5) for _ in range(200)]
+
+    def run(job):
+        prompt, n, stream = job
+        payload = {"input_ids": prompt, "max_tokens": n, "stream": stream}
+        if stream:
+            status, events = generate_stream(server, payload)
+            return status, sum((ids_of(e) for e in events if "output_ids" in e), [])
+        status, body = generate(server, payload)
+        return status, ids_of(body) if status == 200 else body
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, jobs))
+    elapsed = time.perf_counter() - t0
+    bad = [(job, res) for job, res in zip(jobs, results) if res[0] != 200 or res[1] != full[tuple(job[0])][:job[1]]]
+    assert not bad, f"{len(bad)} of 200 requests failed, e.g. {bad[:3]}"
+    m = wait_for(server, all_slots_free, "all slots free after the load loop")
+    assert m["muse_spark_requests_total:failed"] == 0
+    print(f"load loop: 200 requests at concurrency 16 in {elapsed:.1f}s")
