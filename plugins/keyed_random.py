@@ -5,7 +5,7 @@ batch composition, and the fused GPU kernels must draw *the same* numbers as
 this reference so that sampled tokens are identical. A stateful generator can
 do neither, so every draw is a pure function of its key: a 32-bit integer
 hash (murmur3's finalizer, chained over the key words) turned into a uniform
-in (0, 1) with 24 bits, exactly representable in fp32.
+in (0, 1) with 23 bits, exactly representable in fp32.
 
 The same arithmetic is written in Triton (uint32 wrap-around) by the GPU
 kernels; here it runs in int64 and is masked to 32 bits after every multiply
@@ -47,10 +47,16 @@ def key_hash(seed: torch.Tensor, position: torch.Tensor, salt: int) -> torch.Ten
     return h
 
 
+def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
+    """uint32 hash values (in int64) → fp32 uniforms strictly inside (0, 1)."""
+    # 23 bits: (k + 0.5) for k < 2^23 is exact in fp32, so u lies strictly inside
+    # (0, 1). (With 24 bits, k = 2^24 − 1 rounds to u = 1.0 and the Gumbel noise to +inf.)
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+
+
 def uniform_from_key(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """key [*, 1] (uint32 in int64), index [N] → fp32 uniforms in (0, 1) [*, N]."""
-    h = fmix32(key ^ ((index.to(torch.int64) * GOLDEN) & MASK32))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return uniform_from_hash(fmix32(key ^ ((index.to(torch.int64) * GOLDEN) & MASK32)))
 
 
 def keyed_uniform(seed: torch.Tensor, position: torch.Tensor, salt: int, n: int) -> torch.Tensor:

@@ -14,7 +14,9 @@ So the kernels call these helpers: on the GPU they are libdevice's
 never contracts) and ``__nv_logf`` / ``__nv_expf`` (the CUDA math library
 that torch's kernels use). Triton's CPU interpreter (``TRITON_INTERPRET=1``)
 cannot call libdevice; there numpy's IEEE float32 arithmetic is already
-uncontracted, and ``log``/``exp`` are numpy's.
+uncontracted, and ``log``/``exp`` are numpy's. The interpreter also truncates
+float32 → bfloat16 where the GPU rounds to nearest even, so ``to_rne`` rounds
+explicitly there.
 
 Only Triton kernel modules import this module, and only
 ``muse_spark.plugins.triton_ops`` imports those.
@@ -54,6 +56,14 @@ if interpreting():
     def exp_exact(x):
         return tl.exp(x)
 
+    @triton.jit
+    def to_rne(x, dtype: tl.constexpr):
+        if dtype == tl.bfloat16:  # round the fp32 bits to nearest even, then the cast truncates exactly
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            x = b.to(tl.float32, bitcast=True)
+        return x.to(dtype)
+
 else:
     from triton.language.extra import libdevice
 
@@ -72,3 +82,7 @@ else:
     @triton.jit
     def exp_exact(x):
         return libdevice.exp(x)
+
+    @triton.jit
+    def to_rne(x, dtype: tl.constexpr):
+        return x.to(dtype)  # cvt.rn: round to nearest even

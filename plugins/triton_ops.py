@@ -30,7 +30,7 @@ from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
 from muse_spark.plugins.markov.op import check_markov_inputs
 from muse_spark.plugins.markov.reference import markov_sample_ref
-from muse_spark.plugins.markov.triton_kernel import launch_markov_sample
+from muse_spark.plugins.markov.triton_kernel import launch_markov_sample, supported
 from muse_spark.plugins.triton_math import interpreting
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,10 @@ def _markov_sample_op(
         _log_once(f"the fused kernel covers the vanilla head only, not {head_type!r}")
         return markov_sample_ref(*args)
     if not _runs_kernels(base_logits):
+        return markov_sample_ref(*args)
+    if not supported(base_logits.shape[-1], w1.shape[0]):
+        _log_once(f"draft vocabulary {base_logits.shape[-1]} / target vocabulary {w1.shape[0]} exceed the kernel's "
+                  "id packing (< 2^20 target ids)")
         return markov_sample_ref(*args)
     return launch_markov_sample(base_logits, anchor, w1, w2, d2t, seeds, positions, temperature, wrap=wrap_triton,
                                 interpret=interpreting())

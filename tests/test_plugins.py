@@ -216,3 +216,14 @@ def test_markov_rejects_bad_shapes():
 def test_gumbel_noise_has_the_gumbel_distribution():
     x = keyed_gumbel(torch.arange(50), torch.zeros(50, dtype=torch.int64), SALT_DRAFT, 400).flatten()
     assert stats.kstest(x.numpy(), "gumbel_r").pvalue > 1e-3
+
+
+def test_uniforms_never_reach_one_or_zero():
+    # The extreme hash values must map strictly inside (0, 1): u = 1 would make the
+    # Gumbel noise +inf (a forced token) and break the acceptance test u·q < p.
+    from muse_spark.plugins.keyed_random import uniform_from_hash
+
+    u = uniform_from_hash(torch.tensor([0, 1, 511, 512, 0xFFFFFDFF, 0xFFFFFE00, 0xFFFFFFFF], dtype=torch.int64))
+    assert bool((u > 0).all() and (u < 1).all())
+    assert float(-torch.log(-torch.log(u[-1]))) < float("inf")
+    assert len(set(u.tolist())) == 4  # 23 bits of resolution: values 512 apart are distinct

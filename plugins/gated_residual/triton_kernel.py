@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muse_spark.plugins.triton_math import add_rn, mul_rn
+from muse_spark.plugins.triton_math import add_rn, mul_rn, to_rne
 
 
 @triton.jit
@@ -51,15 +51,15 @@ def _gated_residual_norm_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     base = row * D
-    # read D·4 + D·s + D·4 B
+    # read D*4 + D*s + D*4 B
     s = tl.load(stream_ptr + base + cols, mask=mask, other=0.0)
     b = tl.load(branch_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + cols, mask=mask, other=0.0)
     new = add_rn(s, mul_rn(g, b))  # stream + (g * branch): two roundings, as in torch
-    tl.store(new_ptr + base + cols, new, mask=mask)  # write D·4 B
+    tl.store(new_ptr + base + cols, new, mask=mask)  # write D*4 B
     if APPLY_NORM:
         # The norm reads the stream rounded to the compute dtype (reference.py).
-        x = new.to(out_ptr.dtype.element_ty).to(tl.float32)
+        x = to_rne(new, out_ptr.dtype.element_ty).to(tl.float32)
         ms = tl.sum(x * x, axis=0) / D
         y = x * tl.rsqrt(ms + eps)
         if HAS_WEIGHT:
@@ -68,7 +68,7 @@ def _gated_residual_norm_kernel(
                 y = y * (1.0 + w)
             else:
                 y = y * w
-        tl.store(out_ptr + base + cols, y.to(out_ptr.dtype.element_ty), mask=mask)  # write D·s B
+        tl.store(out_ptr + base + cols, to_rne(y, out_ptr.dtype.element_ty), mask=mask)  # write D*s B
 
 
 def launch_gated_residual_add(
@@ -87,7 +87,9 @@ def launch_gated_residual_add(
     if stream.dtype != torch.float32:
         raise ValueError(f"gated_residual_add: stream must be float32, got {stream.dtype}")
     if branch.shape != stream.shape:
-        raise ValueError(f"gated_residual_add: branch shape {list(branch.shape)} differs from stream {list(stream.shape)}")
+        raise ValueError(
+            f"gated_residual_add: branch shape {list(branch.shape)} differs from stream {list(stream.shape)}"
+        )
     if gate.shape != (D,):
         raise ValueError(f"gated_residual_add: expected gate of shape [{D}], got {list(gate.shape)}")
     if norm_weight is not None and norm_weight.shape != (D,):

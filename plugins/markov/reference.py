@@ -33,8 +33,9 @@ from muse_spark.plugins.keyed_random import SALT_DRAFT, keyed_gumbel
 
 def sanitize_logits(z: torch.Tensor) -> torch.Tensor:
     """Map a row of logits [.., V] to finite-or-−inf values with a valid softmax."""
-    neg_inf = torch.tensor(float("-inf"), dtype=z.dtype, device=z.device)
-    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    # Built on the device (no host→device copy), so this is capturable in a CUDA graph.
+    neg_inf = z.new_full((), float("-inf"))
+    zero = z.new_zeros(())
     z = torch.where(torch.isnan(z), neg_inf, z)
     pos = z == float("inf")
     z = torch.where(pos.any(-1, keepdim=True), torch.where(pos, zero, neg_inf), z)

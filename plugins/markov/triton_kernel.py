@@ -8,40 +8,43 @@ Reference (``reference.py``, the spec), for k = 0 … γ−1 with ``prev = ancho
     q_k  = softmax(z_k·(1/T))  (one-hot when T == 0)
     prev = x_k + d2t[x_k]
 
-Design. The work of one step is a GEMV over W2 ([Vd, r] bf16: 16 MB at
-Vd = 32768, r = 256), which one SM cannot stream fast enough, followed by a
-row-wide argmax / softmax. So the draft vocabulary is split into NS slices of
-BLOCK_V columns (128 slices at Vd = 32768), one program per slice (and per
-block of BLOCK_B requests). In step k each program
+Design. A step is a GEMV over W2 ([Vd, r] bf16: 16 MB at Vd = 32768,
+r = 256), which one SM cannot stream fast enough, then a row-wide argmax and
+softmax. So the draft vocabulary is split into NS slices of BLOCK_V columns
+(128 slices at Vd = 32768), one program per slice and block of BLOCK_B
+requests, all resident at once (one launch, ``GRID_SYNC``) or one launch per
+step. The loop is latency-bound at small batch, so each step keeps its chain of
+dependent memory accesses short:
 
-1. finds ``prev`` by reducing the NS partial results of step k−1 (every
-   program does the same small reduction, so no extra launch is needed),
-2. gathers ``W1[prev]`` and computes its slice of ``z_k = U_k + W2 @ e``
-   (``tl.dot`` for BLOCK_B ≥ 16, a broadcast-multiply-sum for BLOCK_B = 1),
-3. writes per-slice partials: the class/argmax/value of the sampling key and
-   the max/sum-exp of the softmax, and stashes z_k in the probs buffer.
+* before ``prev`` is known a program already loads U_k and draws its noise;
+* the step's result travels as ONE 64-bit word per (request, step, slice):
+  ``[class+1 : 2][order-preserving key : 32][511 − column : 9][target id : 20]``
+  so that the maximum word is the winner of the sanitized argmax with
+  torch's tie-break (highest class, highest key, lowest index) and carries
+  ``prev = x + d2t[x]`` itself. The word buffer is zeroed per call and a word
+  is never 0, so readers poll the NS words of step k−1 until none is 0: the
+  poll is both the barrier and the data (no fence, no atomic);
+* at batch 1 the program's W2 slice (BLOCK_V·r·2 B = 128 KB) stays in
+  registers for all γ steps (``RESIDENT``, bf16 pairs as int32).
 
-Steps are separated either by kernel boundaries (γ launches of the step
-kernel, then one final launch: ``GRID_SYNC=False``) or by a grid-wide barrier
-on an atomic counter inside one persistent launch (``GRID_SYNC=True``, only
-when every program is resident at once: NS·NB ≤ #SMs). With the barrier, the
-W2 slice can stay in registers across steps (``RESIDENT``). The final phase
-reduces the partials of every step once more, writes the ids (in target
-vocabulary) and normalizes the stashed z into the probabilities.
+Off the critical path each program writes its softmax partials (max, sum of
+exp over the finite class, count of +inf) and stashes exp(z/T − max) in the
+probs buffer; after one grid barrier (or the kernel boundary), the final phase
+merges the partials per (request, step), writes ids (target vocabulary) and
+rescales the stash into probabilities.
 
-Memory traffic, per step: W2 Vd·r·2 B (16 MB; from L2 after the first step,
-or once in total when RESIDENT), U_k B·Vd·4 B read, z_k B·Vd·4 B write,
-W1 B·r·2 B, partials B·NS·28 B (tiny); final phase: B·γ·Vd·4 B read (z) and
-B·γ·Vd·4 B write (probs).
+Memory traffic per step: W2 Vd·r·2 B (16 MB; from L2 after the first step, or
+once per call when RESIDENT), U_k B·Vd·4 B, W1 B·r·2 B, words B·NS·8 B polled;
+stash B·Vd·4 B written. Final phase: B·γ·Vd·4 B read, B·γ·Vd·4 B written.
 
-Exactness: ties in every argmax go to the lowest index, as ``torch.argmax``;
-the Gumbel noise is the reference's murmur3 chain in uint32 (wrapping) and
-``-log(-log(u))`` with the accurate ``logf``; ``z·(1/T) + g`` is rounded twice,
-never fused. Only the GEMV's summation order differs from torch's, so tokens
-match unless two candidates are within that rounding of each other.
-Sanitization is handled by a per-element class (2: +inf, 1: finite, 0: −inf
-or NaN): the row's highest class present decides which elements compete, and
-every other element loses (see ``_step``).
+Exactness: the Gumbel noise is the reference's murmur3 chain in uint32
+(wrapping) and ``-log(-log(u))`` with libdevice's ``logf`` (bit-identical to
+torch's CUDA log, tested); 1/T is an IEEE division; ``z·(1/T) + g`` is
+rounded twice, never fused. Only the GEMV's summation order differs from
+torch's, so tokens match unless two candidates tie within that rounding.
+Sanitization is a per-element class (2: +inf, 1: finite, 0: −inf or NaN): the
+row's highest class decides which elements compete (their sanitized key is
+z·(1/T) + g, or g where the sanitized value is 0).
 """
 
 from __future__ import annotations
@@ -54,9 +57,13 @@ from muse_spark.plugins.keyed_random import GOLDEN, MASK32, SALT_DRAFT
 from muse_spark.plugins.triton_math import add_rn, exp_exact, log_exact, mul_rn
 
 SALT_KEY = (SALT_DRAFT * GOLDEN) & MASK32  # the first key word, as keyed_random.key_hash
-INT32_MAX = tl.constexpr(2**31 - 1)
-N_FLOAT_FIELDS = 3  # partials: key value, softmax max, softmax sum
-N_INT_FIELDS = 4  # partials: class, draft id, target id, count of +inf
+TID_BITS = tl.constexpr(20)  # target ids < 2^20
+TID_MASK = tl.constexpr((1 << 20) - 1)
+SLOT_BITS = tl.constexpr(9)  # columns of a slice and slices of a row < 2^9
+MAX_SLOT = tl.constexpr(511)  # a word's slot field holds 511 - column (in a slice) or 511 - slice
+CLEAR_SLOT = tl.constexpr(~(511 << 20))
+MAX_TARGET_VOCAB = 2**20
+SPIN_LIMIT = tl.constexpr(1 << 24)  # polls before giving up (a bug must fail, not hang the GPU)
 
 
 # ----------------------------------------------------------------------------- keyed noise
@@ -73,7 +80,7 @@ def _fmix32(h):
 
 @triton.jit
 def _key_hash(seed, pos, SALT: tl.constexpr):
-    """keyed_random.key_hash: seed, pos int64 [BLOCK_B] → uint32 [BLOCK_B]."""
+    """keyed_random.key_hash: seed, pos int64 [BLOCK_B] -> uint32 [BLOCK_B]."""
     lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     h = _fmix32(lo ^ SALT)
@@ -83,9 +90,9 @@ def _key_hash(seed, pos, SALT: tl.constexpr):
 
 @triton.jit
 def _gumbel(key, cols):
-    """keyed_random.keyed_gumbel: key uint32 [BB], cols int32 [BV] → fp32 [BB, BV]."""
+    """keyed_random.keyed_gumbel: key uint32 [BB], cols int32 [BV] -> fp32 [BB, BV]."""
     h = _fmix32(key[:, None] ^ (cols.to(tl.uint32) * 0x9E3779B9)[None, :])
-    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as keyed_random.uniform_from_key
     return -log_exact(-log_exact(u))
 
 
@@ -100,76 +107,116 @@ def _keyed_gumbel_kernel(seed_ptr, pos_ptr, out_ptr, n, SALT: tl.constexpr, BLOC
     tl.store(out_ptr + row * n + cols[None, :], g, mask=(cols < n)[None, :])
 
 
-# ----------------------------------------------------------------------------- partials
+# ----------------------------------------------------------------------------- helpers
 @triton.jit
-def _reduce_partials(pf_ptr, pi_ptr, rows, rmask, k, B, GAMMA: tl.constexpr, NS: tl.constexpr,
-                     NS_P2: tl.constexpr):
-    """Combine the NS slice partials of step k → per row: draft id, target id,
-    class, softmax max, softmax sum, count of +inf.
+def _ordered(x):
+    """fp32 -> int64 holding a uint32 whose unsigned order is x's order (no NaN)."""
+    b = x.to(tl.uint32, bitcast=True)
+    return tl.where((b >> 31) != 0, b ^ 0xFFFFFFFF, b | 0x80000000).to(tl.int64)
 
-    Partials are field-major [F, B, γ, NS]; ``.cg`` loads skip L1, which may
-    hold nothing of them but other SMs write them in the same launch.
-    """
+
+@triton.jit
+def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, NS_P2: tl.constexpr):
+    """Poll the NS words of step k until all are written -> the winning word per row."""
     sl = tl.arange(0, NS_P2)
     msk = rmask[:, None] & (sl < NS)[None, :]
-    off = (rows[:, None] * GAMMA + k) * NS + sl[None, :]
-    plane = B * GAMMA * NS
-    cls = tl.load(pi_ptr + off, mask=msk, other=-1, cache_modifier=".cg")
-    val = tl.load(pf_ptr + off, mask=msk, other=float("-inf"), cache_modifier=".cg")
-    idx = tl.load(pi_ptr + plane + off, mask=msk, other=INT32_MAX, cache_modifier=".cg")
-    tid = tl.load(pi_ptr + 2 * plane + off, mask=msk, other=-1, cache_modifier=".cg")
-    c = tl.max(cls, axis=1)
-    competes = cls == c[:, None]
-    val = tl.where(competes, val, float("-inf"))
-    best = tl.max(val, axis=1)
-    win = competes & (val == best[:, None])
-    x = tl.min(tl.where(win, idx, INT32_MAX), axis=1)  # lowest index among equal keys
-    t = tl.max(tl.where(win & (idx == x[:, None]), tid, -1), axis=1)
-    # softmax over the finite class: online-softmax merge of (max, sum) pairs
-    m_s = tl.load(pf_ptr + plane + off, mask=msk, other=float("-inf"), cache_modifier=".cg")
-    s_s = tl.load(pf_ptr + 2 * plane + off, mask=msk, other=0.0, cache_modifier=".cg")
-    m = tl.max(m_s, axis=1)
-    s = tl.sum(tl.where(m_s > float("-inf"), s_s * exp_exact(m_s - m[:, None]), 0.0), axis=1)
-    n_inf = tl.sum(tl.load(pi_ptr + 3 * plane + off, mask=msk, other=0, cache_modifier=".cg"), axis=1)
-    return x, t, c, m, s, n_inf
+    ptrs = word_ptr + (rows[:, None] * GAMMA + k) * NS + sl[None, :]
+    w = tl.load(ptrs, mask=msk, other=1, volatile=True)  # volatile: from L2, never a stale L1 line
+    missing = tl.sum(tl.sum((w == 0).to(tl.int32), axis=1), axis=0)
+    spins = 0
+    while (missing > 0) & (spins < SPIN_LIMIT):
+        w = tl.load(ptrs, mask=msk, other=1, volatile=True)
+        missing = tl.sum(tl.sum((w == 0).to(tl.int32), axis=1), axis=0)
+        spins += 1
+    return tl.max(w, axis=1)
 
 
 @triton.jit
-def _grid_barrier(sync_ptr, target):
-    # All programs are resident (checked by the launcher). Stores before the
-    # barrier are released at GPU scope by the counter increment; the spin
-    # acquires them.
+def _grid_barrier(counter_ptr, target):
+    # All programs are resident (checked by the launcher). bar.sync, then one
+    # thread's release increment publishes the CTA's stores at GPU scope; the
+    # acquire spin makes every other CTA's visible.
     tl.debug_barrier()
-    tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-    cnt = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-    while cnt < target:
-        cnt = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+    cnt = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (cnt < target) & (spins < SPIN_LIMIT):
+        cnt = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
     tl.debug_barrier()
+
+
+@triton.jit
+def _bias(w1_ptr, w2_ptr, prev, rmask, cols, cmask, RANK, RANK_W, w_res, RANK_P2: tl.constexpr,
+          BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, RESIDENT: tl.constexpr,
+          IEEE_DOT: tl.constexpr):
+    """W2[cols] @ W1[prev] -> [BLOCK_B, BLOCK_V] fp32.
+
+    Reads BLOCK_V*r*2 B of W2 (none if RESIDENT) and BLOCK_B*r*2 B of W1."""
+    acc = tl.zeros((BLOCK_B, BLOCK_V), dtype=tl.float32)
+    if RESIDENT:
+        # batch 1, W2 slice held as bf16 pairs in int32 [BLOCK_V, r/2]; the W1 row likewise [1, r/2].
+        # (Columns on dim 0 and a reduction over dim 1 keep the result spread over the threads.)
+        jj = tl.arange(0, RANK_P2 // 2)
+        e = tl.load(w1_ptr + prev[:, None] * RANK_W + jj[None, :], mask=rmask[:, None] & (jj < RANK_W)[None, :],
+                    other=0)  # [1, r/2]
+        e_lo = (e << 16).to(tl.float32, bitcast=True)
+        e_hi = (e & -65536).to(tl.float32, bitcast=True)
+        # Unpack W2 inside the step: ``zero`` (prev < 2^32) is unknown to the compiler, which
+        # would otherwise hoist both unpacked fp32 copies out of the loop (2x the registers).
+        w = w_res + (prev >> 32).to(tl.int32)[:, None]
+        w_lo = (w << 16).to(tl.float32, bitcast=True)
+        w_hi = (w & -65536).to(tl.float32, bitcast=True)
+        acc += tl.sum(e_lo * w_lo + e_hi * w_hi, axis=1)[None, :]  # [BLOCK_V, r/2] -> [1, BLOCK_V]
+    elif BLOCK_B == 1:
+        # one request: a GEMV on the CUDA cores; the unrolled loop issues all W2 loads at once
+        for r0 in tl.static_range(0, RANK_P2, BLOCK_R):
+            rk = r0 + tl.arange(0, BLOCK_R)
+            rkm = rk < RANK
+            w = tl.load(w2_ptr + cols[:, None] * RANK_W + rk[None, :], mask=cmask[:, None] & rkm[None, :], other=0.0)
+            e = tl.load(w1_ptr + prev[:, None] * RANK_W + rk[None, :], mask=rmask[:, None] & rkm[None, :], other=0.0)
+            acc += tl.sum(e.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]  # [BV, BLOCK_R] -> [1, BV]
+    else:
+        # a block of requests: tensor cores, [BLOCK_B, BLOCK_R] @ [BLOCK_R, BLOCK_V], software-pipelined
+        for r0 in range(0, RANK_P2, BLOCK_R):
+            rk = r0 + tl.arange(0, BLOCK_R)
+            rkm = rk < RANK
+            w = tl.load(w2_ptr + cols[None, :] * RANK_W + rk[:, None], mask=rkm[:, None] & cmask[None, :], other=0.0)
+            e = tl.load(w1_ptr + prev[:, None] * RANK_W + rk[None, :], mask=rmask[:, None] & rkm[None, :], other=0.0)
+            if IEEE_DOT:  # fp32 weights (and the CPU interpreter, whose bf16 dot is broken)
+                acc = tl.dot(e.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(e, w, acc)  # bf16 products are exact in fp32; fp32 accumulation
+    return acc
 
 
 # ----------------------------------------------------------------------------- kernel
-@triton.jit
+# Sizes that only index the partials are not specialized (on == 1 or % 16), so
+# one compiled kernel serves every batch size and step of a configuration.
+@triton.jit(do_not_specialize=["B", "GAMMA", "NS", "k_begin", "k_end"])
 def _markov_kernel(
-    u_ptr,  # [B, γ, Vd] fp32 base logits (last dim contiguous)
+    u_ptr,  # [B, gamma, Vd] fp32 base logits (last dim contiguous)
     anchor_ptr,  # [B] int64 target ids
-    w1_ptr,  # [V, r]
-    w2_ptr,  # [Vd, r]
+    w1_ptr,  # [V, r] contiguous, row stride RANK_W elements (bf16, or int32 pairs when RESIDENT)
+    w2_ptr,  # [Vd, r] contiguous, likewise
     d2t_ptr,  # [Vd] int64
     seed_ptr, pos_ptr,  # [B] int64
     temp_ptr,  # [B] fp32 temperature, 0 = greedy
-    ids_ptr,  # [B, γ] int64 out
-    probs_ptr,  # [B, γ, Vd] fp32 out (holds z until the final phase)
-    pf_ptr, pi_ptr,  # partials [3, B, γ, NS] fp32 and [4, B, γ, NS] int32
-    sync_ptr,  # [1] int32 zeroed counter (GRID_SYNC)
-    B, Vd, k_begin, k_end, stride_ub, stride_uk, stride_w1, stride_w2,
-    GAMMA: tl.constexpr, RANK: tl.constexpr, RANK_P2: tl.constexpr, NS: tl.constexpr, NS_P2: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, SALT: tl.constexpr,
-    GRID_SYNC: tl.constexpr, RESIDENT: tl.constexpr, FINAL: tl.constexpr, IEEE_DOT: tl.constexpr,
+    ids_ptr,  # [B, gamma] int64 out
+    probs_ptr,  # [B, gamma, Vd] fp32 out (holds the stash until the final phase)
+    word_ptr,  # [B, gamma, NS] int64 zeroed (+1: the grid barrier's counter)
+    pf_ptr,  # [2, B, gamma, NS] fp32: softmax max, sum
+    pi_ptr,  # [2, B, gamma, NS] int32: count of +inf, local draft id of the winner
+    B, Vd, GAMMA, RANK, NS, k_begin, k_end, stride_ub, stride_uk, RANK_W,
+    RANK_P2: tl.constexpr, NS_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    FINAL_ROWS: tl.constexpr, SALT: tl.constexpr, HAS_MARKOV: tl.constexpr, RESIDENT: tl.constexpr,
+    GRID_SYNC: tl.constexpr, FINAL: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     rmask = rows < B
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    lcol = tl.arange(0, BLOCK_V)
+    cols = pid_v * BLOCK_V + lcol
     cmask = cols < Vd
     m2 = rmask[:, None] & cmask[None, :]
     temp = tl.load(temp_ptr + rows, mask=rmask, other=0.0)
@@ -179,95 +226,95 @@ def _markov_kernel(
     inv_t = inv_t[:, None]
     seed = tl.load(seed_ptr + rows, mask=rmask, other=0)
     pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
-    d2t = tl.load(d2t_ptr + cols, mask=cmask, other=0)
     plane = B * GAMMA * NS
     n_prog = tl.num_programs(0) * tl.num_programs(1)
     z_base = probs_ptr + (rows[:, None] * GAMMA) * Vd + cols[None, :]
-    if RESIDENT:  # the W2 slice, read once for all γ steps (BLOCK_B == 1)
-        rr = tl.arange(0, RANK_P2)
-        w_res = tl.load(w2_ptr + cols[None, :] * stride_w2 + rr[:, None],
-                        mask=(rr < RANK)[:, None] & cmask[None, :], other=0.0)
+    slot = ((lcol ^ MAX_SLOT).to(tl.int64) << TID_BITS)[None, :]  # 511 - column, for the tie-break
+    w_res = tl.zeros((1, 1), dtype=tl.int32)
+    if RESIDENT:  # the W2 slice, read once for all steps: [BLOCK_V, r/2] int32 (bf16 pairs)
+        jj = tl.arange(0, RANK_P2 // 2)
+        w_res = tl.load(w2_ptr + cols[:, None] * RANK_W + jj[None, :], mask=cmask[:, None] & (jj < RANK_W)[None, :],
+                        other=0)
 
     for k in range(k_begin, k_end):
-        # ---- prev: the anchor, or the winner of step k-1 (reduced from its partials)
+        # ---- independent of prev: U_k (read B*BLOCK_V*4 B), the noise, d2t of the slice
+        z = tl.load(u_ptr + rows[:, None] * stride_ub + k * stride_uk + cols[None, :], mask=m2, other=0.0)
+        g = _gumbel(_key_hash(seed, pos + k + 1, SALT), cols)
+        tgt = (cols + tl.load(d2t_ptr + cols, mask=cmask, other=0))[None, :]  # target ids of the slice
+        # ---- prev: the anchor, or the winner of step k-1 (polled from the words)
         if k == 0:
             prev = tl.load(anchor_ptr + rows, mask=rmask, other=0)
         else:
-            _x, t, _c, _m, _s, _n = _reduce_partials(pf_ptr, pi_ptr, rows, rmask, k - 1, B, GAMMA, NS, NS_P2)
-            prev = t.to(tl.int64)
-        # ---- z = U_k + W2 @ W1[prev]; read B·Vd·4 B of U and BLOCK_V·r·2 B of W2 per program
-        z = tl.load(u_ptr + rows[:, None] * stride_ub + k * stride_uk + cols[None, :], mask=m2, other=0.0)
-        if RANK > 0:
-            if RESIDENT:
-                e = tl.load(w1_ptr + prev[None, :] * stride_w1 + rr[:, None], mask=(rr < RANK)[:, None] & rmask[None, :],
-                            other=0.0)  # [RANK_P2, 1]
-                z = z + tl.sum(e.to(tl.float32) * w_res.to(tl.float32), axis=0)[None, :]
-            else:
-                acc = tl.zeros((BLOCK_B, BLOCK_V), dtype=tl.float32)
-                for r0 in tl.static_range(0, RANK_P2, BLOCK_R):
-                    rk = r0 + tl.arange(0, BLOCK_R)
-                    rkm = rk < RANK
-                    w = tl.load(w2_ptr + cols[None, :] * stride_w2 + rk[:, None], mask=rkm[:, None] & cmask[None, :],
-                                other=0.0)  # [BLOCK_R, BLOCK_V]
-                    if BLOCK_B == 1:
-                        e = tl.load(w1_ptr + prev[None, :] * stride_w1 + rk[:, None], mask=rkm[:, None] & rmask[None, :],
-                                    other=0.0)  # [BLOCK_R, 1]
-                        acc += tl.sum(e.to(tl.float32) * w.to(tl.float32), axis=0)[None, :]
-                    else:
-                        e = tl.load(w1_ptr + prev[:, None] * stride_w1 + rk[None, :],
-                                    mask=rmask[:, None] & rkm[None, :], other=0.0)  # [BLOCK_B, BLOCK_R]
-                        if IEEE_DOT:  # fp32 weights (and the CPU interpreter, whose bf16 dot is broken)
-                            acc = tl.dot(e.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-                        else:
-                            acc = tl.dot(e, w, acc)
-                z = z + acc
-        # ---- sanitize: class 2 = +inf, 1 = finite, 0 = −inf/NaN, −1 = padding
+            prev = _wait_for_words(word_ptr, rows, rmask, k - 1, GAMMA, NS, NS_P2) & TID_MASK
+            if pid_v == 0:
+                tl.store(ids_ptr + rows * GAMMA + (k - 1), prev, mask=rmask)
+        # ---- z = U_k + W2 @ W1[prev]
+        if HAS_MARKOV:
+            z = z + _bias(w1_ptr, w2_ptr, prev, rmask, cols, cmask, RANK, RANK_W, w_res, RANK_P2, BLOCK_B, BLOCK_V,
+                          BLOCK_R, RESIDENT, IEEE_DOT)
+        # ---- sanitize: class 2 = +inf, 1 = finite, 0 = -inf/NaN, -1 = padding
         z = tl.where(z != z, float("-inf"), z)
         cls = tl.where(z == float("inf"), 2, tl.where(z == float("-inf"), 0, 1))
         cls = tl.where(m2, cls, -1)
-        c_loc = tl.max(cls, axis=1)
-        competes = cls == c_loc[:, None]
-        # ---- sampling key: finite class → z (greedy) or z·(1/T) + g; the
-        # sanitized value of the other classes is 0, so their key is 0 or g.
-        g = _gumbel(_key_hash(seed, pos + k + 1, SALT), cols)
+        # ---- the sampling key of each element; sanitized values of classes 2 and 0 are 0
         scaled = mul_rn(z, inv_t)
         key = tl.where(cls == 1, tl.where(greedy, z, add_rn(scaled, g)), tl.where(greedy, 0.0, g))
-        key = tl.where(competes, key, float("-inf"))
-        best = tl.max(key, axis=1)
-        arg = tl.argmax(key, axis=1)  # lowest index among ties
-        x_loc = pid_v * BLOCK_V + arg
-        t_loc = x_loc + tl.sum(tl.where(cols[None, :] == x_loc[:, None], d2t[None, :], 0), axis=1)
-        # ---- softmax partials over the finite class
+        word = ((cls + 1).to(tl.int64) << 61) | (_ordered(key) << 29) | slot | tgt
+        word = tl.max(tl.where(cls >= 0, word, 0), axis=1)  # the slice's winner
+        x_loc = pid_v * BLOCK_V + (((word >> TID_BITS) & MAX_SLOT).to(tl.int32) ^ MAX_SLOT)
+        word = (word & CLEAR_SLOT) | ((pid_v ^ MAX_SLOT).to(tl.int64) << TID_BITS)
+        off = (rows * GAMMA + k) * NS + pid_v
+        tl.store(word_ptr + off, word, mask=rmask)  # publish: the next step can start
+        # ---- softmax partials over the finite class, and the stash exp(z/T - max)
         sm = tl.where(cls == 1, scaled, float("-inf"))
         m_loc = tl.max(sm, axis=1)
-        s_loc = tl.sum(tl.where(cls == 1, exp_exact(sm - m_loc[:, None]), 0.0), axis=1)
-        n_loc = tl.sum((cls == 2).to(tl.int32), axis=1)
-        # ---- write partials (B·28 B) and stash z (B·BLOCK_V·4 B)
-        off = (rows * GAMMA + k) * NS + pid_v
-        tl.store(pf_ptr + off, best, mask=rmask)
-        tl.store(pf_ptr + plane + off, m_loc, mask=rmask)
-        tl.store(pf_ptr + 2 * plane + off, s_loc, mask=rmask)
-        tl.store(pi_ptr + off, c_loc, mask=rmask)
+        n_inf = tl.sum((cls == 2).to(tl.int32), axis=1)
+        ex = tl.where(cls == 1, exp_exact(sm - m_loc[:, None]), 0.0)
+        tl.store(pf_ptr + off, m_loc, mask=rmask)
+        tl.store(pf_ptr + plane + off, tl.sum(ex, axis=1), mask=rmask)
+        tl.store(pi_ptr + off, n_inf, mask=rmask)
         tl.store(pi_ptr + plane + off, x_loc, mask=rmask)
-        tl.store(pi_ptr + 2 * plane + off, t_loc.to(tl.int32), mask=rmask)
-        tl.store(pi_ptr + 3 * plane + off, n_loc, mask=rmask)
-        tl.store(z_base + k * Vd, z, mask=m2)
-        if GRID_SYNC:
-            _grid_barrier(sync_ptr, (k - k_begin + 1) * n_prog)
+        tl.store(z_base + k * Vd, tl.where(cls == 2, float("inf"), ex), mask=m2)  # write B*BLOCK_V*4 B
 
     if FINAL:
-        # ---- ids and probabilities: read B·γ·BLOCK_V·4 B of z, write as much of q
-        for k in range(0, GAMMA):
-            x, t, c, m, s, n_inf = _reduce_partials(pf_ptr, pi_ptr, rows, rmask, k, B, GAMMA, NS, NS_P2)
-            if pid_v == 0:
-                tl.store(ids_ptr + rows * GAMMA + k, t.to(tl.int64), mask=rmask)
-            z = tl.load(z_base + k * Vd, mask=m2, other=float("-inf"))
-            c = c[:, None]
-            p_fin = tl.where(z > float("-inf"), exp_exact(mul_rn(z, inv_t) - m[:, None]) / s[:, None], 0.0)
-            p_inf = tl.where(z == float("inf"), 1.0 / n_inf.to(tl.float32)[:, None], 0.0)
-            p = tl.where(c == 2, p_inf, tl.where(c == 1, p_fin, 1.0 / Vd))
-            p = tl.where(greedy, tl.where(cols[None, :] == x[:, None], 1.0, 0.0), p)
-            tl.store(z_base + k * Vd, p, mask=m2)
+        if GRID_SYNC:
+            _grid_barrier(word_ptr + plane, n_prog)
+        # ---- per (request, step): merge the slices, write the id, rescale the stash.
+        # FINAL_ROWS (request, step) pairs at a time; read/write B*gamma*BLOCK_V*4 B.
+        sl = tl.arange(0, NS_P2)
+        for start in range(0, BLOCK_B * GAMMA, FINAL_ROWS):
+            pair = start + tl.arange(0, FINAL_ROWS)
+            row = tl.program_id(1) * BLOCK_B + pair // GAMMA
+            kk = pair % GAMMA
+            pm = (pair < BLOCK_B * GAMMA) & (row < B)
+            msk = pm[:, None] & (sl < NS)[None, :]
+            off = ((row * GAMMA + kk) * NS)[:, None] + sl[None, :]
+            words = tl.load(word_ptr + off, mask=msk, other=0, cache_modifier=".cg")
+            xs = tl.load(pi_ptr + plane + off, mask=msk, other=0, cache_modifier=".cg")
+            ms = tl.load(pf_ptr + off, mask=msk, other=float("-inf"), cache_modifier=".cg")
+            ns = tl.load(pi_ptr + off, mask=msk, other=0, cache_modifier=".cg")
+            ss = tl.load(pf_ptr + plane + off, mask=msk, other=0.0, cache_modifier=".cg")
+            # Single-operand reductions: with a multi-operand tl.reduce here, ids came out wrong
+            # on the H200 at batch 16, Vd = 4096 while the chain itself was right.
+            w = tl.max(words, axis=1)  # words of distinct slices never tie
+            x = tl.max(tl.where(words == w[:, None], xs, -1), axis=1)
+            m = tl.max(ms, axis=1)
+            n_inf = tl.sum(ns, axis=1)
+            scale = exp_exact(ms - m[:, None])
+            s = tl.sum(tl.where(ms > float("-inf"), ss * scale, 0.0), axis=1)
+            if pid_v == 0:  # the last step's id (earlier ones were written as the chain read them)
+                tl.store(ids_ptr + row * GAMMA + kk, w & TID_MASK, mask=pm & (kk == GAMMA - 1))
+            c = (w >> 61)[:, None] - 1
+            g_row = (tl.load(temp_ptr + row, mask=pm, other=0.0) == 0.0)[:, None]
+            # this slice's factor exp(m_loc - m) / s, picked out of the row of factors
+            mine = tl.sum(tl.where(sl[None, :] == pid_v, scale, 0.0), axis=1)
+            fm = pm[:, None] & cmask[None, :]
+            ptr = probs_ptr + ((row * GAMMA + kk) * Vd)[:, None] + cols[None, :]
+            st = tl.load(ptr, mask=fm, other=0.0)
+            p = tl.where(c == 2, tl.where(st == float("inf"), 1.0 / n_inf.to(tl.float32)[:, None], 0.0),
+                         tl.where(c == 1, st * (mine / s)[:, None], 1.0 / Vd))
+            p = tl.where(g_row, tl.where(cols[None, :] == x[:, None], 1.0, 0.0), p)
+            tl.store(ptr, p, mask=fm)
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -275,18 +322,27 @@ def _identity(kernel):
     return kernel
 
 
-def default_config(B: int, Vd: int, rank: int, device: torch.device, interpret: bool) -> dict:
-    """Launch configuration (measured on the H200: plugins/markov/bench.py)."""
-    block_v = min(256, triton.next_power_of_2(max(Vd, 16)))
-    block_b = 1 if B == 1 else (16 if B <= 16 else 32)
-    ns = triton.cdiv(Vd, block_v)
-    nb = triton.cdiv(B, block_b)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
-    grid_sync = (not interpret) and device.type == "cuda" and ns * nb <= sms
-    rank_p2 = triton.next_power_of_2(max(rank, 1))
-    resident = grid_sync and block_b == 1 and rank > 0 and rank_p2 * block_v <= 256 * 256
-    return dict(BLOCK_V=block_v, BLOCK_B=block_b, GRID_SYNC=grid_sync, RESIDENT=resident,
-                num_warps=16 if resident else 8)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def default_config(B: int, Vd: int, rank: int, device: torch.device) -> dict:
+    """Launch configuration, from the sweep on the H200 (plugins/markov/bench.py, γ = 7, Vd = 32768,
+    r = 256): batch 1 keeps W2 in registers (30.8 µs, vs 36.6 with 16 warps and 41.6 reading W2
+    from L2 every step); batches 2–16 share a W2 tile through tensor cores (97.7 µs at batch 8);
+    batches 17–32 use 512-column slices (173 µs at batch 32, vs 326 with 32-row blocks)."""
+    if B == 1:
+        return dict(BLOCK_B=1, BLOCK_V=min(256, triton.next_power_of_2(max(Vd, 16))), GRID_SYNC=True,
+                    RESIDENT=True, num_warps=8)
+    block_v = 256 if B <= 16 else 512
+    return dict(BLOCK_B=16, BLOCK_V=min(block_v, triton.next_power_of_2(max(Vd, 16))), GRID_SYNC=True,
+                RESIDENT=False, num_warps=8)
+
+
+def supported(Vd: int, vocab: int) -> bool:
+    """Whether the word packing holds for every default configuration: target ids < 2^20 and
+    at most 511 slices of 256 columns (Vd ≤ 130816)."""
+    return vocab <= MAX_TARGET_VOCAB and triton.cdiv(Vd, 256) <= 511
 
 
 def launch_markov_sample(
@@ -304,7 +360,8 @@ def launch_markov_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vanilla-head Markov loop → (ids [B, γ] int64 target vocabulary, probs [B, γ, Vd] fp32).
 
-    ``wrap`` is ``torch.library.wrap_triton`` inside the registered op.
+    ``wrap`` is ``torch.library.wrap_triton`` inside the registered op. The
+    caller checks ``supported(Vd, V)``.
     """
     B, gamma, Vd = base_logits.shape
     rank = w1.shape[1]
@@ -313,46 +370,54 @@ def launch_markov_sample(
     probs = torch.empty((B, gamma, Vd), dtype=torch.float32, device=dev)
     if B == 0 or gamma == 0:
         return ids, probs.zero_()
-    cfg = dict(default_config(B, Vd, rank, dev, interpret))
+    cfg = dict(default_config(B, Vd, rank, dev))
     cfg.update(config or {})
+    block_v, block_b = cfg["BLOCK_V"], cfg["BLOCK_B"]
+    ns = triton.cdiv(Vd, block_v)
+    if w1.shape[0] > MAX_TARGET_VOCAB or ns > 511 or block_v > 512:
+        raise ValueError(f"markov kernel: target vocabulary {w1.shape[0]} (max {MAX_TARGET_VOCAB}), {ns} slices of "
+                         f"{block_v} columns (max 511 of 512) do not fit the step words")
+    grid = (ns, triton.cdiv(B, block_b))
+    # The step words are polled and the final barrier spins: every program must be resident at
+    # once, one per SM at most. Otherwise: one launch per step (the interpreter runs programs in turn).
+    grid_sync = cfg["GRID_SYNC"] and not interpret and grid[0] * grid[1] <= _sm_count(dev)
     U = base_logits.float()
     if U.stride(-1) != 1:
         U = U.contiguous()
+    resident = (cfg["RESIDENT"] and block_b == 1 and rank > 0 and rank % 2 == 0 and w1.dtype == torch.bfloat16
+                and w2.dtype == torch.bfloat16)
     if rank > 0:
-        w1 = w1 if w1.stride(-1) == 1 else w1.contiguous()
-        w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
-        if w2.dtype != w1.dtype:
-            w2 = w2.to(w1.dtype)
-    block_v, block_b = cfg["BLOCK_V"], cfg["BLOCK_B"]
-    ns = triton.cdiv(Vd, block_v)
-    grid = (ns, triton.cdiv(B, block_b))
-    pf = torch.empty((N_FLOAT_FIELDS, B, gamma, ns), dtype=torch.float32, device=dev)
-    pi = torch.empty((N_INT_FIELDS, B, gamma, ns), dtype=torch.int32, device=dev)
-    sync = torch.zeros((1,), dtype=torch.int32, device=dev)
-    rank_p2 = triton.next_power_of_2(max(rank, 1))
-    if block_b == 1:
-        block_r = min(rank_p2, 32)
+        w1, w2 = w1.contiguous(), w2.to(w1.dtype).contiguous()  # no-ops for engine weights
+        if resident:  # bf16 pairs as int32: [V, r/2], [Vd, r/2]
+            w1, w2 = w1.view(torch.int32), w2.view(torch.int32)
     else:
-        block_r = min(max(rank_p2, 16), 64)
+        w1 = w2 = U  # never read; an empty tensor may have no valid pointer to pass
+    rank_w = w1.shape[1] if rank > 0 else 0
+    # Step words, zeroed: a word is never 0, so 0 means "not written yet"; the last element
+    # is the final barrier's counter. One memset per call.
+    words = torch.zeros((B * gamma * ns + 1,), dtype=torch.int64, device=dev)
+    pf = torch.empty((2, B, gamma, ns), dtype=torch.float32, device=dev)
+    pi = torch.empty((2, B, gamma, ns), dtype=torch.int32, device=dev)
+    rank_p2 = triton.next_power_of_2(max(rank, 2))
+    block_r = min(rank_p2, 32) if block_b == 1 else min(max(rank_p2, 16), 64)
     consts = dict(
-        GAMMA=gamma, RANK=rank, RANK_P2=max(rank_p2, block_r), NS=ns, NS_P2=triton.next_power_of_2(ns),
-        BLOCK_B=block_b, BLOCK_V=block_v, BLOCK_R=block_r, SALT=SALT_KEY,
-        RESIDENT=bool(cfg["RESIDENT"]), IEEE_DOT=w1.dtype == torch.float32 or interpret,
+        RANK_P2=max(rank_p2, block_r), NS_P2=triton.next_power_of_2(ns), BLOCK_B=block_b, BLOCK_V=block_v,
+        BLOCK_R=block_r, FINAL_ROWS=triton.next_power_of_2(gamma) if block_b == 1 else block_b, SALT=SALT_KEY,
+        HAS_MARKOV=rank > 0, RESIDENT=resident, IEEE_DOT=w1.dtype == torch.float32 or interpret,
         num_warps=cfg["num_warps"],
     )
     args = (U, anchor.to(torch.int64), w1, w2, d2t.to(torch.int64), seeds.to(torch.int64),
-            positions.to(torch.int64), temperature.float(), ids, probs, pf, pi, sync,
-            B, Vd)
-    strides = (U.stride(0), U.stride(1), w1.stride(0) if rank > 0 else 0, w2.stride(0) if rank > 0 else 0)
+            positions.to(torch.int64), temperature.float(), ids, probs, words, pf, pi, B, Vd, gamma, rank, ns)
+    tail = (U.stride(0), U.stride(1), rank_w)
     kernel = wrap(_markov_kernel)
-    if cfg["GRID_SYNC"]:
-        # One persistent launch: γ steps separated by grid barriers, then the final phase.
-        kernel[grid](*args, 0, gamma, *strides, GRID_SYNC=True, FINAL=True, **consts)
+    if grid_sync:
+        # One persistent launch: γ steps chained through the polled words, one barrier, the final phase.
+        kernel[grid](*args, 0, gamma, *tail, GRID_SYNC=True, FINAL=True, **consts)
     else:
-        # γ step launches, then the final phase: the kernel boundary is the barrier.
+        # γ step launches, then the final phase: kernel boundaries order everything.
         for k in range(gamma):
-            kernel[grid](*args, k, k + 1, *strides, GRID_SYNC=False, FINAL=False, **consts)
-        kernel[grid](*args, gamma, gamma, *strides, GRID_SYNC=False, FINAL=True, **consts)
+            kernel[grid](*args, k, k + 1, *tail, GRID_SYNC=False, FINAL=False, **consts)
+        kernel[grid](*args, gamma, gamma, *tail, GRID_SYNC=False, FINAL=True, **consts)
     return ids, probs
 
 

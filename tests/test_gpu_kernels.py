@@ -1,0 +1,364 @@
+"""The Triton plugin kernels against their references (plugins/*/reference.py).
+
+Runs on a CUDA device with Triton. Without one every kernel test skips, except
+under Triton's CPU interpreter (``TRITON_INTERPRET=1`` with Triton installed),
+where the same tests run at small sizes: correct, not fast. Compilation tests
+(torch.compile, AOTInductor) need the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import muse_spark.plugins  # noqa: F401  (registers the reference ops)
+from muse_spark.plugins import dispatch
+from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
+from muse_spark.plugins.keyed_random import SALT_DRAFT, keyed_gumbel
+from muse_spark.plugins.markov.reference import markov_sample_ref
+
+from stat_utils import chi2_pvalue
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+ON_GPU = HAS_TRITON and torch.cuda.is_available()
+INTERPRETED = HAS_TRITON and not ON_GPU and os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if ON_GPU else "cpu"
+
+needs_kernels = pytest.mark.skipif(
+    not (ON_GPU or INTERPRETED),
+    reason="needs a CUDA device with Triton (or Triton's CPU interpreter: TRITON_INTERPRET=1)",
+)
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device with Triton (compiles kernels)")
+
+# ---- tolerances, one table -------------------------------------------------------------------
+# * stream (fp32): exact. The kernel rounds g·branch and the add separately,
+#   as torch's two kernels do (no fused multiply-add).
+# * normed: the kernel sums x² in another order than torch's reduction and both
+#   use an approximate rsqrt, so the fp32 value before the cast differs by a few
+#   ulps (~1e-6 relative); the cast to the output dtype then lands at most one
+#   ulp of that dtype apart: 2^-7 relative for bf16 (8 significant bits), 2^-10
+#   for fp16; for an fp32 output, the few fp32 ulps themselves.
+# * probs: the draft logits differ from torch's by the summation order of the
+#   r-term GEMV (~1e-6 absolute at these scales), exp is libdevice's in both.
+# * tokens: exact. The one source of difference is that summation order, so
+#   the token tests use weights whose products and sums are exact in fp32
+#   (small multiples of 2^-3): then every order gives the same logits and the
+#   tokens must be identical. With random bf16 weights, a token may flip only
+#   where two candidates tie within that rounding (≲ 1e-3 of rows).
+TOL = {
+    "normed_bf16": dict(rtol=2**-7, atol=1e-6),
+    "normed_fp16": dict(rtol=2**-10, atol=1e-6),
+    "normed_fp32": dict(rtol=1e-5, atol=1e-6),
+    "probs": dict(rtol=1e-4, atol=1e-6),
+    "random_weight_token_flips": 1e-3,
+}
+NORM_TOL = {torch.bfloat16: TOL["normed_bf16"], torch.float16: TOL["normed_fp16"], torch.float32: TOL["normed_fp32"]}
+
+BIG = ON_GPU  # production sizes only where kernels are compiled
+
+
+@pytest.fixture(scope="module")
+def tops():
+    from muse_spark.plugins import triton_ops
+
+    return triton_ops
+
+
+@pytest.fixture(scope="module")
+def kern():
+    from muse_spark.plugins.markov import triton_kernel
+
+    return triton_kernel
+
+
+# ---- gated residual + norm ----------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D", [33, 1000, 4096])
+@pytest.mark.parametrize("weight", ["plain", "zero_centered", "none"])
+def test_gated_residual_norm_matches_reference(tops, out_dtype, D, weight):
+    g = torch.Generator().manual_seed(D)
+    stream = (4 * torch.randn(2, 7, D, generator=g)).to(DEV)
+    branch = torch.randn(2, 7, D, generator=g).to(out_dtype).to(DEV)
+    gate = (0.5 + torch.rand(D, generator=g)).to(DEV)
+    w = None if weight == "none" else (0.1 * torch.randn(D, generator=g)).to(out_dtype).to(DEV)
+    args = (stream, branch, gate, w, 1e-6, weight == "zero_centered", True, out_dtype)
+    new, normed = tops.gated_residual_add(*args)
+    ref_new, ref_normed = gated_residual_add_ref(*args)
+    assert torch.equal(new, ref_new)
+    assert normed.dtype == out_dtype and normed.shape == stream.shape
+    torch.testing.assert_close(normed, ref_normed, **NORM_TOL[out_dtype])
+
+
+@needs_kernels
+def test_gated_residual_without_norm_returns_empty(tops):
+    stream = torch.randn(3, 64, device=DEV)
+    branch = torch.randn(3, 64, device=DEV).bfloat16()
+    gate = torch.rand(64, device=DEV)
+    new, empty = tops.gated_residual_add(stream, branch, gate, None, 1e-6, False, False, torch.bfloat16)
+    assert torch.equal(new, stream + gate * branch.float())
+    assert empty.numel() == 0 and empty.dtype == torch.bfloat16
+
+
+# ---- Markov loop: inputs ----------------------------------------------------------------------
+
+
+def markov_inputs(B, gamma, Vd, V, r, seed=0, exact=True, temps=None, wdtype=torch.bfloat16):
+    """Inputs of markov_sample on DEV. ``exact``: weights in {-2..2}·2^-3, so every
+    product and partial sum of the bias is exact in fp32 (any summation order)."""
+    g = torch.Generator().manual_seed(seed)
+    U = 2 * torch.randn(B, gamma, Vd, generator=g)
+    if exact:
+        w1 = torch.randint(-2, 3, (V, r), generator=g) * 2**-3
+        w2 = torch.randint(-2, 3, (Vd, r), generator=g) * 2**-3
+    else:
+        w1 = 0.5 * torch.randn(V, r, generator=g)
+        w2 = 0.2 * torch.randn(Vd, r, generator=g)
+    ids = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
+    d2t = ids - torch.arange(Vd)
+    anchor = torch.randint(0, V, (B,), generator=g)
+    seeds = torch.randint(-(2**62), 2**62, (B,), generator=g)
+    positions = torch.randint(0, 1_000_000, (B,), generator=g)
+    if temps is None:
+        temps = torch.tensor([0.0, 1.0, 0.5, 1.7])[torch.arange(B) % 4]
+    h = torch.randn(B, gamma, 8, generator=g)
+    to = lambda t: t.to(DEV)  # noqa: E731
+    return [to(U), to(h), to(anchor), to(w1.to(wdtype)), to(w2.to(wdtype)), to(d2t), to(seeds), to(positions),
+            to(temps.float()), "vanilla", None, None, 0]
+
+
+def kernel_configs():
+    """Launch configurations to cover (the default, and each alternative the wrapper can pick)."""
+    cfgs = [None, dict(BLOCK_B=1, BLOCK_V=128, RESIDENT=False), dict(BLOCK_B=1, BLOCK_V=64, RESIDENT=True),
+            dict(BLOCK_B=16, BLOCK_V=64, GRID_SYNC=False)]
+    if ON_GPU:
+        cfgs += [dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=False, num_warps=8),
+                 dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, num_warps=16),
+                 dict(BLOCK_B=16, BLOCK_V=512, GRID_SYNC=True)]
+    return cfgs
+
+
+def run_kernel(kern, args, config):
+    U, _h, anchor, w1, w2, d2t, seeds, positions, temps = args[:9]
+    return kern.launch_markov_sample(U, anchor, w1, w2, d2t, seeds, positions, temps, config=config,
+                                     interpret=INTERPRETED)
+
+
+# ---- Markov loop: exactness ---------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", kernel_configs(), ids=str)
+@pytest.mark.parametrize("shape", [(3, 5, 1000, 3001, 24), (1, 7, 257, 300, 16), (5, 2, 300, 400, 0)], ids=str)
+def test_markov_tokens_and_probs_match_reference(kern, config, shape):
+    B, gamma, Vd, V, r = shape
+    args = markov_inputs(B, gamma, Vd, V, r, seed=sum(shape))
+    ids, probs = run_kernel(kern, args, config)
+    ref_ids, ref_probs = markov_sample_ref(*args)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(probs, ref_probs, **TOL["probs"])
+    greedy = args[8] == 0
+    assert torch.equal(probs[greedy], ref_probs[greedy])  # one-hot rows are exact
+
+
+@needs_kernels
+def test_markov_sampled_tokens_identical_over_many_seeds(tops):
+    B, gamma, Vd, V, r, calls = (16, 7, 4096, 8192, 64, 24) if BIG else (8, 3, 300, 500, 16, 4)
+    for c in range(calls):
+        args = markov_inputs(B, gamma, Vd, V, r, seed=100 + c, temps=torch.full((B,), 0.3 + 0.1 * (c % 10)))
+        ids, _ = tops.markov_sample(*args)
+        ref_ids, _ = markov_sample_ref(*args)
+        assert torch.equal(ids, ref_ids), f"call {c}: {(ids != ref_ids).any(-1).sum().item()} rows differ"
+
+
+@needs_kernels
+def test_markov_production_shape_random_weights(tops):
+    """Vd = 32768, r = 256, V = 131072 with random bf16 weights: tokens flip only at rounding ties."""
+    B, gamma, Vd, V, r = (8, 7, 32768, 131072, 256) if BIG else (4, 3, 2048, 4096, 32)
+    rows = bad = 0
+    for c in range(4 if BIG else 1):
+        args = markov_inputs(B, gamma, Vd, V, r, seed=7 + c, exact=False)
+        ids, probs = tops.markov_sample(*args)
+        ref_ids, ref_probs = markov_sample_ref(*args)
+        same = (ids == ref_ids).all(-1)
+        rows += B
+        bad += int((~same).sum())
+        torch.testing.assert_close(probs[same], ref_probs[same], **TOL["probs"])
+    assert bad <= max(0, int(TOL["random_weight_token_flips"] * rows)), f"{bad} of {rows} rows differ"
+
+
+@needs_kernels
+def test_keyed_gumbel_noise_matches_reference(kern):
+    seeds = torch.tensor([0, 1, -5, 2**40 + 3, -(2**62), 2**62 + 11], device=DEV)
+    pos = torch.tensor([0, 7, 123456, 1, 2**31 + 5, 99], device=DEV)
+    n = 32768 if BIG else 3000
+    got = kern.launch_keyed_gumbel(seeds, pos, SALT_DRAFT, n)
+    want = keyed_gumbel(seeds, pos, SALT_DRAFT, n)
+    if ON_GPU:  # libdevice logf on both sides: bit-identical
+        diff = (got != want).sum().item()
+        assert diff == 0, f"{diff} of {got.numel()} noise values differ, max {(got - want).abs().max().item()}"
+    else:  # the interpreter's numpy log may differ from torch's by an ulp
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ---- Markov loop: sanitization, fallbacks, statistics -----------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("r", [0, 16])
+def test_markov_non_finite_rows(tops, r):
+    Vd = 5000 if BIG else 300
+    base = 2 * torch.randn(6, Vd)
+    inf, nan = float("inf"), float("nan")
+    base[0, ::7] = nan  # NaN counts as −inf
+    base[1, [3, 100, 250]] = inf  # +inf entries: uniform over them
+    base[1, 5] = nan
+    base[2] = -inf  # nothing finite: uniform over the vocabulary
+    base[3] = nan
+    base[4] = -inf
+    base[4, 123] = 1.0  # one finite entry
+    base[5] = -inf
+    base[5, 200] = inf
+    B = 12
+    args = markov_inputs(B, 2, Vd, 2 * Vd, r, seed=3, temps=torch.tensor([0.0, 0.8]).repeat_interleave(6))
+    U = base.repeat(2, 1)[:, None, :].expand(B, 2, Vd).contiguous()
+    U[:, 1] = args[0][:, 1].cpu()  # the second step is a normal row
+    args[0] = U.to(DEV)
+    ids, probs = tops.markov_sample(*args)
+    ref_ids, ref_probs = markov_sample_ref(*args)
+    assert torch.equal(ids, ref_ids)
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs, ref_probs, **TOL["probs"])
+
+
+@needs_kernels
+def test_markov_topk_is_rejected(tops):
+    args = markov_inputs(2, 2, 64, 100, 8)
+    args[-1] = 5
+    with pytest.raises(ValueError, match="dspark_draft_topk is set"):
+        tops.markov_sample(*args)
+
+
+@needs_kernels
+@pytest.mark.parametrize("head", ["gated", "rnn"])
+def test_markov_other_heads_fall_back_to_the_reference_bit_identically(tops, head, caplog):
+    args = markov_inputs(3, 3, 64, 100, 8, temps=torch.tensor([0.0, 1.0, 0.5]))
+    D, r = 8, 8
+    g = torch.Generator().manual_seed(1)
+    shape_w = (r, D + r) if head == "gated" else (3 * r, 2 * r + D)
+    args[9:12] = [head, torch.randn(shape_w, generator=g).to(DEV), torch.randn(shape_w[0], generator=g).to(DEV)]
+    with caplog.at_level(logging.WARNING, logger="muse_spark.plugins.triton_ops"):
+        ids, probs = tops.markov_sample(*args)
+        tops.markov_sample(*args)
+    ref_ids, ref_probs = markov_sample_ref(*args)
+    assert torch.equal(ids, ref_ids) and torch.equal(probs, ref_probs)
+    assert sum(head in rec.getMessage() for rec in caplog.records) <= 1  # logged once per process
+
+
+@needs_kernels
+def test_markov_sampled_frequencies_match_probabilities(tops):
+    """Same logits, different seeds: step-0 tokens are draws from the recorded q."""
+    B, Vd = (8192, 64) if BIG else (1024, 32)
+    args = markov_inputs(1, 1, Vd, 100, 8, temps=torch.tensor([0.9]))
+    args[0] = args[0].expand(B, 1, Vd).contiguous()
+    args[1] = args[1].expand(B, 1, 8).contiguous()
+    for i in (2, 7, 8):
+        args[i] = args[i].expand(B).contiguous()
+    args[6] = torch.arange(B, device=DEV) * 7919 + 13
+    ids, probs = tops.markov_sample(*args)
+    target_of = torch.arange(Vd, device=DEV) + args[5]  # sorted: invert d2t by search
+    draft = torch.searchsorted(target_of, ids[:, 0])
+    assert (target_of[draft] == ids[:, 0]).all()
+    counts = torch.bincount(draft, minlength=Vd).cpu().numpy()
+    assert (probs[0, 0][draft] > 0).all()
+    assert chi2_pvalue(counts, probs[0, 0].double().cpu().numpy()) > 1e-4
+
+
+# ---- registration, dispatch, compilation ------------------------------------------------------
+
+
+def test_importing_plugins_imports_no_triton():
+    code = (
+        "import sys, torch; before = 'triton' in sys.modules\n"
+        "import muse_spark.plugins, muse_spark.plugins.dispatch\n"
+        "assert 'muse_spark.plugins.triton_ops' not in sys.modules\n"
+        "assert before or 'triton' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@needs_kernels
+def test_dispatch_selects_the_triton_ops(tops):
+    args = markov_inputs(2, 3, 300, 400, 16)
+    with dispatch.plugin_impl("triton"):
+        ids, probs = dispatch.markov_sample(*args)
+    ref_ids, ref_probs = markov_sample_ref(*args)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(probs, ref_probs, **TOL["probs"])
+    stream = torch.randn(2, 64, device=DEV)
+    branch = torch.randn(2, 64, device=DEV).bfloat16()
+    gate = torch.rand(64, device=DEV)
+    with dispatch.plugin_impl("triton"):
+        new, _ = dispatch.gated_residual_add(stream, branch, gate, None, 1e-6, False, True, torch.bfloat16)
+    assert torch.equal(new, stream + gate * branch.float())
+
+
+class _Tiny(torch.nn.Module):
+    """A function of both ops, as an engine graph would call them."""
+
+    def forward(self, stream, branch, gate, w, U, h, anchor, w1, w2, d2t, seeds, positions, temps):
+        new, normed = torch.ops.muse_spark.gated_residual_add_triton(stream, branch, gate, w, 1e-6, False, True,
+                                                                    torch.bfloat16)
+        ids, probs = torch.ops.muse_spark.markov_sample_triton(U, h, anchor, w1, w2, d2t, seeds, positions, temps,
+                                                               "vanilla", None, None, 0)
+        return new, normed, ids, probs
+
+
+def _tiny_args():
+    g = torch.Generator().manual_seed(5)
+    resid = [torch.randn(4, 128, generator=g), torch.randn(4, 128, generator=g).bfloat16(),
+             torch.rand(128, generator=g), torch.randn(128, generator=g).bfloat16()]
+    return [t.to(DEV) for t in resid] + markov_inputs(2, 3, 512, 1024, 32)[:9]
+
+
+@needs_gpu  # (the interpreter's kernels cannot be traced with fake tensors)
+def test_triton_ops_export_as_ops(tops):
+    args = _tiny_args()
+    ep = torch.export.export(_Tiny(), tuple(args))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "muse_spark.gated_residual_add_triton.default" in targets
+    assert "muse_spark.markov_sample_triton.default" in targets
+    for a, b in zip(ep.module()(*args), _Tiny()(*args)):
+        assert torch.equal(a, b)
+
+
+@needs_gpu
+def test_triton_ops_under_torch_compile(tops):
+    args = _tiny_args()
+    eager = _Tiny()(*args)
+    compiled = torch.compile(_Tiny(), fullgraph=True)(*args)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+
+
+@needs_gpu
+@pytest.mark.slow
+def test_triton_ops_compile_into_an_aoti_package(tops, tmp_path):
+    args = _tiny_args()
+    ep = torch.export.export(_Tiny(), tuple(args))
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "tiny.pt2"))
+    runner = torch._inductor.aoti_load_package(path)
+    for a, b in zip(runner(*args), _Tiny()(*args)):
+        assert torch.equal(a, b)
