@@ -64,12 +64,17 @@ def versions() -> dict:
 
 def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path, *, backend: str = "eager",
                  device: str = "cpu", max_batch: int = 8, max_seq: int = 1024, dtype: str | None = None,
-                 overwrite: bool = True, quiet: bool = False) -> dict:
-    """Build an engine directory; returns its manifest."""
+                 overwrite: bool = True, quiet: bool = False, **aoti_options) -> dict:
+    """Build an engine directory; returns its manifest.
+
+    ``aoti_options`` (backend ``aoti`` only): ``buckets``, ``prefill_chunk``,
+    ``fast_compile``, ``plugins``, ``jobs`` — see ``builder/aoti.py``."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} (expected one of {list(BACKENDS)})")
-    if backend != "eager":
-        raise ValueError(f"backend {backend!r} is not available in this build yet; use --backend eager")
+    if backend not in ("eager", "aoti"):
+        raise ValueError(f"backend {backend!r} is not available in this build yet; use --backend eager or aoti")
+    if aoti_options and backend != "aoti":
+        raise ValueError(f"options {sorted(aoti_options)} apply to --backend aoti only")
     if max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
     t0 = time.perf_counter()
@@ -98,6 +103,12 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     _log("writing engine weights", quiet)
     save_canonical(target, tmp / "target.safetensors")
     save_canonical(draft, tmp / "draft.safetensors")
+    aoti = None
+    if backend == "aoti":
+        from muse_spark.builder.aoti import build_aoti
+
+        aoti = build_aoti(target, draft, tmp, device=device, max_batch=max_batch, max_seq=max_seq,
+                          log=lambda m: _log(m, quiet), **aoti_options)
     tokenizer = None
     for src in (Path(target_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"):
         if src.is_file():
@@ -119,11 +130,13 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
         "gamma": gamma,
         "max_seq": max_seq,
         "max_batch": max_batch,
-        "batch_buckets": default_buckets(max_batch),
+        "batch_buckets": aoti["batch_buckets"] if aoti else default_buckets(max_batch),
         "plugins": dict(PLUGIN_VERSIONS),
         "tokenizer": tokenizer,
         "files": files,
     }
+    if aoti:
+        manifest["aoti"] = aoti
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     tmp.rename(out)
     _log(f"engine written to {out} in {time.perf_counter() - t0:.1f}s", quiet)

@@ -5,6 +5,7 @@
     muse-spark generate (--engine DIR | --target DIR --draft DIR) (--prompt TEXT | --prompt-ids 1,2,3)
     muse-spark triton-repo --engine DIR --out REPO [--model-name muse_spark] [--instances N]
     muse-spark serve --repo REPO [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002] [--host 127.0.0.1]
+    muse-spark bench [--preset muse-spark-8b|tiny] [--batches 1,8,32] [--json F] [--markdown F]
 """
 
 from __future__ import annotations
@@ -126,6 +127,13 @@ def cmd_generate(a) -> int:
     return 0
 
 
+# ---- bench ----------------------------------------------------------------------------------
+def cmd_bench(a) -> int:
+    from muse_spark.bench import run
+
+    return run(a, "muse-spark " + " ".join(sys.argv[1:]))
+
+
 # ---- main -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="muse-spark", description="Muse Spark DSpark deployment backend")
@@ -172,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_triton_repo_command(sub)
     add_serve_command(sub)
+
+    from muse_spark.bench import add_arguments as add_bench_arguments  # light: no torch at parser time
+
+    k = sub.add_parser("bench", help="speculative-step latency: eager vs torch.compile vs aoti (GPU)")
+    add_bench_arguments(k)
+    k.set_defaults(fn=cmd_bench)
     return p
 
 

@@ -35,6 +35,10 @@ def load_engine(engine_dir: str | Path, device: str | None = None, **kw):
     backend = m["backend"]
     if backend == "eager":
         return EagerEngine.from_dir(engine_dir, device=device, **kw)
+    if backend == "aoti":
+        from muse_spark.runtime.aoti_engine import AOTIEngine  # loads torch._inductor: only when needed
+
+        return AOTIEngine.from_dir(engine_dir, device=device, **kw)
     raise EngineError(f"{engine_dir}: engine backend {backend!r} is not supported by this runtime")
 
 

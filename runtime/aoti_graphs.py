@@ -108,6 +108,39 @@ def weight_tensors(pair: SpecPair, names: list[str]) -> list[torch.Tensor]:
     return [state[n] for n in names]
 
 
+def tensor_spec(t: torch.Tensor) -> list:
+    """[shape, dtype name]: what a compiled graph assumes about one input."""
+    return [list(t.shape), str(t.dtype).removeprefix("torch.")]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """'bfloat16', 'int64', … → the torch dtype (inverse of ``tensor_spec``'s names)."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def weight_specs(pair: SpecPair) -> list[list]:
+    """[[name, shape, dtype], …] in graph-input order (recorded in the manifest)."""
+    names = weight_names(pair)
+    return [[n, *tensor_spec(t)] for n, t in zip(names, weight_tensors(pair, names))]
+
+
+# Per-request graph inputs after (weights, tk, tv, dk, dv), with their dtypes; B is the bucket.
+STEP_INPUTS = (("anchor", "int64"), ("anchor_pos", "int64"), ("slots", "int64"), ("seeds", "int64"),
+               ("temperature", "float32"))
+# Prefill: tokens/positions [1, C], the rest [1].
+PREFILL_INPUTS = (("tokens", "int64"), ("positions", "int64"), ("slots", "int64"), ("last", "int64"),
+                  ("seeds", "int64"), ("temperature", "float32"))
+
+
+def build_pair(tcfg, dcfg, device="meta") -> SpecPair:
+    """Reference modules for ``tcfg``/``dcfg`` (meta by default: export needs structure, not weights)."""
+    with torch.device(device):
+        return SpecPair(MuseSpark1xForCausalLM(tcfg, dcfg.target_layer_ids), MuseSparkDSparkForCausalLM(dcfg))
+
+
 class GraphFn(nn.Module):
     """``SpecPair.<fn>`` with the weights as a flat list input (what torch.export sees).
 

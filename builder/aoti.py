@@ -1,0 +1,323 @@
+"""The ``aoti`` backend: ``torch.export`` + AOTInductor packages (DESIGN.md §4).
+
+An aoti engine directory holds, beside the canonical weights the eager
+backend writes (``target.safetensors``, ``draft.safetensors``):
+
+* ``prefill.pt2`` — one prompt chunk of ``C`` tokens for one request;
+* ``step_b{B}.pt2`` — one speculative step for batch bucket ``B`` (static
+  shapes, so that the runtime can capture each in a CUDA graph).
+
+The graphs are ``runtime/aoti_graphs.py``'s ``SpecPair.prefill``/``step``
+with the weights and the KV caches as inputs (see that module for why).
+
+Footguns this module handles:
+
+* **No weights are needed to compile.** Each graph is exported from modules on
+  the meta device with fake inputs of the recorded weight shapes/dtypes, so a
+  compile worker is cheap to start and an 8B build does not hold 16 GB per
+  worker. The graphs compile in parallel worker processes (``spawn``: a
+  forked CUDA context is unusable), because Inductor's code generation is
+  single-threaded Python and a large step graph takes minutes.
+* **Plugins.** CPU builds (and CUDA builds without Triton kernels) export with
+  ``plugin_impl("inline")``: the reference functions are traced into the graph,
+  so the package needs no Python-registered op at run time (CPU AOTI and the C++
+  loader require that). CUDA builds use ``"triton"`` when
+  ``muse_spark.plugins.triton_ops`` imports: its ``triton_op`` kernels are
+  compiled into the package. The manifest records which.
+* **Inductor's 32-bit indexing** (torch 2.11 and 2.13): the keyed random
+  hash multiplies an ``arange`` by the 32-bit golden ratio 0x9E3779B9;
+  Inductor turns that into an index expression ``2654435769*r0_0`` and, when a
+  kernel is small enough for int32 indexing, emits it in int32, which Triton
+  rejects ("Scalar 2654435769 is out of range for type int32"). The compile
+  therefore forces 64-bit indexing (``int64_indexing``), which Inductor
+  documents as always correct; the kernels are memory-bound, so the wider index
+  math costs little.
+* **CPU compile time.** Inductor's C++ code generation emits vectorized and
+  scalar variants of every kernel; for the sampling kernels (keyed hashes,
+  softmax, argmax fused over the Markov loop) that is minutes of Python on a
+  small machine. ``fast_compile`` (the CPU default: CPU engines serve tests
+  and CI) turns vectorization off, about halving it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+import warnings
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
+from muse_spark.runtime.aoti_graphs import (PREFILL_INPUTS, STEP_INPUTS, GraphFn, build_pair, torch_dtype,
+                                            weight_specs)
+
+PLUGIN_IMPLS = ("auto", "inline", "triton")
+
+
+def resolve_plugin_impl(requested: str, device: str) -> str:
+    """``auto`` → ``triton`` on CUDA when the Triton ops import, else ``inline``."""
+    if requested not in PLUGIN_IMPLS:
+        raise ValueError(f"unknown plugin implementation {requested!r} (expected one of {list(PLUGIN_IMPLS)})")
+    cuda = torch.device(device).type == "cuda"
+    if requested == "triton" and not cuda:
+        raise ValueError("plugin implementation 'triton' needs --device cuda (CPU builds run the references)")
+    if requested != "auto":
+        if requested == "triton":
+            import muse_spark.plugins.triton_ops  # noqa: F401  (fails loudly if it cannot)
+        return requested
+    if not cuda:
+        return "inline"
+    try:
+        import muse_spark.plugins.triton_ops  # noqa: F401
+    except Exception as e:  # Triton missing or the kernels module broken: stay exact
+        print(f"[build] Triton plugin kernels unavailable ({type(e).__name__}: {e}); using the references",
+              file=sys.stderr, flush=True)
+        return "inline"
+    return "triton"
+
+
+def graph_plan(device: str, max_batch: int, max_seq: int, buckets: list[int] | None,
+               prefill_chunk: int | None) -> tuple[list[int], int]:
+    """Batch buckets (CUDA: powers of two up to max_batch; CPU: just max_batch) and the prefill chunk."""
+    if buckets is None:
+        if torch.device(device).type == "cuda":
+            buckets, b = [], 1
+            while b < max_batch:
+                buckets.append(b)
+                b *= 2
+            buckets.append(max_batch)
+        else:
+            buckets = [max_batch]
+    buckets = sorted(set(int(b) for b in buckets))
+    if not buckets or buckets[0] < 1 or buckets[-1] != max_batch:
+        raise ValueError(f"batch buckets {buckets} must be positive and end at --max-batch {max_batch}")
+    chunk = prefill_chunk or min(128, max_seq)
+    if not 1 <= chunk <= max_seq:
+        raise ValueError(f"prefill chunk {chunk} must be in [1, max_seq={max_seq}]")
+    return buckets, chunk
+
+
+def inductor_configs(device: str, fast_compile: bool) -> dict:
+    """Inductor options for a graph compile.
+
+    CUDA: the engine must reproduce the eager engine token for token, so keep
+    eager's bf16 rounding between fused ops (``emulate_precision_casts``; by
+    default Inductor elides those downcast-upcast pairs) and eager's
+    correctly-rounded division where this torch has the knob. CPU: see
+    ``fast_compile`` in the module docstring.
+    """
+    import torch._inductor.config as c
+
+    if torch.device(device).type == "cpu":
+        return {"cpp.vec_isa_ok": False} if fast_compile else {}
+    out = {}
+    if hasattr(c, "emulate_precision_casts"):
+        out["emulate_precision_casts"] = True
+    if hasattr(getattr(c, "eager_numerics", None), "division_rounding"):
+        out["eager_numerics.division_rounding"] = True
+    return out
+
+
+def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: list[list], *, device: str,
+               max_seq: int, cache_slots: int, buckets: list[int], prefill_chunk: int, impl: str,
+               cache_dtype: str, configs: dict, out_dir: Path, with_prefill: bool = True) -> list[dict]:
+    """One self-contained job per graph (picklable: a worker rebuilds everything from it)."""
+    common = dict(tcfg=tcfg.to_dict(), dcfg=dcfg.to_dict(), weights=wspecs, device=device, max_seq=max_seq,
+                  cache_slots=cache_slots, cache_dtype=cache_dtype, impl=impl, configs=configs)
+    jobs = []
+    if with_prefill:
+        jobs.append(dict(common, name="prefill", fn="prefill", batch=1, chunk=prefill_chunk,
+                         out=str(out_dir / "prefill.pt2")))
+    for b in sorted(buckets, reverse=True):  # the largest compiles longest: start it first
+        jobs.append(dict(common, name=f"step_b{b}", fn="step", batch=b, out=str(out_dir / f"step_b{b}.pt2")))
+    return jobs
+
+
+def fake_inputs(job: dict, tcfg, dcfg):
+    """Fake tensors for (weights, tk, tv, dk, dv, *per-request inputs) of one job."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dev = torch.device(job["device"])
+    cache_dtype = torch_dtype(job["cache_dtype"])
+    with FakeTensorMode():
+        weights = [torch.empty(shape, dtype=torch_dtype(dt), device=dev) for _, shape, dt in job["weights"]]
+
+        def cache(cfg, n):
+            return [torch.empty(job["cache_slots"], job["max_seq"], cfg.num_key_value_heads, cfg.head_dim,
+                                dtype=cache_dtype, device=dev) for _ in range(n)]
+
+        caches = (cache(tcfg, tcfg.num_hidden_layers), cache(tcfg, tcfg.num_hidden_layers),
+                  cache(dcfg, dcfg.num_hidden_layers), cache(dcfg, dcfg.num_hidden_layers))
+        if job["fn"] == "step":
+            shapes = [(job["batch"],)] * len(STEP_INPUTS)
+            names = STEP_INPUTS
+        else:
+            shapes = [(1, job["chunk"]), (1, job["chunk"])] + [(1,)] * 4
+            names = PREFILL_INPUTS
+        inputs = [torch.empty(s, dtype=torch_dtype(dt), device=dev) for s, (_, dt) in zip(shapes, names)]
+    return (weights, *caches, *inputs)
+
+
+@contextlib.contextmanager
+def int64_indexing() -> Iterator[None]:
+    """Make Inductor index every Triton kernel in int64 (see the module docstring)."""
+    from torch._inductor.codegen.simd import SIMDScheduling
+
+    original = SIMDScheduling.__dict__.get("can_use_32bit_indexing")
+    if original is None:  # a torch without this hook: nothing to patch
+        yield
+        return
+    SIMDScheduling.can_use_32bit_indexing = staticmethod(lambda numel, buffers: False)
+    try:
+        yield
+    finally:
+        SIMDScheduling.can_use_32bit_indexing = original
+
+
+def compile_job(job: dict) -> dict:
+    """Export one graph from meta modules and compile it into an AOTI package. (Worker entry point.)
+
+    Failures come back as a ``RuntimeError`` carrying the formatted traceback: the
+    original exception (a Triton ``CompilationError`` holds frames) may not pickle."""
+    try:
+        return _compile_job(job)
+    except Exception as e:
+        tb = traceback.format_exc()
+        raise RuntimeError(f"{type(e).__name__}: {e}\n{tb[-6000:]}") from None
+
+
+def _compile_job(job: dict) -> dict:
+    from muse_spark.plugins.dispatch import plugin_impl
+
+    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
+    t0 = time.perf_counter()
+    if job.get("compile_threads"):
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = job["compile_threads"]
+    tcfg = MuseSpark1xConfig.from_dict(job["tcfg"], "target config")
+    dcfg = MuseSparkDSparkConfig.from_dict(job["dcfg"], "draft config")
+    if job["impl"] == "triton":
+        import muse_spark.plugins.triton_ops  # noqa: F401
+    pair = build_pair(tcfg, dcfg)
+    names = [w[0] for w in job["weights"]]
+    args = fake_inputs(job, tcfg, dcfg)
+    with plugin_impl(job["impl"]):
+        ep = torch.export.export(GraphFn(pair, job["fn"], names), args, strict=False)
+    t1 = time.perf_counter()
+    with int64_indexing():
+        torch._inductor.aoti_compile_and_package(ep, package_path=job["out"], inductor_configs=job["configs"])
+    return {"name": job["name"], "file": Path(job["out"]).name, "export_s": round(t1 - t0, 1),
+            "compile_s": round(time.perf_counter() - t1, 1)}
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Cancel queued jobs and terminate running workers (``shutdown`` alone would wait for them)."""
+    for p in list(getattr(pool, "_processes", {}).values()):  # CPython's ProcessPoolExecutor internals
+        p.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def compile_graphs(jobs: list[dict], workers: int | None = None,
+                   log: Callable[[str], None] = lambda m: None) -> list[dict]:
+    """Compile every job, in ``workers`` spawned processes (1: in this process)."""
+    if not jobs:
+        return []
+    workers = max(1, min(workers or len(jobs), len(jobs)))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    jobs = [dict(j, compile_threads=threads) for j in jobs]
+    t0 = time.perf_counter()
+    results = []
+    if workers == 1:
+        for i, job in enumerate(jobs, 1):
+            log(f"compiling {job['name']} ({i}/{len(jobs)})")
+            results.append(compile_job(job))
+            log(f"{job['name']} compiled in {time.perf_counter() - t0:.0f}s")
+        return results
+    log(f"compiling {len(jobs)} graphs ({', '.join(j['name'] for j in jobs)}) in {workers} worker processes")
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        pending = {pool.submit(compile_job, j): j for j in jobs}
+        while pending:
+            done, _ = wait(pending, timeout=30, return_when=FIRST_COMPLETED)
+            if not done:
+                log(f"… still compiling {', '.join(pending[f]['name'] for f in pending)} "
+                    f"({time.perf_counter() - t0:.0f}s)")
+            for f in done:
+                job = pending.pop(f)
+                try:
+                    r = f.result()
+                except Exception as e:
+                    _stop(pool)  # the other graphs would only finish (or fail) for nothing
+                    raise RuntimeError(f"compiling {job['name']} failed: {type(e).__name__}: {e}") from e
+                results.append(r)
+                log(f"{r['name']} compiled (export {r['export_s']}s, AOTInductor {r['compile_s']}s; "
+                    f"{len(results)}/{len(jobs)} after {time.perf_counter() - t0:.0f}s)")
+    return sorted(results, key=lambda r: r["name"])
+
+
+def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max_seq: int,
+               buckets: list[int] | None = None, prefill_chunk: int | None = None, fast_compile: bool | None = None,
+               plugins: str = "auto", jobs: int | None = None, log: Callable[[str], None] = lambda m: None) -> dict:
+    """Compile the prefill and step packages into ``out_dir``; → the manifest's ``aoti`` section."""
+    buckets, chunk = graph_plan(device, max_batch, max_seq, buckets, prefill_chunk)
+    if fast_compile is None:
+        fast_compile = torch.device(device).type == "cpu"
+    impl = resolve_plugin_impl(plugins, device)
+    log(f"plugins: {impl}; batch buckets {buckets}; prefill chunk {chunk}; static key window {max_seq}")
+    if impl == "triton" and draft.cfg.dspark_draft_topk:
+        raise ValueError("the fused Markov kernel does not support dspark_draft_topk; build with plugins='inline'")
+    from muse_spark.runtime.aoti_graphs import SpecPair
+
+    wspecs = weight_specs(SpecPair(target, draft))
+    configs = inductor_configs(device, fast_compile)
+    cache_dtype = str(target.dtype).removeprefix("torch.")
+
+    def compile_with(impl: str) -> list[dict]:
+        job_list = graph_jobs(target.cfg, draft.cfg, wspecs, device=device, max_seq=max_seq,
+                              cache_slots=max_batch + 1, buckets=buckets, prefill_chunk=chunk, impl=impl,
+                              cache_dtype=cache_dtype, configs=configs, out_dir=out_dir)
+        return compile_graphs(job_list, jobs, log)
+
+    fallback = None
+    try:
+        results = compile_with(impl)
+    except RuntimeError as e:
+        if not (plugins == "auto" and impl == "triton"):
+            raise
+        # The Triton plugin kernels import but do not compile into a package: say so,
+        # record it, and build the exact reference path instead.
+        fallback = str(e).splitlines()[0][:500]
+        log(f"the Triton plugin kernels failed to compile into the package ({fallback}); "
+            f"rebuilding with the reference plugins (plugin_impl 'inline')")
+        impl = "inline"
+        results = compile_with(impl)
+    graphs = {"prefill": {"file": "prefill.pt2", "fn": "prefill", "batch": 1, "chunk": chunk}}
+    for b in buckets:
+        graphs[f"step_b{b}"] = {"file": f"step_b{b}.pt2", "fn": "step", "batch": b}
+    return {
+        "plugin_impl": impl,
+        "plugin_fallback": fallback,
+        "graphs": graphs,
+        "batch_buckets": buckets,
+        "prefill_chunk": chunk,
+        # Caches have one slot more than max_batch: padded batch rows read and write it.
+        "cache_slots": max_batch + 1,
+        "scratch_slot": max_batch,
+        "cache_dtype": cache_dtype,
+        "weights": wspecs,
+        "graph_inputs": {
+            "step": ["weights[]", "target_k[]", "target_v[]", "draft_k[]", "draft_v[]"] + [n for n, _ in STEP_INPUTS],
+            "prefill": ["weights[]", "target_k[]", "target_v[]", "draft_k[]", "draft_v[]"]
+            + [n for n, _ in PREFILL_INPUTS],
+        },
+        "compile": {"fast_compile": fast_compile, "inductor_configs": configs,
+                    "seconds": {r["name"]: r["export_s"] + r["compile_s"] for r in results}},
+    }

@@ -1,0 +1,588 @@
+"""``muse-spark bench``: speculative-step latency of the eager, torch.compile and aoti engines.
+
+On the GPU with the Muse-Spark-shaped preset (random bf16 weights; DESIGN.md §7)
+one run measures, at each batch size:
+
+* the speculative step (draft block → Markov loop → target verify → accept →
+  draft context) of (a) the eager engine, (b) ``torch.compile`` of the same
+  eager step (``mode="reduce-overhead"``, gpt-fast's method: CUDA graphs, the
+  caches marked as static addresses), (c) the aoti engine's step graph replayed
+  from a CUDA graph (the runner the runtime uses: input copies and all);
+* the fused Markov loop alone (the engine's plugin implementation, and the
+  reference loop), each replayed from a CUDA graph;
+* the bytes a step must read (weights + valid KV) against a device-to-device
+  copy bandwidth it measures itself: roofline time and achieved fraction;
+* tokens/s at mean acceptance lengths τ = 1, 3.7, 6.17 (tokens per step,
+  bonus included): B·τ / step time.
+
+Timing: CUDA events around each call, warm-up first, median of ``iters``
+(METHOD.md). KV caches hold random values at ``context`` positions per request
+(never zeros). The aoti step graphs compile in worker processes while the
+torch.compile baseline compiles; eager timings are taken before either starts
+(an eager step is launch-bound and CPU contention would inflate it).
+
+Results go to JSON and a Markdown table (``docs/benchmarks.md``) together with
+the exact command. Partial JSON is written after every section, so a run cut
+short still reports what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+PRESETS = {
+    # DESIGN.md §7 / the issue: an 8B-shaped dense target and a 5-layer DSpark draft.
+    "muse-spark-8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=131072,
+                          draft_layers=5, draft_vocab=32768, rank=256, gamma=7, aux=(1, 8, 15, 22, 29)),
+    # Same code paths at toy size (CPU smoke runs, CI).
+    "tiny": dict(hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, ffn=96, vocab=512,
+                 draft_layers=1, draft_vocab=128, rank=16, gamma=3, aux=(0, 1)),
+}
+TAUS = (1.0, 3.7, 6.17)
+
+
+def preset_configs(name: str, layers: int | None = None, draft_layers: int | None = None):
+    from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
+
+    p = dict(PRESETS[name])
+    if layers:
+        p["layers"] = layers
+        p["aux"] = tuple(sorted({min(a, max(layers - 2, 0)) for a in p["aux"]}))  # the last layer is excluded
+    if draft_layers:
+        p["draft_layers"] = draft_layers
+    common = dict(vocab_size=p["vocab"], hidden_size=p["hidden"], num_attention_heads=p["heads"],
+                  num_key_value_heads=p["kv_heads"], head_dim=p["head_dim"], intermediate_size=p["ffn"],
+                  torch_dtype="bfloat16", attn_output_gate=False, output_soft_cap_temp=None, eos_token_id=[2],
+                  max_position_embeddings=8192, rope_theta=500000.0)
+    t = MuseSpark1xConfig.from_dict(dict(common, num_hidden_layers=p["layers"]), "bench target")
+    d = MuseSparkDSparkConfig.from_dict(dict(
+        common, num_hidden_layers=p["draft_layers"], draft_vocab_size=p["draft_vocab"],
+        target_hidden_size=p["hidden"], target_layer_ids=list(p["aux"]), mask_token_id=3, block_size=p["gamma"],
+        markov_rank=p["rank"], markov_head_type="vanilla"), "bench draft")
+    d.validate_against(t)
+    return t, d
+
+
+def random_pair(tcfg, dcfg, device, seed: int = 0):
+    """Reference modules with random weights, generated on the device (an 8B pair is 16 GB)."""
+    import torch
+
+    from muse_spark.checkpoint import expected_shapes
+    from muse_spark.runtime.engine import build_modules
+
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def sd_for(cfg):
+        sd = {}
+        for name, shape in expected_shapes(cfg).items():
+            if name == "draft_id_to_target_id":
+                ids = torch.sort(torch.randperm(cfg.vocab_size, device=device, generator=g)[: cfg.draft_vocab_size]).values
+                sd[name] = ids - torch.arange(cfg.draft_vocab_size, device=device)
+            elif name.endswith("residual_gate"):
+                sd[name] = 0.5 + torch.rand(shape, device=device, generator=g)
+            elif name.endswith("norm.weight"):
+                sd[name] = 1 + 0.1 * torch.randn(shape, device=device, generator=g, dtype=torch.bfloat16)
+            else:
+                sd[name] = 0.02 * torch.randn(shape, device=device, generator=g, dtype=torch.bfloat16)
+        return sd
+
+    return build_modules(tcfg, dcfg, sd_for(tcfg), sd_for(dcfg), torch.bfloat16, device)
+
+
+# ---- timing ---------------------------------------------------------------------------------------
+def time_fn(fn, device, iters: int, warmup: int = 3) -> dict:
+    """Median / min milliseconds of ``fn()`` by CUDA events (wall clock on CPU)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "iters": iters}
+
+
+def copy_bandwidth(device, gib: float = 2.0) -> dict:
+    """Device-to-device copy, counting bytes read + written (METHOD.md)."""
+    import torch
+
+    n = int(gib * 2**30) // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    r = time_fn(lambda: dst.copy_(src), device, iters=10)
+    bytes_moved = 2 * n * 4
+    return {"bytes": bytes_moved, "median_ms": r["median_ms"], "GBps": bytes_moved / r["median_ms"] / 1e6}
+
+
+def step_bytes(tcfg, dcfg, batch: int, context: int) -> dict:
+    """The fewest bytes one speculative step reads: every weight matrix once (embedding and W1 rows
+    only where gathered), valid KV once. bf16 weights/KV; fp32 residual gates ignored (tiny)."""
+    g, D, e = dcfg.block_size, tcfg.hidden_size, 2
+    t_layer = (tcfg.qkv_out * D + tcfg.q_size * D + 3 * tcfg.intermediate_size * D) * e
+    d_layer = (dcfg.qkv_out * D + dcfg.q_size * D + 3 * dcfg.intermediate_size * D) * e
+    target_w = tcfg.num_hidden_layers * t_layer + tcfg.vocab_size * D * e + batch * (g + 1) * D * e
+    draft_w = (dcfg.num_hidden_layers * d_layer + dcfg.draft_vocab_size * D * e  # layers, lm_head
+               + dcfg.hidden_size * dcfg.target_hidden_size * len(dcfg.target_layer_ids) * e  # fc
+               + dcfg.draft_vocab_size * dcfg.markov_rank * e + batch * g * dcfg.markov_rank * e  # W2, W1 rows
+               + batch * g * D * e)  # embedding rows of the block
+    kv_row = 2 * tcfg.num_key_value_heads * tcfg.head_dim * e  # K and V of one position, one layer
+    target_kv = tcfg.num_hidden_layers * batch * (context + g + 1) * kv_row
+    draft_kv = dcfg.num_hidden_layers * batch * context * kv_row
+    return {"weights": target_w + draft_w, "kv": target_kv + draft_kv,
+            "total": target_w + draft_w + target_kv + draft_kv}
+
+
+# ---- the benchmark ----------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, args):
+        import torch
+
+        self.a = args
+        if args.device == "auto":
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(args.device)
+        self.result: dict = {"command": args.command, "preset": args.preset, "sections": {}}
+        self.t0 = time.perf_counter()
+
+    def log(self, msg: str) -> None:
+        print(f"[bench {time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    def save(self) -> None:
+        if self.a.json:
+            Path(self.a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.a.json).write_text(json.dumps(self.result, indent=2) + "\n")
+
+    def run(self) -> dict:
+        import torch
+
+        from muse_spark.builder.aoti import compile_job, graph_jobs, inductor_configs, int64_indexing, resolve_plugin_impl
+        from muse_spark.models.target import KVCache
+        from muse_spark.runtime.aoti_graphs import SpecPair, weight_specs
+        from muse_spark.runtime.engine import EagerEngine
+
+        a, dev = self.a, self.device
+        batches = sorted(a.batches)
+        tcfg, dcfg = preset_configs(a.preset, a.layers, a.draft_layers)
+        g = dcfg.block_size
+        max_seq = a.max_seq or (a.context + 128)
+        slots = max(batches) + 1  # + the scratch slot the aoti engine pads with
+        self.result.update(env=self.environment(), config=dict(
+            target=tcfg.to_dict(), draft=dcfg.to_dict(), gamma=g, context=a.context, max_seq=max_seq,
+            batches=batches, iters=a.iters))
+        impl = resolve_plugin_impl(a.plugins, str(dev)) if "aoti" not in a.skip else "inline"
+        self.result["config"]["plugin_impl"] = impl
+
+        self.log(f"random {a.preset} pair on {dev}")
+        target, draft = random_pair(tcfg, dcfg, dev)
+        eng = EagerEngine(target, draft, max_batch=slots, max_seq=max_seq, device=dev)
+        for t in eng.target_cache.k + eng.target_cache.v + eng.draft_cache.k + eng.draft_cache.v:
+            t.normal_()
+        caches = (eng.target_cache.k, eng.target_cache.v, eng.draft_cache.k, eng.draft_cache.v)
+        wspecs = weight_specs(SpecPair(target, draft))
+
+        def inputs(b):
+            gen = torch.Generator(device=dev).manual_seed(b)
+            return (torch.randint(0, tcfg.vocab_size, (b,), device=dev, generator=gen),
+                    torch.full((b,), a.context, device=dev, dtype=torch.int64),
+                    torch.arange(b, device=dev), torch.arange(b, device=dev) + 1000,
+                    torch.full((b,), 1.0, device=dev))
+
+        kv_len = a.context + g + 1
+        sec = self.result["sections"]
+
+        # ---- memory bandwidth and roofline -----------------------------------------------------
+        bw = copy_bandwidth(dev, gib=2.0 if dev.type == "cuda" else 0.25)
+        sec["copy_bandwidth"] = bw
+        sec["bytes_per_step"] = {b: step_bytes(tcfg, dcfg, b, a.context) for b in batches}
+        sec["roofline_ms"] = {b: sec["bytes_per_step"][b]["total"] / bw["GBps"] / 1e6 for b in batches}
+        self.log(f"copy bandwidth {bw['GBps']:.0f} GB/s; roofline "
+                 + ", ".join(f"B={b}: {sec['roofline_ms'][b]:.2f} ms" for b in batches))
+        self.save()
+
+        # ---- (a) eager ---------------------------------------------------------------------------
+        if "eager" not in a.skip:
+            sec["eager"] = {}
+            with torch.inference_mode():
+                for b in batches:
+                    x = inputs(b)
+                    sec["eager"][b] = time_fn(lambda: eng.step(*x, kv_len), dev, a.iters)
+                    self.log(f"eager B={b}: {sec['eager'][b]['median_ms']:.2f} ms")
+            self.save()
+
+        # ---- start the aoti compiles (worker processes) -----------------------------------------
+        pool = futures = None
+        compiled_files: dict = {}
+        if "aoti" not in a.skip:
+            out_dir = Path(a.work_dir)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            jobs = graph_jobs(tcfg, dcfg, wspecs, device=str(dev), max_seq=max_seq, cache_slots=slots,
+                              buckets=batches, prefill_chunk=1, impl=impl, cache_dtype="bfloat16",
+                              configs=inductor_configs(str(dev), fast_compile=dev.type == "cpu"),
+                              out_dir=out_dir, with_prefill=False)
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            pool = ProcessPoolExecutor(max_workers=len(jobs), mp_context=multiprocessing.get_context("spawn"))
+            threads = max(1, (os.cpu_count() or 1) // (len(jobs) + 1))
+            futures = [pool.submit(compile_job, dict(j, compile_threads=threads)) for j in jobs]
+            self.log(f"aoti: compiling {len(jobs)} step graphs ({impl} plugins) in worker processes")
+
+        # ---- (b) torch.compile of the eager step -------------------------------------------------
+        from muse_spark.plugins.dispatch import plugin_impl
+
+        compiled, compiled_inputs = None, {}
+        numerics = inductor_configs(str(dev), fast_compile=False)
+        if "compile" not in a.skip:
+            tc = sec["torch_compile"] = {"mode": a.compile_mode, "static_per_batch": a.compile_static,
+                                         "plugins": impl, "inductor_configs": numerics}
+            for t in [t for c in caches for t in c]:
+                torch._dynamo.mark_static_address(t)  # gpt-fast: the KV cache is a static buffer
+            raw_step = EagerEngine.step.__wrapped__  # the body, without the inference_mode decorator
+
+            def eager_step(*xs):
+                return raw_step(eng, *xs, kv_len)
+
+            compiled = torch.compile(eager_step, mode=a.compile_mode, dynamic=False if a.compile_static else None)
+
+        def compile_for(bs) -> bool:
+            """Compile (and record the CUDA graphs of) the torch.compile step for ``bs``."""
+            tc = sec["torch_compile"]
+            try:
+                # The same Inductor options as the aoti build (eager-precision casts), same index fix.
+                with torch.inference_mode(), plugin_impl(impl), int64_indexing(), \
+                        torch._inductor.config.patch(numerics):
+                    for b in bs:
+                        t1 = time.perf_counter()
+                        compiled_inputs[b] = inputs(b)
+                        for _ in range(3):  # compile, then CUDA-graph warm-up and recording
+                            compiled(*compiled_inputs[b])
+                        if dev.type == "cuda":
+                            torch.cuda.synchronize(dev)
+                        tc.setdefault("compile_s", {})[b] = round(time.perf_counter() - t1, 1)
+                        self.log(f"torch.compile B={b}: compiled in {time.perf_counter() - t1:.0f}s")
+                return True
+            except Exception as e:  # report what failed, keep measuring the rest
+                tc["error"] = f"{type(e).__name__}: {e}"[:3000]
+                self.log(f"torch.compile failed: {tc['error'][:500]}")
+                return False
+
+        def time_compiled(bs) -> None:
+            with torch.inference_mode(), plugin_impl(impl):
+                for b in bs:
+                    x = compiled_inputs[b]
+                    sec["torch_compile"][b] = time_fn(lambda: compiled(*x), dev, a.iters)
+                    self.log(f"torch.compile B={b}: {sec['torch_compile'][b]['median_ms']:.2f} ms")
+            self.save()
+
+        # Batch 1 first (the comparison that matters most), while the aoti graphs compile.
+        if compiled is not None and not compile_for(batches[:1]):
+            compiled = None
+        self.save()
+
+        # ---- (c) aoti + CUDA graphs --------------------------------------------------------------
+        if futures:
+            for f in futures:
+                try:
+                    r = f.result()
+                    compiled_files[r["name"]] = r
+                except Exception as e:
+                    sec.setdefault("aoti_errors", []).append(f"{type(e).__name__}: {e}"[:3000])
+                    self.log(f"aoti compile failed: {str(e)[:1000]}")
+            pool.shutdown()
+            sec["aoti_compile_s"] = {k: v["export_s"] + v["compile_s"] for k, v in compiled_files.items()}
+            self.log(f"aoti: compiled {sorted(compiled_files)}")
+        aoti_batches = [b for b in batches if f"step_b{b}" in compiled_files] if futures else []
+        if aoti_batches:
+            try:
+                self.aoti_section(eng, caches, aoti_batches, inputs, kv_len, scratch=slots - 1)
+            except Exception as e:
+                sec["aoti_error"] = f"{type(e).__name__}: {e}"[:3000]
+                self.log(f"aoti section failed: {sec['aoti_error'][:500]}")
+
+        if compiled is not None:  # timed with the compile workers done
+            time_compiled(batches[:1])
+            rest = batches[1:]
+            elapsed = time.perf_counter() - self.t0
+            need = 1.5 * sec["torch_compile"]["compile_s"][batches[0]] + 30
+            if rest and a.deadline_s and elapsed + need > a.deadline_s:
+                sec["torch_compile"]["skipped"] = (f"batches {rest}: the recompile (~{need:.0f}s) would pass "
+                                                   f"--deadline-s {a.deadline_s:.0f} at {elapsed:.0f}s")
+                self.log(f"torch.compile: {sec['torch_compile']['skipped']}")
+            elif rest and compile_for(rest):
+                time_compiled(rest)
+
+        # ---- the Markov loop alone ---------------------------------------------------------------
+        try:
+            self.markov_section(draft, batches, impl)
+        except Exception as e:
+            sec["markov_error"] = f"{type(e).__name__}: {e}"[:3000]
+            self.log(f"markov section failed: {sec['markov_error'][:500]}")
+
+        # ---- tokens/s ----------------------------------------------------------------------------
+        tps = {}
+        for name in ("eager", "torch_compile", "aoti"):
+            if name in sec:
+                tps[name] = {b: {str(tau): b * tau / (sec[name][b]["median_ms"] / 1e3) for tau in TAUS}
+                             for b in batches if b in sec[name]}
+        sec["tokens_per_s"] = tps
+        self.result["seconds"] = round(time.perf_counter() - self.t0, 1)
+        self.save()
+        if a.markdown:
+            Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.markdown).write_text(render_markdown(self.result))
+        print(render_table(self.result))
+        return self.result
+
+    def aoti_section(self, eng, caches, batches, inputs, kv_len, scratch: int) -> None:
+        import torch
+
+        from muse_spark.runtime.aoti_engine import load_package
+        from muse_spark.runtime.aoti_graphs import SpecPair, weight_names, weight_tensors
+        from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
+
+        a, dev, sec = self.a, self.device, self.result["sections"]
+        pair = SpecPair(eng.target, eng.draft)
+        weights = weight_tensors(pair, weight_names(pair))
+        cuda = dev.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        sec["aoti"], sec["aoti_graph_replay"], sec["aoti_matches_eager"] = {}, {}, {}
+        with torch.inference_mode():
+            for b in sorted(batches, reverse=True):
+                fn = load_package(Path(a.work_dir) / f"step_b{b}.pt2", dev, single_threaded=cuda)
+                runner = (CUDAGraphStep(fn, b, weights, caches, scratch, dev, pool=pool) if cuda
+                          else StaticStep(fn, b, weights, caches, scratch, dev))
+                x = inputs(b)
+                # Same inputs, greedy rows: the compiled step's drafts and verdicts equal the eager step's.
+                xg = x[:4] + (torch.zeros_like(x[4]),)
+                same = torch.equal(runner(*xg), eng.step(*xg, kv_len))
+                sec["aoti_matches_eager"][b] = same
+                sec["aoti"][b] = time_fn(lambda: runner(*x), dev, a.iters)
+                if cuda:
+                    sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
+                self.log(f"aoti B={b}: {sec['aoti'][b]['median_ms']:.2f} ms (greedy step equals eager: {same})")
+        self.save()
+
+    def markov_section(self, draft, batches, impl) -> None:
+        """The Markov loop alone: the reference (eager ops; it cannot be graph-captured, its
+        scalar constants are host→device copies) and the Triton op when it imports (graph replay)."""
+        import torch
+
+        from muse_spark.plugins import dispatch
+        from muse_spark.plugins.dispatch import plugin_impl
+
+        a, dev, sec = self.a, self.device, self.result["sections"]
+        c = draft.cfg
+        mh = draft.model.markov_head
+        sec["markov"] = {}
+        impls = ["op"]
+        if dev.type == "cuda":
+            try:
+                import muse_spark.plugins.triton_ops  # noqa: F401
+
+                impls.append("triton")
+            except Exception as e:
+                sec["markov_triton_unavailable"] = f"{type(e).__name__}: {e}"[:500]
+        for b in batches:
+            gen = torch.Generator(device=dev).manual_seed(7)
+            U = torch.randn(b, c.block_size, c.draft_vocab_size, device=dev, generator=gen)
+            h = torch.randn(b, c.block_size, c.hidden_size, device=dev, generator=gen).to(draft.dtype)
+            anchor = torch.randint(0, c.vocab_size, (b,), device=dev, generator=gen)
+            pos = torch.full((b,), a.context, device=dev)
+            seeds = torch.arange(b, device=dev)
+            temp = torch.ones(b, device=dev)
+            args = (U, h, anchor, mh.markov_w1.weight, mh.markov_w2.weight, draft.d2t, seeds, pos, temp,
+                    mh.head_type, None, None, 0)
+            row = {}
+            for name in impls:
+                label = "reference (eager ops)" if name == "op" else "triton (CUDA graph replay)"
+                try:
+                    with plugin_impl(name), torch.inference_mode():
+                        fn = lambda: dispatch.markov_sample(*args)  # noqa: E731
+                        if name == "triton":
+                            fn()
+                            torch.cuda.synchronize(dev)
+                            graph = torch.cuda.CUDAGraph()
+                            with torch.cuda.graph(graph):
+                                fn()
+                            fn = graph.replay
+                        row[label] = time_fn(fn, dev, a.iters)
+                except Exception as e:
+                    row[label] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            sec["markov"][b] = row
+            self.log(f"markov B={b}: " + ", ".join(f"{k} {v.get('median_ms', float('nan')):.3f} ms"
+                                                    for k, v in row.items()))
+        self.save()
+
+    def environment(self) -> dict:
+        import torch
+
+        env = {"torch": torch.__version__, "device": str(self.device)}
+        if self.device.type == "cuda":
+            p = torch.cuda.get_device_properties(self.device)
+            env.update(gpu=p.name, compute_capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                       memory_gib=round(p.total_memory / 2**30, 1))
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            env["triton"] = None
+        return env
+
+
+# ---- reporting --------------------------------------------------------------------------------------
+def _ms(sec: dict, name: str, b) -> float | None:
+    v = sec.get(name, {}).get(b) or sec.get(name, {}).get(str(b))
+    return v["median_ms"] if isinstance(v, dict) and "median_ms" in v else None
+
+
+def render_table(result: dict) -> str:
+    sec = result["sections"]
+    batches = result["config"]["batches"]
+    roof = {int(k): v for k, v in sec.get("roofline_ms", {}).items()}
+    lines = ["| batch | roofline ms | eager ms | torch.compile ms | aoti + CUDA graph ms | aoti / roofline "
+             "| eager / aoti | compile / aoti |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def f(x, fmt="{:.2f}"):
+        return "—" if x is None else fmt.format(x)
+
+    for b in batches:
+        e, c, o = _ms(sec, "eager", b), _ms(sec, "torch_compile", b), _ms(sec, "aoti", b)
+        r = roof.get(b)
+        lines.append(f"| {b} | {f(r)} | {f(e)} | {f(c)} | {f(o)} | {f(o / r if o and r else None, '{:.2f}×')} "
+                     f"| {f(e / o if e and o else None, '{:.2f}×')} | {f(c / o if c and o else None, '{:.2f}×')} |")
+    return "\n".join(lines)
+
+
+def render_markdown(result: dict) -> str:
+    sec, cfg, env = result["sections"], result["config"], result["env"]
+    t, d = cfg["target"], cfg["draft"]
+    bw = sec.get("copy_bandwidth", {})
+    out = [
+        "# Benchmarks",
+        "",
+        "Written by `muse-spark bench` (muse_spark/bench.py); the numbers below are from one run.",
+        "",
+        "```",
+        result["command"],
+        "```",
+        "",
+        f"* Device: {env.get('gpu', env['device'])} (compute capability {env.get('compute_capability', '—')}), "
+        f"torch {env['torch']}, Triton {env.get('triton')}.",
+        f"* Pair ({result['preset']}, random bf16 weights): target hidden {t['hidden_size']}, "
+        f"{t['num_hidden_layers']} layers, {t['num_attention_heads']}/{t['num_key_value_heads']} heads, "
+        f"head_dim {t['head_dim']}, FFN {t['intermediate_size']}, vocab {t['vocab_size']}; draft "
+        f"{d['num_hidden_layers']} layers, draft vocab {d['draft_vocab_size']}, Markov rank {d['markov_rank']}, "
+        f"γ = {cfg['gamma']}.",
+        f"* Each request has {cfg['context']} tokens of context; a step verifies γ+1 = {cfg['gamma'] + 1} tokens. "
+        f"The aoti graphs attend over a static window of {cfg['max_seq']} keys with the position mask. "
+        f"aoti plugins: {cfg.get('plugin_impl')}.",
+        f"* Device-to-device copy bandwidth measured in the run: {bw.get('GBps', 0):.0f} GB/s (bytes read + "
+        f"written). Roofline = (weights + valid KV bytes a step must read) / that bandwidth.",
+        f"* torch.compile: mode `{sec.get('torch_compile', {}).get('mode', '—')}` over the eager step "
+        f"(caches marked static; "
+        f"{'one graph per batch size' if sec.get('torch_compile', {}).get('static_per_batch') else 'automatic dynamic shapes: batch 1 static, then a dynamic batch'}"
+        f"). Medians of {cfg['iters']} CUDA-event-timed steps after warm-up.",
+        "",
+        "## Speculative step latency",
+        "",
+        render_table(result),
+        "",
+        "## Bytes per step and achieved bandwidth fraction (roofline / measured)",
+        "",
+        "| batch | weights GB | KV GB | roofline ms | eager | torch.compile | aoti |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for b in cfg["batches"]:
+        by = sec.get("bytes_per_step", {}).get(b) or sec.get("bytes_per_step", {}).get(str(b)) or {}
+        r = (sec.get("roofline_ms", {}).get(b) or sec.get("roofline_ms", {}).get(str(b)))
+        fr = []
+        for name in ("eager", "torch_compile", "aoti"):
+            m = _ms(sec, name, b)
+            fr.append("—" if m is None or r is None else f"{r / m:.0%}")
+        out.append(f"| {b} | {by.get('weights', 0) / 1e9:.2f} | {by.get('kv', 0) / 1e9:.3f} | "
+                   f"{(r or 0):.2f} | " + " | ".join(fr) + " |")
+    out += ["", "## Tokens per second at mean acceptance length τ (tokens per step)", "",
+            "| engine | batch | " + " | ".join(f"τ = {tau}" for tau in TAUS) + " |",
+            "|---|---:|" + "---:|" * len(TAUS)]
+    for name, rows in sec.get("tokens_per_s", {}).items():
+        for b, row in rows.items():
+            out.append(f"| {name} | {b} | " + " | ".join(f"{row[str(tau)]:,.0f}" for tau in TAUS) + " |")
+    if sec.get("markov"):
+        cols = list(next(iter(sec["markov"].values())).keys())
+        out += ["", "## The Markov loop alone (γ sequential steps)", "",
+                "| batch | " + " | ".join(cols) + " |", "|---:|" + "---:|" * len(cols)]
+        for b, row in sec["markov"].items():
+            out.append(f"| {b} | " + " | ".join(f"{row[k]['median_ms'] * 1e3:.0f} µs" if "median_ms" in row.get(k, {})
+                                                 else "failed" for k in cols) + " |")
+    if "aoti_graph_replay" in sec and sec["aoti_graph_replay"]:
+        out += ["", "aoti graph replay alone (without the runner's input copies): "
+                + ", ".join(f"B={b}: {v['median_ms']:.2f} ms" for b, v in sec["aoti_graph_replay"].items()) + "."]
+    if sec.get("aoti_matches_eager"):
+        out += ["", "Greedy aoti step bit-equal to the eager step on the same inputs (random weights give "
+                "near-tied logits, where fused bf16 arithmetic may legitimately flip an argmax): "
+                + ", ".join(f"B={b}: {v}" for b, v in sec["aoti_matches_eager"].items()) + "."]
+    if sec.get("torch_compile", {}).get("skipped"):
+        out += ["", f"torch.compile not measured for {sec['torch_compile']['skipped']}."]
+    errors = {k: v for k, v in sec.items() if "error" in k}
+    errors.update({f"{k}.error": v["error"] for k, v in sec.items() if isinstance(v, dict) and "error" in v})
+    if errors:
+        out += ["", "## Failures in this run", ""] + [f"* `{k}`: {str(v).splitlines()[0][:300]}"
+                                                       for k, v in errors.items()]
+    return "\n".join(out) + "\n"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="muse-spark-8b")
+    p.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=1024, help="tokens of context per request")
+    p.add_argument("--max-seq", type=int, default=None, help="static key window (default context + 128)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--layers", type=int, default=None, help="override the target's layer count (quick runs)")
+    p.add_argument("--draft-layers", type=int, default=None)
+    p.add_argument("--plugins", choices=["auto", "inline", "triton"], default="auto")
+    p.add_argument("--compile-mode", default="reduce-overhead")
+    p.add_argument("--compile-static", action="store_true",
+                   help="torch.compile each batch size statically (default: torch's automatic dynamic shapes, "
+                        "i.e. batch 1 static, then one graph with a dynamic batch)")
+    p.add_argument("--skip", type=lambda s: [x for x in s.split(",") if x], default=[],
+                   help="comma-separated sections to skip: eager, compile, aoti")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="skip torch.compile beyond batch 1 when its recompile would end after this many seconds")
+    p.add_argument("--work-dir", default="/tmp/muse_spark_bench", help="where the aoti packages are compiled")
+    p.add_argument("--json", default="docs/benchmarks.json")
+    p.add_argument("--markdown", default="docs/benchmarks.md")
+
+
+def main(argv: list[str] | None = None, prog: str = "python scripts/bench.py") -> int:
+    """``scripts/bench.py``'s entry point (the CLI's ``bench`` subcommand calls ``run``)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    return run(args, f"{prog} " + " ".join(sys.argv[1:] if argv is None else argv))
+
+
+def run(args, command: str) -> int:
+    args.command = command.strip()
+    Bench(args).run()
+    return 0

@@ -1,0 +1,239 @@
+"""The ``aoti`` engine: AOTInductor packages driven over the reference modules' weights.
+
+``AOTIEngine.from_dir`` checks the manifest against this machine (backend,
+device kind, compute capability, torch version), the files against their
+hashes, then loads the canonical weights once and the packages
+(``prefill.pt2``, ``step_b{B}.pt2``), which take those weights and the KV
+caches as inputs (``runtime/aoti_graphs.py`` says why). On CUDA each step
+package is captured in a CUDA graph per batch bucket (``runtime/cuda_graph.py``);
+on CPU the packages are called directly with the same static buffers.
+
+It is an ``EagerEngine`` for everything it does not compile: it exposes the
+same attributes to the ``Generator``, and ``target_step`` (target-only
+decoding, the reference) runs the eager modules over the same weights and
+caches. Its output must equal the eager engine's: greedy token for token,
+sampled token for token given the same seeds (all randomness is keyed by
+(seed, position), and the graphs compute the reference functions).
+
+Loading in a fresh process (DESIGN.md §4): see ``load_package``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from muse_spark.config import dtype_name, parse_dtype
+from muse_spark.runtime.aoti_graphs import SpecPair, weight_specs, weight_tensors
+from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
+from muse_spark.runtime.engine import (EagerEngine, EngineError, build_modules, check_plugins, configs_from_manifest,
+                                       read_manifest, verify_files)
+
+
+# ---- compatibility ----------------------------------------------------------------------------
+def machine_info(device: torch.device) -> dict:
+    """What an engine is checked against: device kind, name, compute capability, torch version."""
+    info = {"kind": device.type, "name": "cpu", "compute_capability": None, "torch": torch.__version__}
+    if device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        info.update(name=torch.cuda.get_device_name(device), compute_capability=[cc[0], cc[1]])
+    return info
+
+
+def check_compatibility(manifest: dict, here: dict, where: str = "engine") -> None:
+    """Refuse, with the reason, an aoti engine this machine cannot run (``here`` = ``machine_info``)."""
+    if "aoti" not in manifest:
+        raise EngineError(f"{where}: manifest lacks its 'aoti' section; rebuild the engine")
+    built_dev = manifest.get("device", {})
+    if built_dev.get("kind") != here["kind"]:
+        raise EngineError(
+            f"{where}: engine was compiled for {built_dev.get('kind')!r} and cannot run on {here['kind']!r} "
+            f"(AOTInductor packages are device-specific); rebuild it with --device {here['kind']}"
+        )
+    built_torch = manifest.get("versions", {}).get("torch")
+    if built_torch != here["torch"]:
+        raise EngineError(
+            f"{where}: engine was compiled with torch {built_torch}, this runtime has torch {here['torch']}: "
+            f"AOTInductor packages are tied to the torch that compiled them; rebuild the engine"
+        )
+    if here["kind"] == "cuda":
+        cc = built_dev.get("compute_capability")
+        if cc is None or list(cc) != list(here["compute_capability"]):
+            built = "?" if cc is None else f"{cc[0]}.{cc[1]}"
+            mine = "{}.{}".format(*here["compute_capability"])
+            raise EngineError(
+                f"{where}: engine was compiled for compute capability {built} ({built_dev.get('name')}), "
+                f"this device ({here['name']}) is {mine}: its kernels cannot run here; rebuild the engine on it"
+            )
+
+
+# ---- loading packages -------------------------------------------------------------------------
+class _ScalarCPUPackageNotice(logging.Filter):
+    """CPU engines compiled with ``fast_compile`` are scalar code on purpose; the loader's
+    "Device information mismatch for AOTI_CPU_ISA: … vs INVALID_VEC_ISA" warning is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "INVALID_VEC_ISA" not in record.getMessage()
+
+
+logging.getLogger("torch.export.pt2_archive._package").addFilter(_ScalarCPUPackageNotice())
+
+
+def load_package(path: str | Path, device: torch.device, single_threaded: bool = False):
+    """Load one AOTI package for ``device`` (the runtime's only way to load one).
+
+    On CUDA, torch's CUDA state is initialized and the device made current on
+    this thread before the package's library is loaded, and the device index is
+    passed explicitly. Known problem (docs/aoti.md): with torch 2.11.0+cu130 the
+    loader segfaults in a fresh process even so; the cause is not established yet.
+    """
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EngineError("engine device is cuda but no CUDA device is available")
+        torch.cuda.init()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_device(index)
+        torch.empty(1, device=f"cuda:{index}")  # the primary context exists and is current here
+        torch.cuda.synchronize(index)
+        device_index = index
+    else:
+        device_index = -1
+    from torch._inductor import aoti_load_package  # (a bare `import torch._inductor` here would rebind `torch`)
+
+    try:
+        return aoti_load_package(str(path), run_single_threaded=single_threaded, device_index=device_index)
+    except RuntimeError as e:
+        raise EngineError(f"AOTI package {path} cannot be loaded: {e}") from None
+
+
+# ---- the engine -------------------------------------------------------------------------------
+class AOTIEngine(EagerEngine):
+    backend = "aoti"
+
+    def __init__(self, target, draft, *, engine_dir: str | Path, manifest: dict, device, max_batch: int,
+                 tokenizer_path=None, cuda_graphs: bool = True):
+        # Not EagerEngine.__init__: the caches have one scratch slot more (padding rows write it).
+        a = manifest["aoti"]
+        self.target, self.draft = target, draft
+        self.tcfg, self.dcfg = target.cfg, draft.cfg
+        self.gamma = self.dcfg.block_size
+        self.max_batch, self.max_seq = max_batch, manifest["max_seq"]
+        self.device = torch.device(device)
+        self.manifest = manifest
+        self.tokenizer_path = tokenizer_path
+        self.prefill_chunk = a["prefill_chunk"]
+        self.scratch_slot = a["scratch_slot"]
+        self.target_cache = target.allocate_cache(a["cache_slots"], self.max_seq, self.device)
+        self.draft_cache = draft.allocate_cache(a["cache_slots"], self.max_seq, self.device)
+        self.caches = (self.target_cache.k, self.target_cache.v, self.draft_cache.k, self.draft_cache.v)
+
+        pair = SpecPair(target, draft)
+        specs = weight_specs(pair)
+        if specs != a["weights"]:
+            diff = next((m, h) for m, h in zip(a["weights"] + [None] * len(specs), specs + [None] * len(a["weights"]))
+                        if m != h)
+            raise EngineError(f"{engine_dir}: the weights do not match what the graphs were compiled for "
+                              f"(manifest {diff[0]}, loaded {diff[1]})")
+        self.weights = weight_tensors(pair, [w[0] for w in a["weights"]])
+
+        d = Path(engine_dir)
+        cuda = self.device.type == "cuda"
+        self.cuda_graphs = cuda and cuda_graphs
+        self.prefill_fn = load_package(d / a["graphs"]["prefill"]["file"], self.device)
+        self.buckets = [b for b in a["batch_buckets"] if b <= max_batch] or [min(a["batch_buckets"])]
+        if self.buckets[-1] < max_batch:
+            self.buckets.append(min(b for b in a["batch_buckets"] if b >= max_batch))
+        self.runners: dict[int, StaticStep] = {}
+        pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        with torch.inference_mode():
+            for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
+                fn = load_package(d / a["graphs"][f"step_b{b}"]["file"], self.device, single_threaded=self.cuda_graphs)
+                if self.cuda_graphs:
+                    self.runners[b] = CUDAGraphStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
+                                                    pool=pool)
+                else:
+                    self.runners[b] = StaticStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device)
+
+    # ---- construction -----------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, engine_dir: str | Path, device: str | None = None, dtype: str | None = None,
+                 max_batch: int | None = None, cuda_graphs: bool = True) -> "AOTIEngine":
+        d = Path(engine_dir)
+        m = read_manifest(d)
+        if m["backend"] != "aoti":
+            raise EngineError(f"{d}: backend {m['backend']!r} is not an aoti engine")
+        built_kind = m.get("device", {}).get("kind", "cpu")
+        dev = torch.device(device or built_kind)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError(f"{d}: engine device is cuda but no CUDA device is available")
+        check_compatibility(m, machine_info(dev), str(d))
+        if dtype is not None and parse_dtype(dtype) != parse_dtype(m["dtype"]):
+            raise EngineError(f"{d}: an aoti engine runs in the dtype it was compiled for ({m['dtype']}), "
+                              f"not {dtype}; rebuild it with --dtype {dtype}")
+        if max_batch is not None and not 1 <= max_batch <= m["max_batch"]:
+            raise EngineError(f"{d}: max_batch {max_batch} exceeds the engine's {m['max_batch']}")
+        verify_files(d, m)
+        check_plugins(m)
+        tcfg, dcfg = configs_from_manifest(m)
+        dt = parse_dtype(m["dtype"])
+        try:
+            target_sd = load_file(str(d / "target.safetensors"), device=str(dev))
+            draft_sd = load_file(str(d / "draft.safetensors"), device=str(dev))
+            target, draft = build_modules(tcfg, dcfg, target_sd, draft_sd, dt, dev)
+        except (RuntimeError, ValueError, OSError) as e:
+            raise EngineError(f"{d}: engine weights cannot be loaded: {e}") from None
+        tok = d / m["tokenizer"] if m.get("tokenizer") else None
+        return cls(target, draft, engine_dir=d, manifest=m, device=dev, max_batch=max_batch or m["max_batch"],
+                   tokenizer_path=tok, cuda_graphs=cuda_graphs)
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.target.dtype)
+
+    # ---- prefill -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], slot: int, seed: int, temperature: float) -> torch.Tensor:
+        """The prompt in static chunks of ``prefill_chunk`` tokens (the last one padded) → [1] int64."""
+        dev, C, L = self.device, self.prefill_chunk, len(prompt)
+        if not 1 <= L < self.max_seq:
+            raise ValueError(f"prompt length {L} must be in [1, max_seq={self.max_seq})")
+        if not 0 <= slot < self.max_batch:
+            raise ValueError(f"slot {slot} outside [0, {self.max_batch})")
+        ids = torch.tensor(prompt, dtype=torch.int64)
+        slots = torch.tensor([slot], device=dev)
+        seeds = torch.tensor([seed], dtype=torch.int64, device=dev)
+        temps = torch.tensor([temperature], dtype=torch.float32, device=dev)
+        out = None
+        for start in range(0, L, C):
+            n = min(C, L - start)
+            tokens = torch.zeros(1, C, dtype=torch.int64)
+            tokens[0, :n] = ids[start : start + n]
+            # Pad positions continue past the prompt (clamped into the window): no
+            # query of this prompt sees them, and later steps overwrite them.
+            positions = torch.arange(start, start + C).clamp_(max=self.max_seq - 1)[None]
+            last = torch.tensor([n - 1])
+            out = self.prefill_fn(self.weights, *self.caches, tokens.to(dev), positions.to(dev), slots,
+                                  last.to(dev), seeds, temps)
+        return out
+
+    # ---- speculative step ------------------------------------------------------------------
+    def bucket_for(self, n: int) -> int:
+        for b in sorted(self.runners):
+            if b >= n:
+                return b
+        raise ValueError(f"batch of {n} exceeds the engine's largest bucket {max(self.runners)}")
+
+    @torch.inference_mode()
+    def step(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, slots: torch.Tensor, seeds: torch.Tensor,
+             temperature: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """``EagerEngine.step`` from the compiled graph of the smallest bucket that fits.
+        ``kv_len`` only guards the window: the graph attends over [0, max_seq) with the position mask."""
+        if kv_len > self.max_seq:
+            raise ValueError(f"kv_len {kv_len} exceeds the engine's max_seq {self.max_seq}")
+        runner = self.runners[self.bucket_for(anchor.shape[0])]
+        if isinstance(runner, CUDAGraphStep):
+            runner.check(self.caches)
+        return runner(anchor, anchor_pos, slots, seeds, temperature)

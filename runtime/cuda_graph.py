@@ -1,0 +1,123 @@
+"""Static-shape step runners: one per batch bucket, replayed from a CUDA graph on CUDA.
+
+A compiled step graph has static shapes ``[B]`` for its per-request inputs.
+``StaticStep`` owns those inputs as static buffers: a batch of ``n ≤ B``
+requests is copied into rows ``[0, n)`` and rows ``[n, B)`` are *padding*,
+pointed at the scratch cache slot (``max_batch``) with position 0, so they
+compute harmlessly and write only the scratch slot. Per-request seeds and
+temperatures are ordinary inputs: nothing request-specific is baked into a
+graph.
+
+``CUDAGraphStep`` captures the AOTI package (loaded with
+``run_single_threaded=True``; the default loader's run synchronizes an event and
+cannot be captured) once and replays it. Footgun: a captured graph replays raw
+device pointers, so replay is only right while every tensor it was captured
+with is still the one in use. The runner records those pointers and asserts
+them on every replay, together with the input shapes and dtypes; it never
+falls back silently to an uncaptured run.
+
+No step synchronizes with the host: the inputs are copied device-to-device into
+the static buffers and the caller does the one device→host copy of the packed
+result.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class StaticStep:
+    """Runs a static-batch step graph for any batch of up to ``bucket`` requests."""
+
+    def __init__(self, fn: Callable, bucket: int, weights: Sequence[Tensor], caches: Sequence[Sequence[Tensor]],
+                 scratch_slot: int, device: torch.device):
+        self.fn = fn
+        self.bucket = bucket
+        self.weights = list(weights)
+        self.caches = tuple(list(c) for c in caches)  # tk, tv, dk, dv
+        self.scratch_slot = scratch_slot
+        self.device = device
+        z = dict(device=device, dtype=torch.int64)
+        self.anchor = torch.zeros(bucket, **z)
+        self.anchor_pos = torch.zeros(bucket, **z)
+        self.slots = torch.full((bucket,), scratch_slot, **z)
+        self.seeds = torch.zeros(bucket, **z)
+        self.temperature = torch.zeros(bucket, device=device, dtype=torch.float32)
+        self.static_inputs = (self.anchor, self.anchor_pos, self.slots, self.seeds, self.temperature)
+
+    def _fill(self, anchor: Tensor, anchor_pos: Tensor, slots: Tensor, seeds: Tensor, temperature: Tensor) -> int:
+        n = anchor.shape[0]
+        if not 1 <= n <= self.bucket:
+            raise ValueError(f"batch of {n} requests does not fit the bucket of {self.bucket}")
+        for name, src, dst in zip(("anchor", "anchor_pos", "slots", "seeds", "temperature"),
+                                  (anchor, anchor_pos, slots, seeds, temperature), self.static_inputs):
+            if src.shape != (n,):
+                raise ValueError(f"step input {name}: expected shape [{n}], got {list(src.shape)}")
+            dst[:n].copy_(src)  # device→device (or host→device), no sync
+        if n < self.bucket:  # padding rows: scratch slot, position 0, greedy
+            self.anchor[n:].zero_()
+            self.anchor_pos[n:].zero_()
+            self.slots[n:].fill_(self.scratch_slot)
+            self.seeds[n:].zero_()
+            self.temperature[n:].zero_()
+        return n
+
+    def _run(self) -> Tensor:
+        return self.fn(self.weights, *self.caches, *self.static_inputs)
+
+    def __call__(self, anchor, anchor_pos, slots, seeds, temperature) -> Tensor:
+        """→ packed [n, γ+2] int64 on the device (a fresh tensor, not a view of a static buffer)."""
+        n = self._fill(anchor, anchor_pos, slots, seeds, temperature)
+        return self._run()[:n].clone()
+
+
+class CUDAGraphStep(StaticStep):
+    """A ``StaticStep`` captured once in a CUDA graph and replayed every step."""
+
+    def __init__(self, *args, pool=None, warmup: int = 2, **kw):
+        super().__init__(*args, **kw)
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+        self.graph = torch.cuda.CUDAGraph()
+        # Warm up on a side stream (kernel modules load on first run; capture
+        # must not be the first run). All rows are padding: only the scratch
+        # slot is written.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = self._run()
+        torch.cuda.synchronize(self.device)
+        self._captured = self._pointers(weights=True)
+        self.replays = 0
+
+    def _pointers(self, weights: bool) -> tuple[int, ...]:
+        ts = list(self.static_inputs) + [t for c in self.caches for t in c] + (self.weights if weights else [])
+        return tuple(t.data_ptr() for t in ts)
+
+    def check(self, caches: Sequence[Sequence[Tensor]]) -> None:
+        """Assert that ``caches`` (the engine's) are the ones this graph was captured with."""
+        for mine, theirs in zip(self.caches, caches, strict=True):
+            if len(mine) != len(theirs) or any(a.data_ptr() != b.data_ptr() for a, b in zip(mine, theirs)):
+                raise AssertionError("CUDA graph replay with KV caches other than those it was captured with")
+
+    def _assert_unmoved(self, full: bool) -> None:
+        # full: the weights too (~500 tensors for an 8B pair), checked on the first replay.
+        now = self._pointers(weights=full)
+        if now != self._captured[: len(now)]:
+            raise AssertionError("CUDA graph replay after a captured input tensor was reallocated")
+
+    def __call__(self, anchor, anchor_pos, slots, seeds, temperature) -> Tensor:
+        n = self._fill(anchor, anchor_pos, slots, seeds, temperature)
+        self._assert_unmoved(full=self.replays == 0)
+        self.graph.replay()
+        self.replays += 1
+        return self.out[:n].clone()

@@ -1,0 +1,216 @@
+"""The aoti backend on CPU: AOTInductor packages built by another process, loaded here.
+
+One engine is built for the whole module (an AOTInductor compile of the tiny
+pair takes about a minute and a half on two cores), by the CLI in a
+subprocess, so every test also checks that a prebuilt engine loads in a process
+that did not compile it.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingParams, load_engine
+from muse_spark.runtime.aoti_engine import AOTIEngine, check_compatibility, machine_info
+
+MAX_BATCH, MAX_SEQ = 3, 256
+# Lengths straddle the prefill chunk (128): one prompt takes two chunks, the last one padded.
+PROMPTS = [[1, 2, 3], [72, 101, 108, 108, 111] * 30, [200], [40, 41, 42, 43, 44, 45, 46, 47]]
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "muse_spark.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=900)
+
+
+@pytest.fixture(scope="module")
+def built(agreeing_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("aoti") / "engine"
+    r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
+            "--device", "cpu", "--max-batch", MAX_BATCH, "--max-seq", MAX_SEQ)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out, r.stderr
+
+
+@pytest.fixture(scope="module")
+def engine(built):
+    return load_engine(built[0])
+
+
+@pytest.fixture(scope="module")
+def eager(agreeing_pair):
+    return EagerEngine.from_checkpoints(*agreeing_pair, max_batch=MAX_BATCH, max_seq=MAX_SEQ)
+
+
+def copy_engine(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---- build ---------------------------------------------------------------------------------------
+def test_build_reports_progress_and_writes_the_manifest(built):
+    out, log = built
+    assert "[build] compiling 2 graphs (prefill, step_b3)" in log and "step_b3 compiled" in log
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["backend"] == "aoti" and m["device"]["kind"] == "cpu"
+    a = m["aoti"]
+    assert a["plugin_impl"] == "inline"  # CPU builds trace the reference plugins into the graph
+    assert a["batch_buckets"] == [MAX_BATCH] and a["cache_slots"] == MAX_BATCH + 1
+    assert {g["file"] for g in a["graphs"].values()} == {"prefill.pt2", "step_b3.pt2"}
+    for name in ("prefill.pt2", "step_b3.pt2", "target.safetensors", "draft.safetensors", "tokenizer.json"):
+        assert len(m["files"][name]) == 64  # sha256 of every engine file
+    assert m["versions"]["torch"] == torch.__version__
+
+
+def test_packages_hold_no_python_registered_op_and_no_weights(built):
+    """The C++ loader and a fresh process need nothing from Python; weights stay in safetensors."""
+    out = built[0]
+    with zipfile.ZipFile(out / "step_b3.pt2") as z:
+        wrapper = [n for n in z.namelist() if n.endswith(".cpp") and "wrapper" in n]
+        text = "".join(z.read(n).decode() for n in wrapper)
+        assert "muse_spark" not in text and "proxy_executor_call_function" not in text
+        assert sum(i.file_size for i in z.infolist()) < 20e6
+
+
+# ---- output equality with the eager engine -------------------------------------------------------------
+def test_loaded_engine_is_aoti_with_one_scratch_slot(engine):
+    assert isinstance(engine, AOTIEngine) and engine.backend == "aoti"
+    assert engine.target_cache.k[0].shape[0] == MAX_BATCH + 1 and engine.scratch_slot == MAX_BATCH
+
+
+def test_greedy_output_identical_to_eager(engine, eager):
+    # Different max_tokens: the batch shrinks 3 → 2 → 1 inside the one bucket (padding rows).
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 23, 9, 31)]
+    got = Generator(engine).generate(PROMPTS, params)
+    want = Generator(eager).generate(PROMPTS, params)
+    assert [r.output for r in got] == [r.output for r in want]
+    assert sum(s.accepted for r in got for s in r.steps) > 0  # multi-token acceptance really happened
+
+
+def test_sampled_output_identical_to_eager_given_seeds(engine, eager):
+    params = [SamplingParams(max_tokens=30, temperature=t, seed=s, ignore_eos=True)
+              for t, s in ((0.8, 1), (1.0, 2), (1.3, 2**63 + 5), (0.6, 4))]
+    got = Generator(engine).generate(PROMPTS, params)
+    want = Generator(eager).generate(PROMPTS, params)
+    assert [r.output for r in got] == [r.output for r in want]
+    assert [[s.accepted for s in r.steps] for r in got] == [[s.accepted for s in r.steps] for r in want]
+
+
+def test_step_graph_equals_eager_step_and_writes_only_its_slots(engine, eager):
+    """Random caches; one request in the bucket of 3: same packed result, same cache writes,
+    and the padding rows touch nothing but the scratch slot."""
+    g = torch.Generator().manual_seed(5)
+    for t_a, t_e in zip(engine.caches, (eager.target_cache.k, eager.target_cache.v, eager.draft_cache.k,
+                                        eager.draft_cache.v)):
+        for a, e in zip(t_a, t_e):
+            a.copy_(torch.randn(a.shape, generator=g).to(a.dtype))
+            e.copy_(a[:MAX_BATCH])
+    before = [t.clone() for c in engine.caches for t in c]
+    x = (torch.tensor([65]), torch.tensor([57]), torch.tensor([1]), torch.tensor([9]), torch.tensor([0.0]))
+    kv_len = 57 + engine.gamma + 1
+    assert torch.equal(engine.step(*x, kv_len), eager.step(*x, kv_len))
+    after = [t for c in engine.caches for t in c]
+    written = slice(57, 57 + engine.gamma + 1)
+    for b, a in zip(before, after):
+        for slot in (0, 2):  # other requests' slots: untouched
+            assert torch.equal(a[slot], b[slot])
+        assert torch.equal(a[1, :57], b[1, :57]) and torch.equal(a[1, written.stop:], b[1, written.stop:])
+    # the request's own writes are the eager engine's (bf16 rounding of fused kernels aside)
+    for a, e in zip(after, [t for c in (eager.target_cache.k, eager.target_cache.v, eager.draft_cache.k,
+                                        eager.draft_cache.v) for t in c]):
+        torch.testing.assert_close(a[1, written].float(), e[1, written].float(), atol=0.05, rtol=0.02)
+
+
+def test_fresh_process_generates_the_same_tokens(built, engine):
+    """A new process (the CLI) loads the engine, generates, and exits cleanly."""
+    out = built[0]
+    r = cli("generate", "--engine", out, "--prompt-ids", "72,101,108", "--max-tokens", "20", "--ignore-eos",
+            "--temperature", "0.9", "--seed", "7", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ids = json.loads(r.stdout.strip().splitlines()[-1])["output_ids"]
+    here = Generator(engine).generate([[72, 101, 108]], SamplingParams(max_tokens=20, temperature=0.9, seed=7,
+                                                                       ignore_eos=True))[0].output
+    assert ids == here
+
+
+# ---- refusals -------------------------------------------------------------------------------------
+def test_refuses_a_file_that_does_not_match_its_hash(built, tmp_path):
+    d = copy_engine(built[0], tmp_path / "e")
+    data = bytearray((d / "step_b3.pt2").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (d / "step_b3.pt2").write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="step_b3.pt2 does not match the manifest's hash"):
+        load_engine(d)
+
+
+def test_refuses_an_engine_compiled_with_another_torch(built, tmp_path):
+    d = copy_engine(built[0], tmp_path / "e")
+    m = json.loads((d / "manifest.json").read_text())
+    m["versions"]["torch"] = "2.11.0+cu130"
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match=r"compiled with torch 2\.11\.0\+cu130, this runtime has torch"):
+        load_engine(d)
+
+
+def test_refuses_another_compute_capability_or_device_kind(built):
+    m = json.loads((built[0] / "manifest.json").read_text())
+    cuda_m = dict(m, device={"kind": "cuda", "name": "NVIDIA A100", "compute_capability": [8, 0]})
+    h200 = {"kind": "cuda", "name": "NVIDIA H200", "compute_capability": [9, 0], "torch": torch.__version__}
+    with pytest.raises(EngineError, match=r"compute capability 8\.0 \(NVIDIA A100\).*NVIDIA H200\) is 9\.0"):
+        check_compatibility(cuda_m, h200)
+    check_compatibility(dict(m, device={"kind": "cuda", "name": "x", "compute_capability": [9, 0]}), h200)
+    with pytest.raises(EngineError, match="compiled for 'cpu' and cannot run on 'cuda'"):
+        check_compatibility(m, h200)
+    check_compatibility(m, machine_info(torch.device("cpu")))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_refuses_a_cuda_engine_without_a_gpu(built, tmp_path):
+    d = copy_engine(built[0], tmp_path / "e")
+    m = json.loads((d / "manifest.json").read_text())
+    m["device"] = {"kind": "cuda", "name": "NVIDIA H200", "compute_capability": [9, 0]}
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match="no CUDA device is available"):
+        load_engine(d)
+
+
+def test_refuses_a_dtype_override(built):
+    with pytest.raises(EngineError, match="runs in the dtype it was compiled for"):
+        load_engine(built[0], dtype="float32")
+
+
+def test_auto_plugins_fall_back_to_the_references_when_the_triton_kernels_do_not_compile(agreeing_pair, tmp_path,
+                                                                                         monkeypatch):
+    """CUDA builds try the Triton plugin kernels first; if they fail to compile into a package the
+    build says why, rebuilds with the references, and records both in the manifest."""
+    import muse_spark.builder.aoti as aoti
+    from muse_spark.checkpoint import load_pair
+
+    tried = []
+
+    def fake_compile(jobs, workers=None, log=lambda m: None):
+        tried.append(jobs[0]["impl"])
+        if jobs[0]["impl"] == "triton":
+            raise RuntimeError("compiling step_b2 failed: CompilationError: boom\ntraceback …")
+        return [{"name": j["name"], "export_s": 0.0, "compile_s": 0.0} for j in jobs]
+
+    monkeypatch.setattr(aoti, "resolve_plugin_impl", lambda requested, device: "triton")
+    monkeypatch.setattr(aoti, "compile_graphs", fake_compile)
+    logs = []
+    target, draft = load_pair(*agreeing_pair)
+    section = aoti.build_aoti(target, draft, tmp_path, device="cpu", max_batch=2, max_seq=64, log=logs.append)
+    assert tried == ["triton", "inline"]
+    assert section["plugin_impl"] == "inline" and "boom" in section["plugin_fallback"]
+    assert any("rebuilding with the reference plugins" in line for line in logs)
+
+    def always_fails(jobs, workers=None, log=None):
+        raise RuntimeError("compiling prefill failed: x")
+
+    monkeypatch.setattr(aoti, "compile_graphs", always_fails)
+    with pytest.raises(RuntimeError, match="compiling prefill failed"):  # an explicit choice never falls back
+        aoti.build_aoti(target, draft, tmp_path, device="cpu", max_batch=2, max_seq=64, plugins="inline")
