@@ -26,6 +26,7 @@ import logging
 import torch
 from torch.library import triton_op, wrap_triton
 
+from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
 from muse_spark.plugins.markov.op import check_markov_inputs
@@ -63,6 +64,7 @@ def _gated_residual_add_op(
     apply_norm: bool,
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_gated_residual_inputs(stream, branch, gate)
     if not _runs_kernels(stream):
         return gated_residual_add_ref(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype)
     return launch_gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype,

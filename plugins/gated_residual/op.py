@@ -12,6 +12,18 @@ import torch
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 
 
+def check_gated_residual_inputs(stream: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor) -> None:
+    """The schema's shape/dtype contract, shared by the reference op and the kernels."""
+    if stream.dtype != torch.float32:
+        raise ValueError(f"gated_residual_add: stream must be float32, got {stream.dtype}")
+    if stream.shape != branch.shape:
+        raise ValueError(
+            f"gated_residual_add: branch shape {list(branch.shape)} differs from stream {list(stream.shape)}"
+        )
+    if gate.shape != stream.shape[-1:]:
+        raise ValueError(f"gated_residual_add: expected gate of shape [{stream.shape[-1]}], got {list(gate.shape)}")
+
+
 @torch.library.custom_op("muse_spark::gated_residual_add", mutates_args=())
 def gated_residual_add(
     stream: torch.Tensor,
@@ -23,14 +35,7 @@ def gated_residual_add(
     apply_norm: bool,
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if stream.dtype != torch.float32:
-        raise ValueError(f"gated_residual_add: stream must be float32, got {stream.dtype}")
-    if stream.shape != branch.shape:
-        raise ValueError(
-            f"gated_residual_add: branch shape {list(branch.shape)} differs from stream {list(stream.shape)}"
-        )
-    if gate.shape != stream.shape[-1:]:
-        raise ValueError(f"gated_residual_add: expected gate of shape [{stream.shape[-1]}], got {list(gate.shape)}")
+    check_gated_residual_inputs(stream, branch, gate)
     return gated_residual_add_ref(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype)
 
 
