@@ -19,7 +19,7 @@ latency-bound: the target is ≤ 30 µs.
 Measured on the H200 (torch 2.11, Triton 3.6; sampled, T = 1; warm / cold L2):
 batch 1: 30.8 / 33.3 µs (W2 in registers, 8 warps; 41.6 / 51.3 reading W2 from
 L2 each step); batch 8: 97.7 / 100.4 µs; batch 32: 173 / 174 µs. The reference
-loop, eager (it cannot be captured: ``sanitize_logits`` copies a host scalar):
+loop, eager (it could not be captured then: ``sanitize_logits`` copied a host scalar, fixed since):
 6.8–8.2 ms. At batch 1: γ = 1 costs 11.6 µs, rank 0 (no GEMV) 17.0 µs, greedy
 the same as sampled. (Measured with an L2 prefetch of the next W1 row, since
 removed: it changed nothing beyond ±1 µs and inductor cannot analyse inline asm.)
