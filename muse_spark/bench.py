@@ -174,7 +174,6 @@ class Bench:
         import torch
 
         from muse_spark.builder.aoti import compile_job, graph_jobs, inductor_configs, int64_indexing, resolve_plugin_impl
-        from muse_spark.models.target import KVCache
         from muse_spark.runtime.aoti_graphs import SpecPair, weight_specs
         from muse_spark.runtime.engine import EagerEngine
 
@@ -251,7 +250,7 @@ class Bench:
         compiled, compiled_inputs = None, {}
         numerics = inductor_configs(str(dev), fast_compile=False)
         if "compile" not in a.skip:
-            tc = sec["torch_compile"] = {"mode": a.compile_mode, "static_per_batch": a.compile_static,
+            sec["torch_compile"] = {"mode": a.compile_mode, "static_per_batch": a.compile_static,
                                          "plugins": impl, "inductor_configs": numerics}
             for t in [t for c in caches for t in c]:
                 torch._dynamo.mark_static_address(t)  # gpt-fast: the KV cache is a static buffer

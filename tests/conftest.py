@@ -72,3 +72,12 @@ def small_engine(seed=0, max_batch=8, max_seq=64, **cfg_kw) -> EagerEngine:
     target, draft = build_modules(tcfg, dcfg, random_state_dict(tcfg, seed), random_state_dict(dcfg, seed + 1),
                                   tcfg.dtype, "cpu")
     return EagerEngine(target, draft, max_batch=max_batch, max_seq=max_seq, device="cpu")
+
+
+def run_cli(*args, timeout: int = 900, cwd=None):
+    """Run ``muse-spark ARGS…`` in a fresh process, as a user would."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "muse_spark.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)

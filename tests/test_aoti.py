@@ -8,8 +8,6 @@ that did not compile it.
 
 import json
 import shutil
-import subprocess
-import sys
 import zipfile
 
 import pytest
@@ -18,14 +16,14 @@ import torch
 from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingParams, load_engine
 from muse_spark.runtime.aoti_engine import AOTIEngine, check_compatibility, machine_info
 
+from conftest import run_cli
+
 MAX_BATCH, MAX_SEQ = 3, 256
 # Lengths straddle the prefill chunk (128): one prompt takes two chunks, the last one padded.
 PROMPTS = [[1, 2, 3], [72, 101, 108, 108, 111] * 30, [200], [40, 41, 42, 43, 44, 45, 46, 47]]
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "muse_spark.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=900)
+cli = run_cli
 
 
 @pytest.fixture(scope="module")

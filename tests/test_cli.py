@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
+from conftest import run_cli
 
-def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "muse_spark.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+
+cli = run_cli
 
 
 @pytest.fixture(scope="module")
