@@ -180,28 +180,24 @@ def _draft_rename(source: TensorSource) -> dict[str, str]:
     return out
 
 
+# The seed's stacked mapping: per-layer suffix → (stacked suffix, part).
+_STACKED = {
+    **{f"self_attn.{p}.weight": ("self_attn.qkv_proj.weight", p) for p in _STACKED_QKV},
+    **{f"feed_forward.{p}.weight": ("feed_forward.gate_up_proj.weight", p) for p in _STACKED_FFN},
+}
+
+
 def _iter_canonical(source: TensorSource, cfg: MuseSpark1xConfig) -> Iterator[tuple[str, list[tuple[str, str]]]]:
     """Yield (canonical name, [(part, checkpoint name) …]) groups to load."""
     rename = _draft_rename(source) if isinstance(cfg, MuseSparkDSparkConfig) else {n: n for n in source.names()}
     groups: dict[str, list[tuple[str, str]]] = {}
     for ck_name, new in rename.items():
+        key, part = new, ""
         m = _LAYER_RE.match(new)
-        if m:
-            layer, rest = m.groups()
-            for part in _STACKED_QKV:
-                if rest == f"self_attn.{part}.weight":
-                    groups.setdefault(f"model.layers.{layer}.self_attn.qkv_proj.weight", []).append((part, ck_name))
-                    break
-            else:
-                for part in _STACKED_FFN:
-                    if rest == f"feed_forward.{part}.weight":
-                        key = f"model.layers.{layer}.feed_forward.gate_up_proj.weight"
-                        groups.setdefault(key, []).append((part, ck_name))
-                        break
-                else:
-                    groups.setdefault(new, []).append(("", ck_name))
-            continue
-        groups.setdefault(new, []).append(("", ck_name))
+        if m and m.group(2) in _STACKED:
+            stacked, part = _STACKED[m.group(2)]
+            key = f"model.layers.{m.group(1)}.{stacked}"
+        groups.setdefault(key, []).append((part, ck_name))
     yield from groups.items()
 
 
