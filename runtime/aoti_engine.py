@@ -20,7 +20,9 @@ Loading in a fresh process (DESIGN.md §4): see ``load_package``.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -82,14 +84,44 @@ class _ScalarCPUPackageNotice(logging.Filter):
 logging.getLogger("torch.export.pt2_archive._package").addFilter(_ScalarCPUPackageNotice())
 
 
+def libstdcxx_global() -> bool:
+    """Put the libstdc++ torch already loaded into the global symbol scope; True if it is there.
+
+    A package's model library is ``dlopen``-ed by libtorch with ``RTLD_LOCAL``;
+    its references to C++ runtime symbols are looked up in the global scope
+    first, then in its own dependency tree, which starts with the library
+    itself. ``import torch`` loads libtorch, and with it libstdc++, with
+    ``RTLD_LOCAL``, so libstdc++ is not in the global scope of a Python
+    process (a C++ program links it, so it is). The CUDA model libraries built
+    on the H200 device machine (torch 2.11.0+cu130) do not link libstdc++ and
+    carry weak copies of some of its locale code (``codecvt<char16_t, char>``);
+    bound to those copies instead of libstdc++'s, the ``std::regex`` in the
+    model's constructor picked the wrong locale facet and crashed (a cuda-gdb
+    backtrace and the loader's symbol bindings are in docs/aoti.md). With
+    libstdc++ global, the library binds to it, as in a C++ program.
+    ``RTLD_NOLOAD`` only promotes the copy already loaded; it never loads one.
+    """
+    global _LIBSTDCXX
+    if _LIBSTDCXX is None:
+        try:
+            _LIBSTDCXX = ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+        except (OSError, AttributeError):  # not loaded (not a libstdc++ build) or not Linux
+            return False
+    return True
+
+
+_LIBSTDCXX = None
+
+
 def load_package(path: str | Path, device: torch.device, single_threaded: bool = False):
     """Load one AOTI package for ``device`` (the runtime's only way to load one).
 
     On CUDA, torch's CUDA state is initialized and the device made current on
     this thread before the package's library is loaded, and the device index is
-    passed explicitly. Known problem (docs/aoti.md): with torch 2.11.0+cu130 the
-    loader segfaults in a fresh process even so; the cause is not established yet.
+    passed explicitly. Before any package is loaded, libstdc++ is put in the
+    process's global symbol scope (``libstdcxx_global``; docs/aoti.md says why).
     """
+    libstdcxx_global()
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise EngineError("engine device is cuda but no CUDA device is available")

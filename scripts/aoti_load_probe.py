@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Probe fresh-process loading of an aoti engine's packages (the DESIGN.md §4 segfault).
+"""Probe loading an aoti engine's packages (the DESIGN.md §4 segfault; docs/aoti.md has the findings).
 
     python scripts/aoti_load_probe.py ENGINE_DIR [--gdb] [--constants-package PATH.pt2]
 
@@ -60,6 +60,47 @@ CASES = {
         out = m(e.weights, *e.caches, *r.static_inputs)
         print("ran", out.cpu().tolist(), flush=True)
     """,
+    # Which call crashes: reading the metadata alone.
+    "metadata_only": """
+        import torch
+        md = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(STEP, "model")
+        print("metadata", md, flush=True)
+    """,
+    # What the package's shared objects link against, next to the CUDA libraries torch maps.
+    "inspect_so": """
+        import glob, os, subprocess, tempfile, zipfile, torch
+        d = tempfile.mkdtemp(); zipfile.ZipFile(STEP).extractall(d)
+        for f in sorted(glob.glob(d + "/**", recursive=True)):
+            print("  file", os.path.relpath(f, d), os.path.getsize(f) if os.path.isfile(f) else "")
+        for so in glob.glob(d + "/**/*.so", recursive=True):
+            print(subprocess.run(["ldd", so], capture_output=True, text=True).stdout)
+            print(subprocess.run(["readelf", "-d", so], capture_output=True, text=True).stdout[:3000])
+        torch.cuda.init(); torch.empty(1, device="cuda")
+        libs = sorted({l.split()[-1] for l in open("/proc/self/maps") if ".so" in l and
+                       any(k in l for k in ("cuda", "nvrtc", "torch", "c10", "stdc++", "nvJit"))})
+        print("torch maps:", *libs, sep="\\n  ", flush=True)
+    """,
+    # The model .so loaded straight into its runner, without the package loader.
+    "direct_runner": """
+        import glob, os, tempfile, zipfile, torch
+        d = tempfile.mkdtemp(); zipfile.ZipFile(STEP).extractall(d)
+        so = [f for f in glob.glob(d + "/**/*.so", recursive=True)][0]
+        r = torch._C._aoti.AOTIModelContainerRunnerCuda(so, 1, "cuda", os.path.dirname(so))
+        print("loaded", so, flush=True)
+    """,
+    "import_triton_first": """
+        import triton, torch, torch._inductor
+        torch.cuda.init(); torch.empty(1, device="cuda")
+        m = torch._inductor.aoti_load_package(STEP, device_index=0)
+        print("loaded", flush=True)
+    """,
+    # The runtime's loader: libstdc++ promoted to the global scope first (docs/aoti.md).
+    "runtime_loader": """
+        import torch
+        from muse_spark.runtime.aoti_engine import load_package
+        m = load_package(STEP, torch.device("cuda"), single_threaded=True)
+        print("loaded", flush=True)
+    """,
     "engine_runtime": """
         from muse_spark.runtime import Generator, SamplingParams, load_engine
         e = load_engine(ENGINE)
@@ -115,19 +156,21 @@ def make_constants_package(path: str) -> str:
     return path
 
 
-def run_case(name: str, engine: str, step: str, gdb: bool = False) -> int:
+def run_case(name: str, engine: str, step: str, gdb: bool = False, extra_env: dict | None = None,
+             label: str = "") -> int:
     code = f"ENGINE = {engine!r}\nSTEP = {step!r}\n" + textwrap.dedent(CASES[name])
     cmd = [sys.executable, "-X", "faulthandler", "-c", code]
     if gdb:
         cmd = ["cuda-gdb", "-q", "-batch", "-ex", "set pagination off", "-ex", "run", "-ex", "bt 40",
-               "-ex", "info sharedlibrary", "--args", *cmd]
+               "-ex", "x/6i $pc", "-ex", "info sharedlibrary", "--args", *cmd]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ))
+        env = dict(os.environ, **(extra_env or {}))
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
         rc, out = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = -999, f"timed out\n{e.stdout}\n{e.stderr}"
-    tail = "\n".join(out.strip().splitlines()[-(60 if gdb else 25):])
-    print(f"==== {name}{' (cuda-gdb)' if gdb else ''}: exit code {rc}\n{textwrap.indent(tail, '    ')}", flush=True)
+    tail = "\n".join(out.strip().splitlines()[-(150 if gdb or name == "inspect_so" else 40):])
+    print(f"==== {name}{label}{' (cuda-gdb)' if gdb else ''}: exit code {rc}\n{textwrap.indent(tail, '    ')}", flush=True)
     return rc
 
 
@@ -152,6 +195,9 @@ def main() -> int:
         rc = run_case(name, a.engine, step)
         if rc < 0 and rc != -999 and crashed is None:
             crashed = name
+    if crashed:
+        # The last libraries the dynamic loader opened before the crash.
+        run_case(crashed, a.engine, step, extra_env={"LD_DEBUG": "files"}, label=" (LD_DEBUG=files)")
     if a.gdb and crashed and shutil.which("cuda-gdb"):
         run_case(crashed, a.engine, step, gdb=True)
     if a.constants_package:

@@ -8,6 +8,8 @@ that did not compile it.
 
 import json
 import shutil
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -134,6 +136,21 @@ def test_fresh_process_generates_the_same_tokens(built, engine):
     here = Generator(engine).generate([[72, 101, 108]], SamplingParams(max_tokens=20, temperature=0.9, seed=7,
                                                                        ignore_eos=True))[0].output
     assert ids == here
+
+
+def test_loading_puts_libstdcxx_in_the_global_symbol_scope():
+    """The premise and the remedy of the loader's libstdc++ step (docs/aoti.md), in a fresh process:
+    after ``import torch`` a library dlopen-ed later cannot bind to libstdc++ through the global
+    scope; after ``libstdcxx_global()`` it can, and it is the copy torch loaded."""
+    code = ("import ctypes, torch\n"
+            "from muse_spark.runtime.aoti_engine import libstdcxx_global\n"
+            "g = lambda: hasattr(ctypes.CDLL(None), '_ZNSt6locale7classicEv')\n"
+            "before = g(); ok = libstdcxx_global()\n"
+            "maps = {l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l}\n"
+            "print(before, ok, g(), len(maps))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "True", "True", "1"]
 
 
 # ---- refusals -------------------------------------------------------------------------------------

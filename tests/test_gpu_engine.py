@@ -44,8 +44,9 @@ def built(agreeing_pair, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(built):
-    # Load once in a child first: with torch 2.11.0+cu130 on the H200 the AOTI package loader
-    # segfaults in a fresh process (docs/aoti.md), which would take the whole test session down.
+    # Load once in a child first: a fresh-process load is what DESIGN.md §4 asks for, and torch
+    # 2.11.0+cu130's package loader segfaulted on the H200 without the runtime's libstdc++ step
+    # (docs/aoti.md); a regression must fail these tests, not take the whole session down.
     code = "import sys; from muse_spark.runtime import load_engine; load_engine(sys.argv[1])"
     r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, str(built)], capture_output=True,
                        text=True, timeout=600)

@@ -359,6 +359,8 @@ def test_triton_ops_compile_into_an_aoti_package(tops, tmp_path):
     args = _tiny_args()
     ep = torch.export.export(_Tiny(), tuple(args))
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "tiny.pt2"))
-    runner = torch._inductor.aoti_load_package(path)
+    from muse_spark.runtime.aoti_engine import load_package  # (the runtime's loader: docs/aoti.md)
+
+    runner = load_package(path, torch.device(DEV))
     for a, b in zip(runner(*args), _Tiny()(*args)):
         assert torch.equal(a, b)
