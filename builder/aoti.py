@@ -3,12 +3,20 @@
 An aoti engine directory holds, beside the canonical weights the eager
 backend writes (``target.safetensors``, ``draft.safetensors``):
 
-* ``prefill.pt2`` — one prompt chunk of ``C`` tokens for one request;
-* ``step_b{B}.pt2`` — one speculative step for batch bucket ``B`` (static
-  shapes, so that the runtime can capture each in a CUDA graph).
+* ``prefill_layer.pt2``, ``prefill_finish.pt2`` — one prompt chunk of ``C``
+  tokens for one request: a target layer, and the end of the chunk (draft
+  context, first token);
+* ``step_draft_b{B}.pt2``, ``step_layer_b{B}.pt2``, ``step_finish_b{B}.pt2`` —
+  one speculative step for batch bucket ``B`` (static shapes, so that the
+  runtime can capture the step in a CUDA graph): the draft block and Markov
+  loop, a target layer, and verification/acceptance.
 
-The graphs are ``runtime/aoti_graphs.py``'s ``SpecPair.prefill``/``step``
-with the weights and the KV caches as inputs (see that module for why).
+The parts are ``runtime/aoti_graphs.py``'s ``SpecPair`` functions, with the
+weights and the KV caches as inputs (see that module for why). **One layer
+package serves every target layer**: the layers share one structure and their
+weights are inputs, so a 32-layer target compiles one layer, not 32 unrolled
+(compile time and package size stop growing with depth); the runtime calls it
+once per layer, and on CUDA the whole sequence is captured in one CUDA graph.
 
 Footguns this module handles:
 
@@ -55,7 +63,7 @@ from typing import Callable, Iterator
 import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
-from muse_spark.runtime.aoti_graphs import (PREFILL_INPUTS, STEP_INPUTS, GraphFn, build_pair, torch_dtype,
+from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
 PLUGIN_IMPLS = ("auto", "inline", "triton")
@@ -125,44 +133,62 @@ def inductor_configs(device: str, fast_compile: bool) -> dict:
     return out
 
 
+def graph_plan_names(buckets: list[int], with_prefill: bool = True) -> list[tuple[str, str, int]]:
+    """(graph name, SpecPair function, batch) of every package an engine holds."""
+    names = [("prefill_layer", "layer", 1), ("prefill_finish", "prefill_finish", 1)] if with_prefill else []
+    for b in sorted(buckets, reverse=True):  # the largest compiles longest: start it first
+        names += [(f"step_finish_b{b}", "step_finish", b), (f"step_draft_b{b}", "step_draft", b),
+                  (f"step_layer_b{b}", "layer", b)]
+    return names
+
+
 def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: list[list], *, device: str,
                max_seq: int, cache_slots: int, buckets: list[int], prefill_chunk: int, impl: str,
                cache_dtype: str, configs: dict, out_dir: Path, with_prefill: bool = True) -> list[dict]:
-    """One self-contained job per graph (picklable: a worker rebuilds everything from it)."""
-    common = dict(tcfg=tcfg.to_dict(), dcfg=dcfg.to_dict(), weights=wspecs, device=device, max_seq=max_seq,
+    """One self-contained job per package (picklable: a worker rebuilds everything from it)."""
+    names = [w[0] for w in wspecs]
+    common = dict(tcfg=tcfg.to_dict(), dcfg=dcfg.to_dict(), device=device, max_seq=max_seq,
                   cache_slots=cache_slots, cache_dtype=cache_dtype, impl=impl, configs=configs)
     jobs = []
-    if with_prefill:
-        jobs.append(dict(common, name="prefill", fn="prefill", batch=1, chunk=prefill_chunk,
-                         out=str(out_dir / "prefill.pt2")))
-    for b in sorted(buckets, reverse=True):  # the largest compiles longest: start it first
-        jobs.append(dict(common, name=f"step_b{b}", fn="step", batch=b, out=str(out_dir / f"step_b{b}.pt2")))
+    for name, fn, batch in graph_plan_names(buckets, with_prefill):
+        part = set(part_weight_names(names, fn))
+        tokens = prefill_chunk if name.startswith("prefill") else dcfg.block_size + 1
+        jobs.append(dict(common, name=name, fn=fn, batch=batch, tokens=tokens,
+                         weights=[w for w in wspecs if w[0] in part], out=str(out_dir / f"{name}.pt2")))
     return jobs
 
 
 def fake_inputs(job: dict, tcfg, dcfg):
-    """Fake tensors for (weights, tk, tv, dk, dv, *per-request inputs) of one job."""
+    """Fake tensors for (weights, *inputs) of one job's part (``SpecPair`` documents the shapes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     dev = torch.device(job["device"])
     cache_dtype = torch_dtype(job["cache_dtype"])
+    i64, f32 = torch.int64, torch.float32
+    B, S, D, g = job["batch"], job["tokens"], tcfg.hidden_size, dcfg.block_size
     with FakeTensorMode():
-        weights = [torch.empty(shape, dtype=torch_dtype(dt), device=dev) for _, shape, dt in job["weights"]]
+        def t(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device=dev)
 
-        def cache(cfg, n):
-            return [torch.empty(job["cache_slots"], job["max_seq"], cfg.num_key_value_heads, cfg.head_dim,
-                                dtype=cache_dtype, device=dev) for _ in range(n)]
+        def cache(cfg):
+            return t((job["cache_slots"], job["max_seq"], cfg.num_key_value_heads, cfg.head_dim), cache_dtype)
 
-        caches = (cache(tcfg, tcfg.num_hidden_layers), cache(tcfg, tcfg.num_hidden_layers),
-                  cache(dcfg, dcfg.num_hidden_layers), cache(dcfg, dcfg.num_hidden_layers))
-        if job["fn"] == "step":
-            shapes = [(job["batch"],)] * len(STEP_INPUTS)
-            names = STEP_INPUTS
-        else:
-            shapes = [(1, job["chunk"]), (1, job["chunk"])] + [(1,)] * 4
-            names = PREFILL_INPUTS
-        inputs = [torch.empty(s, dtype=torch_dtype(dt), device=dev) for s, (_, dt) in zip(shapes, names)]
-    return (weights, *caches, *inputs)
+        weights = [t(shape, torch_dtype(dt)) for _, shape, dt in job["weights"]]
+        fn = job["fn"]
+        if fn == "layer":
+            return (weights, cache(tcfg), cache(tcfg), t((B, S, D), f32), t((B, S), i64), t((B,), i64))
+        dk = [cache(dcfg) for _ in range(dcfg.num_hidden_layers)]
+        dv = [cache(dcfg) for _ in range(dcfg.num_hidden_layers)]
+        aux = [t((B, S, D), f32) for _ in dcfg.target_layer_ids]
+        if fn == "step_draft":
+            return (weights, dk, dv, *[t((B,), i64) for _ in range(4)], t((B,), f32))
+        if fn == "step_finish":
+            return (weights, dk, dv, t((B, S, D), f32), aux, t((B, g), i64), t((B, g, dcfg.draft_vocab_size), f32),
+                    t((B, S), i64), t((B,), i64), t((B,), i64), t((B,), f32))
+        if fn == "prefill_finish":
+            return (weights, dk, dv, t((1, S, D), f32), aux, t((1, S), i64), *[t((1,), i64) for _ in range(3)],
+                    t((1,), f32))
+    raise ValueError(f"unknown graph function {fn!r}")
 
 
 @contextlib.contextmanager
@@ -214,7 +240,8 @@ def _compile_job(job: dict) -> dict:
     t1 = time.perf_counter()
     with int64_indexing():
         torch._inductor.aoti_compile_and_package(ep, package_path=job["out"], inductor_configs=job["configs"])
-    return {"name": job["name"], "file": Path(job["out"]).name, "export_s": round(t1 - t0, 1),
+    return {"name": job["name"], "file": Path(job["out"]).name, "fn": job["fn"], "batch": job["batch"],
+            "tokens": job["tokens"], "export_s": round(t1 - t0, 1),
             "compile_s": round(time.perf_counter() - t1, 1)}
 
 
@@ -299,10 +326,10 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
             f"rebuilding with the reference plugins (plugin_impl 'inline')")
         impl = "inline"
         results = compile_with(impl)
-    graphs = {"prefill": {"file": "prefill.pt2", "fn": "prefill", "batch": 1, "chunk": chunk}}
-    for b in buckets:
-        graphs[f"step_b{b}"] = {"file": f"step_b{b}.pt2", "fn": "step", "batch": b}
+    graphs = {r["name"]: {"file": r["file"], "fn": r["fn"], "batch": r["batch"], "tokens": r["tokens"]}
+              for r in results}
     return {
+        "layout": "layered",
         "plugin_impl": impl,
         "plugin_fallback": fallback,
         "graphs": graphs,
@@ -313,11 +340,9 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "scratch_slot": max_batch,
         "cache_dtype": cache_dtype,
         "weights": wspecs,
-        "graph_inputs": {
-            "step": ["weights[]", "target_k[]", "target_v[]", "draft_k[]", "draft_v[]"] + [n for n, _ in STEP_INPUTS],
-            "prefill": ["weights[]", "target_k[]", "target_v[]", "draft_k[]", "draft_v[]"]
-            + [n for n, _ in PREFILL_INPUTS],
-        },
+        # For an embedder: each part's flat input order. "weights[head]" is every weight outside
+        # target.model.layers.*, "weights[layer i]" layer i's, both in the order of "weights".
+        "graph_inputs": GRAPH_INPUTS,
         "compile": {"fast_compile": fast_compile, "inductor_configs": configs,
                     "seconds": {r["name"]: r["export_s"] + r["compile_s"] for r in results}},
     }

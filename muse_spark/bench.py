@@ -242,7 +242,8 @@ class Bench:
             pool = ProcessPoolExecutor(max_workers=len(jobs), mp_context=multiprocessing.get_context("spawn"))
             threads = max(1, (os.cpu_count() or 1) // (len(jobs) + 1))
             futures = [pool.submit(compile_job, dict(j, compile_threads=threads)) for j in jobs]
-            self.log(f"aoti: compiling {len(jobs)} step graphs ({impl} plugins) in worker processes")
+            self.log(f"aoti: compiling {len(jobs)} step packages (draft, one target layer, finish per batch; "
+                     f"{impl} plugins) in worker processes")
 
         # ---- (b) torch.compile of the eager step -------------------------------------------------
         from muse_spark.plugins.dispatch import plugin_impl
@@ -308,7 +309,8 @@ class Bench:
             pool.shutdown()
             sec["aoti_compile_s"] = {k: v["export_s"] + v["compile_s"] for k, v in compiled_files.items()}
             self.log(f"aoti: compiled {sorted(compiled_files)}")
-        aoti_batches = [b for b in batches if f"step_b{b}" in compiled_files] if futures else []
+        aoti_batches = [b for b in batches
+                        if all(f"step_{p}_b{b}" in compiled_files for p in ("draft", "layer", "finish"))]
         if aoti_batches:
             try:
                 self.aoti_section(eng, caches, aoti_batches, inputs, kv_len, scratch=slots - 1)
@@ -353,7 +355,7 @@ class Bench:
     def aoti_section(self, eng, caches, batches, inputs, kv_len, scratch: int) -> None:
         import torch
 
-        from muse_spark.runtime.aoti_engine import load_package
+        from muse_spark.runtime.aoti_engine import load_step
         from muse_spark.runtime.aoti_graphs import SpecPair, weight_names, weight_tensors
         from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
 
@@ -365,7 +367,7 @@ class Bench:
         sec["aoti"], sec["aoti_graph_replay"], sec["aoti_matches_eager"] = {}, {}, {}
         with torch.inference_mode():
             for b in sorted(batches, reverse=True):
-                fn = load_package(Path(a.work_dir) / f"step_b{b}.pt2", dev, single_threaded=cuda)
+                fn = load_step(a.work_dir, None, b, eng.target, eng.draft, dev, single_threaded=cuda)
                 runner = (CUDAGraphStep(fn, b, weights, caches, scratch, dev, pool=pool) if cuda
                           else StaticStep(fn, b, weights, caches, scratch, dev))
                 x = inputs(b)

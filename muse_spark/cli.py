@@ -54,8 +54,9 @@ def measure_greedy_acceptance(target_dir, draft_dir, prompts=((1, 2, 3), (40, 41
 def cmd_build(a) -> int:
     from muse_spark.builder.engine import build_engine
 
+    aoti = {"plugins": a.plugins} if a.plugins is not None else {}
     build_engine(a.target, a.draft, a.out, backend=a.backend, device=a.device, max_batch=a.max_batch,
-                 max_seq=a.max_seq, dtype=a.dtype)
+                 max_seq=a.max_seq, dtype=a.dtype, **aoti)
     print(f"engine: {a.out}")
     return 0
 
@@ -157,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch", type=int, default=8)
     b.add_argument("--max-seq", type=int, default=1024)
     b.add_argument("--dtype", default=None, help="override the checkpoint's torch_dtype")
+    b.add_argument("--plugins", choices=["auto", "inline", "triton"], default=None,
+                   help="aoti: the plugin kernels compiled in. auto (default): the Triton kernels on CUDA, falling "
+                        "back to the reference functions if they fail to compile; inline: the reference functions")
     b.set_defaults(fn=cmd_build)
 
     g = sub.add_parser("generate", help="speculative generation")

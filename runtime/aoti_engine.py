@@ -2,11 +2,14 @@
 
 ``AOTIEngine.from_dir`` checks the manifest against this machine (backend,
 device kind, compute capability, torch version), the files against their
-hashes, then loads the canonical weights once and the packages
-(``prefill.pt2``, ``step_b{B}.pt2``), which take those weights and the KV
-caches as inputs (``runtime/aoti_graphs.py`` says why). On CUDA each step
-package is captured in a CUDA graph per batch bucket (``runtime/cuda_graph.py``);
-on CPU the packages are called directly with the same static buffers.
+hashes, then loads the canonical weights once and the packages (a prompt
+chunk: ``prefill_layer``, ``prefill_finish``; a step per batch bucket:
+``step_draft_b{B}``, ``step_layer_b{B}``, ``step_finish_b{B}``), which take
+those weights and the KV caches as inputs (``runtime/aoti_graphs.py`` says
+why); the one layer package runs every target layer. On CUDA each bucket's
+step (all its package calls) is captured in one CUDA graph
+(``runtime/cuda_graph.py``); on CPU the packages are called directly with
+the same static buffers.
 
 It is an ``EagerEngine`` for everything it does not compile: it exposes the
 same attributes to the ``Generator``, and ``target_step`` (target-only
@@ -29,7 +32,8 @@ import torch
 from safetensors.torch import load_file
 
 from muse_spark.config import dtype_name, parse_dtype
-from muse_spark.runtime.aoti_graphs import SpecPair, weight_specs, weight_tensors
+from muse_spark.runtime.aoti_graphs import (LayeredPrefill, LayeredStep, SpecPair, weight_names, weight_specs,
+                                            weight_tensors)
 from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
 from muse_spark.runtime.engine import (EagerEngine, EngineError, build_modules, check_plugins, configs_from_manifest,
                                        read_manifest, verify_files)
@@ -141,6 +145,26 @@ def load_package(path: str | Path, device: torch.device, single_threaded: bool =
         raise EngineError(f"AOTI package {path} cannot be loaded: {e}") from None
 
 
+def _part(d: Path, graphs: dict | None, name: str, device, single_threaded: bool = False):
+    file = graphs[name]["file"] if graphs is not None else f"{name}.pt2"
+    return load_package(d / file, device, single_threaded=single_threaded)
+
+
+def load_step(d: str | Path, graphs: dict | None, bucket: int, target, draft, device,
+              single_threaded: bool = False) -> LayeredStep:
+    """Bucket ``bucket``'s speculative step from its three packages in ``d`` (``graphs``: the
+    manifest's file names; None: the builder's default names)."""
+    d, names = Path(d), weight_names(SpecPair(target, draft))
+    parts = [_part(d, graphs, f"step_{p}_b{bucket}", device, single_threaded) for p in ("draft", "layer", "finish")]
+    return LayeredStep(names, target.cfg.num_hidden_layers, target.aux_layer_ids, *parts)
+
+
+def load_prefill(d: str | Path, graphs: dict | None, target, draft, device) -> LayeredPrefill:
+    d, names = Path(d), weight_names(SpecPair(target, draft))
+    return LayeredPrefill(names, target.cfg.num_hidden_layers, target.aux_layer_ids, target.embed_stream,
+                          _part(d, graphs, "prefill_layer", device), _part(d, graphs, "prefill_finish", device))
+
+
 # ---- the engine -------------------------------------------------------------------------------
 class AOTIEngine(EagerEngine):
     backend = "aoti"
@@ -174,7 +198,10 @@ class AOTIEngine(EagerEngine):
         d = Path(engine_dir)
         cuda = self.device.type == "cuda"
         self.cuda_graphs = cuda and cuda_graphs
-        self.prefill_fn = load_package(d / a["graphs"]["prefill"]["file"], self.device)
+        if a.get("layout") != "layered":
+            raise EngineError(f"{engine_dir}: this aoti engine was built by an older muse-spark (one unrolled graph "
+                              f"per step); rebuild it")
+        self.prefill_fn = load_prefill(d, a["graphs"], target, draft, self.device)
         self.buckets = [b for b in a["batch_buckets"] if b <= max_batch] or [min(a["batch_buckets"])]
         if self.buckets[-1] < max_batch:
             self.buckets.append(min(b for b in a["batch_buckets"] if b >= max_batch))
@@ -182,7 +209,7 @@ class AOTIEngine(EagerEngine):
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         with torch.inference_mode():
             for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
-                fn = load_package(d / a["graphs"][f"step_b{b}"]["file"], self.device, single_threaded=self.cuda_graphs)
+                fn = load_step(d, a["graphs"], b, target, draft, self.device, single_threaded=self.cuda_graphs)
                 if self.cuda_graphs:
                     self.runners[b] = CUDAGraphStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
                                                     pool=pool)

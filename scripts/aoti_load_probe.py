@@ -49,17 +49,6 @@ CASES = {
         m = torch._inductor.aoti_load_package(STEP, device_index=0)
         print("loaded", flush=True)
     """,
-    # Loaded before anything touched CUDA, run after the engine (weights, caches) exists.
-    "bare_load_then_run": """
-        import torch, torch._inductor
-        m = torch._inductor.aoti_load_package(STEP)
-        print("loaded", flush=True)
-        from muse_spark.runtime.aoti_engine import AOTIEngine
-        e = AOTIEngine.from_dir(ENGINE, cuda_graphs=False)
-        r = e.runners[min(e.runners)]
-        out = m(e.weights, *e.caches, *r.static_inputs)
-        print("ran", out.cpu().tolist(), flush=True)
-    """,
     # Which call crashes: reading the metadata alone.
     "metadata_only": """
         import torch
@@ -188,7 +177,7 @@ def main() -> int:
     if cases:
         m = json.loads(open(os.path.join(a.engine, "manifest.json")).read())
         smallest = min(m["aoti"]["batch_buckets"])
-        step = os.path.join(a.engine, m["aoti"]["graphs"][f"step_b{smallest}"]["file"])
+        step = os.path.join(a.engine, m["aoti"]["graphs"][f"step_layer_b{smallest}"]["file"])
     else:
         print(f"no engine at {a.engine}: engine cases skipped", flush=True)
     for name in cases:

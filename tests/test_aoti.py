@@ -55,14 +55,18 @@ def copy_engine(src, dst):
 # ---- build ---------------------------------------------------------------------------------------
 def test_build_reports_progress_and_writes_the_manifest(built):
     out, log = built
-    assert "[build] compiling 2 graphs (prefill, step_b3)" in log and "step_b3 compiled" in log
+    files = {"prefill_layer.pt2", "prefill_finish.pt2", "step_draft_b3.pt2", "step_layer_b3.pt2",
+             "step_finish_b3.pt2"}
+    assert "[build] compiling 5 graphs" in log and "step_layer_b3 compiled" in log
     m = json.loads((out / "manifest.json").read_text())
     assert m["backend"] == "aoti" and m["device"]["kind"] == "cpu"
     a = m["aoti"]
-    assert a["plugin_impl"] == "inline"  # CPU builds trace the reference plugins into the graph
+    assert a["layout"] == "layered" and a["plugin_impl"] == "inline"  # CPU builds trace the reference plugins
     assert a["batch_buckets"] == [MAX_BATCH] and a["cache_slots"] == MAX_BATCH + 1
-    assert {g["file"] for g in a["graphs"].values()} == {"prefill.pt2", "step_b3.pt2"}
-    for name in ("prefill.pt2", "step_b3.pt2", "target.safetensors", "draft.safetensors", "tokenizer.json"):
+    assert {g["file"] for g in a["graphs"].values()} == files
+    # one layer package for every target layer: it takes one layer's weights
+    assert a["graphs"]["step_layer_b3"] == {"file": "step_layer_b3.pt2", "fn": "layer", "batch": 3, "tokens": 6}
+    for name in sorted(files) + ["target.safetensors", "draft.safetensors", "tokenizer.json"]:
         assert len(m["files"][name]) == 64  # sha256 of every engine file
     assert m["versions"]["torch"] == torch.__version__
 
@@ -70,11 +74,12 @@ def test_build_reports_progress_and_writes_the_manifest(built):
 def test_packages_hold_no_python_registered_op_and_no_weights(built):
     """The C++ loader and a fresh process need nothing from Python; weights stay in safetensors."""
     out = built[0]
-    with zipfile.ZipFile(out / "step_b3.pt2") as z:
-        wrapper = [n for n in z.namelist() if n.endswith(".cpp") and "wrapper" in n]
-        text = "".join(z.read(n).decode() for n in wrapper)
-        assert "muse_spark" not in text and "proxy_executor_call_function" not in text
-        assert sum(i.file_size for i in z.infolist()) < 20e6
+    for name in ("step_draft_b3", "step_layer_b3", "step_finish_b3", "prefill_finish"):
+        with zipfile.ZipFile(out / f"{name}.pt2") as z:
+            wrapper = [n for n in z.namelist() if n.endswith(".cpp") and "wrapper" in n]
+            text = "".join(z.read(n).decode() for n in wrapper)
+            assert "muse_spark" not in text and "proxy_executor_call_function" not in text
+            assert sum(i.file_size for i in z.infolist()) < 20e6
 
 
 # ---- output equality with the eager engine -------------------------------------------------------------
@@ -99,6 +104,40 @@ def test_sampled_output_identical_to_eager_given_seeds(engine, eager):
     want = Generator(eager).generate(PROMPTS, params)
     assert [r.output for r in got] == [r.output for r in want]
     assert [[s.accepted for s in r.steps] for r in got] == [[s.accepted for s in r.steps] for r in want]
+
+
+def test_layered_parts_compose_to_the_eager_step_and_prefill(agreeing_pair):
+    """The parts the builder compiles (draft, one layer reused for every layer, finish), run
+    uncompiled over the reference modules and composed as the runtime composes them, give the
+    eager engine's step and prefill token for token and write the same caches."""
+    from muse_spark.runtime.aoti_graphs import (GraphFn, LayeredPrefill, LayeredStep, SpecPair, part_weight_names,
+                                                weight_names, weight_tensors)
+
+    a = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=MAX_BATCH, max_seq=MAX_SEQ)
+    b = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=MAX_BATCH, max_seq=MAX_SEQ)
+    pair = SpecPair(b.target, b.draft)
+    names = weight_names(pair)
+    weights = weight_tensors(pair, names)
+
+    def part(fn):
+        return GraphFn(pair, fn, part_weight_names(names, fn))
+
+    L, aux_ids = b.tcfg.num_hidden_layers, b.target.aux_layer_ids
+    step = LayeredStep(names, L, aux_ids, part("step_draft"), part("layer"), part("step_finish"))
+    prefill = LayeredPrefill(names, L, aux_ids, b.target.embed_stream, part("layer"), part("prefill_finish"))
+    caches_b = (b.target_cache.k, b.target_cache.v, b.draft_cache.k, b.draft_cache.v)
+    with torch.inference_mode():
+        prompt = [72, 101, 108, 108, 111, 44, 32, 119]
+        got = prefill(weights, *caches_b, torch.tensor([prompt]), torch.arange(8)[None], torch.tensor([1]),
+                      torch.tensor([7]), torch.tensor([7]), torch.tensor([0.0]))
+        assert got.tolist() == a.prefill(prompt, 1, 7, 0.0).tolist()
+        for anchor_pos, temp in ((8, 0.0), (14, 0.9)):
+            x = (torch.tensor([65]), torch.tensor([anchor_pos]), torch.tensor([1]), torch.tensor([9]),
+                 torch.tensor([temp]))
+            assert torch.equal(step(weights, *caches_b, *x), a.step(*x, MAX_SEQ))
+    for ca, cb in zip((a.target_cache.k, a.target_cache.v, a.draft_cache.k, a.draft_cache.v), caches_b):
+        for ta, tb in zip(ca, cb):
+            assert torch.equal(ta, tb)
 
 
 def test_step_graph_equals_eager_step_and_writes_only_its_slots(engine, eager):
@@ -156,10 +195,10 @@ def test_loading_puts_libstdcxx_in_the_global_symbol_scope():
 # ---- refusals -------------------------------------------------------------------------------------
 def test_refuses_a_file_that_does_not_match_its_hash(built, tmp_path):
     d = copy_engine(built[0], tmp_path / "e")
-    data = bytearray((d / "step_b3.pt2").read_bytes())
+    data = bytearray((d / "step_layer_b3.pt2").read_bytes())
     data[len(data) // 2] ^= 0xFF
-    (d / "step_b3.pt2").write_bytes(bytes(data))
-    with pytest.raises(EngineError, match="step_b3.pt2 does not match the manifest's hash"):
+    (d / "step_layer_b3.pt2").write_bytes(bytes(data))
+    with pytest.raises(EngineError, match="step_layer_b3.pt2 does not match the manifest's hash"):
         load_engine(d)
 
 
@@ -212,7 +251,8 @@ def test_auto_plugins_fall_back_to_the_references_when_the_triton_kernels_do_not
         tried.append(jobs[0]["impl"])
         if jobs[0]["impl"] == "triton":
             raise RuntimeError("compiling step_b2 failed: CompilationError: boom\ntraceback …")
-        return [{"name": j["name"], "export_s": 0.0, "compile_s": 0.0} for j in jobs]
+        return [{"name": j["name"], "file": f"{j['name']}.pt2", "fn": j["fn"], "batch": j["batch"],
+                 "tokens": j["tokens"], "export_s": 0.0, "compile_s": 0.0} for j in jobs]
 
     monkeypatch.setattr(aoti, "resolve_plugin_impl", lambda requested, device: "triton")
     monkeypatch.setattr(aoti, "compile_graphs", fake_compile)

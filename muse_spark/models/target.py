@@ -93,25 +93,40 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         kv_len: int,  # keys [0, kv_len) are read; must exceed every position
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (h = norm(stream) [B, S, D] compute dtype, aux [B, S, D·len(aux_layer_ids)] fp32)."""
-        dt = self.dtype
-        stream = self.model.embed_tokens(tokens).to(torch.float32)
-        key_pos = torch.arange(kv_len, device=tokens.device)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, S, T]
-        rows = slots[:, None]
+        stream = self.embed_stream(tokens)
         aux = []
-        for i, layer in enumerate(self.model.layers):
-
-            def kv(k_new, v_new, i=i):
-                cache.k[i][rows, positions] = k_new
-                cache.v[i][rows, positions] = v_new
-                return cache.k[i][slots, :kv_len], cache.v[i][slots, :kv_len], mask
-
-            stream = layer(stream, positions, kv)
+        for i in range(len(self.model.layers)):
+            stream = self.layer_forward(i, stream, positions, slots, cache.k[i], cache.v[i], kv_len)
             if i in self.aux_layer_ids:
                 aux.append(stream)
-        h = self.model.norm(stream.to(dt), dt)
-        aux_t = torch.cat(aux, -1) if aux else stream.new_zeros(stream.shape[:2] + (0,))
-        return h, aux_t
+        return self.final_norm(stream), self.cat_aux(aux, stream)
+
+    # The pieces of ``forward`` (the aoti engine compiles them separately: one layer package serves
+    # every layer, since the layers share one structure and their weights are graph inputs).
+    def embed_stream(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The FP32 residual stream entering layer 0."""
+        return self.model.embed_tokens(tokens).to(torch.float32)
+
+    def layer_forward(self, i: int, stream, positions, slots, k_cache, v_cache, kv_len: int) -> torch.Tensor:
+        """Layer ``i``: write its K/V for ``positions`` into rows ``slots`` of its caches, attend over
+        keys ``[0, kv_len)`` visible to each query (position ≤ the query's), → the new stream."""
+        key_pos = torch.arange(kv_len, device=stream.device)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, S, T]
+        rows = slots[:, None]
+
+        def kv(k_new, v_new):
+            k_cache[rows, positions] = k_new
+            v_cache[rows, positions] = v_new
+            return k_cache[slots, :kv_len], v_cache[slots, :kv_len], mask
+
+        return self.model.layers[i](stream, positions, kv)
+
+    def final_norm(self, stream: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(stream.to(self.dtype), self.dtype)
+
+    @staticmethod
+    def cat_aux(aux: list[torch.Tensor], stream: torch.Tensor) -> torch.Tensor:
+        return torch.cat(aux, -1) if aux else stream.new_zeros(stream.shape[:2] + (0,))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Transformed fp32 logits over the target vocabulary."""

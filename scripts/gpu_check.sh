@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU checks, for a CUDA machine that already has torch, Triton and pytest (the device
+# machine's image): install this checkout without dependencies, then run
+#
+#   scripts/gpu_check.sh tests   # every GPU test (slow ones too), one line per test
+#   scripts/gpu_check.sh probe   # build a tiny CUDA engine, load it every way (scripts/aoti_load_probe.py)
+#   scripts/gpu_check.sh bench   # the Muse-Spark-shaped benchmark (docs/benchmarks.md)
+#
+# Logs go to $OUT (default ./gpu-out). Test files run in parallel, one file per worker, and
+# a worker that dies (a segfault) is not restarted: pytest-xdist would otherwise re-run the
+# crashing test on a fresh worker again and again until the time limit.
+set -u -o pipefail
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+ulimit -c 0  # a crash's core dump takes tens of seconds here
+python3 -m pip install --no-deps --no-build-isolation -e . -q >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+
+case "${1:-tests}" in
+tests)
+    xdist=()
+    python3 -c "import xdist" 2>/dev/null && xdist=(-n 3 --dist loadfile --max-worker-restart=0)
+    timeout "${TEST_TIMEOUT:-480}" python3 -m pytest "${xdist[@]}" -v -rfEs -m "slow or not slow" \
+        tests/test_gpu_eager.py tests/test_gpu_kernels.py tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-tests.log" |
+        grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|[0-9]+ (passed|failed)|node down"
+    ;;
+probe)
+    python3 -m muse_spark.cli make-tiny --kind agreeing /tmp/gpu-check-pair >"$OUT/probe-build.log" 2>&1
+    python3 -m muse_spark.cli build --target /tmp/gpu-check-pair/target --draft /tmp/gpu-check-pair/draft \
+        --out /tmp/gpu-check-engine --backend aoti --device cuda --max-batch 2 --max-seq 256 --plugins inline \
+        >>"$OUT/probe-build.log" 2>&1 || { tail -30 "$OUT/probe-build.log"; exit 1; }
+    timeout "${PROBE_TIMEOUT:-300}" python3 scripts/aoti_load_probe.py /tmp/gpu-check-engine \
+        --cases bare_load,runtime_loader,engine_runtime 2>&1 | tee "$OUT/probe.log"
+    ;;
+bench)
+    timeout "${BENCH_TIMEOUT:-560}" python3 scripts/bench.py --deadline-s "${BENCH_DEADLINE:-480}" \
+        --json "$OUT/benchmarks.json" --markdown "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
+    ;;
+*)
+    echo "usage: $0 tests|probe|bench" >&2
+    exit 2
+    ;;
+esac
