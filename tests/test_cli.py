@@ -97,3 +97,14 @@ def test_build_engine_script_wraps_the_cli(tiny, tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--target", tmp_path / "missing", "--draft",
                           tiny / "pair/draft", "--out", tmp_path / "e2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no config.json" in bad.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--backend", "aoti", "--device", "cpu", "--plugins", "triton"), "needs --device cuda"),
+    (("--backend", "eager", "--plugins", "inline"), "apply to --backend aoti only"),
+])
+def test_build_plugins_option_is_checked_before_compiling(tiny, tmp_path, args, message):
+    r = cli("build", "--target", tiny / "pair/target", "--draft", tiny / "pair/draft", "--out", tmp_path / "e",
+            *args, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "e" / "manifest.json").exists()
