@@ -31,6 +31,14 @@ CASES = {
         m = torch._inductor.aoti_load_package(STEP)
         print("loaded", flush=True)
     """,
+    # The control that worked on the H200: libtorch (with libstdc++) loaded into the global scope.
+    "rtld_global_env": """
+        import os
+        os.environ["TORCH_USE_RTLD_GLOBAL"] = "1"  # read by torch/__init__.py
+        import torch, torch._inductor
+        m = torch._inductor.aoti_load_package(STEP)
+        print("loaded", flush=True)
+    """,
     "bare_load_single_threaded": """
         import torch, torch._inductor
         m = torch._inductor.aoti_load_package(STEP, run_single_threaded=True)

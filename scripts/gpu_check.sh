@@ -30,7 +30,7 @@ probe)
         --out /tmp/gpu-check-engine --backend aoti --device cuda --max-batch 2 --max-seq 256 --plugins inline \
         >>"$OUT/probe-build.log" 2>&1 || { tail -30 "$OUT/probe-build.log"; exit 1; }
     timeout "${PROBE_TIMEOUT:-300}" python3 scripts/aoti_load_probe.py /tmp/gpu-check-engine \
-        --cases bare_load,runtime_loader,engine_runtime 2>&1 | tee "$OUT/probe.log"
+        --cases bare_load,rtld_global_env,runtime_loader,engine_runtime 2>&1 | tee "$OUT/probe.log"
     ;;
 bench)
     timeout "${BENCH_TIMEOUT:-560}" python3 scripts/bench.py --deadline-s "${BENCH_DEADLINE:-480}" \
