@@ -98,7 +98,7 @@ def libstdcxx_global() -> bool:
     ``RTLD_LOCAL``, so libstdc++ is not in the global scope of a Python
     process (a C++ program links it, so it is). The CUDA model libraries built
     on the H200 device machine (torch 2.11.0+cu130) do not link libstdc++ and
-    carry weak copies of some of its locale code (``codecvt<char16_t, char>``);
+    carry their own copies of some of its locale code (``codecvt<char16_t, char>``);
     bound to those copies instead of libstdc++'s, the ``std::regex`` in the
     model's constructor picked the wrong locale facet and crashed (a cuda-gdb
     backtrace and the loader's symbol bindings are in docs/aoti.md). With

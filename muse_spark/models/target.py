@@ -94,9 +94,10 @@ class MuseSpark1xForCausalLM(LayerStackLM):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (h = norm(stream) [B, S, D] compute dtype, aux [B, S, D·len(aux_layer_ids)] fp32)."""
         stream = self.embed_stream(tokens)
+        mask = self.key_mask(positions, kv_len)
         aux = []
         for i in range(len(self.model.layers)):
-            stream = self.layer_forward(i, stream, positions, slots, cache.k[i], cache.v[i], kv_len)
+            stream = self.layer_forward(i, stream, positions, slots, cache.k[i], cache.v[i], kv_len, mask)
             if i in self.aux_layer_ids:
                 aux.append(stream)
         return self.final_norm(stream), self.cat_aux(aux, stream)
@@ -107,11 +108,18 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         """The FP32 residual stream entering layer 0."""
         return self.model.embed_tokens(tokens).to(torch.float32)
 
-    def layer_forward(self, i: int, stream, positions, slots, k_cache, v_cache, kv_len: int) -> torch.Tensor:
+    @staticmethod
+    def key_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[B, S, kv_len]: key j is visible to a query iff j ≤ the query's position."""
+        key_pos = torch.arange(kv_len, device=positions.device)
+        return key_pos[None, None, :] <= positions[:, :, None]
+
+    def layer_forward(self, i: int, stream, positions, slots, k_cache, v_cache, kv_len: int,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
         """Layer ``i``: write its K/V for ``positions`` into rows ``slots`` of its caches, attend over
-        keys ``[0, kv_len)`` visible to each query (position ≤ the query's), → the new stream."""
-        key_pos = torch.arange(kv_len, device=stream.device)
-        mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, S, T]
+        keys ``[0, kv_len)`` visible to each query (``key_mask``), → the new stream."""
+        if mask is None:
+            mask = self.key_mask(positions, kv_len)
         rows = slots[:, None]
 
         def kv(k_new, v_new):
