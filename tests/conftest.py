@@ -74,6 +74,10 @@ def small_engine(seed=0, max_batch=8, max_seq=64, **cfg_kw) -> EagerEngine:
     return EagerEngine(target, draft, max_batch=max_batch, max_seq=max_seq, device="cpu")
 
 
+# Prompts for engine-equality tests: a long one (chunked prefill), a one-token one, batch mates.
+ENGINE_PROMPTS = [[1, 2, 3], [72, 101, 108, 108, 111] * 30, [200], [40, 41, 42, 43, 44, 45, 46, 47]]
+
+
 def run_cli(*args, timeout: int = 900, cwd=None):
     """Run ``muse-spark ARGS…`` in a fresh process, as a user would."""
     import subprocess

@@ -18,11 +18,11 @@ import torch
 from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingParams, load_engine
 from muse_spark.runtime.aoti_engine import AOTIEngine, check_compatibility, machine_info
 
+from conftest import ENGINE_PROMPTS as PROMPTS
 from conftest import run_cli
 
 MAX_BATCH, MAX_SEQ = 3, 256
 # Lengths straddle the prefill chunk (128): one prompt takes two chunks, the last one padded.
-PROMPTS = [[1, 2, 3], [72, 101, 108, 108, 111] * 30, [200], [40, 41, 42, 43, 44, 45, 46, 47]]
 
 
 cli = run_cli

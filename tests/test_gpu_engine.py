@@ -15,12 +15,12 @@ import torch
 
 from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingParams, load_engine
 
+from conftest import ENGINE_PROMPTS as PROMPTS
 from conftest import run_cli
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 MAX_BATCH, MAX_SEQ = 4, 256
-PROMPTS = [[1, 2, 3], [72, 101, 108, 108, 111] * 30, [200], [40, 41, 42, 43, 44, 45, 46, 47]]
 
 
 cli = run_cli
