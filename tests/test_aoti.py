@@ -211,6 +211,15 @@ def test_refuses_an_engine_compiled_with_another_torch(built, tmp_path):
         load_engine(d)
 
 
+def test_refuses_an_engine_of_the_older_one_graph_per_step_layout(built, tmp_path):
+    d = copy_engine(built[0], tmp_path / "e")
+    m = json.loads((d / "manifest.json").read_text())
+    del m["aoti"]["layout"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match="built by an older muse-spark .*rebuild it"):
+        load_engine(d)
+
+
 def test_refuses_another_compute_capability_or_device_kind(built):
     m = json.loads((built[0] / "manifest.json").read_text())
     cuda_m = dict(m, device={"kind": "cuda", "name": "NVIDIA A100", "compute_capability": [8, 0]})
