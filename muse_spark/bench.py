@@ -311,7 +311,7 @@ class Bench:
             if failed and impl == "triton" and a.plugins == "auto":
                 # As `build --plugins auto` does: the reference plugins instead, said and recorded.
                 self.log(f"aoti: {len(failed)} packages failed with the Triton plugin kernels; recompiling "
-                         f"them with the reference plugins (inline)")
+                         f"all {len(jobs)} step packages with the reference plugins (inline)")
                 sec["aoti_plugin_fallback"] = sorted(j["name"] for j in failed)
                 aoti_impl = "inline"
                 retry = [pool.submit(compile_job, dict(j, impl="inline", compile_threads=threads)) for j in jobs]

@@ -85,3 +85,16 @@ def run_cli(*args, timeout: int = 900, cwd=None):
 
     return subprocess.run([sys.executable, "-m", "muse_spark.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd)
+
+
+def cli_generate_ids(engine, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
+    """``muse-spark generate --json`` in a fresh process (ignoring EOS) → its output ids."""
+    import json
+
+    args = ["generate", "--engine", engine, "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", max_tokens,
+            "--ignore-eos", "--json"]
+    if temperature:
+        args += ["--temperature", temperature, "--seed", seed]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])["output_ids"]

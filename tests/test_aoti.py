@@ -19,7 +19,7 @@ from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingPara
 from muse_spark.runtime.aoti_engine import AOTIEngine, check_compatibility, machine_info
 
 from conftest import ENGINE_PROMPTS as PROMPTS
-from conftest import run_cli
+from conftest import cli_generate_ids, run_cli
 
 MAX_BATCH, MAX_SEQ = 3, 256
 # Lengths straddle the prefill chunk (128): one prompt takes two chunks, the last one padded.
@@ -167,11 +167,7 @@ def test_step_graph_equals_eager_step_and_writes_only_its_slots(engine, eager):
 
 def test_fresh_process_generates_the_same_tokens(built, engine):
     """A new process (the CLI) loads the engine, generates, and exits cleanly."""
-    out = built[0]
-    r = cli("generate", "--engine", out, "--prompt-ids", "72,101,108", "--max-tokens", "20", "--ignore-eos",
-            "--temperature", "0.9", "--seed", "7", "--json")
-    assert r.returncode == 0, r.stderr[-3000:]
-    ids = json.loads(r.stdout.strip().splitlines()[-1])["output_ids"]
+    ids = cli_generate_ids(built[0], [72, 101, 108], 20, temperature=0.9, seed=7)
     here = Generator(engine).generate([[72, 101, 108]], SamplingParams(max_tokens=20, temperature=0.9, seed=7,
                                                                        ignore_eos=True))[0].output
     assert ids == here

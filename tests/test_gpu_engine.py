@@ -16,7 +16,7 @@ import torch
 from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingParams, load_engine
 
 from conftest import ENGINE_PROMPTS as PROMPTS
-from conftest import run_cli
+from conftest import cli_generate_ids, run_cli
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -121,10 +121,7 @@ def test_replay_refuses_caches_other_than_the_captured_ones(engine):
 
 
 def test_fresh_process_loads_and_generates_the_same_tokens(built, engine):
-    r = cli("generate", "--engine", built, "--prompt-ids", "72,101,108", "--max-tokens", "20", "--ignore-eos",
-            "--temperature", "0.9", "--seed", "7", "--json")
-    assert r.returncode == 0, r.stderr[-3000:]
-    ids = json.loads(r.stdout.strip().splitlines()[-1])["output_ids"]
+    ids = cli_generate_ids(built, [72, 101, 108], 20, temperature=0.9, seed=7)
     here = Generator(engine).generate([[72, 101, 108]], SamplingParams(max_tokens=20, temperature=0.9, seed=7,
                                                                        ignore_eos=True))[0].output
     assert ids == here
@@ -151,11 +148,5 @@ def test_engine_with_the_triton_plugin_kernels_equals_eager(agreeing_pair, eager
     params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, temperature=0.9, seed=3,
                                                                              ignore_eos=True)]
     for prompt, p in zip(PROMPTS[:2], params):
-        args = ["generate", "--engine", out, "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", 24,
-                "--ignore-eos", "--json"]
-        if p.temperature:
-            args += ["--temperature", p.temperature, "--seed", p.seed]
-        g = cli(*args)
-        assert g.returncode == 0, g.stderr[-3000:]
-        ids = json.loads(g.stdout.strip().splitlines()[-1])["output_ids"]
+        ids = cli_generate_ids(out, prompt, 24, temperature=p.temperature, seed=p.seed)
         assert ids == Generator(eager).generate([prompt], [p])[0].output
