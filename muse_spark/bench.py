@@ -120,6 +120,38 @@ def time_fn(fn, device, iters: int, warmup: int = 3) -> dict:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "iters": iters}
 
 
+def profile_kernels(fn, device, calls: int = 3, top: int = 15) -> dict:
+    """Where a call's device time goes: torch.profiler over ``calls`` calls of ``fn`` -> the kernel
+    time per call and the ``top`` kernels (name, launches per call, ms per call, share)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    per: dict[str, list] = {}
+    for e in prof.events():
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if not cuda and e.cpu_children:  # CPU: leaf operators only, so nothing is counted twice
+            continue
+        us = e.device_time if cuda else e.cpu_time
+        acc = per.setdefault(e.name, [0, 0.0])
+        acc[0] += 1
+        acc[1] += us
+    total = sum(v[1] for v in per.values()) / calls / 1e3
+    rows = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernel_ms": total, "calls": calls,
+            "top": [{"name": k[:120], "launches": v[0] / calls, "ms": v[1] / calls / 1e3,
+                     "share": v[1] / calls / 1e3 / total if total else 0.0} for k, v in rows]}
+
+
 def copy_bandwidth(device, gib: float = 2.0) -> dict:
     """Device-to-device copy, counting bytes read + written (METHOD.md)."""
     import torch
@@ -397,6 +429,11 @@ class Bench:
                 if cuda:
                     sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
                 self.log(f"aoti B={b}: {sec['aoti'][b]['median_ms']:.2f} ms (greedy step equals eager: {same})")
+                if a.profile:  # the same packages, called without the graph: the kernels it replays
+                    plain = StaticStep(fn, b, weights, caches, scratch, dev)
+                    prof = sec.setdefault("aoti_profile", {})[b] = profile_kernels(lambda: plain(*x), dev)
+                    self.log(f"aoti B={b} profile: {prof['kernel_ms']:.2f} ms of kernels per step; top: "
+                             + "; ".join(f"{r['name'][:60]} {r['ms']:.3f} ms" for r in prof["top"][:5]))
         self.save()
 
     def markov_section(self, draft, batches, impl) -> None:
@@ -557,6 +594,11 @@ def render_markdown(result: dict) -> str:
     if "aoti_graph_replay" in sec and sec["aoti_graph_replay"]:
         out += ["", "aoti graph replay alone (without the runner's input copies): "
                 + ", ".join(f"B={b}: {v['median_ms']:.2f} ms" for b, v in sec["aoti_graph_replay"].items()) + "."]
+    for b, prof in sec.get("aoti_profile", {}).items():
+        out += ["", f"### Where the aoti step's device time goes, batch {b} (torch.profiler, packages called "
+                f"without the CUDA graph: {prof['kernel_ms']:.2f} ms of kernels per step)", "",
+                "| kernel | launches / step | ms / step | share |", "|---|---:|---:|---:|"]
+        out += [f"| `{r['name'][:80]}` | {r['launches']:g} | {r['ms']:.3f} | {r['share']:.0%} |" for r in prof["top"]]
     if sec.get("aoti_matches_eager"):
         out += ["", "Greedy aoti step bit-equal to the eager step on the same inputs (random weights give "
                 "near-tied logits, where fused bf16 arithmetic may legitimately flip an argmax): "
@@ -589,6 +631,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated sections to skip: eager, compile, aoti")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="skip torch.compile beyond batch 1 when its recompile would end after this many seconds")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the aoti step's kernels per batch (a table of the top kernels)")
     p.add_argument("--work-dir", default="/tmp/muse_spark_bench", help="where the aoti packages are compiled")
     p.add_argument("--json", default="docs/benchmarks.json")
     p.add_argument("--markdown", default="docs/benchmarks.md")

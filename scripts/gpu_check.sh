@@ -19,9 +19,9 @@ python3 -m pip install --no-deps --no-build-isolation -e . -q >"$OUT/pip.log" 2>
 case "${1:-tests}" in
 tests)
     xdist=()
-    python3 -c "import xdist" 2>/dev/null && xdist=(-n 3 --dist loadfile --max-worker-restart=0)
+    python3 -c "import xdist" 2>/dev/null && xdist=(-n 4 --dist loadfile --max-worker-restart=0)
     timeout "${TEST_TIMEOUT:-480}" python3 -m pytest "${xdist[@]}" -v -rfEs -m "slow or not slow" \
-        tests/test_gpu_eager.py tests/test_gpu_kernels.py tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-tests.log" |
+        tests/test_gpu_eager.py tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_triton_engine.py 2>&1 | tee "$OUT/gpu-tests.log" |
         grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|[0-9]+ (passed|failed)|node down"
     ;;
 probe)

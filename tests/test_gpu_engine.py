@@ -29,7 +29,7 @@ cli = run_cli
 @pytest.fixture(scope="module")
 def built(agreeing_pair, tmp_path_factory):
     # Built in another process, with the reference plugins traced in (plugins="inline"): the
-    # exactness baseline. The Triton plugin kernels get their own engine below.
+    # exactness baseline. The Triton plugin kernels get their own engine (test_gpu_triton_engine.py).
     out = tmp_path_factory.mktemp("aoti_cuda") / "engine"
     code = ("import sys; from muse_spark.builder.engine import build_engine; "
             "build_engine(sys.argv[1], sys.argv[2], sys.argv[3], backend='aoti', device='cuda', "
@@ -135,18 +135,3 @@ def test_refuses_an_engine_for_another_compute_capability(built, tmp_path):
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(EngineError, match=r"compiled for compute capability 8\.0"):
         load_engine(d)
-
-
-def test_engine_with_the_triton_plugin_kernels_equals_eager(agreeing_pair, eager, tmp_path):
-    """The product path: the fused Triton kernels compiled into the packages (no fallback allowed),
-    built by the CLI and run by another process; greedy and sampled output equal the eager engine's."""
-    out = tmp_path / "triton_engine"
-    r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
-            "--device", "cuda", "--max-batch", 2, "--max-seq", MAX_SEQ, "--plugins", "triton")
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert json.loads((out / "manifest.json").read_text())["aoti"]["plugin_impl"] == "triton"
-    params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, temperature=0.9, seed=3,
-                                                                             ignore_eos=True)]
-    for prompt, p in zip(PROMPTS[:2], params):
-        ids = cli_generate_ids(out, prompt, 24, temperature=p.temperature, seed=p.seed)
-        assert ids == Generator(eager).generate([prompt], [p])[0].output

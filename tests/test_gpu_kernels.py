@@ -175,12 +175,29 @@ def test_markov_tokens_and_probs_match_reference(kern, config, shape):
 
 @needs_kernels
 def test_markov_sampled_tokens_identical_over_many_seeds(tops):
-    B, gamma, Vd, V, r, calls = (16, 7, 4096, 8192, 64, 24) if BIG else (8, 3, 300, 500, 16, 4)
+    B, gamma, Vd, V, r, calls = (8, 7, 4096, 8192, 64, 24) if BIG else (8, 3, 300, 500, 16, 4)
+    from muse_spark.plugins.markov.triton_kernel import MAX_OP_BATCH
+
+    assert B <= MAX_OP_BATCH  # the op runs the kernel (larger batches: the reference, tested below)
     for c in range(calls):
         args = markov_inputs(B, gamma, Vd, V, r, seed=100 + c, temps=torch.full((B,), 0.3 + 0.1 * (c % 10)))
         ids, _ = tops.markov_sample(*args)
         ref_ids, _ = markov_sample_ref(*args)
         assert torch.equal(ids, ref_ids), f"call {c}: {(ids != ref_ids).any(-1).sum().item()} rows differ"
+
+
+@needs_kernels
+@pytest.mark.xfail(ON_GPU, strict=False, reason="known defect on the H200 (Triton 3.6): at batch 16, Vd = 4096 "
+                   "programs wait on step words that are never written (MAX_OP_BATCH keeps the op off it)")
+def test_markov_kernel_full_row_block_of_16(kern):
+    """The kernel itself at batch 16 (every row of its 16-row block live, 16 slices): no program
+    gives up waiting (the error flag), and the sampled tokens equal the reference's."""
+    B, gamma, Vd, V, r = (16, 7, 4096, 8192, 64) if BIG else (16, 3, 1024, 2048, 16)
+    args = markov_inputs(B, gamma, Vd, V, r, seed=100, temps=torch.full((B,), 0.3))
+    U, _h, anchor, w1, w2, d2t, seeds, positions, temps = args[:9]
+    ids, _ = kern.launch_markov_sample(U, anchor, w1, w2, d2t, seeds, positions, temps, interpret=INTERPRETED,
+                                       check=True)
+    assert torch.equal(ids, markov_sample_ref(*args)[0])
 
 
 @needs_kernels
@@ -218,7 +235,7 @@ def test_keyed_gumbel_noise_matches_reference(kern):
 
 @needs_kernels
 @pytest.mark.parametrize("r", [0, 16])
-def test_markov_non_finite_rows(tops, r):
+def test_markov_non_finite_rows(kern, r):
     Vd = 5000 if BIG else 300
     base = 2 * torch.randn(6, Vd)
     inf, nan = float("inf"), float("nan")
@@ -236,7 +253,7 @@ def test_markov_non_finite_rows(tops, r):
     U = base.repeat(2, 1)[:, None, :].expand(B, 2, Vd).contiguous()
     U[:, 1] = args[0][:, 1].cpu()  # the second step is a normal row
     args[0] = U.to(DEV)
-    ids, probs = tops.markov_sample(*args)
+    ids, probs = run_kernel(kern, args, None)  # the kernel itself: the op runs batches > 8 in the reference
     ref_ids, ref_probs = markov_sample_ref(*args)
     assert torch.equal(ids, ref_ids)
     assert torch.isfinite(probs).all()
@@ -268,7 +285,22 @@ def test_markov_other_heads_fall_back_to_the_reference_bit_identically(tops, hea
 
 
 @needs_kernels
-def test_markov_sampled_frequencies_match_probabilities(tops):
+def test_markov_op_runs_batches_above_the_verified_size_in_the_reference(tops, caplog):
+    from muse_spark.plugins.markov.triton_kernel import MAX_OP_BATCH
+
+    B = MAX_OP_BATCH + 1
+    args = markov_inputs(B, 3, 300, 500, 16, temps=torch.tensor([0.0, 0.7, 1.2])[torch.arange(B) % 3])
+    with caplog.at_level(logging.WARNING, logger="muse_spark.plugins.triton_ops"):
+        ids, probs = tops.markov_sample(*args)
+        tops.markov_sample(*args)
+    ref_ids, ref_probs = markov_sample_ref(*args)
+    assert torch.equal(ids, ref_ids) and torch.equal(probs, ref_probs)
+    said = [rec.getMessage() for rec in caplog.records if f"batches above {MAX_OP_BATCH}" in rec.getMessage()]
+    assert len(said) <= 1  # logged once per process (earlier tests in this process may have said it)
+
+
+@needs_kernels
+def test_markov_sampled_frequencies_match_probabilities(kern):
     """Same logits, different seeds: step-0 tokens are draws from the recorded q."""
     B, Vd = (8192, 64) if BIG else (1024, 32)
     args = markov_inputs(1, 1, Vd, 100, 8, temps=torch.tensor([0.9]))
@@ -277,7 +309,7 @@ def test_markov_sampled_frequencies_match_probabilities(tops):
     for i in (2, 7, 8):
         args[i] = args[i].expand(B).contiguous()
     args[6] = torch.arange(B, device=DEV) * 7919 + 13
-    ids, probs = tops.markov_sample(*args)
+    ids, probs = run_kernel(kern, args, None)  # the kernel itself (the op runs batches > 8 in the reference)
     target_of = torch.arange(Vd, device=DEV) + args[5]  # sorted: invert d2t by search
     draft = torch.searchsorted(target_of, ids[:, 0])
     assert (target_of[draft] == ids[:, 0]).all()

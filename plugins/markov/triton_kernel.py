@@ -63,6 +63,12 @@ SLOT_BITS = tl.constexpr(9)  # columns of a slice and slices of a row < 2^9
 MAX_SLOT = tl.constexpr(511)  # a word's slot field holds 511 - column (in a slice) or 511 - slice
 CLEAR_SLOT = tl.constexpr(~(511 << 20))
 MAX_TARGET_VOCAB = 2**20
+# The largest batch the registered op (engines) runs through this kernel. On the H200 (Triton 3.6)
+# a batch of 16 with Vd = 4096 (16 slices of 256 columns, every row of the 16-row block live)
+# lost step words: programs waited on words that were never written, with and without the grid
+# barrier (error flag 1, docs/benchmarks.md). Batches up to 12 and the 8192-request frequency test
+# (one slice) were right. Until that is understood, larger batches run the reference loop.
+MAX_OP_BATCH = 8
 SPIN_LIMIT = tl.constexpr(1 << 24)  # polls before giving up (a bug must fail, not hang the GPU)
 
 
@@ -116,8 +122,9 @@ def _ordered(x):
 
 
 @triton.jit
-def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, NS_P2: tl.constexpr):
-    """Poll the NS words of step k until all are written -> the winning word per row."""
+def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, NS_P2: tl.constexpr):
+    """Poll the NS words of step k until all are written -> the winning word per row.
+    A poll that gives up (SPIN_LIMIT) raises the call's error flag to 1."""
     sl = tl.arange(0, NS_P2)
     msk = rmask[:, None] & (sl < NS)[None, :]
     ptrs = word_ptr + (rows[:, None] * GAMMA + k) * NS + sl[None, :]
@@ -128,11 +135,12 @@ def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, NS_P2: tl.constexpr):
         w = tl.load(ptrs, mask=msk, other=1, volatile=True)
         missing = tl.sum(tl.sum((w == 0).to(tl.int32), axis=1), axis=0)
         spins += 1
+    tl.store(flag_ptr, 1, mask=missing > 0)
     return tl.max(w, axis=1)
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target):
+def _grid_barrier(counter_ptr, target, flag_ptr):
     # All programs are resident (checked by the launcher). bar.sync, then one
     # thread's release increment publishes the CTA's stores at GPU scope; the
     # acquire spin makes every other CTA's visible.
@@ -143,6 +151,7 @@ def _grid_barrier(counter_ptr, target):
     while (cnt < target) & (spins < SPIN_LIMIT):
         cnt = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
         spins += 1
+    tl.store(flag_ptr, 2, mask=cnt < target)  # gave up: the error flag
     tl.debug_barrier()
 
 
@@ -204,7 +213,7 @@ def _markov_kernel(
     temp_ptr,  # [B] fp32 temperature, 0 = greedy
     ids_ptr,  # [B, gamma] int64 out
     probs_ptr,  # [B, gamma, Vd] fp32 out (holds the stash until the final phase)
-    word_ptr,  # [B, gamma, NS] int64 zeroed (+1: the grid barrier's counter)
+    word_ptr,  # [B, gamma, NS] int64 zeroed (+1: the grid barrier's counter, +1: the error flag)
     pf_ptr,  # [2, B, gamma, NS] fp32: softmax max, sum
     pi_ptr,  # [2, B, gamma, NS] int32: count of +inf, local draft id of the winner
     B, Vd, GAMMA, RANK, NS, k_begin, k_end, stride_ub, stride_uk, RANK_W,
@@ -245,7 +254,7 @@ def _markov_kernel(
         if k == 0:
             prev = tl.load(anchor_ptr + rows, mask=rmask, other=0)
         else:
-            prev = _wait_for_words(word_ptr, rows, rmask, k - 1, GAMMA, NS, NS_P2) & TID_MASK
+            prev = _wait_for_words(word_ptr, rows, rmask, k - 1, GAMMA, NS, word_ptr + plane + 1, NS_P2) & TID_MASK
             if pid_v == 0:
                 tl.store(ids_ptr + rows * GAMMA + (k - 1), prev, mask=rmask)
         # ---- z = U_k + W2 @ W1[prev]
@@ -278,7 +287,7 @@ def _markov_kernel(
 
     if FINAL:
         if GRID_SYNC:
-            _grid_barrier(word_ptr + plane, n_prog)
+            _grid_barrier(word_ptr + plane, n_prog, word_ptr + plane + 1)
         # ---- per (request, step): merge the slices, write the id, rescale the stash.
         # FINAL_ROWS (request, step) pairs at a time; read/write B*gamma*BLOCK_V*4 B.
         sl = tl.arange(0, NS_P2)
@@ -357,11 +366,15 @@ def launch_markov_sample(
     wrap=_identity,
     config: dict | None = None,
     interpret: bool = False,
+    check: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vanilla-head Markov loop → (ids [B, γ] int64 target vocabulary, probs [B, γ, Vd] fp32).
 
     ``wrap`` is ``torch.library.wrap_triton`` inside the registered op. The
-    caller checks ``supported(Vd, V)``.
+    caller checks ``supported(Vd, V)``. ``check`` (tests and diagnosis; it
+    synchronizes): raise if a program gave up waiting for the others (the
+    kernel's error flag), which happens only when not all programs were
+    resident at once.
     """
     B, gamma, Vd = base_logits.shape
     rank = w1.shape[1]
@@ -394,8 +407,8 @@ def launch_markov_sample(
         w1 = w2 = U  # never read; an empty tensor may have no valid pointer to pass
     rank_w = w1.shape[1] if rank > 0 else 0
     # Step words, zeroed: a word is never 0, so 0 means "not written yet"; the last element
-    # is the final barrier's counter. One memset per call.
-    words = torch.zeros((B * gamma * ns + 1,), dtype=torch.int64, device=dev)
+    # are the final barrier's counter and the error flag. One memset per call.
+    words = torch.zeros((B * gamma * ns + 2,), dtype=torch.int64, device=dev)
     pf = torch.empty((2, B, gamma, ns), dtype=torch.float32, device=dev)
     pi = torch.empty((2, B, gamma, ns), dtype=torch.int32, device=dev)
     rank_p2 = triton.next_power_of_2(max(rank, 2))
@@ -418,6 +431,9 @@ def launch_markov_sample(
         for k in range(gamma):
             kernel[grid](*args, k, k + 1, *tail, GRID_SYNC=False, FINAL=False, **consts)
         kernel[grid](*args, gamma, gamma, *tail, GRID_SYNC=False, FINAL=True, **consts)
+    if check and int(words[-1]):
+        raise RuntimeError(f"markov kernel: a program gave up waiting for the others (error flag "
+                           f"{int(words[-1])}: 1 = step words, 2 = final barrier); grid {grid}, config {cfg}")
     return ids, probs
 
 
