@@ -5,6 +5,7 @@
 #   scripts/gpu_check.sh tests   # every GPU test (slow ones too), one line per test
 #   scripts/gpu_check.sh probe   # build a tiny CUDA engine, load it every way (scripts/aoti_load_probe.py)
 #   scripts/gpu_check.sh bench   # the Muse-Spark-shaped benchmark (docs/benchmarks.md)
+#   scripts/gpu_check.sh markov  # the Markov kernel over shapes x launch configurations (scripts/markov_diag.py)
 #
 # Logs go to $OUT (default ./gpu-out). Test files run in parallel, one file per worker, and
 # a worker that dies (a segfault) is not restarted: pytest-xdist would otherwise re-run the
@@ -36,8 +37,11 @@ bench)
     timeout "${BENCH_TIMEOUT:-560}" python3 scripts/bench.py --deadline-s "${BENCH_DEADLINE:-480}" \
         --json "$OUT/benchmarks.json" --markdown "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
     ;;
+markov)
+    timeout "${MARKOV_TIMEOUT:-300}" python3 scripts/markov_diag.py 2>&1 | tee "$OUT/markov-diag.log"
+    ;;
 *)
-    echo "usage: $0 tests|probe|bench" >&2
+    echo "usage: $0 tests|probe|bench|markov" >&2
     exit 2
     ;;
 esac

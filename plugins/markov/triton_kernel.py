@@ -69,7 +69,7 @@ MAX_TARGET_VOCAB = 2**20
 # barrier (error flag 1, docs/benchmarks.md). Batches up to 12 and the 8192-request frequency test
 # (one slice) were right. Until that is understood, larger batches run the reference loop.
 MAX_OP_BATCH = 8
-SPIN_LIMIT = tl.constexpr(1 << 24)  # polls before giving up (a bug must fail, not hang the GPU)
+SPIN_LIMIT = 1 << 24  # polls before giving up (a bug must fail, not hang the GPU); ``spin_limit`` overrides
 
 
 # ----------------------------------------------------------------------------- keyed noise
@@ -122,16 +122,16 @@ def _ordered(x):
 
 
 @triton.jit
-def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, NS_P2: tl.constexpr):
+def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, NS_P2: tl.constexpr, SPIN: tl.constexpr):
     """Poll the NS words of step k until all are written -> the winning word per row.
-    A poll that gives up (SPIN_LIMIT) raises the call's error flag to 1."""
+    A poll that gives up (after SPIN polls) raises the call's error flag to 1."""
     sl = tl.arange(0, NS_P2)
     msk = rmask[:, None] & (sl < NS)[None, :]
     ptrs = word_ptr + (rows[:, None] * GAMMA + k) * NS + sl[None, :]
     w = tl.load(ptrs, mask=msk, other=1, volatile=True)  # volatile: from L2, never a stale L1 line
     missing = tl.sum(tl.sum((w == 0).to(tl.int32), axis=1), axis=0)
     spins = 0
-    while (missing > 0) & (spins < SPIN_LIMIT):
+    while (missing > 0) & (spins < SPIN):
         w = tl.load(ptrs, mask=msk, other=1, volatile=True)
         missing = tl.sum(tl.sum((w == 0).to(tl.int32), axis=1), axis=0)
         spins += 1
@@ -140,7 +140,7 @@ def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, NS_P2: tl.con
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target, flag_ptr):
+def _grid_barrier(counter_ptr, target, flag_ptr, SPIN: tl.constexpr):
     # All programs are resident (checked by the launcher). bar.sync, then one
     # thread's release increment publishes the CTA's stores at GPU scope; the
     # acquire spin makes every other CTA's visible.
@@ -148,7 +148,7 @@ def _grid_barrier(counter_ptr, target, flag_ptr):
     tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
     cnt = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     spins = 0
-    while (cnt < target) & (spins < SPIN_LIMIT):
+    while (cnt < target) & (spins < SPIN):
         cnt = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
         spins += 1
     tl.store(flag_ptr, 2, mask=cnt < target)  # gave up: the error flag
@@ -219,7 +219,7 @@ def _markov_kernel(
     B, Vd, GAMMA, RANK, NS, k_begin, k_end, stride_ub, stride_uk, RANK_W,
     RANK_P2: tl.constexpr, NS_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     FINAL_ROWS: tl.constexpr, SALT: tl.constexpr, HAS_MARKOV: tl.constexpr, RESIDENT: tl.constexpr,
-    GRID_SYNC: tl.constexpr, FINAL: tl.constexpr, IEEE_DOT: tl.constexpr,
+    GRID_SYNC: tl.constexpr, FINAL: tl.constexpr, IEEE_DOT: tl.constexpr, SPIN: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -254,7 +254,8 @@ def _markov_kernel(
         if k == 0:
             prev = tl.load(anchor_ptr + rows, mask=rmask, other=0)
         else:
-            prev = _wait_for_words(word_ptr, rows, rmask, k - 1, GAMMA, NS, word_ptr + plane + 1, NS_P2) & TID_MASK
+            prev = _wait_for_words(word_ptr, rows, rmask, k - 1, GAMMA, NS, word_ptr + plane + 1, NS_P2,
+                                   SPIN) & TID_MASK
             if pid_v == 0:
                 tl.store(ids_ptr + rows * GAMMA + (k - 1), prev, mask=rmask)
         # ---- z = U_k + W2 @ W1[prev]
@@ -287,7 +288,7 @@ def _markov_kernel(
 
     if FINAL:
         if GRID_SYNC:
-            _grid_barrier(word_ptr + plane, n_prog, word_ptr + plane + 1)
+            _grid_barrier(word_ptr + plane, n_prog, word_ptr + plane + 1, SPIN)
         # ---- per (request, step): merge the slices, write the id, rescale the stash.
         # FINAL_ROWS (request, step) pairs at a time; read/write B*gamma*BLOCK_V*4 B.
         sl = tl.arange(0, NS_P2)
@@ -367,6 +368,7 @@ def launch_markov_sample(
     config: dict | None = None,
     interpret: bool = False,
     check: bool = False,
+    spin_limit: int = SPIN_LIMIT,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vanilla-head Markov loop → (ids [B, γ] int64 target vocabulary, probs [B, γ, Vd] fp32).
 
@@ -374,7 +376,8 @@ def launch_markov_sample(
     caller checks ``supported(Vd, V)``. ``check`` (tests and diagnosis; it
     synchronizes): raise if a program gave up waiting for the others (the
     kernel's error flag), which happens only when not all programs were
-    resident at once.
+    resident at once, or a step word was never written; ``spin_limit``: polls
+    before a program gives up (diagnosis runs use a small one).
     """
     B, gamma, Vd = base_logits.shape
     rank = w1.shape[1]
@@ -416,7 +419,7 @@ def launch_markov_sample(
     consts = dict(
         RANK_P2=max(rank_p2, block_r), NS_P2=triton.next_power_of_2(ns), BLOCK_B=block_b, BLOCK_V=block_v,
         BLOCK_R=block_r, FINAL_ROWS=triton.next_power_of_2(gamma) if block_b == 1 else block_b, SALT=SALT_KEY,
-        HAS_MARKOV=rank > 0, RESIDENT=resident, IEEE_DOT=w1.dtype == torch.float32 or interpret,
+        HAS_MARKOV=rank > 0, RESIDENT=resident, IEEE_DOT=w1.dtype == torch.float32 or interpret, SPIN=spin_limit,
         num_warps=cfg["num_warps"],
     )
     args = (U, anchor.to(torch.int64), w1, w2, d2t.to(torch.int64), seeds.to(torch.int64),
@@ -432,8 +435,11 @@ def launch_markov_sample(
             kernel[grid](*args, k, k + 1, *tail, GRID_SYNC=False, FINAL=False, **consts)
         kernel[grid](*args, gamma, gamma, *tail, GRID_SYNC=False, FINAL=True, **consts)
     if check and int(words[-1]):
+        # Which (request, step, slice) words were never written.
+        missing = (words[:-2].view(B, gamma, ns) == 0).nonzero().tolist()
         raise RuntimeError(f"markov kernel: a program gave up waiting for the others (error flag "
-                           f"{int(words[-1])}: 1 = step words, 2 = final barrier); grid {grid}, config {cfg}")
+                           f"{int(words[-1])}: 1 = step words, 2 = final barrier); grid {grid}, config {cfg}; "
+                           f"{len(missing)} step words never written (request, step, slice): {missing[:12]}")
     return ids, probs
 
 

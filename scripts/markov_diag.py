@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Diagnose the fused Markov kernel on a GPU: shapes x launch configurations, each against the reference.
+
+    python scripts/markov_diag.py [--spin-limit 65536] [--calls 3]
+
+For every case (batch, γ, draft vocab, target vocab, rank) and launch configuration it runs
+``launch_markov_sample(check=True)`` on exact-arithmetic inputs (weights in {-2..2}·2^-3, so the
+Markov bias is exact in any summation order and sampled tokens must equal the reference's bit
+for bit), and prints one line: ``ok``, the rows whose tokens differ (with the first differing
+step's keys), or the step words that were never written when a program gave up polling. It
+is how the batch-16 defect (docs/benchmarks.md, "The Markov kernel defect") is narrowed down;
+a small ``--spin-limit`` makes a lost word cost milliseconds instead of a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+CASES = [  # (B, gamma, Vd, V, r)
+    (8, 7, 4096, 8192, 64), (9, 7, 4096, 8192, 64), (12, 7, 4096, 8192, 64), (13, 7, 4096, 8192, 64),
+    (16, 7, 4096, 8192, 64), (16, 7, 32768, 131072, 256), (32, 7, 32768, 131072, 256),
+]
+CONFIGS = {  # name -> (config overrides, fp32 weights)
+    "default": ({}, False),
+    "one-launch-per-step": ({"GRID_SYNC": False}, False),
+    "4-warps": ({"num_warps": 4}, False),
+    "16-warps": ({"num_warps": 16}, False),
+    "128-columns": ({"BLOCK_V": 128}, False),
+    "512-columns": ({"BLOCK_V": 512}, False),
+    "fp32-weights": ({}, True),
+}
+
+
+def inputs(B, gamma, Vd, V, r, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    U = 2 * torch.randn(B, gamma, Vd, generator=g)
+    w1 = torch.randint(-2, 3, (V, r), generator=g) * 2**-3
+    w2 = torch.randint(-2, 3, (Vd, r), generator=g) * 2**-3
+    ids = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
+    d2t = ids - torch.arange(Vd)
+    anchor = torch.randint(0, V, (B,), generator=g)
+    seeds = torch.randint(-(2**62), 2**62, (B,), generator=g)
+    positions = torch.randint(0, 1_000_000, (B,), generator=g)
+    temps = torch.tensor([0.3, 0.0, 0.8, 1.2])[torch.arange(B) % 4]
+    hidden = torch.zeros(B, gamma, 8)
+    t = [U, hidden, anchor, w1.bfloat16(), w2.bfloat16(), d2t, seeds, positions, temps]
+    return [x.to(device) for x in t] + ["vanilla", None, None, 0]
+
+
+def first_difference(args, ids, ref_ids) -> str:
+    """The first differing (row, step) and the reference's keys there."""
+    from muse_spark.plugins.keyed_random import SALT_DRAFT, keyed_gumbel
+
+    U, _h, anchor, w1, w2, d2t, seeds, pos, temps = args[:9]
+    row, k = (ids != ref_ids).nonzero()[0].tolist()
+    prev = anchor[row] if k == 0 else ref_ids[row, k - 1]
+    z = U[row, k].float() + w2.float() @ w1[prev].float()
+    t = float(temps[row])
+    key = z if t == 0 else z * (1.0 / t) + keyed_gumbel(seeds[row:row + 1], pos[row:row + 1] + k + 1,
+                                                          SALT_DRAFT, z.shape[0])[0]
+    top = key.topk(2)
+    picked = ((torch.arange(z.shape[0], device=z.device) + d2t) == ids[row, k]).nonzero().flatten().tolist()
+    return (f"first at request {row} step {k} (T={t}): kernel {int(ids[row, k])} (key "
+            f"{[round(key[i].item(), 6) for i in picked]}), reference {int(ref_ids[row, k])} (top keys "
+            f"{[round(v, 6) for v in top.values.tolist()]})")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--spin-limit", type=int, default=1 << 16)
+    p.add_argument("--calls", type=int, default=3, help="seeds per case and configuration")
+    p.add_argument("--cases", default=None, help="indices into CASES, comma-separated (default: all)")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    a = p.parse_args()
+    from muse_spark.plugins.markov.reference import markov_sample_ref
+    from muse_spark.plugins.markov.triton_kernel import launch_markov_sample
+
+    cuda = torch.cuda.is_available()  # else Triton's CPU interpreter (TRITON_INTERPRET=1), slowly
+    dev = torch.device("cuda" if cuda else "cpu")
+    print(f"{torch.cuda.get_device_name(dev) if cuda else 'CPU interpreter'}, torch {torch.__version__}", flush=True)
+    cases = CASES if a.cases is None else [CASES[int(i)] for i in a.cases.split(",")]
+    for case in cases:
+        for name in a.configs.split(","):
+            over, fp32 = CONFIGS[name]
+            t0, verdicts = time.perf_counter(), []
+            for c in range(a.calls):
+                args = inputs(*case, seed=100 + c, device=dev)
+                ref_ids = markov_sample_ref(*args)[0]
+                if fp32:
+                    args[3], args[4] = args[3].float(), args[4].float()
+                try:
+                    ids, _ = launch_markov_sample(args[0], *args[2:9], config=over or None, check=True,
+                                                  spin_limit=a.spin_limit, interpret=not cuda)
+                except RuntimeError as e:
+                    verdicts.append(f"seed {c}: {e}")
+                    continue
+                bad = (ids != ref_ids).any(-1)
+                if bad.any():
+                    verdicts.append(f"seed {c}: {int(bad.sum())} of {case[0]} rows differ; "
+                                    + first_difference(args, ids, ref_ids))
+            dt = time.perf_counter() - t0
+            print(f"B={case[0]} γ={case[1]} Vd={case[2]} V={case[3]} r={case[4]} {name:>20}: "
+                  + ("ok" if not verdicts else " | ".join(verdicts)) + f"  ({dt:.1f}s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
