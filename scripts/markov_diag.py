@@ -31,6 +31,7 @@ CONFIGS = {  # name -> (config overrides, fp32 weights)
     "128-columns": ({"BLOCK_V": 128}, False),
     "512-columns": ({"BLOCK_V": 512}, False),
     "fp32-weights": ({}, True),
+    "extra-barriers": ({"BARRIERS": True}, False),
 }
 
 

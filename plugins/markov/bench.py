@@ -64,7 +64,7 @@ def _op(impl: str, config: dict | None):
     return run
 
 
-def _time_graph(calls, reps: int, replays: int = 20, graph: bool = True) -> tuple[float, str]:
+def time_in_graph(calls, reps: int, replays: int = 20, graph: bool = True) -> tuple[float, str]:
     """µs per call: ``calls`` (closures) captured ``reps``× in one CUDA graph; eager if capture fails."""
     for c in calls:  # warm up: compile, allocate
         c()
@@ -121,8 +121,8 @@ def bench_markov_detail(batch, gamma=7, vd=32768, rank=256, vocab=131072, impl="
     if impl == "reference":
         # Timed eagerly: sanitize_logits builds tensors from Python scalars (a host copy), which a
         # CUDA-graph capture refuses, and a failed capture can leave the context unusable.
-        return _time_graph(calls, reps=4, graph=False)
-    return _time_graph(calls, reps=reps)
+        return time_in_graph(calls, reps=4, graph=False)
+    return time_in_graph(calls, reps=reps)
 
 
 def check_config(batch: int, config: dict | None, gamma=7, vd=32768, rank=256, vocab=131072) -> str:
@@ -195,7 +195,7 @@ def main() -> None:
     print(f"batch  1 default gamma=1: {g1:.1f} us (per-step cost ~ (gamma7 - gamma1)/6)")
     r0 = bench_markov(1, rank=0)
     print(f"batch  1 default rank=0 (no Markov GEMV): {r0:.1f} us")
-    greedy = _time_graph([lambda a=make_inputs(1, 7, 32768, 256, 131072, temperature=0.0)[0]: _op("triton", None)(*a)],
+    greedy = time_in_graph([lambda a=make_inputs(1, 7, 32768, 256, 131072, temperature=0.0)[0]: _op("triton", None)(*a)],
                          reps=16)[0]
     print(f"batch  1 default greedy: {greedy:.1f} us")
     print("\nbatch  config                                          triton warm  triton cold  reference")

@@ -220,6 +220,7 @@ def _markov_kernel(
     RANK_P2: tl.constexpr, NS_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     FINAL_ROWS: tl.constexpr, SALT: tl.constexpr, HAS_MARKOV: tl.constexpr, RESIDENT: tl.constexpr,
     GRID_SYNC: tl.constexpr, FINAL: tl.constexpr, IEEE_DOT: tl.constexpr, SPIN: tl.constexpr,
+    BARRIERS: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -256,6 +257,8 @@ def _markov_kernel(
         else:
             prev = _wait_for_words(word_ptr, rows, rmask, k - 1, GAMMA, NS, word_ptr + plane + 1, NS_P2,
                                    SPIN) & TID_MASK
+            if BARRIERS:  # diagnosis: a CTA barrier after the poll's reductions (the batch-16 defect)
+                tl.debug_barrier()
             if pid_v == 0:
                 tl.store(ids_ptr + rows * GAMMA + (k - 1), prev, mask=rmask)
         # ---- z = U_k + W2 @ W1[prev]
@@ -275,6 +278,8 @@ def _markov_kernel(
         word = (word & CLEAR_SLOT) | ((pid_v ^ MAX_SLOT).to(tl.int64) << TID_BITS)
         off = (rows * GAMMA + k) * NS + pid_v
         tl.store(word_ptr + off, word, mask=rmask)  # publish: the next step can start
+        if BARRIERS:
+            tl.debug_barrier()
         # ---- softmax partials over the finite class, and the stash exp(z/T - max)
         sm = tl.where(cls == 1, scaled, float("-inf"))
         m_loc = tl.max(sm, axis=1)
@@ -420,7 +425,7 @@ def launch_markov_sample(
         RANK_P2=max(rank_p2, block_r), NS_P2=triton.next_power_of_2(ns), BLOCK_B=block_b, BLOCK_V=block_v,
         BLOCK_R=block_r, FINAL_ROWS=triton.next_power_of_2(gamma) if block_b == 1 else block_b, SALT=SALT_KEY,
         HAS_MARKOV=rank > 0, RESIDENT=resident, IEEE_DOT=w1.dtype == torch.float32 or interpret, SPIN=spin_limit,
-        num_warps=cfg["num_warps"],
+        BARRIERS=bool(cfg.get("BARRIERS", False)), num_warps=cfg["num_warps"],
     )
     args = (U, anchor.to(torch.int64), w1, w2, d2t.to(torch.int64), seeds.to(torch.int64),
             positions.to(torch.int64), temperature.float(), ids, probs, words, pf, pi, B, Vd, gamma, rank, ns)
