@@ -423,8 +423,13 @@ class Bench:
                 x = inputs(b)
                 # Same inputs, greedy rows: the compiled step's drafts and verdicts equal the eager step's.
                 xg = x[:4] + (torch.zeros_like(x[4]),)
-                same = torch.equal(runner(*xg), eng.step(*xg, kv_len))
+                got, want = runner(*xg), eng.step(*xg, kv_len)
+                same = torch.equal(got, want)
                 sec["aoti_matches_eager"][b] = same
+                if not same:  # how far apart: rows and step-output entries that differ
+                    sec.setdefault("aoti_eager_differences", {})[b] = {
+                        "rows": int((got != want).any(-1).sum()), "entries": int((got != want).sum()),
+                        "of_rows": got.shape[0], "of_entries": got.numel()}
                 sec["aoti"][b] = time_fn(lambda: runner(*x), dev, a.iters)
                 if cuda:
                     sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
@@ -604,6 +609,9 @@ def render_markdown(result: dict) -> str:
         out += ["", "Greedy aoti step bit-equal to the eager step on the same inputs (random weights give "
                 "near-tied logits, where fused bf16 arithmetic may legitimately flip an argmax): "
                 + ", ".join(f"B={b}: {v}" for b, v in sec["aoti_matches_eager"].items()) + "."]
+        for b, d in sec.get("aoti_eager_differences", {}).items():
+            out.append(f"At B={b}, {d['rows']} of {d['of_rows']} rows differ ({d['entries']} of {d['of_entries']} "
+                       "step-output entries).")
     if sec.get("torch_compile", {}).get("skipped"):
         out += ["", f"torch.compile not measured for {sec['torch_compile']['skipped']}."]
     errors = {k: v for k, v in sec.items() if "error" in k}
