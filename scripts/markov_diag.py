@@ -4,10 +4,10 @@
     python scripts/markov_diag.py [--spin-limit 65536] [--calls 3]
 
 For every case (batch, γ, draft vocab, target vocab, rank) and launch configuration it runs
-``launch_markov_sample(check=True)`` on exact-arithmetic inputs (weights in {-2..2}·2^-3, so the
-Markov bias is exact in any summation order and sampled tokens must equal the reference's bit
-for bit), and prints one line: ``ok``, the rows whose tokens differ (with the first differing
-step's keys), or the step words that were never written when a program gave up polling. It
+``launch_markov_sample(check=True)`` on exact-arithmetic inputs (``make_inputs(exact=True)``:
+the Markov bias is exact in any summation order, so sampled tokens must equal the reference's
+bit for bit), and prints one line: ``ok``, the rows whose tokens differ (with the first
+differing step's keys), or the step words that were never written when a program gave up polling. It
 is how the batch-16 defect (docs/benchmarks.md, "The Markov kernel defect") is narrowed down;
 a small ``--spin-limit`` makes a lost word cost milliseconds instead of a minute.
 """
@@ -36,19 +36,12 @@ CONFIGS = {  # name -> (config overrides, fp32 weights)
 
 
 def inputs(B, gamma, Vd, V, r, seed, device):
-    g = torch.Generator().manual_seed(seed)
-    U = 2 * torch.randn(B, gamma, Vd, generator=g)
-    w1 = torch.randint(-2, 3, (V, r), generator=g) * 2**-3
-    w2 = torch.randint(-2, 3, (Vd, r), generator=g) * 2**-3
-    ids = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
-    d2t = ids - torch.arange(Vd)
-    anchor = torch.randint(0, V, (B,), generator=g)
-    seeds = torch.randint(-(2**62), 2**62, (B,), generator=g)
-    positions = torch.randint(0, 1_000_000, (B,), generator=g)
-    temps = torch.tensor([0.3, 0.0, 0.8, 1.2])[torch.arange(B) % 4]
-    hidden = torch.zeros(B, gamma, 8)
-    t = [U, hidden, anchor, w1.bfloat16(), w2.bfloat16(), d2t, seeds, positions, temps]
-    return [x.to(device) for x in t] + ["vanilla", None, None, 0]
+    """Exact-arithmetic inputs (plugins/markov/bench.make_inputs), greedy and sampled rows mixed."""
+    from muse_spark.plugins.markov.bench import make_inputs
+
+    args = make_inputs(B, gamma, Vd, r, V, device=device, seed=seed, exact=True)[0]
+    args[8] = torch.tensor([0.3, 0.0, 0.8, 1.2], device=device)[torch.arange(B, device=device) % 4]
+    return args
 
 
 def first_difference(args, ids, ref_ids) -> str:

@@ -27,16 +27,17 @@ removed: it changed nothing beyond ±1 µs and inductor cannot analyse inline as
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
+from muse_spark.bench import time_fn
 from muse_spark.plugins.markov.reference import markov_sample_ref
 
 
 def make_inputs(batch: int, gamma: int, vd: int, rank: int, vocab: int, device="cuda", seed=0, temperature=1.0,
-                weight_sets: int = 1) -> list[list]:
-    """``weight_sets`` argument lists sharing logits/seeds, each with its own W1/W2."""
+                weight_sets: int = 1, exact: bool = False) -> list[list]:
+    """``weight_sets`` argument lists sharing logits/seeds, each with its own W1/W2. ``exact``: weights
+    in {-2..2}·2^-3, so the Markov bias is exact in fp32 in any summation order and sampled tokens
+    must equal the reference's bit for bit."""
     g = torch.Generator(device=device).manual_seed(seed)
     U = 2 * torch.randn(batch, gamma, vd, device=device, generator=g)
     h = torch.randn(batch, gamma, 64, device=device, generator=g)
@@ -47,8 +48,12 @@ def make_inputs(batch: int, gamma: int, vd: int, rank: int, vocab: int, device="
     temp = torch.full((batch,), float(temperature), device=device)
     sets = []
     for _ in range(weight_sets):
-        w1 = (0.5 * torch.randn(vocab, rank, device=device, generator=g)).bfloat16()
-        w2 = (0.2 * torch.randn(vd, rank, device=device, generator=g)).bfloat16()
+        if exact:
+            w1 = (torch.randint(-2, 3, (vocab, rank), device=device, generator=g) * 2**-3).bfloat16()
+            w2 = (torch.randint(-2, 3, (vd, rank), device=device, generator=g) * 2**-3).bfloat16()
+        else:
+            w1 = (0.5 * torch.randn(vocab, rank, device=device, generator=g)).bfloat16()
+            w2 = (0.2 * torch.randn(vd, rank, device=device, generator=g)).bfloat16()
         sets.append([U, h, anchor, w1, w2, d2t, seeds, pos, temp, "vanilla", None, None, 0])
     return sets
 
@@ -93,17 +98,8 @@ def time_in_graph(calls, reps: int, replays: int = 20, graph: bool = True) -> tu
                 calls[i % len(calls)]()
 
         how = "eager"
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / reps)
-    return statistics.median(times), how
+    r = time_fn(run, torch.device("cuda"), iters=replays, warmup=1)
+    return r["median_ms"] * 1000.0 / reps, how
 
 
 def bench_markov(batch: int, gamma: int = 7, vd: int = 32768, rank: int = 256, vocab: int = 131072,
