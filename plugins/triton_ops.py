@@ -31,7 +31,7 @@ from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
 from muse_spark.plugins.markov.op import check_markov_inputs
 from muse_spark.plugins.markov.reference import markov_sample_ref
-from muse_spark.plugins.markov.triton_kernel import MAX_OP_BATCH, launch_markov_sample, supported
+from muse_spark.plugins.markov.triton_kernel import launch_markov_sample, supported
 from muse_spark.plugins.triton_math import interpreting
 
 log = logging.getLogger(__name__)
@@ -100,10 +100,6 @@ def _markov_sample_op(
     if not supported(base_logits.shape[-1], w1.shape[0]):
         _log_once(f"draft vocabulary {base_logits.shape[-1]} / target vocabulary {w1.shape[0]} exceed the kernel's "
                   "id packing (< 2^20 target ids)")
-        return markov_sample_ref(*args)
-    if base_logits.shape[0] > MAX_OP_BATCH:
-        _log_once(f"batches above {MAX_OP_BATCH} are not yet verified on the GPU (a batch of 16 lost step words on "
-                  "the H200: plugins/markov/triton_kernel.py, MAX_OP_BATCH)")
         return markov_sample_ref(*args)
     return launch_markov_sample(base_logits, anchor, w1, w2, d2t, seeds, positions, temperature, wrap=wrap_triton,
                                 interpret=interpreting())

@@ -6,6 +6,7 @@
 #   scripts/gpu_check.sh probe   # build a tiny CUDA engine, load it every way (scripts/aoti_load_probe.py)
 #   scripts/gpu_check.sh bench   # the Muse-Spark-shaped benchmark (docs/benchmarks.md)
 #   scripts/gpu_check.sh markov  # the Markov kernel over shapes x launch configurations (scripts/markov_diag.py)
+#   scripts/gpu_check.sh triton-build  # the tiny CUDA engine with the Triton plugins: build (timed), generate
 #
 # Logs go to $OUT (default ./gpu-out). Test files run in parallel, one file per worker, and
 # a worker that dies (a segfault) is not restarted: pytest-xdist would otherwise re-run the
@@ -36,6 +37,15 @@ probe)
 bench)
     timeout "${BENCH_TIMEOUT:-560}" python3 scripts/bench.py --deadline-s "${BENCH_DEADLINE:-480}" \
         --json "$OUT/benchmarks.json" --markdown "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
+    ;;
+triton-build)
+    python3 -m muse_spark.cli make-tiny --kind agreeing /tmp/gpu-check-pair >"$OUT/triton-build.log" 2>&1
+    SECONDS=0; timeout "${BUILD_TIMEOUT:-300}" python3 -m muse_spark.cli build --target /tmp/gpu-check-pair/target \
+        --draft /tmp/gpu-check-pair/draft --out /tmp/gpu-check-triton --backend aoti --device cuda --max-batch 2 \
+        --max-seq 256 --plugins triton 2>&1 | tee -a "$OUT/triton-build.log" || { echo "build failed after ${SECONDS}s"; exit 1; }
+    echo "build took ${SECONDS}s" | tee -a "$OUT/triton-build.log"
+    timeout 120 python3 -m muse_spark.cli generate --engine /tmp/gpu-check-triton --prompt-ids 1,2,3 --max-tokens 16 --ignore-eos \
+        --json 2>&1 | tee -a "$OUT/triton-build.log"
     ;;
 markov)
     timeout "${MARKOV_TIMEOUT:-300}" python3 scripts/markov_diag.py 2>&1 | tee "$OUT/markov-diag.log"

@@ -34,3 +34,19 @@ def test_cuda_step_matches_cpu_step_in_fp32(random_pair):
         engine = EagerEngine.from_checkpoints(*random_pair, device=dev, dtype="float32", max_batch=2, max_seq=128)
         outs.append(Generator(engine).generate([PROMPTS[0]], SamplingParams(max_tokens=20, ignore_eos=True))[0].output)
     assert outs[0] == outs[1]
+
+
+def test_cuda_bf16_attention_matches_the_fp32_einsums():
+    """attend() in bf16 on CUDA runs the fused SDPA kernel: within bf16 tolerance of the fp32
+    path, garbage past the lengths (NaN, large keys) ignored, zeros for a query with no key."""
+    from muse_spark.models.layers import attend
+
+    from test_models import attention_case
+    from tolerances import TOL
+
+    q, k, v, mask = attention_case(torch.bfloat16, "cuda")
+    out = attend(q, k, v, mask)
+    ref = attend(q.float(), k.float(), v.float(), mask)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert torch.equal(out[2, 0], torch.zeros_like(out[2, 0]))
+    torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])

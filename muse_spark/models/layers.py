@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import muse_spark.plugins  # noqa: F401  (registers torch.ops.muse_spark.*)
 from muse_spark.plugins import dispatch
@@ -61,7 +62,15 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked GQA attention. q [B,S,H,Dh], k/v [B,T,KV,Dh], mask [B,S,T] → [B,S,H,Dh] (q's dtype)."""
+    """Masked GQA attention. q [B,S,H,Dh], k/v [B,T,KV,Dh], mask [B,S,T] → [B,S,H,Dh] (q's dtype).
+
+    bf16/fp16 on CUDA: the fused SDPA kernel (products of the compute dtype, fp32 accumulation and
+    softmax), which reads K/V once in their own dtype. Otherwise (fp32, CPU): fp32 einsums. Either
+    way, keys and values no query may see are zeroed first, so stale garbage in a reused cache
+    slot (even NaN) can never leak into a request, and a query with no visible key yields zeros.
+    """
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return _attend_sdpa(q, k, v, mask)
     B, S, H, dh = q.shape
     kv = k.shape[2]
     rep = H // kv
@@ -77,6 +86,24 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     vf = torch.where(key_visible, v.float(), 0.0)
     out = torch.einsum("bkrst,btkd->bskrd", probs, vf)
     return out.reshape(B, S, H, dh).to(q.dtype)
+
+
+def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``attend`` through ``F.scaled_dot_product_attention``. The ``rep`` query heads of a KV head
+    become one sequence of rep·S queries over that head's keys (the mask depends on the query's
+    position only), so K/V are neither expanded nor copied for GQA; eager and the compiled packages
+    call the same SDPA kernel, so the engine stays equal to eager bit for bit."""
+    B, S, H, dh = q.shape
+    T, kv = k.shape[1], k.shape[2]
+    rep = H // kv
+    visible = mask.any(1)[:, :, None, None]  # [B, T, 1, 1]: keys some query may read
+    kt = torch.where(visible, k, 0.0).transpose(1, 2)  # [B, KV, T, Dh]
+    vt = torch.where(visible, v, 0.0).transpose(1, 2)
+    qg = q.view(B, S, kv, rep, dh).permute(0, 2, 3, 1, 4).reshape(B, kv, rep * S, dh)
+    m = mask[:, None, None].expand(B, 1, rep, S, T).reshape(B, 1, rep * S, T)
+    out = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=m, scale=1.0 / math.sqrt(dh))
+    out = out.view(B, kv, rep, S, dh).permute(0, 3, 1, 2, 4).reshape(B, S, H, dh)
+    return torch.nan_to_num(out, nan=0.0)  # a query with no visible key
 
 
 class Attention(nn.Module):

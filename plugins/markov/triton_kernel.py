@@ -27,6 +27,13 @@ dependent memory accesses short:
 * at batch 1 the program's W2 slice (BLOCK_V·r·2 B = 128 KB) stays in
   registers for all γ steps (``RESIDENT``, bf16 pairs as int32).
 
+Barriers: a CTA barrier (``tl.debug_barrier``) stands before and inside the poll, after its
+final reduction, and after the word is published. Without them, on the H200 with Triton 3.6
+(Vd = 4096, r = 64, batches 8–16, every launch configuration), programs spun to the poll limit
+on step words that were all written, even with one launch per step: the poll's reductions and
+the step's other reductions race on their shared-memory scratch. ``scripts/markov_diag.py``
+is the check (``scripts/gpu_check.sh markov``).
+
 Off the critical path each program writes its softmax partials (max, sum of
 exp over the finite class, count of +inf) and stashes exp(z/T − max) in the
 probs buffer; after one grid barrier (or the kernel boundary), the final phase
@@ -63,12 +70,6 @@ SLOT_BITS = tl.constexpr(9)  # columns of a slice and slices of a row < 2^9
 MAX_SLOT = tl.constexpr(511)  # a word's slot field holds 511 - column (in a slice) or 511 - slice
 CLEAR_SLOT = tl.constexpr(~(511 << 20))
 MAX_TARGET_VOCAB = 2**20
-# The largest batch the registered op (engines) runs through this kernel. On the H200 (Triton 3.6)
-# a batch of 16 with Vd = 4096 (16 slices of 256 columns, every row of the 16-row block live)
-# lost step words: programs waited on words that were never written, with and without the grid
-# barrier (error flag 1, docs/benchmarks.md). Batches up to 12 and the 8192-request frequency test
-# (one slice) were right. Until that is understood, larger batches run the reference loop.
-MAX_OP_BATCH = 8
 SPIN_LIMIT = 1 << 24  # polls before giving up (a bug must fail, not hang the GPU); ``spin_limit`` overrides
 
 
@@ -128,15 +129,22 @@ def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, NS_P2: tl.con
     sl = tl.arange(0, NS_P2)
     msk = rmask[:, None] & (sl < NS)[None, :]
     ptrs = word_ptr + (rows[:, None] * GAMMA + k) * NS + sl[None, :]
+    # CTA barriers around the poll (see the module docstring, "Barriers"): without them, on the
+    # H200 (Triton 3.6) the poll's reductions read each other's shared-memory scratch and a
+    # program spun on words that were all written (2026-12-02, scripts/markov_diag.py).
+    tl.debug_barrier()
     w = tl.load(ptrs, mask=msk, other=1, volatile=True)  # volatile: from L2, never a stale L1 line
     missing = tl.sum(tl.sum((w == 0).to(tl.int32), axis=1), axis=0)
     spins = 0
     while (missing > 0) & (spins < SPIN):
+        tl.debug_barrier()  # every thread has read ``missing`` before the scratch is reused
         w = tl.load(ptrs, mask=msk, other=1, volatile=True)
         missing = tl.sum(tl.sum((w == 0).to(tl.int32), axis=1), axis=0)
         spins += 1
     tl.store(flag_ptr, 1, mask=missing > 0)
-    return tl.max(w, axis=1)
+    w = tl.max(w, axis=1)
+    tl.debug_barrier()
+    return w
 
 
 @triton.jit
@@ -220,7 +228,6 @@ def _markov_kernel(
     RANK_P2: tl.constexpr, NS_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     FINAL_ROWS: tl.constexpr, SALT: tl.constexpr, HAS_MARKOV: tl.constexpr, RESIDENT: tl.constexpr,
     GRID_SYNC: tl.constexpr, FINAL: tl.constexpr, IEEE_DOT: tl.constexpr, SPIN: tl.constexpr,
-    BARRIERS: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -257,8 +264,6 @@ def _markov_kernel(
         else:
             prev = _wait_for_words(word_ptr, rows, rmask, k - 1, GAMMA, NS, word_ptr + plane + 1, NS_P2,
                                    SPIN) & TID_MASK
-            if BARRIERS:  # diagnosis: a CTA barrier after the poll's reductions (the batch-16 defect)
-                tl.debug_barrier()
             if pid_v == 0:
                 tl.store(ids_ptr + rows * GAMMA + (k - 1), prev, mask=rmask)
         # ---- z = U_k + W2 @ W1[prev]
@@ -278,8 +283,7 @@ def _markov_kernel(
         word = (word & CLEAR_SLOT) | ((pid_v ^ MAX_SLOT).to(tl.int64) << TID_BITS)
         off = (rows * GAMMA + k) * NS + pid_v
         tl.store(word_ptr + off, word, mask=rmask)  # publish: the next step can start
-        if BARRIERS:
-            tl.debug_barrier()
+        tl.debug_barrier()  # the winner's reductions are done before the softmax's reuse their scratch
         # ---- softmax partials over the finite class, and the stash exp(z/T - max)
         sm = tl.where(cls == 1, scaled, float("-inf"))
         m_loc = tl.max(sm, axis=1)
@@ -341,15 +345,17 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
-def default_config(B: int, Vd: int, rank: int, device: torch.device) -> dict:
+def default_config(B: int, Vd: int, rank: int, device: torch.device,
+                   weight_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Launch configuration, from the sweep on the H200 (plugins/markov/bench.py, γ = 7, Vd = 32768,
     r = 256): batch 1 keeps W2 in registers (30.8 µs, vs 36.6 with 16 warps and 41.6 reading W2
     from L2 every step); batches 2–16 share a W2 tile through tensor cores (97.7 µs at batch 8);
-    batches 17–32 use 512-column slices (173 µs at batch 32, vs 326 with 32-row blocks)."""
+    larger batches use 512-column slices (173 µs at batch 32, vs 326 with 32-row blocks), except
+    with fp32 weights, whose 512-column tiles need more shared memory than an SM has (264 KB)."""
     if B == 1:
         return dict(BLOCK_B=1, BLOCK_V=min(256, triton.next_power_of_2(max(Vd, 16))), GRID_SYNC=True,
                     RESIDENT=True, num_warps=8)
-    block_v = 256 if B <= 16 else 512
+    block_v = 256 if B <= 16 or weight_dtype == torch.float32 else 512
     return dict(BLOCK_B=16, BLOCK_V=min(block_v, triton.next_power_of_2(max(Vd, 16))), GRID_SYNC=True,
                 RESIDENT=False, num_warps=8)
 
@@ -391,7 +397,7 @@ def launch_markov_sample(
     probs = torch.empty((B, gamma, Vd), dtype=torch.float32, device=dev)
     if B == 0 or gamma == 0:
         return ids, probs.zero_()
-    cfg = dict(default_config(B, Vd, rank, dev))
+    cfg = dict(default_config(B, Vd, rank, dev, w1.dtype))
     cfg.update(config or {})
     block_v, block_b = cfg["BLOCK_V"], cfg["BLOCK_B"]
     ns = triton.cdiv(Vd, block_v)
@@ -425,7 +431,7 @@ def launch_markov_sample(
         RANK_P2=max(rank_p2, block_r), NS_P2=triton.next_power_of_2(ns), BLOCK_B=block_b, BLOCK_V=block_v,
         BLOCK_R=block_r, FINAL_ROWS=triton.next_power_of_2(gamma) if block_b == 1 else block_b, SALT=SALT_KEY,
         HAS_MARKOV=rank > 0, RESIDENT=resident, IEEE_DOT=w1.dtype == torch.float32 or interpret, SPIN=spin_limit,
-        BARRIERS=bool(cfg.get("BARRIERS", False)), num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"],
     )
     args = (U, anchor.to(torch.int64), w1, w2, d2t.to(torch.int64), seeds.to(torch.int64),
             positions.to(torch.int64), temperature.float(), ids, probs, words, pf, pi, B, Vd, gamma, rank, ns)
