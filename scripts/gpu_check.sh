@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh tests   # every GPU test (slow ones too), one line per test
 #   scripts/gpu_check.sh probe   # build a tiny CUDA engine, load it every way (scripts/aoti_load_probe.py)
-#   scripts/gpu_check.sh bench   # the Muse-Spark-shaped benchmark (docs/benchmarks.md)
+#   scripts/gpu_check.sh bench   # the Muse-Spark-shaped benchmark (docs/benchmarks.md); BENCH_ARGS=--profile adds kernel tables
 #   scripts/gpu_check.sh markov  # the Markov kernel over shapes x launch configurations (scripts/markov_diag.py)
 #   scripts/gpu_check.sh triton-build  # the tiny CUDA engine with the Triton plugins: build (timed), generate
 #
@@ -35,7 +35,7 @@ probe)
         --cases bare_load,rtld_global_env,runtime_loader,engine_runtime 2>&1 | tee "$OUT/probe.log"
     ;;
 bench)
-    timeout "${BENCH_TIMEOUT:-560}" python3 scripts/bench.py --deadline-s "${BENCH_DEADLINE:-480}" \
+    timeout "${BENCH_TIMEOUT:-560}" python3 scripts/bench.py --deadline-s "${BENCH_DEADLINE:-480}" ${BENCH_ARGS:-} \
         --json "$OUT/benchmarks.json" --markdown "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
     ;;
 triton-build)

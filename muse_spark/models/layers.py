@@ -103,7 +103,8 @@ def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     m = mask[:, None, None].expand(B, 1, rep, S, T).reshape(B, 1, rep * S, T)
     out = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=m, scale=1.0 / math.sqrt(dh))
     out = out.view(B, kv, rep, S, dh).permute(0, 3, 1, 2, 4).reshape(B, S, H, dh)
-    return torch.nan_to_num(out, nan=0.0)  # a query with no visible key
+    # A query with no visible key: zeros (the CUDA kernel averages the masked values instead).
+    return torch.where(mask.any(-1)[:, :, None, None], out, 0.0)
 
 
 class Attention(nn.Module):
