@@ -198,9 +198,13 @@ class Bench:
         print(f"[bench {time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     def save(self) -> None:
+        """Write the JSON and the markdown as they stand (a run cut short keeps what it measured)."""
         if self.a.json:
             Path(self.a.json).parent.mkdir(parents=True, exist_ok=True)
             Path(self.a.json).write_text(json.dumps(self.result, indent=2) + "\n")
+        if self.a.markdown:
+            Path(self.a.markdown).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.a.markdown).write_text(render_markdown(self.result))
 
     def run(self) -> dict:
         import torch
@@ -223,6 +227,9 @@ class Bench:
 
         self.log(f"random {a.preset} pair on {dev}")
         target, draft = random_pair(tcfg, dcfg, dev)
+        from muse_spark.models.layers import attention_path
+
+        self.result["config"]["attention"] = attention_path(dev, target.dtype)  # MUSE_SPARK_ATTENTION
         eng = EagerEngine(target, draft, max_batch=slots, max_seq=max_seq, device=dev)
         for t in eng.target_cache.k + eng.target_cache.v + eng.draft_cache.k + eng.draft_cache.v:
             t.normal_()
@@ -368,24 +375,29 @@ class Bench:
                 sec["aoti_error"] = f"{type(e).__name__}: {e}"[:3000]
                 self.log(f"aoti section failed: {sec['aoti_error'][:500]}")
 
-        if compiled is not None:  # timed with the compile workers done
-            time_compiled(batches[:1])
-            rest = batches[1:]
-            elapsed = time.perf_counter() - self.t0
-            need = 1.5 * sec["torch_compile"]["compile_s"][batches[0]] + 30
-            if rest and a.deadline_s and elapsed + need > a.deadline_s:
-                sec["torch_compile"]["skipped"] = (f"batches {rest}: the recompile (~{need:.0f}s) would pass "
-                                                   f"--deadline-s {a.deadline_s:.0f} at {elapsed:.0f}s")
-                self.log(f"torch.compile: {sec['torch_compile']['skipped']}")
-            elif rest and compile_for(rest):
-                time_compiled(rest)
-
-        # ---- the Markov loop alone ---------------------------------------------------------------
+        # ---- the Markov loop alone (seconds; before the long torch.compile recompiles) ------------
         try:
             self.markov_section(draft, batches, impl)
         except Exception as e:
             sec["markov_error"] = f"{type(e).__name__}: {e}"[:3000]
             self.log(f"markov section failed: {sec['markov_error'][:500]}")
+        self.save()
+
+        if compiled is not None:  # timed with the compile workers done
+            time_compiled(batches[:1])
+            rest = batches[1:]
+            while rest:  # one batch at a time, each saved, while the deadline allows its recompile
+                elapsed = time.perf_counter() - self.t0
+                need = 1.5 * sec["torch_compile"]["compile_s"][batches[0]] + 30
+                if a.deadline_s and elapsed + need > a.deadline_s:
+                    sec["torch_compile"]["skipped"] = (f"batches {rest}: a recompile (~{need:.0f}s) would pass "
+                                                       f"--deadline-s {a.deadline_s:.0f} at {elapsed:.0f}s")
+                    self.log(f"torch.compile: {sec['torch_compile']['skipped']}")
+                    break
+                if not compile_for(rest[:1]):
+                    break
+                time_compiled(rest[:1])
+                rest = rest[1:]
 
         # ---- tokens/s ----------------------------------------------------------------------------
         tps = {}
@@ -396,9 +408,6 @@ class Bench:
         sec["tokens_per_s"] = tps
         self.result["seconds"] = round(time.perf_counter() - self.t0, 1)
         self.save()
-        if a.markdown:
-            Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.markdown).write_text(render_markdown(self.result))
         print(render_table(self.result))
         return self.result
 

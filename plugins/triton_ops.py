@@ -3,7 +3,9 @@
 Importing this module imports Triton and registers
 
 * ``muse_spark::gated_residual_add_triton`` — gated FP32 residual add fused with the next RMSNorm;
-* ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop.
+* ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop;
+* ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
+  which ``models.layers.attend`` calls in bf16/fp16 on CUDA when ``MUSE_SPARK_ATTENTION=triton``.
 
 Their schemas are those of the reference ops (``muse_spark::gated_residual_add``,
 ``muse_spark::markov_sample``). Because they are ``triton_op``s, ``torch.export``
@@ -26,6 +28,7 @@ import logging
 import torch
 from torch.library import triton_op, wrap_triton
 
+from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
@@ -103,6 +106,27 @@ def _markov_sample_op(
         return markov_sample_ref(*args)
     return launch_markov_sample(base_logits, anchor, w1, w2, d2t, seeds, positions, temperature, wrap=wrap_triton,
                                 interpret=interpreting())
+
+
+@triton_op("muse_spark::attention_triton", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    B, S, H, dh = q.shape
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != dh or H % k.shape[2]:
+        raise ValueError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: expected k and v "
+                         f"[B, T, KV, {dh}] with KV dividing {H}")
+    if mask.dtype != torch.bool or tuple(mask.shape) != (B, S, k.shape[1]):
+        raise ValueError(f"attention: mask must be bool [B, S, T] = {[B, S, k.shape[1]]}, got {mask.dtype} "
+                         f"{list(mask.shape)}")
+    if not _runs_kernels(q):
+        from muse_spark.models.layers import attend_reference
+
+        return attend_reference(q, k, v, mask)
+    return launch_attention(q, k, v, mask, wrap=wrap_triton, interpret=interpreting())
+
+
+def attention(q, k, v, mask):
+    """``models.layers.attend_reference``'s signature; runs ``muse_spark::attention_triton``."""
+    return torch.ops.muse_spark.attention_triton(q, k, v, mask)
 
 
 def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype):

@@ -36,17 +36,29 @@ def test_cuda_step_matches_cpu_step_in_fp32(random_pair):
     assert outs[0] == outs[1]
 
 
-def test_cuda_bf16_attention_matches_the_fp32_einsums():
-    """attend() in bf16 on CUDA runs the fused SDPA kernel: within bf16 tolerance of the fp32
-    path, garbage past the lengths (NaN, large keys) ignored, zeros for a query with no key."""
-    from muse_spark.models.layers import attend
+@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
+def test_cuda_bf16_attention_matches_the_fp32_einsums(kernel, monkeypatch):
+    """attend() in bf16 on CUDA runs a fused kernel (MUSE_SPARK_ATTENTION): within bf16 tolerance
+    of the fp32 einsums, garbage past the lengths (NaN, large keys) ignored, zeros for a query
+    with no visible key."""
+    from muse_spark.models.layers import attend, attend_reference
 
     from test_models import attention_case
     from tolerances import TOL
 
-    q, k, v, mask = attention_case(torch.bfloat16, "cuda")
+    monkeypatch.setenv("MUSE_SPARK_ATTENTION", kernel)
+    q, k, v, mask = attention_case(torch.bfloat16, "cuda", T=300)
     out = attend(q, k, v, mask)
-    ref = attend(q.float(), k.float(), v.float(), mask)
+    ref = attend_reference(q.float(), k.float(), v.float(), mask)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert torch.equal(out[2, 0], torch.zeros_like(out[2, 0]))
+    assert torch.equal(out[-1, 0], torch.zeros_like(out[-1, 0]))
     torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
+
+
+def test_cuda_greedy_speculative_equals_target_only_with_the_triton_attention(agreeing_pair, monkeypatch):
+    """The eager engine with the Triton attention kernel: still lossless."""
+    monkeypatch.setenv("MUSE_SPARK_ATTENTION", "triton")
+    engine = EagerEngine.from_checkpoints(*agreeing_pair, device="cuda", max_batch=4, max_seq=256)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for r in Generator(engine).generate(PROMPTS, params):
+        assert r.output == generate_target_only(engine, r.prompt, params)

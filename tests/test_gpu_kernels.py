@@ -388,3 +388,65 @@ def test_triton_ops_compile_into_an_aoti_package(tops, tmp_path):
     runner = load_package(path, torch.device(DEV))
     for a, b in zip(runner(*args), _Tiny()(*args)):
         assert torch.equal(a, b)
+
+
+# ---- attention ----------------------------------------------------------------------------------
+
+
+ATTN_SHAPES = {  # (B, S, H, KV, dh, T): the step's few queries, a prefill chunk, the production step
+    "step": (3, 5, 8, 2, 32, 300),
+    "prefill": (2, 40, 4, 4, 16, 130),
+    "one_request_many_splits": (1, 8, 8, 2, 16, 640),
+}
+if BIG:
+    ATTN_SHAPES.update({f"muse_spark_b{b}": (b, 8, 32, 8, 128, 1152) for b in (1, 8, 32)})
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", list(ATTN_SHAPES))
+def test_attention_kernel_matches_the_fp32_einsums(tops, shape):
+    """The split-KV kernel against attend_reference: bf16 tolerance, garbage ignored, zeros for
+    a query with no visible key, and the same bits whatever the garbage past the lengths is."""
+    from muse_spark.models.layers import attend_reference
+
+    from test_models import attention_case
+    from tolerances import TOL
+
+    B, S, H, KV, dh, T = ATTN_SHAPES[shape]
+    q, k, v, mask = attention_case(torch.bfloat16, DEV, B=B, S=S, H=H, KV=KV, dh=dh, T=T)
+    out = tops.attention(q, k, v, mask)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and torch.isfinite(out).all()
+    assert torch.equal(out[-1, 0], torch.zeros_like(out[-1, 0]))
+    ref = attend_reference(q.float(), k.float(), v.float(), mask)
+    torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
+    unseen = ~mask.any(1)  # [B, T]: keys no query sees
+    k2, v2 = k.clone(), v.clone()
+    k2[unseen], v2[unseen] = float("inf"), float("-inf")
+    assert torch.equal(tops.attention(q, k2, v2, mask), out)
+
+
+@needs_kernels
+def test_attention_op_rejects_bad_inputs(tops):
+    q, k, v, mask = (t for t in __import__("test_models").attention_case(torch.bfloat16, DEV))
+    with pytest.raises(ValueError, match="mask must be bool"):
+        tops.attention(q, k, v, mask.to(torch.uint8))
+    with pytest.raises(ValueError, match="expected k and v"):
+        tops.attention(q, k[..., :8], v[..., :8], mask)
+
+
+@needs_gpu
+def test_attention_kernel_compiles_into_an_aoti_package(tops, tmp_path):
+    """The attention op exported and compiled by AOTInductor: the package runs the same kernels as
+    eager, so it gives the same bits."""
+    from test_models import attention_case
+
+    q, k, v, mask = attention_case(torch.bfloat16, DEV, T=300)
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return tops.attention(q, k, v, mask)
+
+    ep = torch.export.export(Attn(), (q, k.contiguous(), v.contiguous(), mask))
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "attn.pt2"))
+    run = torch._inductor.aoti_load_package(path)
+    assert torch.equal(run(q, k.contiguous(), v.contiguous(), mask), tops.attention(q, k, v, mask))

@@ -121,29 +121,33 @@ def test_output_transform():
     assert torch.equal(output_transform(x.bfloat16(), 1.0, None), x)
 
 
-def attention_case(dtype, device="cpu"):
+def attention_case(dtype, device="cpu", B=3, S=5, H=8, KV=2, dh=16, T=48, seed=0):
     """GQA attention inputs with stale garbage (NaN and large keys/values) past each request's
-    length and one query that sees no key → (q, k, v, mask) in ``dtype``."""
-    g = torch.Generator().manual_seed(0)
-    B, S, H, KV, dh, T = 3, 5, 8, 2, 16, 48
-    q, k, v = (torch.randn(B, n, h, dh, generator=g) for n, h in ((S, H), (T, KV), (T, KV)))
-    lens = torch.tensor([10, 25, 48])
+    length and one query that sees no key → (q, k, v, mask) in ``dtype``. K/V are strided views
+    into a wider cache (as the engines' are)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, H, dh, generator=g)
+    cache = torch.randn(B, T, KV + 1, 2, dh, generator=g)  # an extra head and k|v interleaved: strided views
+    k, v = cache[:, :, 1:, 0], cache[:, :, 1:, 1]
+    lens = torch.tensor([min(T, max(S, (i + 1) * T // B - 3 * i)) for i in range(B)])
     pos = lens[:, None] - S + torch.arange(S)
     mask = torch.arange(T)[None, None, :] <= pos[:, :, None]
-    mask[2, 0] = False
-    k[0, 12:], v[0, 12:], k[1, 30:] = float("nan"), float("nan"), 100.0
-    return [t.to(device) for t in (q.to(dtype), k.to(dtype), v.to(dtype), mask)]
+    mask[-1, 0] = False
+    for i in range(B):
+        k[i, lens[i]:], v[i, lens[i]:] = (float("nan"), float("nan")) if i % 2 == 0 else (100.0, -1e4)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    return [t.to(device) for t in (q, k, v, mask)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sdpa_attention_matches_the_fp32_einsums(dtype):
     """The fused-SDPA attention (bf16 on CUDA) against the fp32 einsum path, run here on CPU:
     the GQA query folding, the masks and the garbage zeroing are the same math."""
-    from muse_spark.models.layers import _attend_sdpa, attend
+    from muse_spark.models.layers import _attend_sdpa, attend_reference
 
     q, k, v, mask = attention_case(dtype)
-    ref = attend(q.float(), k.float(), v.float(), mask)
+    ref = attend_reference(q.float(), k.float(), v.float(), mask)
     out = _attend_sdpa(q, k, v, mask)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    assert torch.equal(out[2, 0], torch.zeros_like(out[2, 0]))  # no visible key: zeros
+    assert torch.equal(out[-1, 0], torch.zeros_like(out[-1, 0]))  # no visible key: zeros
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])

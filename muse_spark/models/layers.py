@@ -7,12 +7,16 @@ Parameter names are the *canonical* (stacked) ones the loader produces:
 
 Attention is written over an explicit key set and a boolean mask so that the
 target (KV cache) and the draft (cached context + fresh block) share one
-implementation; scores and softmax run in fp32.
+implementation; scores and softmax run in fp32 (``attend_reference``). In bf16/fp16
+on CUDA ``attend`` runs a fused kernel instead (``attention_kernel()``), the same one
+in the eager engine and in the compiled packages.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from typing import Callable
 
 import torch
@@ -61,16 +65,65 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+ATTENTION_KERNELS = ("triton", "sdpa")
+DEFAULT_ATTENTION_KERNEL = "sdpa"
+_log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def attention_kernel() -> str:
+    """The fused attention kernel for bf16/fp16 on CUDA, from ``MUSE_SPARK_ATTENTION``:
+    ``triton`` (plugins/attention: split-KV over the window, skips unseen key tiles) or ``sdpa``
+    (``F.scaled_dot_product_attention``). A build records it in the engine's manifest."""
+    name = os.environ.get("MUSE_SPARK_ATTENTION", DEFAULT_ATTENTION_KERNEL).strip().lower()
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(f"MUSE_SPARK_ATTENTION={name!r}: expected one of {list(ATTENTION_KERNELS)}")
+    return name
+
+
+def attention_path(device, dtype: torch.dtype) -> str:
+    """What ``attend`` runs for this device and compute dtype: the kernel name, or ``reference``."""
+    fused = torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return attention_kernel() if fused else "reference"
+
+
+def _triton_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    dh = q.shape[-1]
+    return 16 <= dh <= 256 and dh & (dh - 1) == 0 and k.dtype == q.dtype and q.shape[2] % k.shape[2] == 0
+
+
+def _triton_attention_op():
+    """``torch.ops.muse_spark.attention_triton`` (registering it), or None without Triton."""
+    try:
+        from muse_spark.plugins import triton_ops  # noqa: F401
+    except Exception as e:  # no usable Triton: the SDPA kernel, said once
+        if "triton" not in _warned:
+            _warned.add("triton")
+            _log.warning("attention: the Triton kernel is unavailable (%s: %s); using SDPA", type(e).__name__, e)
+        return None
+    return torch.ops.muse_spark.attention_triton
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked GQA attention. q [B,S,H,Dh], k/v [B,T,KV,Dh], mask [B,S,T] → [B,S,H,Dh] (q's dtype).
 
-    bf16/fp16 on CUDA: the fused SDPA kernel (products of the compute dtype, fp32 accumulation and
-    softmax), which reads K/V once in their own dtype. Otherwise (fp32, CPU): fp32 einsums. Either
-    way, keys and values no query may see are zeroed first, so stale garbage in a reused cache
-    slot (even NaN) can never leak into a request, and a query with no visible key yields zeros.
+    bf16/fp16 on CUDA: a fused kernel (``attention_kernel()``; products of the compute dtype, fp32
+    accumulation and softmax), which reads K/V once in their own dtype. Otherwise (fp32, CPU):
+    ``attend_reference``. Every path ignores keys and values no query may see (stale garbage in
+    a reused cache slot, even NaN, can never leak into a request) and gives zeros for a query
+    with no visible key.
     """
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        if attention_kernel() == "triton" and _triton_attention_fits(q, k):
+            op = _triton_attention_op()
+            if op is not None:
+                return op(q, k, v, mask)
         return _attend_sdpa(q, k, v, mask)
+    return attend_reference(q, k, v, mask)
+
+
+def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``attend`` in fp32 einsums: the spec every attention kernel is tested against."""
     B, S, H, dh = q.shape
     kv = k.shape[2]
     rep = H // kv

@@ -1,0 +1,1 @@
+"""Masked GQA attention over a static KV window: the split-KV Triton kernel (``triton_kernel``)."""

@@ -1,0 +1,182 @@
+"""Triton kernel of the masked GQA attention over a static KV window (split-KV, "flash decoding").
+
+Spec: ``muse_spark.models.layers.attend`` (fp32 einsums), for q [B, S, H, Dh] and K/V
+[B, T, KV, Dh] in bf16/fp16 and a boolean mask [B, S, T]:
+``softmax(q·kᵀ/√Dh masked) · v`` per head, K/V entries no query may see never read into the
+result (stale garbage, even NaN, cannot leak), zeros for a query that sees no key.
+
+Why not SDPA: a speculative step has few queries (S = γ+1) over a long window. SDPA's kernels
+(cuDNN, flash, memory-efficient) give one program per (batch, head, 128 queries), so at batch 1
+only 8 KV heads' worth of programs stream the whole window: 1.14 ms of the 7.6 ms step on the
+H200 for 156 MB of K/V (docs/benchmarks.md). Here:
+
+* the ``rep = H / KV`` query heads of a KV head and the S queries are one block of ``rep·S`` rows
+  (the mask depends on the query position only), so each K/V tile is read once per KV head;
+* the window is split over ``NSPLIT`` programs (enough to fill the GPU at small batch), each
+  keeping an online softmax (max, sum, fp32 accumulator) over its chunk of the window; a second
+  kernel merges the splits (one split at large batch, where the grid is already full);
+* a tile of keys no row of the block may see is skipped without reading K or V, so the work
+  follows the requests' lengths rather than the window's.
+
+Numerics: products of the compute dtype with fp32 accumulation (``tl.dot``), scores scaled in
+fp32, the probabilities rounded to the compute dtype for the second product (as flash
+attention does), the output rounded once. The split count is a function of the shapes and the
+SM count only, so the eager engine and a compiled package, which launch the same kernels with
+the same arguments, agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_T = 64  # keys per tile
+MIN_PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _partial_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr,  # q [B, S, H, Dh]; k, v [B, T, KV, Dh]; mask [B, S, T] uint8
+    po_ptr, pm_ptr, pl_ptr,  # partials: acc [B*KV, NSPLIT, M, Dh] fp32, max and sum [B*KV, NSPLIT, M] fp32
+    S, T, M, KV, NSPLIT, SPLIT_T,
+    sq_b, sq_s, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sm_b, sm_s,
+    scale,
+    REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    bk = tl.program_id(2)
+    b = bk // KV
+    kvh = bk % KV
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = j·S + s: query head kvh·REP + j, position s
+    rmask = rows < M
+    s = rows % S
+    head = kvh * REP + rows // S
+    d = tl.arange(0, DH)
+    q = tl.load(q_ptr + b * sq_b + s[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=rmask[:, None],
+                other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, DH), tl.float32)
+    t_begin = split * SPLIT_T
+    t_end = tl.minimum(t_begin + SPLIT_T, T)
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tm = t < t_end
+        vis = tl.load(mask_ptr + b * sm_b + s[:, None] * sm_s + t[None, :], mask=rmask[:, None] & tm[None, :],
+                      other=0) != 0  # [BLOCK_M, BLOCK_T]
+        col_vis = tl.max(vis.to(tl.int32), axis=0) > 0  # [BLOCK_T]: keys some row of the block may see
+        if tl.max(col_vis.to(tl.int32), axis=0) > 0:  # else: the tile is skipped, K/V never read
+            kt = tl.load(k_ptr + b * sk_b + t[None, :] * sk_t + kvh * sk_h + d[:, None],
+                         mask=(tm & col_vis)[None, :], other=0.0)  # [DH, BLOCK_T]
+            if IEEE_DOT:
+                sc = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+            else:
+                sc = tl.dot(q, kt)
+            sc = tl.where(vis, sc * scale, float("-inf"))  # garbage keys (NaN) never pass the mask
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = tl.exp(m_i - m_ref)
+            p = tl.exp(sc - m_ref[:, None])  # masked: exp(-inf) = 0
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + b * sv_b + t[:, None] * sv_t + kvh * sv_h + d[None, :],
+                        mask=(tm & col_vis)[:, None], other=0.0)  # [BLOCK_T, DH]; unseen rows are 0, not garbage
+            if IEEE_DOT:
+                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+    base = bk * NSPLIT + split
+    tl.store(po_ptr + (base * M + rows)[:, None] * DH + d[None, :], acc, mask=rmask[:, None])
+    tl.store(pm_ptr + base * M + rows, m_i, mask=rmask)
+    tl.store(pl_ptr + base * M + rows, l_i, mask=rmask)
+
+
+@triton.jit
+def _combine_kernel(
+    po_ptr, pm_ptr, pl_ptr, out_ptr,  # out [B, S, H, Dh] contiguous
+    S, M, KV, NSPLIT, H,
+    REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bk = tl.program_id(1)
+    b = bk // KV
+    kvh = bk % KV
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    d = tl.arange(0, DH)
+    mx = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    for i in range(0, NSPLIT):
+        mx = tl.maximum(mx, tl.load(pm_ptr + (bk * NSPLIT + i) * M + rows, mask=rmask, other=float("-inf")))
+    m_ref = tl.where(mx == float("-inf"), 0.0, mx)
+    l_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, DH), tl.float32)
+    for i in range(0, NSPLIT):
+        base = bk * NSPLIT + i
+        w = tl.exp(tl.load(pm_ptr + base * M + rows, mask=rmask, other=float("-inf")) - m_ref)
+        l_sum += w * tl.load(pl_ptr + base * M + rows, mask=rmask, other=0.0)
+        acc += w[:, None] * tl.load(po_ptr + (base * M + rows)[:, None] * DH + d[None, :], mask=rmask[:, None],
+                                    other=0.0)
+    out = tl.where((l_sum > 0.0)[:, None], acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None], 0.0)
+    s = rows % S
+    head = kvh * REP + rows // S
+    tl.store(out_ptr + ((b * S + s) * H + head)[:, None] * DH + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None])
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def plan(B: int, S: int, H: int, KV: int, T: int, device: torch.device) -> dict:
+    """Launch plan for a shape: rows per block, the window's split (a function of the shapes and
+    the device's SM count only)."""
+    M = (H // KV) * S
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    blocks = B * KV * triton.cdiv(M, block_m)
+    tiles = max(1, triton.cdiv(T, BLOCK_T))
+    nsplit = max(1, min(tiles, triton.cdiv(MIN_PROGRAMS_PER_SM * _sm_count(device), blocks)))
+    split_t = triton.cdiv(tiles, nsplit) * BLOCK_T
+    return dict(M=M, BLOCK_M=block_m, NSPLIT=triton.cdiv(T, split_t) if T else 1, SPLIT_T=split_t)
+
+
+def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Shapes the kernel takes: head_dim a power of two in [16, 256], whole query groups."""
+    dh = q.shape[-1]
+    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and 16 <= dh <= 256
+            and dh & (dh - 1) == 0 and q.shape[2] % k.shape[2] == 0 and q.stride(-1) == 1)
+
+
+def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, wrap=lambda f: f,
+                     interpret: bool = False) -> torch.Tensor:
+    """q [B, S, H, Dh], k/v [B, T, KV, Dh] (last dim contiguous, any other strides), mask [B, S, T]
+    bool → [B, S, H, Dh] in q's dtype. ``wrap`` is ``torch.library.wrap_triton`` inside the op."""
+    B, S, H, dh = q.shape
+    T, KV = k.shape[1], k.shape[2]
+    out = torch.empty((B, S, H, dh), dtype=q.dtype, device=q.device)
+    if B == 0 or S == 0:
+        return out
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    p = plan(B, S, H, KV, T, q.device)
+    M, block_m, nsplit = p["M"], p["BLOCK_M"], p["NSPLIT"]
+    m8 = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)  # bool bytes as they are
+    po = torch.empty((B * KV, nsplit, M, dh), dtype=torch.float32, device=q.device)
+    pm = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
+    pl = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
+    m_blocks = triton.cdiv(M, block_m)
+    wrap(_partial_kernel)[(m_blocks, nsplit, B * KV)](
+        q, k, v, m8, po, pm, pl, S, T, M, KV, nsplit, p["SPLIT_T"],
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1), 1.0 / math.sqrt(dh),
+        REP=H // KV, DH=dh, BLOCK_M=block_m, BLOCK_T=BLOCK_T, IEEE_DOT=interpret, num_warps=4,
+    )
+    wrap(_combine_kernel)[(m_blocks, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
+                                              BLOCK_M=block_m, num_warps=4)
+    return out
