@@ -151,3 +151,18 @@ def test_sdpa_attention_matches_the_fp32_einsums(dtype):
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert torch.equal(out[-1, 0], torch.zeros_like(out[-1, 0]))  # no visible key: zeros
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+def test_attention_kernel_choice(monkeypatch):
+    """MUSE_SPARK_ATTENTION picks the fused kernel for bf16/fp16 on CUDA; fp32 and CPU run the
+    reference einsums; an unknown name is a clear error."""
+    from muse_spark.models.layers import attention_kernel, attention_path
+
+    monkeypatch.delenv("MUSE_SPARK_ATTENTION", raising=False)
+    assert attention_kernel() == "sdpa" and attention_path("cuda", torch.bfloat16) == "sdpa"
+    monkeypatch.setenv("MUSE_SPARK_ATTENTION", "Triton")
+    assert attention_path("cuda", torch.float16) == "triton"
+    assert attention_path("cuda", torch.float32) == "reference" and attention_path("cpu", torch.bfloat16) == "reference"
+    monkeypatch.setenv("MUSE_SPARK_ATTENTION", "flash")
+    with pytest.raises(ValueError, match=r"MUSE_SPARK_ATTENTION='flash': expected one of \['triton', 'sdpa'\]"):
+        attention_kernel()

@@ -39,7 +39,7 @@ MIN_PROGRAMS_PER_SM = 2
 
 @triton.jit
 def _partial_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr,  # q [B, S, H, Dh]; k, v [B, T, KV, Dh]; mask [B, S, T] uint8
+    q_ptr, k_ptr, v_ptr, mask_ptr,  # q [B, S, H, Dh]; k, v [B, T, KV, Dh]; mask [B, S, T] bool
     po_ptr, pm_ptr, pl_ptr,  # partials: acc [B*KV, NSPLIT, M, Dh] fp32, max and sum [B*KV, NSPLIT, M] fp32
     S, T, M, KV, NSPLIT, SPLIT_T,
     sq_b, sq_s, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sm_b, sm_s,
@@ -166,7 +166,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         v = v.contiguous()
     p = plan(B, S, H, KV, T, q.device)
     M, block_m, nsplit = p["M"], p["BLOCK_M"], p["NSPLIT"]
-    m8 = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)  # bool bytes as they are
+    m8 = mask if mask.stride(-1) == 1 else mask.contiguous()  # bool: Triton loads its bytes as int1
     po = torch.empty((B * KV, nsplit, M, dh), dtype=torch.float32, device=q.device)
     pm = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
     pl = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
