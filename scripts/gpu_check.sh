@@ -7,6 +7,9 @@
 #   scripts/gpu_check.sh bench   # the Muse-Spark-shaped benchmark (docs/benchmarks.md); BENCH_ARGS=--profile adds kernel tables
 #   scripts/gpu_check.sh markov  # the Markov kernel over shapes x launch configurations (scripts/markov_diag.py)
 #   scripts/gpu_check.sh triton-build  # the tiny CUDA engine with the Triton plugins: build (timed), generate
+#   scripts/gpu_check.sh attention     # the attention kernels: their tests, then scripts/attention_bench.py
+#
+# MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default sdpa).
 #
 # Logs go to $OUT (default ./gpu-out). Test files run in parallel, one file per worker, and
 # a worker that dies (a segfault) is not restarted: pytest-xdist would otherwise re-run the
@@ -47,11 +50,16 @@ triton-build)
     timeout 120 python3 -m muse_spark.cli generate --engine /tmp/gpu-check-triton --prompt-ids 1,2,3 --max-tokens 16 --ignore-eos \
         --json 2>&1 | tee -a "$OUT/triton-build.log"
     ;;
+attention)
+    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rfEs -k "attention" tests/test_gpu_kernels.py \
+        tests/test_gpu_eager.py 2>&1 | tee "$OUT/attention-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
+    timeout 120 python3 scripts/attention_bench.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention-bench.log"
+    ;;
 markov)
     timeout "${MARKOV_TIMEOUT:-300}" python3 scripts/markov_diag.py 2>&1 | tee "$OUT/markov-diag.log"
     ;;
 *)
-    echo "usage: $0 tests|probe|bench|markov" >&2
+    echo "usage: $0 tests|probe|bench|markov|triton-build|attention" >&2
     exit 2
     ;;
 esac
