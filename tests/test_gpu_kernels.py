@@ -397,14 +397,16 @@ ATTN_SHAPES = {  # (B, S, H, KV, dh, T): the step's few queries, a prefill chunk
     "step": (3, 5, 8, 2, 32, 300),
     "prefill": (2, 40, 4, 4, 16, 130),
     "one_request_many_splits": (1, 8, 8, 2, 16, 640),
+    "one_query_no_grouping": (2, 1, 4, 4, 64, 70),  # rep 1, a window shorter than two tiles
 }
 if BIG:
     ATTN_SHAPES.update({f"muse_spark_b{b}": (b, 8, 32, 8, 128, 1152) for b in (1, 8, 32)})
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", list(ATTN_SHAPES))
-def test_attention_kernel_matches_the_fp32_einsums(tops, shape):
+def test_attention_kernel_matches_the_fp32_einsums(tops, shape, dtype):
     """The split-KV kernel against attend_reference: bf16 tolerance, garbage ignored, zeros for
     a query with no visible key, and the same bits whatever the garbage past the lengths is."""
     from muse_spark.models.layers import attend_reference
@@ -413,12 +415,12 @@ def test_attention_kernel_matches_the_fp32_einsums(tops, shape):
     from tolerances import TOL
 
     B, S, H, KV, dh, T = ATTN_SHAPES[shape]
-    q, k, v, mask = attention_case(torch.bfloat16, DEV, B=B, S=S, H=H, KV=KV, dh=dh, T=T)
+    q, k, v, mask = attention_case(dtype, DEV, B=B, S=S, H=H, KV=KV, dh=dh, T=T)
     out = tops.attention(q, k, v, mask)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape and torch.isfinite(out).all()
+    assert out.dtype == dtype and out.shape == q.shape and torch.isfinite(out).all()
     assert torch.equal(out[-1, 0], torch.zeros_like(out[-1, 0]))
     ref = attend_reference(q.float(), k.float(), v.float(), mask)
-    torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
+    torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])  # fp16 rounds finer: the same bound holds
     unseen = ~mask.any(1)  # [B, T]: keys no query sees
     k2, v2 = k.clone(), v.clone()
     k2[unseen], v2[unseen] = float("inf"), float("-inf")
