@@ -14,7 +14,8 @@ H200 for 156 MB of K/V (docs/benchmarks.md). Here:
   (the mask depends on the query position only), so each K/V tile is read once per KV head;
 * the window is split over ``NSPLIT`` programs (enough to fill the GPU at small batch), each
   keeping an online softmax (max, sum, fp32 accumulator) over its chunk of the window; a second
-  kernel merges the splits (one split at large batch, where the grid is already full);
+  kernel merges the splits, one program per output row with all its splits loaded at once (one
+  split at large batch, where the grid is already full);
 * a tile of keys no row of the block may see is skipped without reading K or V, so the work
   follows the requests' lengths rather than the window's.
 
@@ -35,6 +36,7 @@ import triton.language as tl
 
 BLOCK_T = 64  # keys per tile
 MIN_PROGRAMS_PER_SM = 2
+MAX_SPLITS = 64  # the merge holds every split of a row at once
 
 
 @triton.jit
@@ -100,32 +102,27 @@ def _partial_kernel(
 def _combine_kernel(
     po_ptr, pm_ptr, pl_ptr, out_ptr,  # out [B, S, H, Dh] contiguous
     S, M, KV, NSPLIT, H,
-    REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr,
+    REP: tl.constexpr, DH: tl.constexpr, NSPLIT_P2: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # One (row, batch·KV head) per program, every split loaded at once: no serial loop over the
+    # splits, and B·KV·M programs even at batch 1.
+    row = tl.program_id(0)
     bk = tl.program_id(1)
     b = bk // KV
     kvh = bk % KV
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < M
+    sp = tl.arange(0, NSPLIT_P2)
+    spm = sp < NSPLIT
     d = tl.arange(0, DH)
-    mx = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    for i in range(0, NSPLIT):
-        mx = tl.maximum(mx, tl.load(pm_ptr + (bk * NSPLIT + i) * M + rows, mask=rmask, other=float("-inf")))
-    m_ref = tl.where(mx == float("-inf"), 0.0, mx)
-    l_sum = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, DH), tl.float32)
-    for i in range(0, NSPLIT):
-        base = bk * NSPLIT + i
-        w = tl.exp(tl.load(pm_ptr + base * M + rows, mask=rmask, other=float("-inf")) - m_ref)
-        l_sum += w * tl.load(pl_ptr + base * M + rows, mask=rmask, other=0.0)
-        acc += w[:, None] * tl.load(po_ptr + (base * M + rows)[:, None] * DH + d[None, :], mask=rmask[:, None],
-                                    other=0.0)
-    out = tl.where((l_sum > 0.0)[:, None], acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None], 0.0)
-    s = rows % S
-    head = kvh * REP + rows // S
-    tl.store(out_ptr + ((b * S + s) * H + head)[:, None] * DH + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None])
+    at = (bk * NSPLIT + sp) * M + row  # [NSPLIT_P2]
+    m = tl.load(pm_ptr + at, mask=spm, other=float("-inf"))
+    mx = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(mx == float("-inf"), 0.0, mx))  # 0 for empty splits and padding
+    l_sum = tl.sum(w * tl.load(pl_ptr + at, mask=spm, other=0.0), axis=0)
+    acc = tl.sum(w[:, None] * tl.load(po_ptr + at[:, None] * DH + d[None, :], mask=spm[:, None], other=0.0), axis=0)
+    out = tl.where(l_sum > 0.0, acc / tl.where(l_sum > 0.0, l_sum, 1.0), 0.0)  # no visible key: zeros
+    s = row % S
+    head = kvh * REP + row // S
+    tl.store(out_ptr + ((b * S + s) * H + head) * DH + d, out.to(out_ptr.dtype.element_ty))
 
 
 def _sm_count(device: torch.device) -> int:
@@ -139,7 +136,7 @@ def plan(B: int, S: int, H: int, KV: int, T: int, device: torch.device) -> dict:
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
     blocks = B * KV * triton.cdiv(M, block_m)
     tiles = max(1, triton.cdiv(T, BLOCK_T))
-    nsplit = max(1, min(tiles, triton.cdiv(MIN_PROGRAMS_PER_SM * _sm_count(device), blocks)))
+    nsplit = max(1, min(tiles, MAX_SPLITS, triton.cdiv(MIN_PROGRAMS_PER_SM * _sm_count(device), blocks)))
     split_t = triton.cdiv(tiles, nsplit) * BLOCK_T
     return dict(M=M, BLOCK_M=block_m, NSPLIT=triton.cdiv(T, split_t) if T else 1, SPLIT_T=split_t)
 
@@ -177,6 +174,6 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1), 1.0 / math.sqrt(dh),
         REP=H // KV, DH=dh, BLOCK_M=block_m, BLOCK_T=BLOCK_T, IEEE_DOT=interpret, num_warps=4,
     )
-    wrap(_combine_kernel)[(m_blocks, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
-                                              BLOCK_M=block_m, num_warps=4)
+    wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
+                                       NSPLIT_P2=triton.next_power_of_2(nsplit), num_warps=4)
     return out
