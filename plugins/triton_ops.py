@@ -114,6 +114,9 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != dh or H % k.shape[2]:
         raise ValueError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: expected k and v "
                          f"[B, T, KV, {dh}] with KV dividing {H}")
+    if not (16 <= dh <= 256 and dh & (dh - 1) == 0) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"attention: head_dim {dh} (a power of two in [16, 256]) and dtypes q {q.dtype}, "
+                         f"k {k.dtype}, v {v.dtype} (all the same) are what the kernel takes")
     if mask.dtype != torch.bool or tuple(mask.shape) != (B, S, k.shape[1]):
         raise ValueError(f"attention: mask must be bool [B, S, T] = {[B, S, k.shape[1]]}, got {mask.dtype} "
                          f"{list(mask.shape)}")

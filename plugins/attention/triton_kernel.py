@@ -141,22 +141,19 @@ def plan(B: int, S: int, H: int, KV: int, T: int, device: torch.device) -> dict:
     return dict(M=M, BLOCK_M=block_m, NSPLIT=triton.cdiv(T, split_t) if T else 1, SPLIT_T=split_t)
 
 
-def supported(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Shapes the kernel takes: head_dim a power of two in [16, 256], whole query groups."""
-    dh = q.shape[-1]
-    return (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and 16 <= dh <= 256
-            and dh & (dh - 1) == 0 and q.shape[2] % k.shape[2] == 0 and q.stride(-1) == 1)
-
-
 def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, wrap=lambda f: f,
                      interpret: bool = False) -> torch.Tensor:
-    """q [B, S, H, Dh], k/v [B, T, KV, Dh] (last dim contiguous, any other strides), mask [B, S, T]
-    bool → [B, S, H, Dh] in q's dtype. ``wrap`` is ``torch.library.wrap_triton`` inside the op."""
+    """q [B, S, H, Dh], k/v [B, T, KV, Dh] (any strides; the last dim is made contiguous if it is
+    not), mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. Dh a power of two in [16, 256] and KV
+    dividing H (``models.layers._triton_attention_fits``). ``wrap`` is ``torch.library.wrap_triton``
+    inside the op."""
     B, S, H, dh = q.shape
     T, KV = k.shape[1], k.shape[2]
     out = torch.empty((B, S, H, dh), dtype=q.dtype, device=q.device)
     if B == 0 or S == 0:
         return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
