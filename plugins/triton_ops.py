@@ -28,6 +28,7 @@ import logging
 import torch
 from torch.library import triton_op, wrap_triton
 
+from muse_spark.models.layers import attend_reference, triton_attention_fits
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
@@ -114,15 +115,13 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != dh or H % k.shape[2]:
         raise ValueError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: expected k and v "
                          f"[B, T, KV, {dh}] with KV dividing {H}")
-    if not (16 <= dh <= 256 and dh & (dh - 1) == 0) or k.dtype != q.dtype or v.dtype != q.dtype:
+    if not triton_attention_fits(q, k, v):
         raise ValueError(f"attention: head_dim {dh} (a power of two in [16, 256]) and dtypes q {q.dtype}, "
                          f"k {k.dtype}, v {v.dtype} (all the same) are what the kernel takes")
     if mask.dtype != torch.bool or tuple(mask.shape) != (B, S, k.shape[1]):
         raise ValueError(f"attention: mask must be bool [B, S, T] = {[B, S, k.shape[1]]}, got {mask.dtype} "
                          f"{list(mask.shape)}")
     if not _runs_kernels(q):
-        from muse_spark.models.layers import attend_reference
-
         return attend_reference(q, k, v, mask)
     return launch_attention(q, k, v, mask, wrap=wrap_triton, interpret=interpreting())
 

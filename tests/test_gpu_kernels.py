@@ -251,7 +251,7 @@ def test_markov_non_finite_rows(kern, r):
     U = base.repeat(2, 1)[:, None, :].expand(B, 2, Vd).contiguous()
     U[:, 1] = args[0][:, 1].cpu()  # the second step is a normal row
     args[0] = U.to(DEV)
-    ids, probs = run_kernel(kern, args, None)  # the kernel itself: the op runs batches > 8 in the reference
+    ids, probs = run_kernel(kern, args, None)  # the kernel itself
     ref_ids, ref_probs = markov_sample_ref(*args)
     assert torch.equal(ids, ref_ids)
     assert torch.isfinite(probs).all()
@@ -301,7 +301,7 @@ def test_markov_sampled_frequencies_match_probabilities(kern):
     for i in (2, 7, 8):
         args[i] = args[i].expand(B).contiguous()
     args[6] = torch.arange(B, device=DEV) * 7919 + 13
-    ids, probs = run_kernel(kern, args, None)  # the kernel itself (the op runs batches > 8 in the reference)
+    ids, probs = run_kernel(kern, args, None)  # the kernel itself
     target_of = torch.arange(Vd, device=DEV) + args[5]  # sorted: invert d2t by search
     draft = torch.searchsorted(target_of, ids[:, 0])
     assert (target_of[draft] == ids[:, 0]).all()
@@ -429,7 +429,9 @@ def test_attention_kernel_matches_the_fp32_einsums(tops, shape, dtype):
 
 @needs_kernels
 def test_attention_op_rejects_bad_inputs(tops):
-    q, k, v, mask = (t for t in __import__("test_models").attention_case(torch.bfloat16, DEV))
+    from test_models import attention_case
+
+    q, k, v, mask = attention_case(torch.bfloat16, DEV)
     with pytest.raises(ValueError, match="mask must be bool"):
         tops.attention(q, k, v, mask.to(torch.uint8))
     with pytest.raises(ValueError, match="expected k and v"):

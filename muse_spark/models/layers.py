@@ -87,9 +87,12 @@ def attention_path(device, dtype: torch.dtype) -> str:
     return attention_kernel() if fused else "reference"
 
 
-def _triton_attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+def triton_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """What the Triton attention kernel takes: head_dim a power of two in [16, 256], one dtype
+    for q/k/v, KV heads dividing the query heads."""
     dh = q.shape[-1]
-    return 16 <= dh <= 256 and dh & (dh - 1) == 0 and k.dtype == q.dtype and q.shape[2] % k.shape[2] == 0
+    return (16 <= dh <= 256 and dh & (dh - 1) == 0 and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.shape[2] % k.shape[2] == 0)
 
 
 def _triton_attention_op():
@@ -113,13 +116,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     a reused cache slot, even NaN, can never leak into a request) and gives zeros for a query
     with no visible key.
     """
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        if attention_kernel() == "triton" and _triton_attention_fits(q, k):
-            op = _triton_attention_op()
-            if op is not None:
-                return op(q, k, v, mask)
-        return _attend_sdpa(q, k, v, mask)
-    return attend_reference(q, k, v, mask)
+    path = attention_path(q.device, q.dtype)
+    if path == "reference":
+        return attend_reference(q, k, v, mask)
+    if path == "triton" and triton_attention_fits(q, k, v):
+        op = _triton_attention_op()
+        if op is not None:
+            return op(q, k, v, mask)
+    return _attend_sdpa(q, k, v, mask)
 
 
 def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -145,7 +145,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      interpret: bool = False) -> torch.Tensor:
     """q [B, S, H, Dh], k/v [B, T, KV, Dh] (any strides; the last dim is made contiguous if it is
     not), mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. Dh a power of two in [16, 256] and KV
-    dividing H (``models.layers._triton_attention_fits``). ``wrap`` is ``torch.library.wrap_triton``
+    dividing H (``models.layers.triton_attention_fits``). ``wrap`` is ``torch.library.wrap_triton``
     inside the op."""
     B, S, H, dh = q.shape
     T, KV = k.shape[1], k.shape[2]
