@@ -28,7 +28,7 @@ import logging
 import torch
 from torch.library import triton_op, wrap_triton
 
-from muse_spark.models.layers import attend_reference, triton_attention_fits
+from muse_spark.models.layers import attend_reference, cache_rows, triton_attention_fits
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
@@ -110,25 +110,29 @@ def _markov_sample_op(
 
 
 @triton_op("muse_spark::attention_triton", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
     B, S, H, dh = q.shape
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != dh or H % k.shape[2]:
+    rows = B if slots is None else k.shape[0]
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != rows or k.shape[3] != dh or H % k.shape[2]:
         raise ValueError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: expected k and v "
-                         f"[B, T, KV, {dh}] with KV dividing {H}")
+                         f"[{'B' if slots is None else 'N'}, T, KV, {dh}] with KV dividing {H}")
     if not triton_attention_fits(q, k, v):
         raise ValueError(f"attention: head_dim {dh} (a power of two in [16, 256]) and dtypes q {q.dtype}, "
                          f"k {k.dtype}, v {v.dtype} (all the same) are what the kernel takes")
-    if mask.dtype != torch.bool or tuple(mask.shape) != (B, S, k.shape[1]):
-        raise ValueError(f"attention: mask must be bool [B, S, T] = {[B, S, k.shape[1]]}, got {mask.dtype} "
+    if mask.dtype != torch.bool or mask.dim() != 3 or tuple(mask.shape[:2]) != (B, S) or mask.shape[2] > k.shape[1]:
+        raise ValueError(f"attention: mask must be bool [B, S, T] = [{B}, {S}, T ≤ {k.shape[1]}], got {mask.dtype} "
                          f"{list(mask.shape)}")
+    if slots is not None and (slots.dtype != torch.int64 or tuple(slots.shape) != (B,)):
+        raise ValueError(f"attention: slots must be int64 [{B}], got {slots.dtype} {list(slots.shape)}")
     if not _runs_kernels(q):
-        return attend_reference(q, k, v, mask)
-    return launch_attention(q, k, v, mask, wrap=wrap_triton, interpret=interpreting())
+        return attend_reference(q, *cache_rows(k, v, mask, slots), mask)
+    return launch_attention(q, k, v, mask, slots, wrap=wrap_triton, interpret=interpreting())
 
 
-def attention(q, k, v, mask):
-    """``models.layers.attend_reference``'s signature; runs ``muse_spark::attention_triton``."""
-    return torch.ops.muse_spark.attention_triton(q, k, v, mask)
+def attention(q, k, v, mask, slots=None):
+    """``models.layers.attend``'s signature; runs ``muse_spark::attention_triton``."""
+    return torch.ops.muse_spark.attention_triton(q, k, v, mask, slots)
 
 
 def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype):

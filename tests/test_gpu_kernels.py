@@ -427,6 +427,35 @@ def test_attention_kernel_matches_the_fp32_einsums(tops, shape, dtype):
     assert torch.equal(tops.attention(q, k2, v2, mask), out)
 
 
+def cache_with_slots(k, v, extra_rows=2, extra_positions=10):
+    """Whole NaN-filled caches [B + extra_rows, T + extra_positions, KV, Dh] holding request b's
+    k/v at row slots[b] (rows permuted) → (k_cache, v_cache, slots)."""
+    B, T = k.shape[:2]
+    slots = torch.randperm(B + extra_rows, generator=torch.Generator().manual_seed(1))[:B].to(k.device)
+    caches = []
+    for x in (k, v):
+        c = torch.full((B + extra_rows, T + extra_positions) + tuple(x.shape[2:]), float("nan"), dtype=x.dtype,
+                       device=x.device)
+        c[slots, :T] = x
+        caches.append(c)
+    return caches[0], caches[1], slots
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", ["step", "one_request_many_splits"])
+def test_attention_kernel_reads_cache_rows_in_place(tops, shape):
+    """With ``slots`` the kernel reads request b's row of whole caches (other rows and positions
+    past the mask are NaN): the same bits as on the gathered rows."""
+    from test_models import attention_case
+
+    B, S, H, KV, dh, T = ATTN_SHAPES[shape]
+    q, k, v, mask = attention_case(torch.bfloat16, DEV, B=B, S=S, H=H, KV=KV, dh=dh, T=T)
+    kc, vc, slots = cache_with_slots(k, v)
+    out = tops.attention(q, kc, vc, mask, slots)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, tops.attention(q, k, v, mask))
+
+
 @needs_kernels
 def test_attention_op_rejects_bad_inputs(tops):
     from test_models import attention_case
@@ -440,6 +469,10 @@ def test_attention_op_rejects_bad_inputs(tops):
         tops.attention(q[..., :8], k[..., :8], v[..., :8], mask)
     with pytest.raises(ValueError, match="all the same"):
         tops.attention(q, k.float(), v.float(), mask)
+    with pytest.raises(ValueError, match="mask must be bool"):  # a window longer than the cache
+        tops.attention(q, k[:, :-1], v[:, :-1], mask)
+    with pytest.raises(ValueError, match="slots must be int64"):
+        tops.attention(q, k, v, mask, torch.arange(q.shape[0], device=q.device, dtype=torch.int32))
 
 
 @needs_gpu
@@ -449,12 +482,13 @@ def test_attention_kernel_compiles_into_an_aoti_package(tops, tmp_path):
     from test_models import attention_case
 
     q, k, v, mask = attention_case(torch.bfloat16, DEV, T=300)
+    kc, vc, slots = cache_with_slots(k, v)  # as the layer package calls it: whole caches and slots
 
     class Attn(torch.nn.Module):
-        def forward(self, q, k, v, mask):
-            return tops.attention(q, k, v, mask)
+        def forward(self, q, k, v, mask, slots):
+            return tops.attention(q, k, v, mask, slots)
 
-    ep = torch.export.export(Attn(), (q, k.contiguous(), v.contiguous(), mask))
+    ep = torch.export.export(Attn(), (q, kc, vc, mask, slots))
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "attn.pt2"))
     run = torch._inductor.aoti_load_package(path)
-    assert torch.equal(run(q, k.contiguous(), v.contiguous(), mask), tops.attention(q, k, v, mask))
+    assert torch.equal(run(q, kc, vc, mask, slots), tops.attention(q, k, v, mask))

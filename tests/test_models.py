@@ -153,15 +153,29 @@ def test_sdpa_attention_matches_the_fp32_einsums(dtype):
     torch.testing.assert_close(out.float(), ref, **TOL[dtype])
 
 
+def test_attend_reads_rows_of_whole_caches():
+    """attend(..., slots): request b reads row slots[b] of whole caches, keys [0, T) of the mask;
+    the other rows and later positions (NaN here) never matter."""
+    from muse_spark.models.layers import attend
+
+    q, k, v, mask = attention_case(torch.float32)
+    B, T = k.shape[:2]
+    slots = torch.tensor([3, 0, 2])
+    kc = torch.full((4, T + 5) + tuple(k.shape[2:]), float("nan"))
+    vc = kc.clone()
+    kc[slots, :T], vc[slots, :T] = k, v
+    assert torch.equal(attend(q, kc, vc, mask, slots), attend(q, k, v, mask))
+
+
 def test_attention_kernel_choice(monkeypatch):
     """MUSE_SPARK_ATTENTION picks the fused kernel for bf16/fp16 on CUDA; fp32 and CPU run the
     reference einsums; an unknown name is a clear error."""
     from muse_spark.models.layers import attention_kernel, attention_path
 
     monkeypatch.delenv("MUSE_SPARK_ATTENTION", raising=False)
-    assert attention_kernel() == "sdpa" and attention_path("cuda", torch.bfloat16) == "sdpa"
-    monkeypatch.setenv("MUSE_SPARK_ATTENTION", "Triton")
-    assert attention_path("cuda", torch.float16) == "triton"
+    assert attention_kernel() == "triton" and attention_path("cuda", torch.bfloat16) == "triton"
+    monkeypatch.setenv("MUSE_SPARK_ATTENTION", "SDPA")
+    assert attention_path("cuda", torch.float16) == "sdpa"
     assert attention_path("cuda", torch.float32) == "reference" and attention_path("cpu", torch.bfloat16) == "reference"
     monkeypatch.setenv("MUSE_SPARK_ATTENTION", "flash")
     with pytest.raises(ValueError, match=r"MUSE_SPARK_ATTENTION='flash': expected one of \['triton', 'sdpa'\]"):

@@ -149,7 +149,7 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
             def kv(k_new, v_new, i=i):
                 keys = torch.cat([cache.k[i][slots, :ctx_len], k_new], 1)
                 values = torch.cat([cache.v[i][slots, :ctx_len], v_new], 1)
-                return keys, values, mask
+                return keys, values, mask, None
 
             stream = layer(stream, positions, kv)
         h = self.model.norm(stream.to(self.dtype), self.dtype)

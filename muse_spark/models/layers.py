@@ -28,8 +28,10 @@ from muse_spark.plugins import dispatch
 from muse_spark.config import MuseSpark1xConfig
 from muse_spark.plugins.norm import rms_norm
 
-# (k_new [B,S,KV,Dh], v_new) -> (keys [B,T,KV,Dh], values, mask [B,S,T] bool)
-KVProvider = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# (k_new [B,S,KV,Dh], v_new) -> (keys, values, mask [B,S,T] bool, slots): keys/values [B,T,KV,Dh]
+# with slots None, or whole caches [N,≥T,KV,Dh] of which request b reads row slots[b] ([B] int64)
+KVProvider = Callable[[torch.Tensor, torch.Tensor],
+                      tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]]
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +68,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
 
 
 ATTENTION_KERNELS = ("triton", "sdpa")
-DEFAULT_ATTENTION_KERNEL = "sdpa"
+DEFAULT_ATTENTION_KERNEL = "triton"  # 6x SDPA per layer on the H200 (docs/benchmarks.md)
 _log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
@@ -107,8 +109,21 @@ def _triton_attention_op():
     return torch.ops.muse_spark.attention_triton
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Masked GQA attention. q [B,S,H,Dh], k/v [B,T,KV,Dh], mask [B,S,T] → [B,S,H,Dh] (q's dtype).
+def cache_rows(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+               slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ``attend`` reads, [B, T, KV, Dh] each (T = mask's last dim): rows
+    ``slots`` of whole caches (a gathered copy), or the first T positions of per-request k/v."""
+    T = mask.shape[-1]
+    if slots is None:
+        return k[:, :T], v[:, :T]
+    return k[slots, :T], v[slots, :T]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+           slots: torch.Tensor | None = None) -> torch.Tensor:
+    """Masked GQA attention. q [B,S,H,Dh], mask [B,S,T] → [B,S,H,Dh] (q's dtype); k/v [B,≥T,KV,Dh],
+    or with ``slots`` [B] whole caches [N,≥T,KV,Dh] of which request b reads row ``slots[b]`` (the
+    Triton kernel reads it in place; the other paths gather the rows first).
 
     bf16/fp16 on CUDA: a fused kernel (``attention_kernel()``; products of the compute dtype, fp32
     accumulation and softmax), which reads K/V once in their own dtype. Otherwise (fp32, CPU):
@@ -117,12 +132,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     with no visible key.
     """
     path = attention_path(q.device, q.dtype)
-    if path == "reference":
-        return attend_reference(q, k, v, mask)
     if path == "triton" and triton_attention_fits(q, k, v):
         op = _triton_attention_op()
         if op is not None:
-            return op(q, k, v, mask)
+            return op(q, k, v, mask, slots)
+    k, v = cache_rows(k, v, mask, slots)
+    if path == "reference":
+        return attend_reference(q, k, v, mask)
     return _attend_sdpa(q, k, v, mask)
 
 
@@ -194,8 +210,8 @@ class Attention(nn.Module):
             q = rope(q, positions, c.rope_theta)
         k = self.normalize_k(k.reshape(B, S, c.num_key_value_heads, c.head_dim), positions)
         v = v.reshape(B, S, c.num_key_value_heads, c.head_dim)
-        keys, values, mask = kv(k, v)
-        out = attend(q, keys, values, mask).reshape(B, S, c.q_size)
+        keys, values, mask, slots = kv(k, v)
+        out = attend(q, keys, values, mask, slots).reshape(B, S, c.q_size)
         if c.attn_output_gate:
             gate = qkv[..., c.q_size + 2 * c.kv_size :]
             out = (out.float() * torch.sigmoid(gate.float())).to(out.dtype)

@@ -125,7 +125,7 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         def kv(k_new, v_new):
             k_cache[rows, positions] = k_new
             v_cache[rows, positions] = v_new
-            return k_cache[slots, :kv_len], v_cache[slots, :kv_len], mask
+            return k_cache, v_cache, mask, slots  # attend reads rows ``slots``, keys [0, kv_len) (the mask)
 
         return self.model.layers[i](stream, positions, kv)
 

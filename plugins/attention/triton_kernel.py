@@ -17,7 +17,9 @@ H200 for 156 MB of K/V (docs/benchmarks.md). Here:
   kernel merges the splits, one program per output row with all its splits loaded at once (one
   split at large batch, where the grid is already full);
 * a tile of keys no row of the block may see is skipped without reading K or V, so the work
-  follows the requests' lengths rather than the window's.
+  follows the requests' lengths rather than the window's;
+* with ``slots`` the kernel reads each request's row of the KV cache in place: the step does not
+  gather a copy of the window first (at batch 32 that copy alone moved 300 MB per layer).
 
 Numerics: products of the compute dtype with fp32 accumulation (``tl.dot``), scores scaled in
 fp32, the probabilities rounded to the compute dtype for the second product (as flash
@@ -41,18 +43,24 @@ MAX_SPLITS = 64  # the merge holds every split of a row at once
 
 @triton.jit
 def _partial_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr,  # q [B, S, H, Dh]; k, v [B, T, KV, Dh]; mask [B, S, T] bool
+    q_ptr, k_ptr, v_ptr, mask_ptr,  # q [B, S, H, Dh]; k, v [N, >= T, KV, Dh]; mask [B, S, T] bool
+    slot_ptr,  # [B] int64: the row of k/v request b reads (when HAS_SLOTS; else row b)
     po_ptr, pm_ptr, pl_ptr,  # partials: acc [B*KV, NSPLIT, M, Dh] fp32, max and sum [B*KV, NSPLIT, M] fp32
     S, T, M, KV, NSPLIT, SPLIT_T,
     sq_b, sq_s, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sm_b, sm_s,
-    scale,
+    SCALE: tl.constexpr,  # constexpr: Inductor passes a float argument as fp64, which made the scores fp64
     REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     bk = tl.program_id(2)
     b = bk // KV
     kvh = bk % KV
+    if HAS_SLOTS:  # read the cache row in place: no gathered copy of the window
+        kv_row = tl.load(slot_ptr + b).to(tl.int64)
+    else:
+        kv_row = b.to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = j·S + s: query head kvh·REP + j, position s
     rmask = rows < M
     s = rows % S
@@ -72,19 +80,19 @@ def _partial_kernel(
                       other=0) != 0  # [BLOCK_M, BLOCK_T]
         col_vis = tl.max(vis.to(tl.int32), axis=0) > 0  # [BLOCK_T]: keys some row of the block may see
         if tl.max(col_vis.to(tl.int32), axis=0) > 0:  # else: the tile is skipped, K/V never read
-            kt = tl.load(k_ptr + b * sk_b + t[None, :] * sk_t + kvh * sk_h + d[:, None],
+            kt = tl.load(k_ptr + kv_row * sk_b + t[None, :] * sk_t + kvh * sk_h + d[:, None],
                          mask=(tm & col_vis)[None, :], other=0.0)  # [DH, BLOCK_T]
             if IEEE_DOT:
                 sc = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
             else:
                 sc = tl.dot(q, kt)
-            sc = tl.where(vis, sc * scale, float("-inf"))  # garbage keys (NaN) never pass the mask
+            sc = tl.where(vis, sc * SCALE, float("-inf"))  # garbage keys (NaN) never pass the mask
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
             alpha = tl.exp(m_i - m_ref)
             p = tl.exp(sc - m_ref[:, None])  # masked: exp(-inf) = 0
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + b * sv_b + t[:, None] * sv_t + kvh * sv_h + d[None, :],
+            v = tl.load(v_ptr + kv_row * sv_b + t[:, None] * sv_t + kvh * sv_h + d[None, :],
                         mask=(tm & col_vis)[:, None], other=0.0)  # [BLOCK_T, DH]; unseen rows are 0, not garbage
             if IEEE_DOT:
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
@@ -141,14 +149,16 @@ def plan(B: int, S: int, H: int, KV: int, T: int, device: torch.device) -> dict:
     return dict(M=M, BLOCK_M=block_m, NSPLIT=triton.cdiv(T, split_t) if T else 1, SPLIT_T=split_t)
 
 
-def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, wrap=lambda f: f,
-                     interpret: bool = False) -> torch.Tensor:
-    """q [B, S, H, Dh], k/v [B, T, KV, Dh] (any strides; the last dim is made contiguous if it is
-    not), mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. Dh a power of two in [16, 256] and KV
-    dividing H (``models.layers.triton_attention_fits``). ``wrap`` is ``torch.library.wrap_triton``
-    inside the op."""
+def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     slots: torch.Tensor | None = None, wrap=lambda f: f, interpret: bool = False) -> torch.Tensor:
+    """q [B, S, H, Dh], mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. k/v: [B, ≥ T, KV, Dh], or
+    with ``slots`` ([B] int64) whole caches [N, ≥ T, KV, Dh] of which request b reads row
+    ``slots[b]`` in place (the caller keeps slots in range); only the first T positions are read.
+    Any strides (the last dim is made contiguous if it is not). Dh a power of two in [16, 256] and
+    KV dividing H (``models.layers.triton_attention_fits``). ``wrap`` is
+    ``torch.library.wrap_triton`` inside the op."""
     B, S, H, dh = q.shape
-    T, KV = k.shape[1], k.shape[2]
+    T, KV = mask.shape[-1], k.shape[2]
     out = torch.empty((B, S, H, dh), dtype=q.dtype, device=q.device)
     if B == 0 or S == 0:
         return out
@@ -166,10 +176,11 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     pl = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
     m_blocks = triton.cdiv(M, block_m)
     wrap(_partial_kernel)[(m_blocks, nsplit, B * KV)](
-        q, k, v, m8, po, pm, pl, S, T, M, KV, nsplit, p["SPLIT_T"],
+        q, k, v, m8, slots if slots is not None else m8, po, pm, pl, S, T, M, KV, nsplit, p["SPLIT_T"],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1), 1.0 / math.sqrt(dh),
-        REP=H // KV, DH=dh, BLOCK_M=block_m, BLOCK_T=BLOCK_T, IEEE_DOT=interpret, num_warps=4,
+        v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
+        SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=block_m, BLOCK_T=BLOCK_T, IEEE_DOT=interpret,
+        HAS_SLOTS=slots is not None, num_warps=4,
     )
     wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
                                        NSPLIT_P2=triton.next_power_of_2(nsplit), num_warps=4)

@@ -41,7 +41,7 @@ def _gated_residual_norm_kernel(
     new_ptr,  # [N, D] fp32 out: the new stream
     out_ptr,  # [N, D] out_dtype out: the normed row (unused unless APPLY_NORM)
     D,
-    eps,
+    EPS: tl.constexpr,  # constexpr: Inductor would pass a float argument as fp64 (see attention's SCALE)
     HAS_WEIGHT: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     APPLY_NORM: tl.constexpr,
@@ -61,7 +61,7 @@ def _gated_residual_norm_kernel(
         # The norm reads the stream rounded to the compute dtype (reference.py).
         x = to_rne(new, out_ptr.dtype.element_ty).to(tl.float32)
         ms = tl.sum(x * x, axis=0) / D
-        y = x * tl.rsqrt(ms + eps)
+        y = x * tl.rsqrt(ms + EPS)
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             if ZERO_CENTERED:
@@ -105,8 +105,8 @@ def launch_gated_residual_add(
         num_warps = min(16, max(1, block_d // 512))
         w = norm_weight.contiguous() if norm_weight is not None else g
         wrap(_gated_residual_norm_kernel)[(N,)](
-            s2, b2, g, w, new, out if apply_norm else new, D, eps,
-            HAS_WEIGHT=norm_weight is not None, ZERO_CENTERED=zero_centered, APPLY_NORM=apply_norm,
+            s2, b2, g, w, new, out if apply_norm else new, D,
+            EPS=float(eps), HAS_WEIGHT=norm_weight is not None, ZERO_CENTERED=zero_centered, APPLY_NORM=apply_norm,
             BLOCK_D=block_d, num_warps=num_warps,
         )
     new = new.reshape(stream.shape)
