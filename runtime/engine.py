@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from muse_spark.checkpoint import file_sha256
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig, parse_dtype
 from muse_spark.models.draft import MuseSparkDSparkForCausalLM
+from muse_spark.models.layers import attention_path
 from muse_spark.models.target import MuseSpark1xForCausalLM
 from muse_spark.plugins import PLUGIN_VERSIONS
 from muse_spark.runtime.sampling import accept, sample_tokens
@@ -128,6 +129,10 @@ class EagerEngine:
         self.tokenizer_path = tokenizer_path
         self.target_cache = target.allocate_cache(max_batch, max_seq, self.device)
         self.draft_cache = draft.allocate_cache(max_batch, max_seq, self.device)
+        # The Triton attention's bits depend on where the visible keys sit: the draft's block keys
+        # follow its context window, so on that path the window is the whole cache, as in the
+        # compiled packages (plugins/attention, "Bits"); the Triton kernel skips the unseen tiles.
+        self.full_draft_window = attention_path(self.device, target.dtype) == "triton"
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -194,8 +199,9 @@ class EagerEngine:
         → packed [B, γ+2] int64: the γ draft tokens (target ids), n accepted, the bonus token.
         """
         g = self.gamma
-        ids, probs, _conf = self.draft.propose(anchor, anchor_pos, slots, self.draft_cache, kv_len - g - 1,
-                                               seeds, temperature)
+        ctx_len = self.max_seq if self.full_draft_window else kv_len - g - 1
+        ids, probs, _conf = self.draft.propose(anchor, anchor_pos, slots, self.draft_cache, ctx_len, seeds,
+                                               temperature)
         tokens = torch.cat([anchor[:, None], ids], 1)  # [B, γ+1]
         positions = anchor_pos[:, None] + torch.arange(g + 1, device=anchor.device)
         h, aux = self.target(tokens, positions, slots, self.target_cache, kv_len)

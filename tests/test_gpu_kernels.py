@@ -457,6 +457,22 @@ def test_attention_kernel_reads_cache_rows_in_place(tops, shape):
 
 
 @needs_kernels
+def test_attention_bits_do_not_depend_on_batch_queries_or_masked_tail(tops):
+    """A row's output is the same bits whatever else is in the call: other requests, other queries
+    (a padded prefill chunk), or masked keys past the last visible one (a longer window). This is
+    what keeps the eager engine (window kv_len) and the packages (a static window) bit-equal."""
+    from test_models import attention_case
+
+    q, k, v, mask = attention_case(torch.bfloat16, DEV, B=3, S=6, H=8, KV=2, dh=32, T=300)
+    out = tops.attention(q, k, v, mask)
+    assert torch.equal(tops.attention(q[1:2], k[1:2], v[1:2], mask[1:2]), out[1:2])
+    assert torch.equal(tops.attention(q[:, :4], k, v, mask[:, :4]), out[:, :4])
+    pad = 200  # 300 → 500 keys: NaN keys and values, never visible
+    k2, v2 = (torch.cat([x, torch.full_like(x[:, :pad], float("nan"))], 1) for x in (k, v))
+    assert torch.equal(tops.attention(q, k2, v2, torch.nn.functional.pad(mask, (0, pad))), out)
+
+
+@needs_kernels
 def test_attention_op_rejects_bad_inputs(tops):
     from test_models import attention_case
 

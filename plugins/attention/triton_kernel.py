@@ -12,10 +12,10 @@ H200 for 156 MB of K/V (docs/benchmarks.md). Here:
 
 * the ``rep = H / KV`` query heads of a KV head and the S queries are one block of ``rep·S`` rows
   (the mask depends on the query position only), so each K/V tile is read once per KV head;
-* the window is split over ``NSPLIT`` programs (enough to fill the GPU at small batch), each
-  keeping an online softmax (max, sum, fp32 accumulator) over its chunk of the window; a second
-  kernel merges the splits, one program per output row with all its splits loaded at once (one
-  split at large batch, where the grid is already full);
+* the window is split into ``SPLIT_T``-key chunks, one program each (``cdiv(T, SPLIT_T)``
+  programs per KV head and row block: enough to fill the GPU at batch 1), each keeping an online
+  softmax (max, sum, fp32 accumulator); a second kernel merges the splits, one program per output
+  row, ``MERGE_CHUNK`` splits at a time;
 * a tile of keys no row of the block may see is skipped without reading K or V, so the work
   follows the requests' lengths rather than the window's;
 * with ``slots`` the kernel reads each request's row of the KV cache in place: the step does not
@@ -23,9 +23,14 @@ H200 for 156 MB of K/V (docs/benchmarks.md). Here:
 
 Numerics: products of the compute dtype with fp32 accumulation (``tl.dot``), scores scaled in
 fp32, the probabilities rounded to the compute dtype for the second product (as flash
-attention does), the output rounded once. The split count is a function of the shapes and the
-SM count only, so the eager engine and a compiled package, which launch the same kernels with
-the same arguments, agree bit for bit.
+attention does), the output rounded once.
+
+Bits: the split size and the row block are constants, so an output row's arithmetic depends on
+neither the batch, nor the number of queries, nor how many masked keys follow the last visible
+one (an empty split or merge chunk changes nothing exactly). The eager engine (window
+``kv_len``, unpadded prefill chunks) and the compiled packages (a static window, padded chunks)
+therefore agree bit for bit, provided visible keys sit at the same indices: the eager engine
+puts the draft's block keys after the whole cache window, as the packages do.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ import triton
 import triton.language as tl
 
 BLOCK_T = 64  # keys per tile
-MIN_PROGRAMS_PER_SM = 2
-MAX_SPLITS = 64  # the merge holds every split of a row at once
+BLOCK_M = 32  # rows (query head × query) per program
+SPLIT_T = 2 * BLOCK_T  # keys per split
+MERGE_CHUNK = 16  # splits the merge loads at once
 
 
 @triton.jit
@@ -46,11 +52,11 @@ def _partial_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr,  # q [B, S, H, Dh]; k, v [N, >= T, KV, Dh]; mask [B, S, T] bool
     slot_ptr,  # [B] int64: the row of k/v request b reads (when HAS_SLOTS; else row b)
     po_ptr, pm_ptr, pl_ptr,  # partials: acc [B*KV, NSPLIT, M, Dh] fp32, max and sum [B*KV, NSPLIT, M] fp32
-    S, T, M, KV, NSPLIT, SPLIT_T,
+    S, T, M, KV, NSPLIT,
     sq_b, sq_s, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sm_b, sm_s,
     SCALE: tl.constexpr,  # constexpr: Inductor passes a float argument as fp64, which made the scores fp64
-    REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, IEEE_DOT: tl.constexpr,
-    HAS_SLOTS: tl.constexpr,
+    REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr,
+    IEEE_DOT: tl.constexpr, HAS_SLOTS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -110,43 +116,36 @@ def _partial_kernel(
 def _combine_kernel(
     po_ptr, pm_ptr, pl_ptr, out_ptr,  # out [B, S, H, Dh] contiguous
     S, M, KV, NSPLIT, H,
-    REP: tl.constexpr, DH: tl.constexpr, NSPLIT_P2: tl.constexpr,
+    REP: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    # One (row, batch·KV head) per program, every split loaded at once: no serial loop over the
-    # splits, and B·KV·M programs even at batch 1.
+    # One (row, batch·KV head) per program; the splits CHUNK at a time, merged online. A chunk of
+    # empty splits (keys past the last visible one) leaves the running max, and so everything,
+    # unchanged exactly (a rescale by exp(0) = 1 and sums of exact zeros).
     row = tl.program_id(0)
     bk = tl.program_id(1)
     b = bk // KV
     kvh = bk % KV
-    sp = tl.arange(0, NSPLIT_P2)
-    spm = sp < NSPLIT
     d = tl.arange(0, DH)
-    at = (bk * NSPLIT + sp) * M + row  # [NSPLIT_P2]
-    m = tl.load(pm_ptr + at, mask=spm, other=float("-inf"))
-    mx = tl.max(m, axis=0)
-    w = tl.exp(m - tl.where(mx == float("-inf"), 0.0, mx))  # 0 for empty splits and padding
-    l_sum = tl.sum(w * tl.load(pl_ptr + at, mask=spm, other=0.0), axis=0)
-    acc = tl.sum(w[:, None] * tl.load(po_ptr + at[:, None] * DH + d[None, :], mask=spm[:, None], other=0.0), axis=0)
-    out = tl.where(l_sum > 0.0, acc / tl.where(l_sum > 0.0, l_sum, 1.0), 0.0)  # no visible key: zeros
+    m_run = tl.full((), float("-inf"), tl.float32)
+    l_run = tl.zeros((), tl.float32)
+    acc = tl.zeros((DH,), tl.float32)
+    for c0 in range(0, NSPLIT, CHUNK):
+        sp = c0 + tl.arange(0, CHUNK)
+        spm = sp < NSPLIT
+        at = (bk * NSPLIT + sp) * M + row  # [CHUNK]
+        m = tl.load(pm_ptr + at, mask=spm, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_run - m_ref)
+        w = tl.exp(m - m_ref)  # 0 for empty splits and padding
+        l_run = l_run * alpha + tl.sum(w * tl.load(pl_ptr + at, mask=spm, other=0.0), axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * tl.load(po_ptr + at[:, None] * DH + d[None, :], mask=spm[:, None],
+                                                        other=0.0), axis=0)
+        m_run = m_new
+    out = tl.where(l_run > 0.0, acc / tl.where(l_run > 0.0, l_run, 1.0), 0.0)  # no visible key: zeros
     s = row % S
     head = kvh * REP + row // S
     tl.store(out_ptr + ((b * S + s) * H + head) * DH + d, out.to(out_ptr.dtype.element_ty))
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-def plan(B: int, S: int, H: int, KV: int, T: int, device: torch.device) -> dict:
-    """Launch plan for a shape: rows per block, the window's split (a function of the shapes and
-    the device's SM count only)."""
-    M = (H // KV) * S
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    blocks = B * KV * triton.cdiv(M, block_m)
-    tiles = max(1, triton.cdiv(T, BLOCK_T))
-    nsplit = max(1, min(tiles, MAX_SPLITS, triton.cdiv(MIN_PROGRAMS_PER_SM * _sm_count(device), blocks)))
-    split_t = triton.cdiv(tiles, nsplit) * BLOCK_T
-    return dict(M=M, BLOCK_M=block_m, NSPLIT=triton.cdiv(T, split_t) if T else 1, SPLIT_T=split_t)
 
 
 def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -168,20 +167,19 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    p = plan(B, S, H, KV, T, q.device)
-    M, block_m, nsplit = p["M"], p["BLOCK_M"], p["NSPLIT"]
+    M = (H // KV) * S
+    nsplit = max(1, triton.cdiv(T, SPLIT_T))
     m8 = mask if mask.stride(-1) == 1 else mask.contiguous()  # bool: Triton loads its bytes as int1
     po = torch.empty((B * KV, nsplit, M, dh), dtype=torch.float32, device=q.device)
     pm = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
     pl = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
-    m_blocks = triton.cdiv(M, block_m)
-    wrap(_partial_kernel)[(m_blocks, nsplit, B * KV)](
-        q, k, v, m8, slots if slots is not None else m8, po, pm, pl, S, T, M, KV, nsplit, p["SPLIT_T"],
+    wrap(_partial_kernel)[(triton.cdiv(M, BLOCK_M), nsplit, B * KV)](
+        q, k, v, m8, slots if slots is not None else m8, po, pm, pl, S, T, M, KV, nsplit,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
-        SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=block_m, BLOCK_T=BLOCK_T, IEEE_DOT=interpret,
-        HAS_SLOTS=slots is not None, num_warps=4,
+        SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=BLOCK_M, BLOCK_T=BLOCK_T, SPLIT_T=SPLIT_T,
+        IEEE_DOT=interpret, HAS_SLOTS=slots is not None, num_warps=4,
     )
-    wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
-                                       NSPLIT_P2=triton.next_power_of_2(nsplit), num_warps=4)
+    wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh, CHUNK=MERGE_CHUNK,
+                                       num_warps=4)
     return out
