@@ -23,7 +23,11 @@ H200 for 156 MB of K/V (docs/benchmarks.md). Here:
 
 Numerics: products of the compute dtype with fp32 accumulation (``tl.dot``), scores scaled in
 fp32, the probabilities rounded to the compute dtype for the second product (as flash
-attention does), the output rounded once.
+attention does), the output rounded once. Every multiply-add of the online softmax and of the merge is
+written with explicitly rounded products and sums (``triton_math.mul_rn``/``add_rn``), so its
+bits do not depend on whether the compiler contracts them into FMAs (Triton's eager launch
+does; Inductor turns contraction off for its own kernels under ``emulate_precision_casts``,
+which the engine builds set, and the packages must give the eager engine's bits).
 
 Bits: the split size and the row block are constants, so an output row's arithmetic depends on
 neither the batch, nor the number of queries, nor how many masked keys follow the last visible
@@ -40,6 +44,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from muse_spark.plugins.triton_math import add_rn, mul_rn
 
 BLOCK_T = 64  # keys per tile
 BLOCK_M = 32  # rows (query head × query) per program
@@ -92,19 +98,19 @@ def _partial_kernel(
                 sc = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
             else:
                 sc = tl.dot(q, kt)
-            sc = tl.where(vis, sc * SCALE, float("-inf"))  # garbage keys (NaN) never pass the mask
+            sc = tl.where(vis, mul_rn(sc, tl.full(sc.shape, SCALE, tl.float32)), float("-inf"))  # garbage keys (NaN) never pass the mask
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
             alpha = tl.exp(m_i - m_ref)
             p = tl.exp(sc - m_ref[:, None])  # masked: exp(-inf) = 0
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            l_i = add_rn(mul_rn(l_i, alpha), tl.sum(p, axis=1))
             v = tl.load(v_ptr + kv_row * sv_b + t[:, None] * sv_t + kvh * sv_h + d[None, :],
                         mask=(tm & col_vis)[:, None], other=0.0)  # [BLOCK_T, DH]; unseen rows are 0, not garbage
             if IEEE_DOT:
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
+            acc = add_rn(mul_rn(acc, tl.broadcast_to(alpha[:, None], (BLOCK_M, DH))), pv)
             m_i = m_new
     base = bk * NSPLIT + split
     tl.store(po_ptr + (base * M + rows)[:, None] * DH + d[None, :], acc, mask=rmask[:, None])
@@ -138,9 +144,10 @@ def _combine_kernel(
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_run - m_ref)
         w = tl.exp(m - m_ref)  # 0 for empty splits and padding
-        l_run = l_run * alpha + tl.sum(w * tl.load(pl_ptr + at, mask=spm, other=0.0), axis=0)
-        acc = acc * alpha + tl.sum(w[:, None] * tl.load(po_ptr + at[:, None] * DH + d[None, :], mask=spm[:, None],
-                                                        other=0.0), axis=0)
+        l_run = add_rn(mul_rn(l_run, alpha), tl.sum(mul_rn(w, tl.load(pl_ptr + at, mask=spm, other=0.0)), axis=0))
+        po = tl.load(po_ptr + at[:, None] * DH + d[None, :], mask=spm[:, None], other=0.0)  # [CHUNK, DH]
+        acc = add_rn(mul_rn(acc, tl.broadcast_to(alpha, (DH,))),
+                     tl.sum(mul_rn(tl.broadcast_to(w[:, None], (CHUNK, DH)), po), axis=0))
         m_run = m_new
     out = tl.where(l_run > 0.0, acc / tl.where(l_run > 0.0, l_run, 1.0), 0.0)  # no visible key: zeros
     s = row % S
