@@ -437,10 +437,11 @@ class Bench:
                 got, want = runner(*xg), eng.step(*xg, kv_len)
                 same = torch.equal(got, want)
                 sec["aoti_matches_eager"][b] = same
-                if not same:  # how far apart: rows and step-output entries that differ
+                if not same:  # how far apart: rows and step-output entries that differ, and where
                     sec.setdefault("aoti_eager_differences", {})[b] = {
                         "rows": int((got != want).any(-1).sum()), "entries": int((got != want).sum()),
-                        "of_rows": got.shape[0], "of_entries": got.numel()}
+                        "of_rows": got.shape[0], "of_entries": got.numel(),
+                        "first_columns": first_differing_columns(got, want)}
                 sec["aoti"][b] = time_fn(lambda: runner(*x), dev, a.iters)
                 if cuda:
                     sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
@@ -522,6 +523,20 @@ class Bench:
 
 
 # ---- reporting --------------------------------------------------------------------------------------
+def first_differing_columns(got, want) -> dict:
+    """Per differing row of two packed step outputs ([B, γ+2]: γ draft tokens, n accepted, the
+    bonus), the first column that differs, counted by name: a draft token means the draft
+    already differed; ``accepted``/``bonus`` mean the same drafts got another verdict."""
+    gamma = got.shape[-1] - 2
+    names = [f"draft[{i}]" for i in range(gamma)] + ["accepted", "bonus"]
+    out: dict[str, int] = {}
+    for row in (got != want).tolist():
+        if any(row):
+            name = names[row.index(True)]
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
 def _ms(sec: dict, name: str, b) -> float | None:
     v = sec.get(name, {}).get(b) or sec.get(name, {}).get(str(b))
     return v["median_ms"] if isinstance(v, dict) and "median_ms" in v else None
@@ -549,6 +564,7 @@ def render_table(result: dict) -> str:
 def render_markdown(result: dict) -> str:
     sec, cfg, env = result["sections"], result["config"], result["env"]
     t, d = cfg["target"], cfg["draft"]
+    tc = sec.get("torch_compile", {})
     bw = sec.get("copy_bandwidth", {})
     out = [
         "# Benchmarks",
@@ -572,10 +588,12 @@ def render_markdown(result: dict) -> str:
         f"{' (the Triton kernels failed to compile: reference plugins)' if sec.get('aoti_plugin_fallback') else ''}.",
         f"* Device-to-device copy bandwidth measured in the run: {bw.get('GBps', 0):.0f} GB/s (bytes read + "
         f"written). Roofline = (weights + valid KV bytes a step must read) / that bandwidth.",
-        f"* torch.compile: mode `{sec.get('torch_compile', {}).get('mode', '—')}` over the eager step "
-        f"(caches marked static; "
-        f"{'one graph per batch size' if sec.get('torch_compile', {}).get('static_per_batch') else 'automatic dynamic shapes: batch 1 static, then a dynamic batch'}"
-        f"). Medians of {cfg['iters']} CUDA-event-timed steps after warm-up.",
+        f"* Attention kernel (bf16/fp16 on CUDA, `MUSE_SPARK_ATTENTION`): {cfg.get('attention', '—')}.",
+        (f"* torch.compile: mode `{tc['mode']}` over the eager step (caches marked static; "
+         + ("one graph per batch size" if tc.get("static_per_batch")
+            else "automatic dynamic shapes: batch 1 static, then a dynamic batch") + "). "
+         if tc.get("mode") else "* torch.compile: not run (`--skip compile`). ")
+        + f"Medians of {cfg['iters']} CUDA-event-timed steps after warm-up.",
         "",
         "## Speculative step latency",
         "",
@@ -621,8 +639,9 @@ def render_markdown(result: dict) -> str:
                 "near-tied logits, where fused bf16 arithmetic may legitimately flip an argmax): "
                 + ", ".join(f"B={b}: {v}" for b, v in sec["aoti_matches_eager"].items()) + "."]
         for b, d in sec.get("aoti_eager_differences", {}).items():
+            where = ", ".join(f"{n} ({c})" for n, c in d.get("first_columns", {}).items())
             out.append(f"At B={b}, {d['rows']} of {d['of_rows']} rows differ ({d['entries']} of {d['of_entries']} "
-                       "step-output entries).")
+                       "step-output entries)" + (f"; first differing column per row: {where}." if where else "."))
     if sec.get("torch_compile", {}).get("skipped"):
         out += ["", f"torch.compile not measured for {sec['torch_compile']['skipped']}."]
     errors = {k: v for k, v in sec.items() if "error" in k}

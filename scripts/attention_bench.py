@@ -2,13 +2,17 @@
 """Attention of one target layer at the Muse-Spark step shape, side by side on one GPU:
 
     python scripts/attention_bench.py [--batches 1,8,32] [--context 1024] [--window 1152] [--json out.json]
+    python scripts/attention_bench.py --sweep   # + the Triton kernel over launch configurations
 
-For each batch: the split-KV Triton kernel (``MUSE_SPARK_ATTENTION=triton``), the SDPA path
-(``sdpa``, the default) and the fp32 einsum reference, each captured 16× in a CUDA graph and
-timed by its replays (as inside the step's graph, without Python's launch cost); the K/V bytes
-the step must read (the requests' lengths, not the window) over the measured copy bandwidth is
-the roofline. Prints a table of ms, ratio to the roofline, and the largest deviation from the
-reference; 32 layers of this is the attention share of the speculative step.
+The inputs are as the step's layer package passes them: whole KV caches (one spare row) and each
+request's slot. For each batch: the split-KV Triton kernel (the default, reading the cache rows in
+place), the SDPA path (``MUSE_SPARK_ATTENTION=sdpa``: rows gathered, unseen keys zeroed, then
+SDPA) and the fp32 einsum reference, each captured 16× in a CUDA graph and timed by its replays
+(as inside the step's graph, without Python's launch cost). The roofline is the K/V bytes the
+step must read (the requests' lengths, not the window) over the measured copy bandwidth. Prints
+a table of µs, ratio to the roofline and the largest deviation from the reference; 37 layers
+(32 target + 5 draft) of this is the attention share of the speculative step. ``--sweep`` adds
+the kernel under each configuration of ``SWEEP`` (``launch_attention(config=...)``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,16 @@ import json
 import torch
 
 
+# Launch configurations the sweep times (keys of plugins/attention DEFAULT_CONFIG, plus num_stages).
+SWEEP = [dict(SPLIT_T=st, BLOCK_T=bt, num_warps=w, num_stages=ns)
+         for st, bt in ((64, 64), (128, 64), (128, 128), (256, 64), (256, 128), (512, 128))
+         for w in (4, 8) for ns in (1, 3)]
+
+
+def _name(c: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(c.items()))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
@@ -27,11 +41,13 @@ def main() -> int:
     p.add_argument("--queries", type=int, default=8, help="γ + 1")
     p.add_argument("--iters", type=int, default=20, help="graph replays")
     p.add_argument("--json", default=None)
+    p.add_argument("--sweep", action="store_true", help="also time the Triton kernel under each SWEEP config")
     a = p.parse_args()
     from muse_spark.bench import copy_bandwidth
     from muse_spark.plugins.markov.bench import time_in_graph
-    from muse_spark.models.layers import _attend_sdpa, attend_reference
+    from muse_spark.models.layers import _attend_sdpa, attend_reference, cache_rows
     from muse_spark.plugins import triton_ops
+    from muse_spark.plugins.attention.triton_kernel import DEFAULT_CONFIG, launch_attention
 
     dev = torch.device("cuda")
     H, KV, dh, S, T = 32, 8, 128, a.queries, a.window
@@ -41,21 +57,38 @@ def main() -> int:
     for B in a.batches:
         g = torch.Generator(device=dev).manual_seed(B)
         q = torch.randn(B, S, H, dh, device=dev, generator=g).bfloat16()
-        k = torch.randn(B, T, KV, dh, device=dev, generator=g).bfloat16()
-        v = torch.randn(B, T, KV, dh, device=dev, generator=g).bfloat16()
+        kc = torch.randn(B + 1, T, KV, dh, device=dev, generator=g).bfloat16()  # + a spare row
+        vc = torch.randn(B + 1, T, KV, dh, device=dev, generator=g).bfloat16()
+        slots = torch.arange(1, B + 1, device=dev)
         pos = a.context + torch.arange(S, device=dev)
         mask = (torch.arange(T, device=dev)[None, :] <= pos[:, None]).expand(B, S, T).contiguous()
+        k, v = cache_rows(kc, vc, mask, slots)
         ref = attend_reference(q, k, v, mask).float()
         kv_bytes = B * (a.context + S) * KV * dh * 2 * 2
         roof_ms = kv_bytes / (bw * 1e9) * 1e3
         res = {"kv_bytes": kv_bytes, "roofline_ms": roof_ms}
-        for name, fn in (("triton", lambda: triton_ops.attention(q, k, v, mask)),
-                         ("sdpa", lambda: _attend_sdpa(q, k, v, mask)),
-                         ("einsum_fp32", lambda: attend_reference(q, k, v, mask))):
-            us, how = time_in_graph([fn], reps=16, replays=a.iters)
+        cases = [("triton", lambda: triton_ops.attention(q, kc, vc, mask, slots)),
+                 ("sdpa", lambda: _attend_sdpa(q, *cache_rows(kc, vc, mask, slots), mask)),
+                 ("einsum_fp32", lambda: attend_reference(q, *cache_rows(kc, vc, mask, slots), mask))]
+        if a.sweep:
+            cases += [(f"triton {_name(c)}", lambda c=c: launch_attention(q, kc, vc, mask, slots, config=c))
+                      for c in SWEEP]
+        for name, fn in cases:
+            try:
+                us, how = time_in_graph([fn], reps=16, replays=a.iters)
+            except Exception as e:  # a configuration that does not compile (shared memory, registers)
+                res[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                print(f"B={B} {name}: {res[name]['error']}", flush=True)
+                continue
             err = (fn().float() - ref).abs().max().item()
             res[name] = dict(median_ms=us / 1e3, how=how, max_abs_err=err, x_roofline=us / 1e3 / roof_ms)
         out["batches"][B] = res
+        if a.sweep:
+            out["default_config"] = _name(DEFAULT_CONFIG)
+            for name in sorted((n for n in res if n.startswith("triton ") and "median_ms" in res[n]),
+                               key=lambda n: res[n]["median_ms"]):
+                print(f"B={B} {name}: {res[name]['median_ms'] * 1e3:.1f} µs ({res[name]['x_roofline']:.1f}×, "
+                      f"err {res[name]['max_abs_err']:.1e})", flush=True)
         rows.append(f"| {B} | {roof_ms * 1e3:.1f} | " + " | ".join(
             f"{res[n]['median_ms'] * 1e3:.1f} ({res[n]['x_roofline']:.1f}×, err {res[n]['max_abs_err']:.1e})"
             for n in ("triton", "sdpa", "einsum_fp32")) + " |")

@@ -473,6 +473,29 @@ def test_attention_bits_do_not_depend_on_batch_queries_or_masked_tail(tops):
 
 
 @needs_kernels
+@pytest.mark.parametrize("config", [dict(SPLIT_T=64, BLOCK_T=64), dict(SPLIT_T=512, BLOCK_T=128, num_warps=8),
+                                    dict(BLOCK_M=16, MERGE_CHUNK=4, merge_warps=2)])
+def test_attention_launch_configurations_of_the_sweep_agree(tops, config):
+    """scripts/attention_bench.py --sweep times launch_attention under other configurations: each
+    is the same attention (bf16 tolerance against the fp32 reference, zeros for no visible key)."""
+    from muse_spark.models.layers import attend_reference
+    from muse_spark.plugins.attention.triton_kernel import launch_attention
+    from muse_spark.plugins.triton_math import interpreting
+
+    from test_models import attention_case
+    from tolerances import TOL
+
+    q, k, v, mask = attention_case(torch.bfloat16, DEV, B=3, S=5, H=8, KV=2, dh=32, T=300)
+    kc, vc, slots = cache_with_slots(k, v)
+    out = launch_attention(q, kc, vc, mask, slots, config=config, interpret=interpreting())
+    assert torch.equal(out[-1, 0], torch.zeros_like(out[-1, 0]))
+    torch.testing.assert_close(out.float(), attend_reference(q.float(), k.float(), v.float(), mask),
+                               **TOL[torch.bfloat16])
+    with pytest.raises(ValueError, match="not a multiple of BLOCK_T"):
+        launch_attention(q, kc, vc, mask, slots, config=dict(SPLIT_T=96, BLOCK_T=64))
+
+
+@needs_kernels
 def test_attention_op_rejects_bad_inputs(tops):
     from test_models import attention_case
 
@@ -508,3 +531,35 @@ def test_attention_kernel_compiles_into_an_aoti_package(tops, tmp_path):
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "attn.pt2"))
     run = torch._inductor.aoti_load_package(path)
     assert torch.equal(run(q, kc, vc, mask, slots), tops.attention(q, k, v, mask))
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
+    """Compiled ahead of time for sm_90 (no GPU needed: Triton's LLVM and ptxas): the attention
+    kernels fit (shared memory) and their PTX has no fma.rn.f32, so their bits do not depend on
+    whether a launcher compiles them with FMA contraction on (Triton's eager launch) or off."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from muse_spark.plugins.attention import triton_kernel as ak
+
+    def compile_(fn, sig, consts, num_warps):
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*")}
+        sig = dict(sig, **{k: "constexpr" for k in consts})
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+    cfg = ak.DEFAULT_CONFIG
+    names = ["q_ptr", "k_ptr", "v_ptr", "mask_ptr", "slot_ptr", "po_ptr", "pm_ptr", "pl_ptr", "S", "T", "M", "KV",
+             "NSPLIT", "sq_b", "sq_s", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h", "sm_b", "sm_s"]
+    types = ["*bf16", "*bf16", "*bf16", "*i1", "*i64", "*fp32", "*fp32", "*fp32"] + ["i32"] * 16
+    partial = compile_(ak._partial_kernel, dict(zip(names, types)), dict(
+        SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], SPLIT_T=cfg["SPLIT_T"],
+        IEEE_DOT=False, HAS_SLOTS=True), cfg["num_warps"])
+    names = ["po_ptr", "pm_ptr", "pl_ptr", "out_ptr", "S", "M", "KV", "NSPLIT", "H"]
+    types = ["*fp32", "*fp32", "*fp32", "*bf16"] + ["i32"] * 5
+    combine = compile_(ak._combine_kernel, dict(zip(names, types)),
+                       dict(REP=4, DH=128, CHUNK=cfg["MERGE_CHUNK"]), cfg["merge_warps"])
+    for k in (partial, combine):
+        assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
+        assert "fma.rn.f32" not in k.asm["ptx"]

@@ -51,6 +51,10 @@ BLOCK_T = 64  # keys per tile
 BLOCK_M = 32  # rows (query head × query) per program
 SPLIT_T = 2 * BLOCK_T  # keys per split
 MERGE_CHUNK = 16  # splits the merge loads at once
+# The launch configuration. Every engine must use one configuration: a row's bits depend on it.
+# ``launch_attention(config=...)`` overrides it for the sweep in scripts/attention_bench.py.
+DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
+                      merge_warps=4)  # num_stages: Triton's default unless a sweep sets it
 
 
 @triton.jit
@@ -156,13 +160,18 @@ def _combine_kernel(
 
 
 def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     slots: torch.Tensor | None = None, wrap=lambda f: f, interpret: bool = False) -> torch.Tensor:
+                     slots: torch.Tensor | None = None, wrap=lambda f: f, interpret: bool = False,
+                     config: dict | None = None) -> torch.Tensor:
     """q [B, S, H, Dh], mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. k/v: [B, ≥ T, KV, Dh], or
     with ``slots`` ([B] int64) whole caches [N, ≥ T, KV, Dh] of which request b reads row
     ``slots[b]`` in place (the caller keeps slots in range); only the first T positions are read.
     Any strides (the last dim is made contiguous if it is not). Dh a power of two in [16, 256] and
     KV dividing H (``models.layers.triton_attention_fits``). ``wrap`` is
-    ``torch.library.wrap_triton`` inside the op."""
+    ``torch.library.wrap_triton`` inside the op; ``config`` overrides ``DEFAULT_CONFIG`` (the
+    sweep only: SPLIT_T a multiple of BLOCK_T, powers of two)."""
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    if cfg["SPLIT_T"] % cfg["BLOCK_T"]:
+        raise ValueError(f"attention config: SPLIT_T {cfg['SPLIT_T']} is not a multiple of BLOCK_T {cfg['BLOCK_T']}")
     B, S, H, dh = q.shape
     T, KV = mask.shape[-1], k.shape[2]
     out = torch.empty((B, S, H, dh), dtype=q.dtype, device=q.device)
@@ -175,18 +184,19 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if v.stride(-1) != 1:
         v = v.contiguous()
     M = (H // KV) * S
-    nsplit = max(1, triton.cdiv(T, SPLIT_T))
+    nsplit = max(1, triton.cdiv(T, cfg["SPLIT_T"]))
     m8 = mask if mask.stride(-1) == 1 else mask.contiguous()  # bool: Triton loads its bytes as int1
     po = torch.empty((B * KV, nsplit, M, dh), dtype=torch.float32, device=q.device)
     pm = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
     pl = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
-    wrap(_partial_kernel)[(triton.cdiv(M, BLOCK_M), nsplit, B * KV)](
+    wrap(_partial_kernel)[(triton.cdiv(M, cfg["BLOCK_M"]), nsplit, B * KV)](
         q, k, v, m8, slots if slots is not None else m8, po, pm, pl, S, T, M, KV, nsplit,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
-        SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=BLOCK_M, BLOCK_T=BLOCK_T, SPLIT_T=SPLIT_T,
-        IEEE_DOT=interpret, HAS_SLOTS=slots is not None, num_warps=4,
+        SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
+        SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None, num_warps=cfg["num_warps"],
+        **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
     )
-    wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh, CHUNK=MERGE_CHUNK,
-                                       num_warps=4)
+    wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
+                                       CHUNK=cfg["MERGE_CHUNK"], num_warps=cfg["merge_warps"])
     return out

@@ -1,0 +1,56 @@
+"""The benchmark (muse_spark/bench.py) on CPU at the tiny preset: its sections, files and tables.
+Speed is never asserted here; the figures come from the GPU runs in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from muse_spark.bench import first_differing_columns, render_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_bench_runs_and_writes_json_and_markdown(tmp_path):
+    js, md = tmp_path / "b.json", tmp_path / "b.md"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--preset", "tiny", "--device", "cpu",
+           "--batches", "1,2", "--context", "16", "--iters", "2", "--skip", "compile,aoti",
+           "--json", str(js), "--markdown", str(md)]
+    subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    res = json.loads(js.read_text())
+    sec = res["sections"]
+    assert res["command"].endswith(f"--markdown {md}")
+    assert set(sec["eager"]) == {"1", "2"} and all(v["median_ms"] > 0 for v in sec["eager"].values())
+    assert sec["copy_bandwidth"]["GBps"] > 0
+    for b in ("1", "2"):  # roofline = bytes / measured bandwidth
+        want = sec["bytes_per_step"][b]["total"] / sec["copy_bandwidth"]["GBps"] / 1e6
+        assert abs(sec["roofline_ms"][b] - want) < 1e-9
+    assert set(sec["tokens_per_s"]["eager"]["1"]) == {"1.0", "3.7", "6.17"}
+    assert "reference (eager ops)" in sec["markov"]["1"]
+    text = md.read_text()
+    assert "| 1 |" in text and "| 2 |" in text and res["command"] in text
+
+    # The lines a GPU run adds when the aoti step and eager differ, or a recompile is skipped.
+    sec["aoti_matches_eager"] = {"1": True, "2": False}
+    sec["aoti_eager_differences"] = {"2": {"rows": 1, "entries": 3, "of_rows": 2, "of_entries": 12,
+                                           "first_columns": {"draft[2]": 1}}}
+    sec["torch_compile"] = {"skipped": "batches [2]: too late"}
+    text = render_markdown(res)
+    assert "B=1: True, B=2: False" in text
+    assert "At B=2, 1 of 2 rows differ (3 of 12 step-output entries); first differing column per row: " \
+           "draft[2] (1)." in text
+    assert "torch.compile not measured for batches [2]: too late." in text
+
+
+def test_differing_columns_name_where_a_step_diverged():
+    want = torch.tensor([[5, 6, 7, 2, 9], [1, 2, 3, 3, 4], [1, 2, 3, 1, 8]])
+    got = want.clone()
+    got[0, 1] = 0  # a draft token: the draft diverged (later columns may follow)
+    got[0, 3] = 0
+    got[2, 4] = 0  # same drafts, another bonus
+    assert first_differing_columns(got, want) == {"draft[1]": 1, "bonus": 1}
+    assert first_differing_columns(want, want) == {}
