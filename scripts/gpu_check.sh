@@ -9,7 +9,8 @@
 #   scripts/gpu_check.sh triton-build  # the tiny CUDA engine with the Triton plugins: build (timed), generate
 #   scripts/gpu_check.sh attention     # the attention kernels: their tests, then scripts/attention_bench.py
 #
-# MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default sdpa).
+# MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default triton).
+# ATTENTION_ARGS=--sweep adds the Triton kernel's launch configurations to the attention mode.
 #
 # Logs go to $OUT (default ./gpu-out). Test files run in parallel, one file per worker, and
 # a worker that dies (a segfault) is not restarted: pytest-xdist would otherwise re-run the
@@ -53,7 +54,7 @@ triton-build)
 attention)
     timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rfEs -k "attention" tests/test_gpu_kernels.py \
         tests/test_gpu_eager.py 2>&1 | tee "$OUT/attention-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
-    timeout 120 python3 scripts/attention_bench.py --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention-bench.log"
+    timeout "${ATTENTION_TIMEOUT:-240}" python3 scripts/attention_bench.py ${ATTENTION_ARGS:-} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention-bench.log"
     ;;
 markov)
     timeout "${MARKOV_TIMEOUT:-300}" python3 scripts/markov_diag.py 2>&1 | tee "$OUT/markov-diag.log"

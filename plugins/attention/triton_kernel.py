@@ -7,8 +7,10 @@ result (stale garbage, even NaN, cannot leak), zeros for a query that sees no ke
 
 Why not SDPA: a speculative step has few queries (S = γ+1) over a long window. SDPA's kernels
 (cuDNN, flash, memory-efficient) give one program per (batch, head, 128 queries), so at batch 1
-only 8 KV heads' worth of programs stream the whole window: 1.14 ms of the 7.6 ms step on the
-H200 for 156 MB of K/V (docs/benchmarks.md). Here:
+only 8 KV heads' worth of programs stream the whole window (1.14 ms of the 7.6 ms step on the
+H200), and the step had to gather and zero a copy of every request's window first. One layer,
+graph-timed on the H200: 9.6 / 39.7 / 102 µs here against 58 / 113 / 295 µs for the SDPA path at
+batch 1 / 8 / 32 (docs/benchmarks.md). Here:
 
 * the ``rep = H / KV`` query heads of a KV head and the S queries are one block of ``rep·S`` rows
   (the mask depends on the query position only), so each K/V tile is read once per KV head;
