@@ -25,11 +25,12 @@ batch 1 / 8 / 32 (docs/benchmarks.md). Here:
 
 Numerics: products of the compute dtype with fp32 accumulation (``tl.dot``), scores scaled in
 fp32, the probabilities rounded to the compute dtype for the second product (as flash
-attention does), the output rounded once. Every multiply-add of the online softmax and of the merge is
-written with explicitly rounded products and sums (``triton_math.mul_rn``/``add_rn``), so its
-bits do not depend on whether the compiler contracts them into FMAs (Triton's eager launch
-does; Inductor turns contraction off for its own kernels under ``emulate_precision_casts``,
-which the engine builds set, and the packages must give the eager engine's bits).
+attention does), the output rounded once. Every multiply-add of the online softmax and of the
+merge is written with explicitly rounded products and sums (``triton_math.mul_rn``/``add_rn``),
+so its bits do not depend on whether the compiler contracts them into FMAs (Triton's eager
+launch does; Inductor turns contraction off for its own kernels under
+``emulate_precision_casts``, which the engine builds set, and the packages must give the eager
+engine's bits).
 
 Bits: the split size and the row block are constants, so an output row's arithmetic depends on
 neither the batch, nor the number of queries, nor how many masked keys follow the last visible
@@ -104,7 +105,8 @@ def _partial_kernel(
                 sc = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
             else:
                 sc = tl.dot(q, kt)
-            sc = tl.where(vis, mul_rn(sc, tl.full(sc.shape, SCALE, tl.float32)), float("-inf"))  # garbage keys (NaN) never pass the mask
+            sc = mul_rn(sc, tl.full(sc.shape, SCALE, tl.float32))
+            sc = tl.where(vis, sc, float("-inf"))  # garbage keys (NaN) never pass the mask
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
             alpha = tl.exp(m_i - m_ref)
