@@ -23,10 +23,11 @@ import json
 import torch
 
 
-# Launch configurations the sweep times (keys of plugins/attention DEFAULT_CONFIG, plus num_stages).
-SWEEP = [dict(SPLIT_T=st, BLOCK_T=bt, num_warps=w, num_stages=ns)
-         for st, bt in ((64, 64), (128, 64), (128, 128), (256, 64), (256, 128), (512, 128))
-         for w in (4, 8) for ns in (1, 3)]
+# Launch configurations the sweep times (keys of plugins/attention DEFAULT_CONFIG, plus maxnreg: the
+# partial kernel takes ~227 registers a thread uncapped, so 2 programs per SM; see DEFAULT_CONFIG).
+SWEEP = [dict(SPLIT_T=st, BLOCK_T=bt, num_warps=w, **({"maxnreg": r} if r else {}))
+         for st, bt in ((64, 64), (128, 64), (128, 32), (256, 64), (512, 128))
+         for w in (4, 8) for r in (None, 96, 64)]
 
 
 def _name(c: dict) -> str:

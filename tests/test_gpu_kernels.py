@@ -474,6 +474,7 @@ def test_attention_bits_do_not_depend_on_batch_queries_or_masked_tail(tops):
 
 @needs_kernels
 @pytest.mark.parametrize("config", [dict(SPLIT_T=64, BLOCK_T=64), dict(SPLIT_T=512, BLOCK_T=128, num_warps=8),
+                                    dict(SPLIT_T=128, BLOCK_T=32, maxnreg=64),
                                     dict(BLOCK_M=16, MERGE_CHUNK=4, merge_warps=2)])
 def test_attention_launch_configurations_of_the_sweep_agree(tops, config):
     """scripts/attention_bench.py --sweep times launch_attention under other configurations: each

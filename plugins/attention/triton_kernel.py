@@ -55,7 +55,10 @@ BLOCK_M = 32  # rows (query head × query) per program
 SPLIT_T = 2 * BLOCK_T  # keys per split
 MERGE_CHUNK = 16  # splits the merge loads at once
 # The launch configuration. Every engine must use one configuration: a row's bits depend on it.
-# ``launch_attention(config=...)`` overrides it for the sweep in scripts/attention_bench.py.
+# ``launch_attention(config=...)`` overrides it for the sweep in scripts/attention_bench.py, which
+# may also set ``num_stages`` and ``maxnreg`` (a register cap: ptxas gives the partial kernel
+# ~227 registers a thread uncapped, i.e. 2 programs per SM; capped at 96 it compiles for sm_90
+# without spills and 5 fit. Eager launches only: wrap_triton does not pass ``maxnreg`` on).
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
                       merge_warps=4)  # num_stages: Triton's default unless a sweep sets it
 
@@ -101,6 +104,10 @@ def _partial_kernel(
         if tl.max(col_vis.to(tl.int32), axis=0) > 0:  # else: the tile is skipped, K/V never read
             kt = tl.load(k_ptr + kv_row * sk_b + t[None, :] * sk_t + kvh * sk_h + d[:, None],
                          mask=(tm & col_vis)[None, :], other=0.0)  # [DH, BLOCK_T]
+            # V issued with K (both wait on the mask only), not after the scores: one memory
+            # round trip less in each tile's chain of dependent accesses.
+            v = tl.load(v_ptr + kv_row * sv_b + t[:, None] * sv_t + kvh * sv_h + d[None, :],
+                        mask=(tm & col_vis)[:, None], other=0.0)  # [BLOCK_T, DH]; unseen rows are 0, not garbage
             if IEEE_DOT:
                 sc = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
             else:
@@ -112,8 +119,6 @@ def _partial_kernel(
             alpha = tl.exp(m_i - m_ref)
             p = tl.exp(sc - m_ref[:, None])  # masked: exp(-inf) = 0
             l_i = add_rn(mul_rn(l_i, alpha), tl.sum(p, axis=1))
-            v = tl.load(v_ptr + kv_row * sv_b + t[:, None] * sv_t + kvh * sv_h + d[None, :],
-                        mask=(tm & col_vis)[:, None], other=0.0)  # [BLOCK_T, DH]; unseen rows are 0, not garbage
             if IEEE_DOT:
                 pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
             else:
@@ -199,7 +204,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
         SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
         SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None, num_warps=cfg["num_warps"],
-        **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
+        **{k: cfg[k] for k in ("num_stages", "maxnreg") if k in cfg},  # eager launches only (the sweep)
     )
     wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
                                        CHUNK=cfg["MERGE_CHUNK"], num_warps=cfg["merge_warps"])
