@@ -5,7 +5,8 @@ Importing this module imports Triton and registers
 * ``muse_spark::gated_residual_add_triton`` — gated FP32 residual add fused with the next RMSNorm;
 * ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop;
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
-  which ``models.layers.attend`` calls in bf16/fp16 on CUDA when ``MUSE_SPARK_ATTENTION=triton``.
+  which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
+  selects SDPA instead). Its reference is ``models.layers.attend_reference``.
 
 Their schemas are those of the reference ops (``muse_spark::gated_residual_add``,
 ``muse_spark::markov_sample``). Because they are ``triton_op``s, ``torch.export``
@@ -113,10 +114,10 @@ def _markov_sample_op(
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                   slots: torch.Tensor | None = None) -> torch.Tensor:
     B, S, H, dh = q.shape
-    rows = B if slots is None else k.shape[0]
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != rows or k.shape[3] != dh or H % k.shape[2]:
+    per_request = slots is None  # k/v [B, T, KV, Dh]; else whole caches, any number of rows
+    if k.dim() != 4 or k.shape != v.shape or (per_request and k.shape[0] != B) or k.shape[3] != dh or H % k.shape[2]:
         raise ValueError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: expected k and v "
-                         f"[{'B' if slots is None else 'N'}, T, KV, {dh}] with KV dividing {H}")
+                         f"[{'B' if per_request else 'N'}, T, KV, {dh}] with KV dividing {H}")
     if not triton_attention_fits(q, k, v):
         raise ValueError(f"attention: head_dim {dh} (a power of two in [16, 256]) and dtypes q {q.dtype}, "
                          f"k {k.dtype}, v {v.dtype} (all the same) are what the kernel takes")

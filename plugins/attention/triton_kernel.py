@@ -204,7 +204,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
         SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
         SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None, num_warps=cfg["num_warps"],
-        **{k: cfg[k] for k in ("num_stages", "maxnreg") if k in cfg},  # eager launches only (the sweep)
+        **{opt: cfg[opt] for opt in ("num_stages", "maxnreg") if opt in cfg},  # eager launches only (the sweep)
     )
     wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
                                        CHUNK=cfg["MERGE_CHUNK"], num_warps=cfg["merge_warps"])
