@@ -182,6 +182,61 @@ def step_bytes(tcfg, dcfg, batch: int, context: int) -> dict:
             "total": target_w + draft_w + target_kv + draft_kv}
 
 
+def step_matrices(target, draft) -> list:
+    """The weight matrices a speculative step multiplies by, with the rows it multiplies:
+    ``[(name, weight, "target"|"draft")]``. Every ``nn.Linear`` of both models (the target's
+    lm_head is its embedding when tied) except the Markov head's, which the Markov loop reads."""
+    from torch import nn
+
+    mats = [(f"target.{n}", m.weight, "target") for n, m in target.named_modules() if isinstance(m, nn.Linear)]
+    if getattr(target, "lm_head", None) is None:
+        mats.append(("target.embed_tokens (tied lm_head)", target.embed_tokens.weight, "target"))
+    mats += [(f"draft.{n}", m.weight, "draft") for n, m in draft.named_modules()
+             if isinstance(m, nn.Linear) and "markov" not in n]
+    return mats
+
+
+def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int) -> dict:
+    """The step's weight GEMMs alone, back to back (cuBLAS through ``F.linear``; captured in one
+    CUDA graph on the GPU): the target's with B·(γ+1) rows, the draft's with B·γ. What a step
+    built on these GEMMs cannot beat, whatever it fuses around them."""
+    import torch
+    import torch.nn.functional as F
+
+    mats = step_matrices(target, draft)
+    rows = {"target": batch * (gamma + 1), "draft": batch * gamma}
+    xs = {}
+    for _, w, who in mats:
+        key = (rows[who], w.shape[1], w.dtype)
+        if key not in xs:
+            xs[key] = torch.randn(key[0], key[1], device=device).to(w.dtype)
+    calls = [(xs[(rows[who], w.shape[1], w.dtype)], w) for _, w, who in mats]
+
+    def run():
+        for x, w in calls:
+            F.linear(x, w)
+
+    how = "eager"
+    with torch.inference_mode():
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                run()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            fn, how = graph.replay, "graph"
+        else:
+            fn = run
+        r = time_fn(fn, device, iters)
+    wbytes = sum(w.numel() * w.element_size() for _, w, _ in mats)
+    return dict(r, how=how, gemms=len(mats), weight_bytes=wbytes)
+
+
 # ---- the benchmark ----------------------------------------------------------------------------------
 class Bench:
     def __init__(self, args):
@@ -253,6 +308,15 @@ class Bench:
         sec["roofline_ms"] = {b: sec["bytes_per_step"][b]["total"] / bw["GBps"] / 1e6 for b in batches}
         self.log(f"copy bandwidth {bw['GBps']:.0f} GB/s; roofline "
                  + ", ".join(f"B={b}: {sec['roofline_ms'][b]:.2f} ms" for b in batches))
+        self.save()
+
+        # ---- the GEMM floor: the step's weight GEMMs alone, back to back -------------------------
+        sec["gemm_floor"] = {}
+        for b in batches:
+            sec["gemm_floor"][b] = gemm_floor(target, draft, b, g, dev, a.iters)
+            self.log(f"GEMM floor B={b}: {sec['gemm_floor'][b]['median_ms']:.2f} ms "
+                     f"({sec['gemm_floor'][b]['gemms']} GEMMs, {sec['gemm_floor'][b]['how']}; "
+                     f"{sec['gemm_floor'][b]['median_ms'] / sec['roofline_ms'][b]:.2f}× the roofline)")
         self.save()
 
         # ---- (a) eager ---------------------------------------------------------------------------
@@ -437,6 +501,7 @@ class Bench:
                 got, want = runner(*xg), eng.step(*xg, kv_len)
                 same = torch.equal(got, want)
                 sec["aoti_matches_eager"][b] = same
+                sec.setdefault("aoti_emits_as_eager", {})[b] = emitted_tokens(got) == emitted_tokens(want)
                 if not same:  # how far apart: rows and step-output entries that differ, and where
                     sec.setdefault("aoti_eager_differences", {})[b] = {
                         "rows": int((got != want).any(-1).sum()), "entries": int((got != want).sum()),
@@ -523,6 +588,14 @@ class Bench:
 
 
 # ---- reporting --------------------------------------------------------------------------------------
+def emitted_tokens(packed) -> list:
+    """The tokens a packed step output ([B, γ+2]: γ drafts, n accepted, bonus) emits per row:
+    the accepted drafts, then the bonus. Drafts past the accepted ones are never emitted, so two
+    steps whose drafts differ only there emit the same tokens."""
+    gamma = packed.shape[-1] - 2
+    return [row[:row[gamma]] + [row[gamma + 1]] for row in packed.tolist()]
+
+
 def first_differing_columns(got, want) -> dict:
     """Per differing row of two packed step outputs ([B, γ+2]: γ draft tokens, n accepted, the
     bonus), the first column that differs, counted by name: a draft token means the draft
@@ -546,18 +619,21 @@ def render_table(result: dict) -> str:
     sec = result["sections"]
     batches = result["config"]["batches"]
     roof = {int(k): v for k, v in sec.get("roofline_ms", {}).items()}
-    lines = ["| batch | roofline ms | eager ms | torch.compile ms | aoti + CUDA graph ms | aoti / roofline "
-             "| eager / aoti | compile / aoti |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | roofline ms | GEMM floor ms | eager ms | torch.compile ms | aoti + CUDA graph ms "
+             "| aoti / roofline | aoti / GEMM floor | eager / aoti | compile / aoti |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(x, fmt="{:.2f}"):
         return "—" if x is None else fmt.format(x)
 
+    def ratio(x, y):
+        return f(x / y if x and y else None, "{:.2f}×")
+
     for b in batches:
         e, c, o = _ms(sec, "eager", b), _ms(sec, "torch_compile", b), _ms(sec, "aoti", b)
-        r = roof.get(b)
-        lines.append(f"| {b} | {f(r)} | {f(e)} | {f(c)} | {f(o)} | {f(o / r if o and r else None, '{:.2f}×')} "
-                     f"| {f(e / o if e and o else None, '{:.2f}×')} | {f(c / o if c and o else None, '{:.2f}×')} |")
+        r, gf = roof.get(b), _ms(sec, "gemm_floor", b)
+        lines.append(f"| {b} | {f(r)} | {f(gf)} | {f(e)} | {f(c)} | {f(o)} | {ratio(o, r)} | {ratio(o, gf)} "
+                     f"| {ratio(e, o)} | {ratio(c, o)} |")
     return "\n".join(lines)
 
 
@@ -638,6 +714,9 @@ def render_markdown(result: dict) -> str:
         out += ["", "Greedy aoti step bit-equal to the eager step on the same inputs (random weights give "
                 "near-tied logits, where fused bf16 arithmetic may legitimately flip an argmax): "
                 + ", ".join(f"B={b}: {v}" for b, v in sec["aoti_matches_eager"].items()) + "."]
+        if sec.get("aoti_emits_as_eager"):
+            out.append("Emitted tokens (accepted drafts + bonus) equal to the eager step's: "
+                       + ", ".join(f"B={b}: {v}" for b, v in sec["aoti_emits_as_eager"].items()) + ".")
         for b, d in sec.get("aoti_eager_differences", {}).items():
             where = ", ".join(f"{n} ({c})" for n, c in d.get("first_columns", {}).items())
             out.append(f"At B={b}, {d['rows']} of {d['of_rows']} rows differ ({d['entries']} of {d['of_entries']} "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from muse_spark.bench import first_differing_columns, render_markdown
+from muse_spark.bench import emitted_tokens, first_differing_columns, render_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,16 +31,22 @@ def test_tiny_bench_runs_and_writes_json_and_markdown(tmp_path):
         assert abs(sec["roofline_ms"][b] - want) < 1e-9
     assert set(sec["tokens_per_s"]["eager"]["1"]) == {"1.0", "3.7", "6.17"}
     assert "reference (eager ops)" in sec["markov"]["1"]
+    for b in ("1", "2"):  # the weight GEMMs alone: every linear layer of both models but the Markov head's
+        floor = sec["gemm_floor"][b]
+        assert floor["median_ms"] > 0 and floor["gemms"] == 4 * 3 + 1 + 4 * 1 + 2  # 3 + 1 layers, lm_heads, fc
+        assert floor["weight_bytes"] <= sec["bytes_per_step"][b]["weights"]
     text = md.read_text()
     assert "| 1 |" in text and "| 2 |" in text and res["command"] in text
 
     # The lines a GPU run adds when the aoti step and eager differ, or a recompile is skipped.
     sec["aoti_matches_eager"] = {"1": True, "2": False}
+    sec["aoti_emits_as_eager"] = {"1": True, "2": True}
     sec["aoti_eager_differences"] = {"2": {"rows": 1, "entries": 3, "of_rows": 2, "of_entries": 12,
                                            "first_columns": {"draft[2]": 1}}}
     sec["torch_compile"] = {"skipped": "batches [2]: too late"}
     text = render_markdown(res)
     assert "B=1: True, B=2: False" in text
+    assert "Emitted tokens (accepted drafts + bonus) equal to the eager step's: B=1: True, B=2: True." in text
     assert "At B=2, 1 of 2 rows differ (3 of 12 step-output entries); first differing column per row: " \
            "draft[2] (1)." in text
     assert "torch.compile not measured for batches [2]: too late." in text
@@ -54,3 +60,13 @@ def test_differing_columns_name_where_a_step_diverged():
     got[2, 4] = 0  # same drafts, another bonus
     assert first_differing_columns(got, want) == {"draft[1]": 1, "bonus": 1}
     assert first_differing_columns(want, want) == {}
+
+
+def test_emitted_tokens_are_the_accepted_drafts_and_the_bonus():
+    packed = torch.tensor([[5, 6, 7, 2, 9], [1, 2, 3, 0, 4], [1, 2, 3, 3, 8]])  # γ = 3
+    assert emitted_tokens(packed) == [[5, 6, 9], [4], [1, 2, 3, 8]]
+    other = packed.clone()
+    other[1, 1] = 0  # a draft past the accepted ones: emitted tokens unchanged
+    assert emitted_tokens(other) == emitted_tokens(packed)
+    other[0, 0] = 0  # an accepted draft
+    assert emitted_tokens(other) != emitted_tokens(packed)

@@ -142,7 +142,10 @@ def markov_inputs(B, gamma, Vd, V, r, seed=0, exact=True, temps=None, wdtype=tor
 def kernel_configs():
     """Launch configurations to cover (the default, and each alternative the wrapper can pick)."""
     cfgs = [None, dict(BLOCK_B=1, BLOCK_V=128, RESIDENT=False), dict(BLOCK_B=1, BLOCK_V=64, RESIDENT=True),
-            dict(BLOCK_B=16, BLOCK_V=64, GRID_SYNC=False)]
+            dict(BLOCK_B=16, BLOCK_V=64, GRID_SYNC=False),
+            # softmax partials after the loop (batch 1's default), and in the loop
+            dict(BLOCK_B=1, BLOCK_V=128, RESIDENT=True, DEFER_SOFTMAX=True),
+            dict(BLOCK_B=1, BLOCK_V=64, RESIDENT=False, DEFER_SOFTMAX=False)]
     if ON_GPU:
         cfgs += [dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=False, num_warps=8),
                  dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, num_warps=16),
@@ -232,8 +235,10 @@ def test_keyed_gumbel_noise_matches_reference(kern):
 
 
 @needs_kernels
+@pytest.mark.parametrize("config", [None, dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, DEFER_SOFTMAX=True)],
+                         ids=["default", "deferred_softmax"])
 @pytest.mark.parametrize("r", [0, 16])
-def test_markov_non_finite_rows(kern, r):
+def test_markov_non_finite_rows(kern, r, config):
     Vd = 5000 if BIG else 300
     base = 2 * torch.randn(6, Vd)
     inf, nan = float("inf"), float("nan")
@@ -251,7 +256,7 @@ def test_markov_non_finite_rows(kern, r):
     U = base.repeat(2, 1)[:, None, :].expand(B, 2, Vd).contiguous()
     U[:, 1] = args[0][:, 1].cpu()  # the second step is a normal row
     args[0] = U.to(DEV)
-    ids, probs = run_kernel(kern, args, None)  # the kernel itself
+    ids, probs = run_kernel(kern, args, config)  # the kernel itself
     ref_ids, ref_probs = markov_sample_ref(*args)
     assert torch.equal(ids, ref_ids)
     assert torch.isfinite(probs).all()
@@ -564,3 +569,35 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
     for k in (partial, combine):
         assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
         assert "fma.rn.f32" not in k.asm["ptx"]
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("batch", [1, 32])
+def test_markov_kernel_compiles_for_hopper(batch):
+    """The Markov kernel under its default launch configurations at the production shape (γ = 7,
+    Vd = 32768, r = 256), compiled ahead of time for sm_90 without a GPU: it compiles (batch 1:
+    W2 resident in registers, softmax partials after the loop) and fits an SM's shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from muse_spark.plugins.markov import triton_kernel as mk
+
+    cfg = mk.default_config(batch, 32768, 256, torch.device("cpu"))
+    resident = cfg["RESIDENT"]
+    w = "*i32" if resident else "*bf16"
+    names = ["u_ptr", "anchor_ptr", "w1_ptr", "w2_ptr", "d2t_ptr", "seed_ptr", "pos_ptr", "temp_ptr", "ids_ptr",
+             "probs_ptr", "word_ptr", "pf_ptr", "pi_ptr", "B", "Vd", "GAMMA", "RANK", "NS", "k_begin", "k_end",
+             "stride_ub", "stride_uk", "RANK_W"]
+    types = ["*fp32", "*i64", w, w, "*i64", "*i64", "*i64", "*fp32", "*i64", "*fp32", "*i64", "*fp32", "*i32"]
+    sig = dict(zip(names, types + ["i32"] * 10))
+    ns = 32768 // cfg["BLOCK_V"]
+    consts = dict(RANK_P2=256, NS_P2=triton.next_power_of_2(ns), BLOCK_B=cfg["BLOCK_B"], BLOCK_V=cfg["BLOCK_V"],
+                  BLOCK_R=32 if cfg["BLOCK_B"] == 1 else 64, FINAL_ROWS=8 if cfg["BLOCK_B"] == 1 else cfg["BLOCK_B"],
+                  SALT=mk.SALT_KEY, HAS_MARKOV=True, RESIDENT=resident, GRID_SYNC=True, FINAL=True, IEEE_DOT=False,
+                  SPIN=mk.SPIN_LIMIT, DEFER_SOFTMAX=bool(cfg.get("DEFER_SOFTMAX")), GAMMA_P2=8)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types)}
+    src = ASTSource(fn=mk._markov_kernel, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts,
+                    attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
+    assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
+    assert consts["DEFER_SOFTMAX"] == (batch == 1)
