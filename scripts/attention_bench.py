@@ -23,11 +23,13 @@ import json
 import torch
 
 
-# Launch configurations the sweep times (keys of plugins/attention DEFAULT_CONFIG, plus maxnreg: the
-# partial kernel takes ~227 registers a thread uncapped, so 2 programs per SM; see DEFAULT_CONFIG).
-SWEEP = [dict(SPLIT_T=st, BLOCK_T=bt, num_warps=w, **({"maxnreg": r} if r else {}))
-         for st, bt in ((64, 64), (128, 64), (128, 32), (256, 64), (512, 128))
-         for w in (4, 8) for r in (None, 96, 64)]
+# Launch configurations the sweep times (keys of plugins/attention DEFAULT_CONFIG, plus num_stages).
+# EARLY_KV gives the same bits as without it (same split and tile); the split and the tile change
+# them. (A register cap, maxnreg 96 or 64, was slower at every batch: docs/benchmarks.md.)
+SWEEP = [dict(SPLIT_T=st, BLOCK_T=bt, num_warps=w, EARLY_KV=e, **({"num_stages": ns} if ns else {}))
+         for st, bt in ((64, 64), (128, 64), (256, 64), (128, 32))
+         for e in (False, True) for w in (4, 8) for ns in (None, 3)]
+SWEEP += [dict(MERGE_CHUNK=c, merge_warps=w) for c, w in ((16, 1), (16, 2), (8, 2), (16, 8), (8, 1))]
 
 
 def _name(c: dict) -> str:
@@ -81,15 +83,21 @@ def main() -> int:
                 res[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 print(f"B={B} {name}: {res[name]['error']}", flush=True)
                 continue
-            err = (fn().float() - ref).abs().max().item()
+            got = fn()
+            err = (got.float() - ref).abs().max().item()
             res[name] = dict(median_ms=us / 1e3, how=how, max_abs_err=err, x_roofline=us / 1e3 / roof_ms)
+            if name == "triton":
+                default_out = got
+            elif name.startswith("triton "):
+                res[name]["bits_equal_default"] = bool(torch.equal(got, default_out))
         out["batches"][B] = res
         if a.sweep:
             out["default_config"] = _name(DEFAULT_CONFIG)
             for name in sorted((n for n in res if n.startswith("triton ") and "median_ms" in res[n]),
                                key=lambda n: res[n]["median_ms"]):
                 print(f"B={B} {name}: {res[name]['median_ms'] * 1e3:.1f} µs ({res[name]['x_roofline']:.1f}×, "
-                      f"err {res[name]['max_abs_err']:.1e})", flush=True)
+                      f"err {res[name]['max_abs_err']:.1e}, bits = default: {res[name]['bits_equal_default']})",
+                      flush=True)
         rows.append(f"| {B} | {roof_ms * 1e3:.1f} | " + " | ".join(
             f"{res[n]['median_ms'] * 1e3:.1f} ({res[n]['x_roofline']:.1f}×, err {res[n]['max_abs_err']:.1e})"
             for n in ("triton", "sdpa", "einsum_fp32")) + " |")

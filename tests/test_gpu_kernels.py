@@ -502,6 +502,29 @@ def test_attention_launch_configurations_of_the_sweep_agree(tops, config):
 
 
 @needs_kernels
+@pytest.mark.parametrize("shape", ["step", "one_request_many_splits", "prefill"] + (["muse_spark_b8"] if BIG else []))
+@pytest.mark.parametrize("split", [(128, 64), (64, 64), (256, 64)], ids=lambda x: f"split{x[0]}_tile{x[1]}")
+def test_attention_early_kv_loads_give_the_same_bits(shape, split):
+    """EARLY_KV (K/V loads that wait only on one mask load per split, straight-line tiles) is the
+    branchy kernel's arithmetic: the same bits, over NaN-filled caches read in place, with a
+    masked tail long enough to hold whole splits nobody sees."""
+    from muse_spark.plugins.attention.triton_kernel import launch_attention
+    from muse_spark.plugins.triton_math import interpreting
+
+    from test_models import attention_case
+
+    B, S, H, KV, dh, T = ATTN_SHAPES[shape]
+    q, k, v, mask = attention_case(torch.bfloat16, DEV, B=B, S=S, H=H, KV=KV, dh=dh, T=T)
+    kc, vc, slots = cache_with_slots(k, v, extra_positions=300)
+    mask = torch.nn.functional.pad(mask, (0, 300))  # 300 more keys nobody sees (NaN in the caches)
+    cfg = dict(SPLIT_T=split[0], BLOCK_T=split[1])
+    early = launch_attention(q, kc, vc, mask, slots, config=dict(cfg, EARLY_KV=True), interpret=interpreting())
+    late = launch_attention(q, kc, vc, mask, slots, config=dict(cfg, EARLY_KV=False), interpret=interpreting())
+    assert torch.isfinite(early).all()
+    assert torch.equal(early, late)
+
+
+@needs_kernels
 def test_attention_op_rejects_bad_inputs(tops):
     from test_models import attention_case
 
@@ -561,12 +584,15 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
     types = ["*bf16", "*bf16", "*bf16", "*i1", "*i64", "*fp32", "*fp32", "*fp32"] + ["i32"] * 16
     partial = compile_(ak._partial_kernel, dict(zip(names, types)), dict(
         SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], SPLIT_T=cfg["SPLIT_T"],
-        IEEE_DOT=False, HAS_SLOTS=True), cfg["num_warps"])
+        IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=cfg["EARLY_KV"]), cfg["num_warps"])
+    early = compile_(ak._partial_kernel, dict(zip(names, types)), dict(
+        SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], SPLIT_T=cfg["SPLIT_T"],
+        IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=not cfg["EARLY_KV"]), cfg["num_warps"])
     names = ["po_ptr", "pm_ptr", "pl_ptr", "out_ptr", "S", "M", "KV", "NSPLIT", "H"]
     types = ["*fp32", "*fp32", "*fp32", "*bf16"] + ["i32"] * 5
     combine = compile_(ak._combine_kernel, dict(zip(names, types)),
                        dict(REP=4, DH=128, CHUNK=cfg["MERGE_CHUNK"]), cfg["merge_warps"])
-    for k in (partial, combine):
+    for k in (partial, early, combine):
         assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
         assert "fma.rn.f32" not in k.asm["ptx"]
 

@@ -54,13 +54,36 @@ BLOCK_T = 64  # keys per tile
 BLOCK_M = 32  # rows (query head × query) per program
 SPLIT_T = 2 * BLOCK_T  # keys per split
 MERGE_CHUNK = 16  # splits the merge loads at once
-# The launch configuration. Every engine must use one configuration: a row's bits depend on it.
-# ``launch_attention(config=...)`` overrides it for the sweep in scripts/attention_bench.py, which
-# may also set ``num_stages`` and ``maxnreg`` (a register cap: ptxas gives the partial kernel
-# ~227 registers a thread uncapped, i.e. 2 programs per SM; capped at 96 it compiles for sm_90
-# without spills and 5 fit. Eager launches only: wrap_triton does not pass ``maxnreg`` on).
+# The launch configuration. Every engine must use one configuration: a row's bits depend on it
+# (EARLY_KV excepted: the same arithmetic). ``launch_attention(config=...)`` overrides it for the
+# sweep in scripts/attention_bench.py, which may also set ``num_stages`` (passed through
+# wrap_triton) and ``maxnreg`` (eager launches only; capping the partial kernel's ~227 registers
+# at 96 or 64 was slower at every batch on the H200).
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
-                      merge_warps=4)  # num_stages: Triton's default unless a sweep sets it
+                      merge_warps=4, EARLY_KV=False)  # num_stages: Triton's default unless a sweep sets it
+
+
+@triton.jit
+def _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE: tl.constexpr, BLOCK_M: tl.constexpr, DH: tl.constexpr,
+                 IEEE_DOT: tl.constexpr):
+    """One tile of the online softmax: scores, masked; the running max, sum and accumulator."""
+    if IEEE_DOT:
+        sc = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+    else:
+        sc = tl.dot(q, kt)
+    sc = mul_rn(sc, tl.full(sc.shape, SCALE, tl.float32))
+    sc = tl.where(vis, sc, float("-inf"))  # garbage keys (NaN) never pass the mask
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(sc - m_ref[:, None])  # masked: exp(-inf) = 0
+    l_i = add_rn(mul_rn(l_i, alpha), tl.sum(p, axis=1))
+    if IEEE_DOT:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = add_rn(mul_rn(acc, tl.broadcast_to(alpha[:, None], (BLOCK_M, DH))), pv)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -72,7 +95,7 @@ def _partial_kernel(
     sq_b, sq_s, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sm_b, sm_s,
     SCALE: tl.constexpr,  # constexpr: Inductor passes a float argument as fp64, which made the scores fp64
     REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr,
-    IEEE_DOT: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    IEEE_DOT: tl.constexpr, HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -95,36 +118,40 @@ def _partial_kernel(
     acc = tl.zeros((BLOCK_M, DH), tl.float32)
     t_begin = split * SPLIT_T
     t_end = tl.minimum(t_begin + SPLIT_T, T)
+    if EARLY_KV:
+        # Whether any row of the block sees any key of the split: one mask load for the split, so
+        # each tile's K/V loads wait on nothing else (a visible split's masked tail is read, and
+        # made harmless below; a split nobody sees is never read).
+        ts = t_begin + tl.arange(0, SPLIT_T)
+        seen = tl.load(mask_ptr + b * sm_b + s[:, None] * sm_s + ts[None, :],
+                       mask=rmask[:, None] & (ts < t_end)[None, :], other=0) != 0
+        split_seen = tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0
+        t_end = tl.where(split_seen, t_end, t_begin)  # nobody sees the split: no tile
     for t0 in range(t_begin, t_end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < t_end
+        if EARLY_KV:
+            kt = tl.load(k_ptr + kv_row * sk_b + t[None, :] * sk_t + kvh * sk_h + d[:, None],
+                         mask=tm[None, :], other=0.0)  # [DH, BLOCK_T]
+            v = tl.load(v_ptr + kv_row * sv_b + t[:, None] * sv_t + kvh * sv_h + d[None, :],
+                        mask=tm[:, None], other=0.0)  # [BLOCK_T, DH]
         vis = tl.load(mask_ptr + b * sm_b + s[:, None] * sm_s + t[None, :], mask=rmask[:, None] & tm[None, :],
                       other=0) != 0  # [BLOCK_M, BLOCK_T]
         col_vis = tl.max(vis.to(tl.int32), axis=0) > 0  # [BLOCK_T]: keys some row of the block may see
-        if tl.max(col_vis.to(tl.int32), axis=0) > 0:  # else: the tile is skipped, K/V never read
+        if EARLY_KV:
+            # Straight-line: a tile nobody sees leaves m, l and acc exactly as they are (its scores
+            # are -inf: alpha = 1 and p = 0, or all stay 0), so the bits equal the branch's below.
+            # Garbage (even NaN) in unseen keys: its scores are masked, its values zeroed.
+            v = tl.where(col_vis[:, None], v, 0.0)
+            m_i, l_i, acc = _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE, BLOCK_M, DH, IEEE_DOT)
+        elif tl.max(col_vis.to(tl.int32), axis=0) > 0:  # else: the tile is skipped, K/V never read
             kt = tl.load(k_ptr + kv_row * sk_b + t[None, :] * sk_t + kvh * sk_h + d[:, None],
                          mask=(tm & col_vis)[None, :], other=0.0)  # [DH, BLOCK_T]
             # V issued with K (both wait on the mask only), not after the scores: one memory
             # round trip less in each tile's chain of dependent accesses.
             v = tl.load(v_ptr + kv_row * sv_b + t[:, None] * sv_t + kvh * sv_h + d[None, :],
                         mask=(tm & col_vis)[:, None], other=0.0)  # [BLOCK_T, DH]; unseen rows are 0, not garbage
-            if IEEE_DOT:
-                sc = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
-            else:
-                sc = tl.dot(q, kt)
-            sc = mul_rn(sc, tl.full(sc.shape, SCALE, tl.float32))
-            sc = tl.where(vis, sc, float("-inf"))  # garbage keys (NaN) never pass the mask
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            alpha = tl.exp(m_i - m_ref)
-            p = tl.exp(sc - m_ref[:, None])  # masked: exp(-inf) = 0
-            l_i = add_rn(mul_rn(l_i, alpha), tl.sum(p, axis=1))
-            if IEEE_DOT:
-                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = add_rn(mul_rn(acc, tl.broadcast_to(alpha[:, None], (BLOCK_M, DH))), pv)
-            m_i = m_new
+            m_i, l_i, acc = _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE, BLOCK_M, DH, IEEE_DOT)
     base = bk * NSPLIT + split
     tl.store(po_ptr + (base * M + rows)[:, None] * DH + d[None, :], acc, mask=rmask[:, None])
     tl.store(pm_ptr + base * M + rows, m_i, mask=rmask)
@@ -203,7 +230,8 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
         SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
-        SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None, num_warps=cfg["num_warps"],
+        SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None, EARLY_KV=cfg["EARLY_KV"],
+        num_warps=cfg["num_warps"],
         **{opt: cfg[opt] for opt in ("num_stages", "maxnreg") if opt in cfg},  # eager launches only (the sweep)
     )
     wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
