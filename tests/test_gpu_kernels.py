@@ -142,10 +142,7 @@ def markov_inputs(B, gamma, Vd, V, r, seed=0, exact=True, temps=None, wdtype=tor
 def kernel_configs():
     """Launch configurations to cover (the default, and each alternative the wrapper can pick)."""
     cfgs = [None, dict(BLOCK_B=1, BLOCK_V=128, RESIDENT=False), dict(BLOCK_B=1, BLOCK_V=64, RESIDENT=True),
-            dict(BLOCK_B=16, BLOCK_V=64, GRID_SYNC=False),
-            # softmax partials after the loop (batch 1's default), and in the loop
-            dict(BLOCK_B=1, BLOCK_V=128, RESIDENT=True, DEFER_SOFTMAX=True),
-            dict(BLOCK_B=1, BLOCK_V=64, RESIDENT=False, DEFER_SOFTMAX=False)]
+            dict(BLOCK_B=16, BLOCK_V=64, GRID_SYNC=False)]
     if ON_GPU:
         cfgs += [dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=False, num_warps=8),
                  dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, num_warps=16),
@@ -235,8 +232,8 @@ def test_keyed_gumbel_noise_matches_reference(kern):
 
 
 @needs_kernels
-@pytest.mark.parametrize("config", [None, dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, DEFER_SOFTMAX=True)],
-                         ids=["default", "deferred_softmax"])
+@pytest.mark.parametrize("config", [None, dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True)],
+                         ids=["default", "batch_1_config"])
 @pytest.mark.parametrize("r", [0, 16])
 def test_markov_non_finite_rows(kern, r, config):
     Vd = 5000 if BIG else 300
@@ -602,7 +599,7 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
 def test_markov_kernel_compiles_for_hopper(batch):
     """The Markov kernel under its default launch configurations at the production shape (γ = 7,
     Vd = 32768, r = 256), compiled ahead of time for sm_90 without a GPU: it compiles (batch 1:
-    W2 resident in registers, softmax partials after the loop) and fits an SM's shared memory."""
+    W2 resident in registers) and fits an SM's shared memory."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -620,10 +617,9 @@ def test_markov_kernel_compiles_for_hopper(batch):
     consts = dict(RANK_P2=256, NS_P2=triton.next_power_of_2(ns), BLOCK_B=cfg["BLOCK_B"], BLOCK_V=cfg["BLOCK_V"],
                   BLOCK_R=32 if cfg["BLOCK_B"] == 1 else 64, FINAL_ROWS=8 if cfg["BLOCK_B"] == 1 else cfg["BLOCK_B"],
                   SALT=mk.SALT_KEY, HAS_MARKOV=True, RESIDENT=resident, GRID_SYNC=True, FINAL=True, IEEE_DOT=False,
-                  SPIN=mk.SPIN_LIMIT, DEFER_SOFTMAX=bool(cfg.get("DEFER_SOFTMAX")), GAMMA_P2=8)
+                  SPIN=mk.SPIN_LIMIT)
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types)}
     src = ASTSource(fn=mk._markov_kernel, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts,
                     attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
     assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
-    assert consts["DEFER_SOFTMAX"] == (batch == 1)

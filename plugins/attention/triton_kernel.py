@@ -16,10 +16,12 @@ batch 1 / 8 / 32 (docs/benchmarks.md). Here:
   (the mask depends on the query position only), so each K/V tile is read once per KV head;
 * the window is split into ``SPLIT_T``-key chunks, one program each (``cdiv(T, SPLIT_T)``
   programs per KV head and row block: enough to fill the GPU at batch 1), each keeping an online
-  softmax (max, sum, fp32 accumulator); a second kernel merges the splits, one program per output
-  row, ``MERGE_CHUNK`` splits at a time;
-* a tile of keys no row of the block may see is skipped without reading K or V, so the work
-  follows the requests' lengths rather than the window's;
+  softmax (max, sum, fp32 accumulator); a second kernel merges the splits, one program (one
+  warp) per output row, ``MERGE_CHUNK`` splits at a time;
+* a split no row of the block may see is skipped without reading K or V, so the work follows
+  the requests' lengths rather than the window's. ``EARLY_KV`` (the default): one mask load per
+  split decides that, so each tile's K/V loads wait on nothing else (a visible split's masked
+  tail is read and made harmless); without it, each tile's mask decides for that tile;
 * with ``slots`` the kernel reads each request's row of the KV cache in place: the step does not
   gather a copy of the window first (at batch 32 that copy alone moved 300 MB per layer).
 
@@ -32,7 +34,7 @@ launch does; Inductor turns contraction off for its own kernels under
 ``emulate_precision_casts``, which the engine builds set, and the packages must give the eager
 engine's bits).
 
-Bits: the split size and the row block are constants, so an output row's arithmetic depends on
+Bits: the split size, the tile, the row block and the merge are constants, so an output row's arithmetic depends on
 neither the batch, nor the number of queries, nor how many masked keys follow the last visible
 one (an empty split or merge chunk changes nothing exactly). The eager engine (window
 ``kv_len``, unpadded prefill chunks) and the compiled packages (a static window, padded chunks)
@@ -53,14 +55,17 @@ from muse_spark.plugins.triton_math import add_rn, mul_rn
 BLOCK_T = 64  # keys per tile
 BLOCK_M = 32  # rows (query head × query) per program
 SPLIT_T = 2 * BLOCK_T  # keys per split
-MERGE_CHUNK = 16  # splits the merge loads at once
-# The launch configuration. Every engine must use one configuration: a row's bits depend on it
-# (EARLY_KV excepted: the same arithmetic). ``launch_attention(config=...)`` overrides it for the
+MERGE_CHUNK = 8  # splits the merge loads at once
+# The launch configuration, from scripts/attention_bench.py --sweep on the H200 (one layer,
+# graph-timed, batch 1 / 8 / 32): EARLY_KV 11.1 / 36.3 / 118.8 µs against 11.7 / 36.1 / 116.1
+# (the same bits); a merge of 8 splits by one warp 11.3 / 31.3 / 97.2 against 16 by four warps.
+# Every engine must use one configuration: a row's bits depend on it (EARLY_KV excepted: the
+# same arithmetic). ``launch_attention(config=...)`` overrides it for the
 # sweep in scripts/attention_bench.py, which may also set ``num_stages`` (passed through
 # wrap_triton) and ``maxnreg`` (eager launches only; capping the partial kernel's ~227 registers
 # at 96 or 64 was slower at every batch on the H200).
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
-                      merge_warps=4, EARLY_KV=False)  # num_stages: Triton's default unless a sweep sets it
+                      merge_warps=1, EARLY_KV=True)  # num_stages: Triton's default unless a sweep sets it
 
 
 @triton.jit

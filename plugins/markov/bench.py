@@ -136,7 +136,6 @@ def check_config(batch: int, config: dict | None, gamma=7, vd=32768, rank=256, v
 
 SWEEP = {  # configurations compared on the H200 (partial dicts over default_config)
     1: [None,
-        dict(DEFER_SOFTMAX=False),
         dict(RESIDENT=True, num_warps=16),
         dict(RESIDENT=False, num_warps=8),
         dict(BLOCK_V=128, RESIDENT=False, GRID_SYNC=False, num_warps=8)],

@@ -70,9 +70,6 @@ SLOT_BITS = tl.constexpr(9)  # columns of a slice and slices of a row < 2^9
 MAX_SLOT = tl.constexpr(511)  # a word's slot field holds 511 - column (in a slice) or 511 - slice
 CLEAR_SLOT = tl.constexpr(~(511 << 20))
 MAX_TARGET_VOCAB = 2**20
-# DEFER_SOFTMAX stash codes: quiet NaNs with payloads (z/T of the finite class is never NaN)
-CODE_POS_INF = tl.constexpr(0x7FC00002)  # class 2 (+inf)
-CODE_NONE = tl.constexpr(0x7FC00000)  # class 0 (-inf or NaN)
 SPIN_LIMIT = 1 << 24  # polls before giving up (a bug must fail, not hang the GPU); ``spin_limit`` overrides
 
 
@@ -210,30 +207,6 @@ def _bias(w1_ptr, w2_ptr, prev, rmask, cols, cmask, RANK, RANK_W, w_res, RANK_P2
     return acc
 
 
-@triton.jit
-def _softmax_partials(probs_ptr, pf_ptr, pi_ptr, rows, rmask, cols, cmask, pid_v, k_begin, k_end, GAMMA, Vd, NS, plane,
-                      GAMMA_P2: tl.constexpr):
-    """DEFER_SOFTMAX: the softmax partials of steps [k_begin, k_end) of one request's slice, from the
-    stash of z/T codes; leaves exp(z/T - max) (+inf for the +inf class) in the stash, as the loop
-    does otherwise. The same arithmetic per element as the in-loop partials."""
-    kk = tl.arange(0, GAMMA_P2)
-    km = (kk >= k_begin) & (kk < k_end) & rmask  # rmask: [1]
-    fm = km[:, None] & cmask[None, :]
-    ptr = probs_ptr + ((rows * GAMMA + kk) * Vd)[:, None] + cols[None, :]
-    bits = tl.load(ptr, mask=fm, other=0.0).to(tl.int32, bitcast=True)
-    cls = tl.where(bits == CODE_POS_INF, 2, tl.where(bits == CODE_NONE, 0, 1))
-    cls = tl.where(fm, cls, -1)
-    sm = tl.where(cls == 1, bits.to(tl.float32, bitcast=True), float("-inf"))
-    m_loc = tl.max(sm, axis=1)
-    n_inf = tl.sum((cls == 2).to(tl.int32), axis=1)
-    ex = tl.where(cls == 1, exp_exact(sm - m_loc[:, None]), 0.0)
-    off = (rows * GAMMA + kk) * NS + pid_v
-    tl.store(pf_ptr + off, m_loc, mask=km)
-    tl.store(pf_ptr + plane + off, tl.sum(ex, axis=1), mask=km)
-    tl.store(pi_ptr + off, n_inf, mask=km)
-    tl.store(ptr, tl.where(cls == 2, float("inf"), ex), mask=fm)
-
-
 # ----------------------------------------------------------------------------- kernel
 # Sizes that only index the partials are not specialized (on == 1 or % 16), so
 # one compiled kernel serves every batch size and step of a configuration.
@@ -255,7 +228,6 @@ def _markov_kernel(
     RANK_P2: tl.constexpr, NS_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     FINAL_ROWS: tl.constexpr, SALT: tl.constexpr, HAS_MARKOV: tl.constexpr, RESIDENT: tl.constexpr,
     GRID_SYNC: tl.constexpr, FINAL: tl.constexpr, IEEE_DOT: tl.constexpr, SPIN: tl.constexpr,
-    DEFER_SOFTMAX: tl.constexpr, GAMMA_P2: tl.constexpr,
 ):
     pid_v = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -313,26 +285,15 @@ def _markov_kernel(
         tl.store(word_ptr + off, word, mask=rmask)  # publish: the next step can start
         tl.debug_barrier()  # the winner's reductions are done before the softmax's reuse their scratch
         # ---- softmax partials over the finite class, and the stash exp(z/T - max)
+        sm = tl.where(cls == 1, scaled, float("-inf"))
+        m_loc = tl.max(sm, axis=1)
+        n_inf = tl.sum((cls == 2).to(tl.int32), axis=1)
+        ex = tl.where(cls == 1, exp_exact(sm - m_loc[:, None]), 0.0)
+        tl.store(pf_ptr + off, m_loc, mask=rmask)
+        tl.store(pf_ptr + plane + off, tl.sum(ex, axis=1), mask=rmask)
+        tl.store(pi_ptr + off, n_inf, mask=rmask)
         tl.store(pi_ptr + plane + off, x_loc, mask=rmask)
-        if DEFER_SOFTMAX:
-            # stash z/T with the class in NaN codes (z/T of the finite class is never NaN): the
-            # partials are taken for all steps at once after the loop, off the chain
-            code = tl.where(cls == 1, scaled.to(tl.int32, bitcast=True), tl.where(cls == 2, CODE_POS_INF, CODE_NONE))
-            tl.store(z_base + k * Vd, code.to(tl.float32, bitcast=True), mask=m2)
-        else:
-            sm = tl.where(cls == 1, scaled, float("-inf"))
-            m_loc = tl.max(sm, axis=1)
-            n_inf = tl.sum((cls == 2).to(tl.int32), axis=1)
-            ex = tl.where(cls == 1, exp_exact(sm - m_loc[:, None]), 0.0)
-            tl.store(pf_ptr + off, m_loc, mask=rmask)
-            tl.store(pf_ptr + plane + off, tl.sum(ex, axis=1), mask=rmask)
-            tl.store(pi_ptr + off, n_inf, mask=rmask)
-            tl.store(z_base + k * Vd, tl.where(cls == 2, float("inf"), ex), mask=m2)  # write B*BLOCK_V*4 B
-
-    if DEFER_SOFTMAX:  # (BLOCK_B == 1, one persistent launch) the partials of all steps in one pass
-        tl.debug_barrier()  # the stash was written by other threads of this program
-        _softmax_partials(probs_ptr, pf_ptr, pi_ptr, rows, rmask, cols, cmask, pid_v, k_begin, k_end, GAMMA, Vd,
-                          NS, plane, GAMMA_P2)
+        tl.store(z_base + k * Vd, tl.where(cls == 2, float("inf"), ex), mask=m2)  # write B*BLOCK_V*4 B
 
     if FINAL:
         if GRID_SYNC:
@@ -393,7 +354,7 @@ def default_config(B: int, Vd: int, rank: int, device: torch.device,
     with fp32 weights, whose 512-column tiles need more shared memory than an SM has (264 KB)."""
     if B == 1:
         return dict(BLOCK_B=1, BLOCK_V=min(256, triton.next_power_of_2(max(Vd, 16))), GRID_SYNC=True,
-                    RESIDENT=True, DEFER_SOFTMAX=True, num_warps=8)
+                    RESIDENT=True, num_warps=8)
     block_v = 256 if B <= 16 or weight_dtype == torch.float32 else 512
     return dict(BLOCK_B=16, BLOCK_V=min(block_v, triton.next_power_of_2(max(Vd, 16))), GRID_SYNC=True,
                 RESIDENT=False, num_warps=8)
@@ -470,8 +431,7 @@ def launch_markov_sample(
         RANK_P2=max(rank_p2, block_r), NS_P2=triton.next_power_of_2(ns), BLOCK_B=block_b, BLOCK_V=block_v,
         BLOCK_R=block_r, FINAL_ROWS=triton.next_power_of_2(gamma) if block_b == 1 else block_b, SALT=SALT_KEY,
         HAS_MARKOV=rank > 0, RESIDENT=resident, IEEE_DOT=w1.dtype == torch.float32 or interpret, SPIN=spin_limit,
-        DEFER_SOFTMAX=bool(cfg.get("DEFER_SOFTMAX", False)) and block_b == 1,
-        GAMMA_P2=triton.next_power_of_2(gamma), num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"],
     )
     args = (U, anchor.to(torch.int64), w1, w2, d2t.to(torch.int64), seeds.to(torch.int64),
             positions.to(torch.int64), temperature.float(), ids, probs, words, pf, pi, B, Vd, gamma, rank, ns)
