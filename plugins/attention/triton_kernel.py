@@ -9,8 +9,8 @@ Why not SDPA: a speculative step has few queries (S = γ+1) over a long window. 
 (cuDNN, flash, memory-efficient) give one program per (batch, head, 128 queries), so at batch 1
 only 8 KV heads' worth of programs stream the whole window (1.14 ms of the 7.6 ms step on the
 H200), and the step had to gather and zero a copy of every request's window first. One layer,
-graph-timed on the H200: 9.6 / 39.7 / 102 µs here against 58 / 113 / 295 µs for the SDPA path at
-batch 1 / 8 / 32 (docs/benchmarks.md). Here:
+graph-timed on the H200: 10.3 / 31.5 / 101 µs here against 71 / 138 / 379 µs for the SDPA path
+at batch 1 / 8 / 32 (docs/benchmarks.md). Here:
 
 * the ``rep = H / KV`` query heads of a KV head and the S queries are one block of ``rep·S`` rows
   (the mask depends on the query position only), so each K/V tile is read once per KV head;
