@@ -37,6 +37,7 @@ def test_tiny_bench_runs_and_writes_json_and_markdown(tmp_path):
         assert floor["weight_bytes"] <= sec["bytes_per_step"][b]["weights"]
     text = md.read_text()
     assert "| 1 |" in text and "| 2 |" in text and res["command"] in text
+    assert res["config"]["aoti_order"] == "descending" and "captured and timed largest first" in text
 
     # The lines a GPU run adds when the aoti step and eager differ, or a recompile is skipped.
     sec["aoti_matches_eager"] = {"1": True, "2": False}
