@@ -34,9 +34,9 @@ launch does; Inductor turns contraction off for its own kernels under
 ``emulate_precision_casts``, which the engine builds set, and the packages must give the eager
 engine's bits).
 
-Bits: the split size, the tile, the row block and the merge are constants, so an output row's arithmetic depends on
-neither the batch, nor the number of queries, nor how many masked keys follow the last visible
-one (an empty split or merge chunk changes nothing exactly). The eager engine (window
+Bits: the split size, the tile, the row block and the merge are constants, so an output row's
+arithmetic depends on neither the batch, nor the number of queries, nor how many masked keys
+follow the last visible one (an empty split or merge chunk changes nothing exactly). The eager engine (window
 ``kv_len``, unpadded prefill chunks) and the compiled packages (a static window, padded chunks)
 therefore agree bit for bit, provided visible keys sit at the same indices: the eager engine
 puts the draft's block keys after the whole cache window, as the packages do.
@@ -60,10 +60,10 @@ MERGE_CHUNK = 8  # splits the merge loads at once
 # graph-timed, batch 1 / 8 / 32): EARLY_KV 11.1 / 36.3 / 118.8 µs against 11.7 / 36.1 / 116.1
 # (the same bits); a merge of 8 splits by one warp 11.3 / 31.3 / 97.2 against 16 by four warps.
 # Every engine must use one configuration: a row's bits depend on it (EARLY_KV excepted: the
-# same arithmetic). ``launch_attention(config=...)`` overrides it for the
-# sweep in scripts/attention_bench.py, which may also set ``num_stages`` (passed through
-# wrap_triton) and ``maxnreg`` (eager launches only; capping the partial kernel's ~227 registers
-# at 96 or 64 was slower at every batch on the H200).
+# same arithmetic). ``launch_attention(config=...)`` overrides it for the sweep in
+# scripts/attention_bench.py, which may also set ``num_stages`` (passed through wrap_triton) and
+# ``maxnreg`` (eager launches only; capping the partial kernel's ~227 registers at 96 or 64 was
+# slower at every batch on the H200).
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
                       merge_warps=1, EARLY_KV=True)  # num_stages: Triton's default unless a sweep sets it
 
