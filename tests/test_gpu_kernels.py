@@ -559,37 +559,36 @@ def test_attention_kernel_compiles_into_an_aoti_package(tops, tmp_path):
     assert torch.equal(run(q, kc, vc, mask, slots), tops.attention(q, k, v, mask))
 
 
+def compile_for_hopper(fn, sig: dict, consts: dict, num_warps: int):
+    """``fn`` compiled ahead of time for sm_90 by Triton's compiler (no GPU needed). ``sig``: the
+    runtime arguments' Triton types by name (pointers 16-byte aligned); ``consts``: constexprs."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*")}
+    src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
 def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
     """Compiled ahead of time for sm_90 (no GPU needed: Triton's LLVM and ptxas): the attention
     kernels fit (shared memory) and their PTX has no fma.rn.f32, so their bits do not depend on
     whether a launcher compiles them with FMA contraction on (Triton's eager launch) or off."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from muse_spark.plugins.attention import triton_kernel as ak
-
-    def compile_(fn, sig, consts, num_warps):
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*")}
-        sig = dict(sig, **{k: "constexpr" for k in consts})
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
     cfg = ak.DEFAULT_CONFIG
     names = ["q_ptr", "k_ptr", "v_ptr", "mask_ptr", "slot_ptr", "po_ptr", "pm_ptr", "pl_ptr", "S", "T", "M", "KV",
              "NSPLIT", "sq_b", "sq_s", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h", "sm_b", "sm_s"]
     types = ["*bf16", "*bf16", "*bf16", "*i1", "*i64", "*fp32", "*fp32", "*fp32"] + ["i32"] * 16
-    partial = compile_(ak._partial_kernel, dict(zip(names, types)), dict(
+    partials = [compile_for_hopper(ak._partial_kernel, dict(zip(names, types)), dict(
         SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], SPLIT_T=cfg["SPLIT_T"],
-        IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=cfg["EARLY_KV"]), cfg["num_warps"])
-    early = compile_(ak._partial_kernel, dict(zip(names, types)), dict(
-        SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], SPLIT_T=cfg["SPLIT_T"],
-        IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=not cfg["EARLY_KV"]), cfg["num_warps"])
+        IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=early), cfg["num_warps"]) for early in (True, False)]
     names = ["po_ptr", "pm_ptr", "pl_ptr", "out_ptr", "S", "M", "KV", "NSPLIT", "H"]
     types = ["*fp32", "*fp32", "*fp32", "*bf16"] + ["i32"] * 5
-    combine = compile_(ak._combine_kernel, dict(zip(names, types)),
-                       dict(REP=4, DH=128, CHUNK=cfg["MERGE_CHUNK"]), cfg["merge_warps"])
-    for k in (partial, early, combine):
+    combine = compile_for_hopper(ak._combine_kernel, dict(zip(names, types)),
+                                 dict(REP=4, DH=128, CHUNK=cfg["MERGE_CHUNK"]), cfg["merge_warps"])
+    for k in partials + [combine]:
         assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
         assert "fma.rn.f32" not in k.asm["ptx"]
 
@@ -600,9 +599,6 @@ def test_markov_kernel_compiles_for_hopper(batch):
     """The Markov kernel under its default launch configurations at the production shape (γ = 7,
     Vd = 32768, r = 256), compiled ahead of time for sm_90 without a GPU: it compiles (batch 1:
     W2 resident in registers) and fits an SM's shared memory."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from muse_spark.plugins.markov import triton_kernel as mk
 
     cfg = mk.default_config(batch, 32768, 256, torch.device("cpu"))
@@ -618,8 +614,5 @@ def test_markov_kernel_compiles_for_hopper(batch):
                   BLOCK_R=32 if cfg["BLOCK_B"] == 1 else 64, FINAL_ROWS=8 if cfg["BLOCK_B"] == 1 else cfg["BLOCK_B"],
                   SALT=mk.SALT_KEY, HAS_MARKOV=True, RESIDENT=resident, GRID_SYNC=True, FINAL=True, IEEE_DOT=False,
                   SPIN=mk.SPIN_LIMIT)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types)}
-    src = ASTSource(fn=mk._markov_kernel, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts,
-                    attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
+    k = compile_for_hopper(mk._markov_kernel, sig, consts, cfg["num_warps"])
     assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
