@@ -216,23 +216,14 @@ def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int) -> dic
         for x, w in calls:
             F.linear(x, w)
 
-    how = "eager"
     with torch.inference_mode():
-        run()
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                run()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            fn, how = graph.replay, "graph"
+            from muse_spark.plugins.markov.bench import time_in_graph
+
+            us, how = time_in_graph([run], reps=1, replays=iters)
+            r = {"median_ms": us / 1e3, "iters": iters}
         else:
-            fn = run
-        r = time_fn(fn, device, iters)
+            r, how = time_fn(run, device, iters), "eager"
     wbytes = sum(w.numel() * w.element_size() for _, w, _ in mats)
     return dict(r, how=how, gemms=len(mats), weight_bytes=wbytes)
 
@@ -489,7 +480,7 @@ class Bench:
         weights = weight_tensors(pair, weight_names(pair))
         cuda = dev.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if cuda else None
-        sec["aoti"], sec["aoti_graph_replay"], sec["aoti_matches_eager"] = {}, {}, {}
+        sec["aoti"], sec["aoti_graph_replay"], sec["aoti_matches_eager"], sec["aoti_emits_as_eager"] = {}, {}, {}, {}
         with torch.inference_mode():
             for b in sorted(batches, reverse=not a.aoti_ascending):
                 fn = load_step(a.work_dir, None, b, eng.target, eng.draft, dev, single_threaded=cuda)
@@ -501,7 +492,7 @@ class Bench:
                 got, want = runner(*xg), eng.step(*xg, kv_len)
                 same = torch.equal(got, want)
                 sec["aoti_matches_eager"][b] = same
-                sec.setdefault("aoti_emits_as_eager", {})[b] = emitted_tokens(got) == emitted_tokens(want)
+                sec["aoti_emits_as_eager"][b] = emitted_tokens(got) == emitted_tokens(want)
                 if not same:  # how far apart: rows and step-output entries that differ, and where
                     sec.setdefault("aoti_eager_differences", {})[b] = {
                         "rows": int((got != want).any(-1).sum()), "entries": int((got != want).sum()),
