@@ -63,7 +63,7 @@ from typing import Callable, Iterator
 import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
-from muse_spark.models.layers import attention_path
+from muse_spark.models.layers import attention_path, linear_path
 from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
@@ -299,7 +299,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
     if fast_compile is None:
         fast_compile = torch.device(device).type == "cpu"
     impl = resolve_plugin_impl(plugins, device)
-    log(f"plugins: {impl}; attention: {attention_path(device, target.dtype)}; batch buckets {buckets}; "
+    log(f"plugins: {impl}; attention: {attention_path(device, target.dtype)}; linear: "
+        f"{linear_path(device, target.dtype)}; batch buckets {buckets}; "
         f"prefill chunk {chunk}; static key window {max_seq}")
     if impl == "triton" and draft.cfg.dspark_draft_topk:
         raise ValueError("the fused Markov kernel does not support dspark_draft_topk; build with plugins='inline'")
@@ -335,6 +336,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "plugin_impl": impl,
         "plugin_fallback": fallback,
         "attention_kernel": attention_path(device, target.dtype),
+        "linear_kernel": linear_path(device, target.dtype),
         "graphs": graphs,
         "batch_buckets": buckets,
         "prefill_chunk": chunk,

@@ -196,12 +196,16 @@ def step_matrices(target, draft) -> list:
     return mats
 
 
-def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int) -> dict:
-    """The step's weight GEMMs alone, back to back (cuBLAS through ``F.linear``; captured in one
-    CUDA graph on the GPU): the target's with B·(γ+1) rows, the draft's with B·γ. What a step
-    built on these GEMMs cannot beat, whatever it fuses around them."""
+def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int, engine: bool = False) -> dict:
+    """The step's weight GEMMs alone, back to back (captured in one CUDA graph on the GPU): the
+    target's with B·(γ+1) rows, the draft's with B·γ. cuBLAS through ``F.linear``, or with
+    ``engine`` the engine's own path (``models.layers.linear``: the skinny Triton kernel on CUDA,
+    silu·mul fused into the gate/up projections). What a step built on these GEMMs cannot beat,
+    whatever it fuses around them."""
     import torch
     import torch.nn.functional as F
+
+    from muse_spark.models.layers import linear, linear_silu_mul
 
     mats = step_matrices(target, draft)
     rows = {"target": batch * (gamma + 1), "draft": batch * gamma}
@@ -210,11 +214,13 @@ def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int) -> dic
         key = (rows[who], w.shape[1], w.dtype)
         if key not in xs:
             xs[key] = torch.randn(key[0], key[1], device=device).to(w.dtype)
-    calls = [(xs[(rows[who], w.shape[1], w.dtype)], w) for _, w, who in mats]
+    calls = [(xs[(rows[who], w.shape[1], w.dtype)], w, engine and name.endswith("gate_up_proj"))
+             for name, w, who in mats]
+    gemm = linear if engine else F.linear
 
     def run():
-        for x, w in calls:
-            F.linear(x, w)
+        for x, w, silu_mul in calls:
+            linear_silu_mul(x, w) if silu_mul else gemm(x, w)
 
     with torch.inference_mode():
         if device.type == "cuda":
@@ -273,9 +279,10 @@ class Bench:
 
         self.log(f"random {a.preset} pair on {dev}")
         target, draft = random_pair(tcfg, dcfg, dev)
-        from muse_spark.models.layers import attention_path
+        from muse_spark.models.layers import attention_path, linear_path
 
         self.result["config"]["attention"] = attention_path(dev, target.dtype)  # MUSE_SPARK_ATTENTION
+        self.result["config"]["linear"] = linear_path(dev, target.dtype)  # MUSE_SPARK_LINEAR
         eng = EagerEngine(target, draft, max_batch=slots, max_seq=max_seq, device=dev)
         for t in eng.target_cache.k + eng.target_cache.v + eng.draft_cache.k + eng.draft_cache.v:
             t.normal_()
@@ -302,12 +309,12 @@ class Bench:
         self.save()
 
         # ---- the GEMM floor: the step's weight GEMMs alone, back to back -------------------------
-        sec["gemm_floor"] = {}
-        for b in batches:
-            sec["gemm_floor"][b] = gemm_floor(target, draft, b, g, dev, a.iters)
-            self.log(f"GEMM floor B={b}: {sec['gemm_floor'][b]['median_ms']:.2f} ms "
-                     f"({sec['gemm_floor'][b]['gemms']} GEMMs, {sec['gemm_floor'][b]['how']}; "
-                     f"{sec['gemm_floor'][b]['median_ms'] / sec['roofline_ms'][b]:.2f}× the roofline)")
+        for name, engine in (("gemm_floor", False), ("gemm_floor_engine", True)):
+            sec[name] = {}
+            for b in batches:
+                r = sec[name][b] = gemm_floor(target, draft, b, g, dev, a.iters, engine=engine)
+                self.log(f"GEMM floor B={b} ({'the engine GEMMs' if engine else 'cuBLAS'}): {r['median_ms']:.2f} ms "
+                         f"({r['gemms']} GEMMs, {r['how']}; {r['median_ms'] / sec['roofline_ms'][b]:.2f}× the roofline)")
         self.save()
 
         # ---- (a) eager ---------------------------------------------------------------------------
@@ -610,9 +617,9 @@ def render_table(result: dict) -> str:
     sec = result["sections"]
     batches = result["config"]["batches"]
     roof = {int(k): v for k, v in sec.get("roofline_ms", {}).items()}
-    lines = ["| batch | roofline ms | GEMM floor ms | eager ms | torch.compile ms | aoti + CUDA graph ms "
-             "| aoti / roofline | aoti / GEMM floor | eager / aoti | compile / aoti |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | roofline ms | GEMM floor ms: cuBLAS | engine GEMMs | eager ms | torch.compile ms "
+             "| aoti + CUDA graph ms | aoti / roofline | aoti / engine GEMMs | eager / aoti | compile / aoti |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(x, fmt="{:.2f}"):
         return "—" if x is None else fmt.format(x)
@@ -622,8 +629,8 @@ def render_table(result: dict) -> str:
 
     for b in batches:
         e, c, o = _ms(sec, "eager", b), _ms(sec, "torch_compile", b), _ms(sec, "aoti", b)
-        r, gf = roof.get(b), _ms(sec, "gemm_floor", b)
-        lines.append(f"| {b} | {f(r)} | {f(gf)} | {f(e)} | {f(c)} | {f(o)} | {ratio(o, r)} | {ratio(o, gf)} "
+        r, gf, ge = roof.get(b), _ms(sec, "gemm_floor", b), _ms(sec, "gemm_floor_engine", b)
+        lines.append(f"| {b} | {f(r)} | {f(gf)} | {f(ge)} | {f(e)} | {f(c)} | {f(o)} | {ratio(o, r)} | {ratio(o, ge)} "
                      f"| {ratio(e, o)} | {ratio(c, o)} |")
     return "\n".join(lines)
 
@@ -655,14 +662,16 @@ def render_markdown(result: dict) -> str:
         f"{' (the Triton kernels failed to compile: reference plugins)' if sec.get('aoti_plugin_fallback') else ''}.",
         f"* Device-to-device copy bandwidth measured in the run: {bw.get('GBps', 0):.0f} GB/s (bytes read + "
         f"written). Roofline = (weights + valid KV bytes a step must read) / that bandwidth.",
-        f"* Attention kernel (bf16/fp16 on CUDA, `MUSE_SPARK_ATTENTION`): {cfg.get('attention', '—')}.",
+        f"* Attention kernel (bf16/fp16 on CUDA, `MUSE_SPARK_ATTENTION`): {cfg.get('attention', '—')}; "
+        f"few-row linear layers (`MUSE_SPARK_LINEAR`): {cfg.get('linear', '—')}.",
         (f"* torch.compile: mode `{tc['mode']}` over the eager step (caches marked static; "
          + ("one graph per batch size" if tc.get("static_per_batch")
             else "automatic dynamic shapes: batch 1 static, then a dynamic batch") + "). "
          if tc.get("mode") else "* torch.compile: not run (`--skip compile`). ")
         + f"Medians of {cfg['iters']} CUDA-event-timed steps after warm-up. The aoti buckets are "
         f"captured and timed {'smallest' if cfg.get('aoti_order') == 'ascending' else 'largest'} first. "
-        "GEMM floor = the step's weight GEMMs alone (cuBLAS), back to back.",
+        "GEMM floor = the step's weight GEMMs alone, back to back: cuBLAS (`F.linear`), and the engine's "
+        "own GEMMs (the skinny Triton kernel with silu·mul fused, where the engine runs it).",
         "",
         "## Speculative step latency",
         "",

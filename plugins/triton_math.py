@@ -49,6 +49,10 @@ if interpreting():
         return a + b
 
     @triton.jit
+    def div_rn(a, b):
+        return a / b
+
+    @triton.jit
     def log_exact(x):
         return tl.log(x)
 
@@ -74,6 +78,10 @@ else:
     @triton.jit
     def add_rn(a, b):
         return libdevice.add_rn(a, b)
+
+    @triton.jit
+    def div_rn(a, b):
+        return libdevice.div_rn(a, b)
 
     @triton.jit
     def log_exact(x):

@@ -4,6 +4,8 @@ Importing this module imports Triton and registers
 
 * ``muse_spark::gated_residual_add_triton`` — gated FP32 residual add fused with the next RMSNorm;
 * ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop;
+* ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
+  which ``models.layers.linear`` calls in bf16/fp16 on CUDA (``MUSE_SPARK_LINEAR=cublas``: ``F.linear``);
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
   which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
   selects SDPA instead). Its reference is ``models.layers.attend_reference``.
@@ -29,11 +31,12 @@ import logging
 import torch
 from torch.library import triton_op, wrap_triton
 
-from muse_spark.models.layers import attend_reference, cache_rows, triton_attention_fits
+from muse_spark.models.layers import attend_reference, cache_rows, linear_reference, triton_attention_fits
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
+from muse_spark.plugins.linear.triton_kernel import MAX_ROWS, fits, launch_linear
 from muse_spark.plugins.markov.op import check_markov_inputs
 from muse_spark.plugins.markov.reference import markov_sample_ref
 from muse_spark.plugins.markov.triton_kernel import launch_markov_sample, supported
@@ -129,6 +132,18 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     if not _runs_kernels(q):
         return attend_reference(q, *cache_rows(k, v, mask, slots), mask)
     return launch_attention(q, k, v, mask, slots, wrap=wrap_triton, interpret=interpreting())
+
+
+@triton_op("muse_spark::linear_triton", mutates_args=())
+def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+    if not fits(x, w):
+        raise ValueError(f"linear: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the kernel takes "
+                         f"at most {MAX_ROWS} rows of x [..., K] and a contiguous weight [N, K], both bf16 or fp16")
+    if silu_mul and w.shape[0] % 2:
+        raise ValueError(f"linear: silu_mul needs an even number of weight rows (gate | up), got {w.shape[0]}")
+    if not _runs_kernels(x):
+        return linear_reference(x, w, silu_mul)
+    return launch_linear(x, w, silu_mul, wrap=wrap_triton, interpret=interpreting())
 
 
 def attention(q, k, v, mask, slots=None):

@@ -199,6 +199,28 @@ def test_markov_kernel_never_gives_up_polling(kern, B, grid_sync):
 
 
 @needs_kernels
+@pytest.mark.parametrize("B", [1, 3, 16])
+@pytest.mark.parametrize("grid_sync", [True, False])
+def test_markov_kept_workspace_gives_the_same_results_call_after_call(kern, B, grid_sync):
+    """A workspace zeroed once and kept (an engine's bucket): every call flips the word parity and
+    advances the epoch, so call after call gives the fresh workspace's ids and probabilities, and
+    no program ever gives up waiting."""
+    gamma, Vd, V, r = (7, 1000, 3001, 24) if ON_GPU else (3, 300, 500, 16)
+    args = markov_inputs(B, gamma, Vd, V, r, seed=11 + B)
+    U, _h, anchor, w1, w2, d2t, seeds, positions, temps = args[:9]
+    call = dict(interpret=INTERPRETED, config={"GRID_SYNC": grid_sync})
+    ref_ids, ref_probs = kern.launch_markov_sample(U, anchor, w1, w2, d2t, seeds, positions, temps, **call)
+    ws = torch.zeros(kern.workspace_words(B, gamma, Vd, r, U.device) + 5, dtype=torch.int64, device=DEV)
+    for c in range(4 if ON_GPU else 3):
+        ids, probs = kern.launch_markov_sample(U, anchor, w1, w2, d2t, seeds, positions, temps, workspace=ws,
+                                               check=True, **call)
+        assert torch.equal(ids, ref_ids) and torch.equal(probs, ref_probs), f"call {c}"
+        assert int(ws[1]) == c + 1 and int(ws[0]) == 0  # the epoch advanced; the barrier's counter reset
+    with pytest.raises(ValueError, match="workspace must be int64"):
+        kern.launch_markov_sample(U, anchor, w1, w2, d2t, seeds, positions, temps, workspace=ws[:5], **call)
+
+
+@needs_kernels
 def test_markov_production_shape_random_weights(tops):
     """Vd = 32768, r = 256, V = 131072 with random bf16 weights: tokens flip only at rounding ties."""
     B, gamma, Vd, V, r = (8, 7, 32768, 131072, 256) if BIG else (4, 3, 2048, 4096, 32)
@@ -344,18 +366,21 @@ def test_dispatch_selects_the_triton_ops(tops):
 class _Tiny(torch.nn.Module):
     """A function of both ops, as an engine graph would call them."""
 
-    def forward(self, stream, branch, gate, w, U, h, anchor, w1, w2, d2t, seeds, positions, temps):
+    def forward(self, stream, branch, gate, w, x, wl, U, h, anchor, w1, w2, d2t, seeds, positions, temps):
         new, normed = torch.ops.muse_spark.gated_residual_add_triton(stream, branch, gate, w, 1e-6, False, True,
                                                                     torch.bfloat16)
+        y = torch.ops.muse_spark.linear_triton(normed, wl, False)
+        act = torch.ops.muse_spark.linear_triton(x, wl, True)
         ids, probs = torch.ops.muse_spark.markov_sample_triton(U, h, anchor, w1, w2, d2t, seeds, positions, temps,
                                                                "vanilla", None, None, 0)
-        return new, normed, ids, probs
+        return new, normed, y, act, ids, probs
 
 
 def _tiny_args():
     g = torch.Generator().manual_seed(5)
     resid = [torch.randn(4, 128, generator=g), torch.randn(4, 128, generator=g).bfloat16(),
-             torch.rand(128, generator=g), torch.randn(128, generator=g).bfloat16()]
+             torch.rand(128, generator=g), torch.randn(128, generator=g).bfloat16(),
+             torch.randn(8, 128, generator=g).bfloat16(), (0.1 * torch.randn(96, 128, generator=g)).bfloat16()]
     return [t.to(DEV) for t in resid] + markov_inputs(2, 3, 512, 1024, 32)[:9]
 
 
@@ -366,6 +391,7 @@ def test_triton_ops_export_as_ops(tops):
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "muse_spark.gated_residual_add_triton.default" in targets
     assert "muse_spark.markov_sample_triton.default" in targets
+    assert "muse_spark.linear_triton.default" in targets
     for a, b in zip(ep.module()(*args), _Tiny()(*args)):
         assert torch.equal(a, b)
 
@@ -555,19 +581,26 @@ def test_attention_kernel_compiles_into_an_aoti_package(tops, tmp_path):
 
     ep = torch.export.export(Attn(), (q, kc, vc, mask, slots))
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "attn.pt2"))
-    run = torch._inductor.aoti_load_package(path)
+    from muse_spark.runtime.aoti_engine import load_package  # (torch's own loader can segfault: docs/aoti.md)
+
+    run = load_package(path, torch.device(DEV))
     assert torch.equal(run(q, kc, vc, mask, slots), tops.attention(q, k, v, mask))
 
 
-def compile_for_hopper(fn, sig: dict, consts: dict, num_warps: int):
+def compile_for_hopper(fn, sig: dict, consts: dict, num_warps: int, num_stages: int | None = None,
+                       multiples_of_16: tuple = ()):
     """``fn`` compiled ahead of time for sm_90 by Triton's compiler (no GPU needed). ``sig``: the
-    runtime arguments' Triton types by name (pointers 16-byte aligned); ``consts``: constexprs."""
+    runtime arguments' Triton types by name (pointers 16-byte aligned); ``consts``: constexprs;
+    ``multiples_of_16``: integer arguments a launch specializes as such (as a real launch would,
+    which lets the pipeliner stage the loads in shared memory)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n].startswith("*") or n in multiples_of_16}
     src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
@@ -605,7 +638,7 @@ def test_markov_kernel_compiles_for_hopper(batch):
     resident = cfg["RESIDENT"]
     w = "*i32" if resident else "*bf16"
     names = ["u_ptr", "anchor_ptr", "w1_ptr", "w2_ptr", "d2t_ptr", "seed_ptr", "pos_ptr", "temp_ptr", "ids_ptr",
-             "probs_ptr", "word_ptr", "pf_ptr", "pi_ptr", "B", "Vd", "GAMMA", "RANK", "NS", "k_begin", "k_end",
+             "probs_ptr", "ws_ptr", "pf_ptr", "pi_ptr", "B", "Vd", "GAMMA", "RANK", "NS", "k_begin", "k_end",
              "stride_ub", "stride_uk", "RANK_W"]
     types = ["*fp32", "*i64", w, w, "*i64", "*i64", "*i64", "*fp32", "*i64", "*fp32", "*i64", "*fp32", "*i32"]
     sig = dict(zip(names, types + ["i32"] * 10))
@@ -615,4 +648,137 @@ def test_markov_kernel_compiles_for_hopper(batch):
                   SALT=mk.SALT_KEY, HAS_MARKOV=True, RESIDENT=resident, GRID_SYNC=True, FINAL=True, IEEE_DOT=False,
                   SPIN=mk.SPIN_LIMIT)
     k = compile_for_hopper(mk._markov_kernel, sig, consts, cfg["num_warps"])
+    assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
+
+
+# ---- the skinny linear layer ---------------------------------------------------------------------
+
+LINEAR_SHAPES = {  # (M rows of x, N outputs, K)
+    "step_rows": (8, 96, 256),
+    "draft_rows_ragged_n": (7, 80, 192),  # N not a multiple of the tile
+    "ragged_k": (5, 64, 200),  # K not a multiple of the chunk
+    "one_row": (1, 64, 128),
+    "max_rows": (16, 48, 64),
+}
+if BIG:
+    LINEAR_SHAPES.update({"muse_o": (8, 4096, 4096), "muse_down": (8, 4096, 14336), "muse_b2_qkv": (16, 6144, 4096)})
+
+
+def linear_operands(M, N, K, dtype, exact, seed=0):
+    """x [M, K], w [N, K]. ``exact``: small multiples of 2^-2 and 2^-3, whose products and sums are
+    exact in fp32 in any order, so every kernel must give the correctly rounded result."""
+    g = torch.Generator().manual_seed(seed)
+    if exact:
+        x = torch.randint(-3, 4, (M, K), generator=g) * 0.25
+        w = torch.randint(-2, 3, (N, K), generator=g) * 0.125
+    else:
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) / K ** 0.5
+    return x.to(dtype).to(DEV), w.to(dtype).to(DEV)
+
+
+def exact_linear(x, w, silu_mul):
+    """The correctly rounded result: fp32 sums (exact for ``linear_operands(exact=True)``) rounded
+    once, then silu·mul in the compute dtype as the modules compute it."""
+    y = torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)
+    if not silu_mul:
+        return y
+    inter = w.shape[0] // 2
+    return torch.nn.functional.silu(y[..., :inter]) * y[..., inter:]
+
+
+@needs_kernels
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(LINEAR_SHAPES))
+def test_linear_kernel_gives_the_correctly_rounded_result(tops, shape, dtype, silu_mul):
+    M, N, K = LINEAR_SHAPES[shape]
+    x, w = linear_operands(M, N, K, dtype, exact=True)
+    y = torch.ops.muse_spark.linear_triton(x, w, silu_mul)
+    ref = exact_linear(x, w, silu_mul)
+    assert y.shape == ref.shape and y.dtype == dtype
+    if silu_mul and INTERPRETED:  # numpy's exp against torch's CPU exp: an fp32 ulp may round across
+        torch.testing.assert_close(y, ref, rtol=2**-7, atol=0)
+    else:  # on the GPU both compute silu with the CUDA math library's expf: the same bits
+        assert torch.equal(y, ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("shape", ["step_rows", "ragged_k"] + (["muse_down"] if BIG else []))
+def test_linear_kernel_random_weights_match_the_reference(tops, shape, silu_mul):
+    """Random bf16 operands: the kernel's fp32 sums differ from cuBLAS's (or the CPU's) in order
+    only, so the outputs agree to a few bf16 ulps of the output's scale."""
+    from muse_spark.models.layers import linear_reference
+
+    M, N, K = LINEAR_SHAPES[shape]
+    x, w = linear_operands(M, N, K, torch.bfloat16, exact=False, seed=1)
+    y = torch.ops.muse_spark.linear_triton(x, w, silu_mul).float()
+    ref = linear_reference(x, w, silu_mul).float()
+    torch.testing.assert_close(y, ref, rtol=2**-6, atol=2**-7 * ref.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+def test_linear_bits_do_not_depend_on_the_number_of_rows(tops, silu_mul):
+    """A row's output is one fixed-order fp32 dot per element, whatever the other rows: a step's
+    rows give the same bits in an engine's batch bucket, in the eager engine, or alone."""
+    x, w = linear_operands(16, 96, 320, torch.bfloat16, exact=False, seed=2)
+    full = torch.ops.muse_spark.linear_triton(x, w, silu_mul)
+    for lo, hi in ((0, 1), (3, 11), (7, 16)):
+        assert torch.equal(torch.ops.muse_spark.linear_triton(x[lo:hi], w, silu_mul), full[lo:hi])
+
+
+@needs_kernels
+def test_linear_op_rejects_bad_inputs(tops):
+    x, w = linear_operands(8, 64, 128, torch.bfloat16, exact=True)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        torch.ops.muse_spark.linear_triton(torch.cat([x] * 9), w, False)
+    with pytest.raises(ValueError, match="contiguous weight"):
+        torch.ops.muse_spark.linear_triton(x, w.t().contiguous().t(), False)
+    with pytest.raises(ValueError, match="both bf16 or fp16"):
+        torch.ops.muse_spark.linear_triton(x, w.half(), False)
+    with pytest.raises(ValueError, match="even number of weight rows"):
+        torch.ops.muse_spark.linear_triton(x, w[:63], True)
+
+
+@needs_kernels
+def test_models_call_the_linear_kernel_where_it_fits(tops, monkeypatch):
+    """``models.layers.linear`` takes the Triton kernel for few rows on CUDA (in bf16/fp16), cuBLAS for
+    more rows or with ``MUSE_SPARK_LINEAR=cublas``, ``F.linear`` elsewhere; every path gives the
+    correctly rounded result on exact operands."""
+    from muse_spark.models import layers
+
+    x, w = linear_operands(8, 64, 128, torch.bfloat16, exact=True)
+    expect = "triton" if ON_GPU else "reference"
+    assert layers.linear_path(x.device, x.dtype) == expect
+    assert layers._triton_linear_fits(x, w) == ON_GPU
+    assert not layers._triton_linear_fits(torch.cat([x] * 3), w)
+    for silu_mul in (False, True):
+        fn = layers.linear_silu_mul if silu_mul else layers.linear
+        assert torch.equal(fn(x, w), exact_linear(x, w, silu_mul)) or INTERPRETED
+    monkeypatch.setenv("MUSE_SPARK_LINEAR", "cublas")
+    assert layers.linear_path("cuda", torch.bfloat16) == "cublas"
+    assert not layers._triton_linear_fits(x, w)
+    monkeypatch.setenv("MUSE_SPARK_LINEAR", "nonsense")
+    with pytest.raises(ValueError, match="MUSE_SPARK_LINEAR"):
+        layers.linear_kernel()
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("shape", [(8, 6144, 4096, False), (8, 14336, 4096, True), (8, 4096, 14336, False),
+                                   (16, 4096, 4096, False), (16, 14336, 4096, True), (16, 4096, 14336, False)],
+                         ids=str)
+def test_linear_kernel_compiles_for_hopper(shape):
+    """The linear kernel under its default launch configurations at the production shapes,
+    compiled ahead of time for sm_90 without a GPU: it fits an SM's shared memory."""
+    from muse_spark.plugins.linear import triton_kernel as lk
+
+    M, N, K, silu_mul = shape
+    cfg = lk.default_config(M, N, K, silu_mul)
+    names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
+    sig = dict(zip(names, ["*bf16", "*bf16", "*bf16"] + ["i32"] * 5))
+    consts = dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                  EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=False)
+    k = compile_for_hopper(lk._linear_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"],
+                           multiples_of_16=("N", "K", "stride_xm", "stride_ym"))
     assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024

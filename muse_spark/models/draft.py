@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from muse_spark.config import MuseSparkDSparkConfig
-from muse_spark.models.layers import DecoderLayer, make_norm, output_transform
+from muse_spark.models.layers import DecoderLayer, linear, make_norm, output_transform
 from muse_spark.models.target import KVCache, LayerStackLM
 from muse_spark.plugins import dispatch
 
@@ -97,7 +97,7 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
         """aux [B, S, Dt·L] fp32, positions [B, S] → per-layer K, V [B, S, KV, Dh] (K normed + roped)."""
         c = self.cfg
         dt = self.dtype
-        fc_out = self.model.fc(aux.to(self.model.fc.weight.dtype))
+        fc_out = linear(aux.to(self.model.fc.weight.dtype), self.model.fc.weight)
         h = self.model.hidden_norm(fc_out, dt)
         ks, vs = [], []
         B, S, _ = aux.shape
@@ -156,7 +156,7 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
         return h, self.base_logits(h)
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        raw = torch.nn.functional.linear(h.to(self.lm_head.weight.dtype), self.lm_head.weight)
+        raw = linear(h.to(self.lm_head.weight.dtype), self.lm_head.weight)
         return output_transform(raw, self.cfg.output_multiplier, self.cfg.output_soft_cap_temp)
 
     def markov(

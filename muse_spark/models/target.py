@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from muse_spark.config import MuseSpark1xConfig
-from muse_spark.models.layers import DecoderLayer, make_norm, output_transform
+from muse_spark.models.layers import DecoderLayer, linear, make_norm, output_transform
 
 
 @dataclass
@@ -138,5 +138,5 @@ class MuseSpark1xForCausalLM(LayerStackLM):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Transformed fp32 logits over the target vocabulary."""
-        raw = torch.nn.functional.linear(h, self.lm_head_weight())
+        raw = linear(h, self.lm_head_weight())
         return output_transform(raw, self.cfg.output_multiplier, self.cfg.output_soft_cap_temp)

@@ -59,12 +59,26 @@ def make_inputs(batch: int, gamma: int, vd: int, rank: int, vocab: int, device="
 
 
 def _op(impl: str, config: dict | None):
+    """The loop as a function of ``make_inputs``'s arguments. ``config``: launch configuration, and
+    ``KEEP_WORKSPACE=True`` to keep one workspace across calls (as an engine's bucket does: no
+    memset per call) instead of a zeroed one per call."""
     if impl == "reference":
         return markov_sample_ref
-    from muse_spark.plugins.markov.triton_kernel import launch_markov_sample
+    from muse_spark.plugins.markov.triton_kernel import launch_markov_sample, workspace_words
+
+    config = dict(config or {})
+    keep = config.pop("KEEP_WORKSPACE", False)
+    kept = {}
 
     def run(U, h, anchor, w1, w2, d2t, seeds, pos, temp, *_):
-        return launch_markov_sample(U, anchor, w1, w2, d2t, seeds, pos, temp, config=config)
+        ws = None
+        if keep:
+            key = tuple(U.shape)
+            if key not in kept:
+                n = workspace_words(U.shape[0], U.shape[1], U.shape[2], w1.shape[1], U.device, w1.dtype, config)
+                kept[key] = torch.zeros(n, dtype=torch.int64, device=U.device)
+            ws = kept[key]
+        return launch_markov_sample(U, anchor, w1, w2, d2t, seeds, pos, temp, config=config or None, workspace=ws)
 
     return run
 
@@ -136,10 +150,12 @@ def check_config(batch: int, config: dict | None, gamma=7, vd=32768, rank=256, v
 
 SWEEP = {  # configurations compared on the H200 (partial dicts over default_config)
     1: [None,
+        dict(KEEP_WORKSPACE=True),
         dict(RESIDENT=True, num_warps=16),
         dict(RESIDENT=False, num_warps=8),
         dict(BLOCK_V=128, RESIDENT=False, GRID_SYNC=False, num_warps=8)],
     8: [None,
+        dict(KEEP_WORKSPACE=True),
         dict(BLOCK_V=512),
         dict(GRID_SYNC=False)],
     32: [None,

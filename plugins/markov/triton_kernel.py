@@ -18,12 +18,19 @@ dependent memory accesses short:
 
 * before ``prev`` is known a program already loads U_k and draws its noise;
 * the step's result travels as ONE 64-bit word per (request, step, slice):
-  ``[class+1 : 2][order-preserving key : 32][511 − column : 9][target id : 20]``
-  so that the maximum word is the winner of the sanitized argmax with
-  torch's tie-break (highest class, highest key, lowest index) and carries
-  ``prev = x + d2t[x]`` itself. The word buffer is zeroed per call and a word
-  is never 0, so readers poll the NS words of step k−1 until none is 0: the
-  poll is both the barrier and the data (no fence, no atomic);
+  ``[call parity : 1][class+1 : 2][order-preserving key : 32][511 − column : 9][target id : 20]``
+  so that the maximum word (parity bit cleared) is the winner of the sanitized
+  argmax with torch's tie-break (highest class, highest key, lowest index) and
+  carries ``prev = x + d2t[x]`` itself. Readers poll the NS words of step k−1
+  until all carry this call's parity: the poll is both the barrier and the
+  data (no fence, no atomic);
+* the words live in a workspace ``[counter, epoch, error flag, 0, words…]``:
+  the call's parity is 1 − (epoch mod 2), every call writes every word of its
+  shape, and the final grid barrier (sense-reversing: the last program to
+  arrive resets the counter and advances the epoch) flips the parity for the
+  next call. So a workspace kept by the caller for one shape (an engine's batch
+  bucket) is never zeroed again: no memset per call. A zeroed workspace
+  (epoch 0: parity 1, and a zero word has parity 0) serves any one call;
 * at batch 1 the program's W2 slice (BLOCK_V·r·2 B = 128 KB) stays in
   registers for all γ steps (``RESIDENT``, bf16 pairs as int32).
 
@@ -69,6 +76,9 @@ TID_MASK = tl.constexpr((1 << 20) - 1)
 SLOT_BITS = tl.constexpr(9)  # columns of a slice and slices of a row < 2^9
 MAX_SLOT = tl.constexpr(511)  # a word's slot field holds 511 - column (in a slice) or 511 - slice
 CLEAR_SLOT = tl.constexpr(~(511 << 20))
+WORD_MASK = tl.constexpr((1 << 63) - 1)  # a word without its parity bit
+CTL_WORDS = 4  # the workspace's control words before the step words: counter, epoch, error flag, (unused)
+CTL = tl.constexpr(CTL_WORDS)
 MAX_TARGET_VOCAB = 2**20
 SPIN_LIMIT = 1 << 24  # polls before giving up (a bug must fail, not hang the GPU); ``spin_limit`` overrides
 
@@ -123,9 +133,10 @@ def _ordered(x):
 
 
 @triton.jit
-def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, NS_P2: tl.constexpr, SPIN: tl.constexpr):
-    """Poll the NS words of step k until all are written -> the winning word per row.
-    A poll that gives up (after SPIN polls) raises the call's error flag to 1."""
+def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, parity, NS_P2: tl.constexpr,
+                    SPIN: tl.constexpr):
+    """Poll the NS words of step k until all carry this call's ``parity`` -> the winning word per
+    row (parity bit cleared). A poll that gives up (after SPIN polls) raises the error flag to 1."""
     sl = tl.arange(0, NS_P2)
     msk = rmask[:, None] & (sl < NS)[None, :]
     ptrs = word_ptr + (rows[:, None] * GAMMA + k) * NS + sl[None, :]
@@ -133,33 +144,40 @@ def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, NS_P2: tl.con
     # H200 (Triton 3.6) the poll's reductions read each other's shared-memory scratch and a
     # program spun on words that were all written (2026-12-02, scripts/markov_diag.py).
     tl.debug_barrier()
-    w = tl.load(ptrs, mask=msk, other=1, volatile=True)  # volatile: from L2, never a stale L1 line
-    missing = tl.sum(tl.sum((w == 0).to(tl.int32), axis=1), axis=0)
+    w = tl.load(ptrs, mask=msk, other=0, volatile=True)  # volatile: from L2, never a stale L1 line
+    missing = tl.sum(tl.sum((msk & (((w >> 63) & 1) != parity)).to(tl.int32), axis=1), axis=0)
     spins = 0
     while (missing > 0) & (spins < SPIN):
         tl.debug_barrier()  # every thread has read ``missing`` before the scratch is reused
-        w = tl.load(ptrs, mask=msk, other=1, volatile=True)
-        missing = tl.sum(tl.sum((w == 0).to(tl.int32), axis=1), axis=0)
+        w = tl.load(ptrs, mask=msk, other=0, volatile=True)
+        missing = tl.sum(tl.sum((msk & (((w >> 63) & 1) != parity)).to(tl.int32), axis=1), axis=0)
         spins += 1
     tl.store(flag_ptr, 1, mask=missing > 0)
-    w = tl.max(w, axis=1)
+    w = tl.max(tl.where(msk, w & WORD_MASK, 0), axis=1)
     tl.debug_barrier()
     return w
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target, flag_ptr, SPIN: tl.constexpr):
-    # All programs are resident (checked by the launcher). bar.sync, then one
-    # thread's release increment publishes the CTA's stores at GPU scope; the
-    # acquire spin makes every other CTA's visible.
+def _grid_barrier(ctl_ptr, n_prog, epoch, SPIN: tl.constexpr):
+    """Sense-reversing: the last of ``n_prog`` programs to arrive resets the counter (ctl[0]) and
+    advances the epoch (ctl[1]) that the others wait on, which also flips the next call's parity.
+    All programs are resident (checked by the launcher). bar.sync, then one thread's acq_rel
+    increment publishes the CTA's stores at GPU scope and, for the last, acquires everyone's; the
+    others' acquire spin on the epoch makes every CTA's stores visible to them."""
     tl.debug_barrier()
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    cnt = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    spins = 0
-    while (cnt < target) & (spins < SPIN):
-        cnt = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    tl.store(flag_ptr, 2, mask=cnt < target)  # gave up: the error flag
+    arrived = tl.atomic_add(ctl_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == n_prog - 1
+    if last:
+        tl.atomic_xchg(ctl_ptr, 0, sem="relaxed", scope="gpu")  # ordered before the next call by the kernel boundary
+        tl.atomic_add(ctl_ptr + 1, 1, sem="release", scope="gpu")
+    else:
+        now = tl.atomic_add(ctl_ptr + 1, 0, sem="acquire", scope="gpu")
+        spins = 0
+        while (now == epoch) & (spins < SPIN):
+            now = tl.atomic_add(ctl_ptr + 1, 0, sem="acquire", scope="gpu")
+            spins += 1
+        tl.store(ctl_ptr + 2, 2, mask=now == epoch)  # gave up: the error flag
     tl.debug_barrier()
 
 
@@ -221,7 +239,7 @@ def _markov_kernel(
     temp_ptr,  # [B] fp32 temperature, 0 = greedy
     ids_ptr,  # [B, gamma] int64 out
     probs_ptr,  # [B, gamma, Vd] fp32 out (holds the stash until the final phase)
-    word_ptr,  # [B, gamma, NS] int64 zeroed (+1: the grid barrier's counter, +1: the error flag)
+    ws_ptr,  # int64 workspace [counter, epoch, error flag, 0, B*gamma*NS words] (module docstring)
     pf_ptr,  # [2, B, gamma, NS] fp32: softmax max, sum
     pi_ptr,  # [2, B, gamma, NS] int32: count of +inf, local draft id of the winner
     B, Vd, GAMMA, RANK, NS, k_begin, k_end, stride_ub, stride_uk, RANK_W,
@@ -244,6 +262,10 @@ def _markov_kernel(
     seed = tl.load(seed_ptr + rows, mask=rmask, other=0)
     pos = tl.load(pos_ptr + rows, mask=rmask, other=0)
     plane = B * GAMMA * NS
+    word_ptr = ws_ptr + CTL
+    flag_ptr = ws_ptr + 2
+    epoch = tl.load(ws_ptr + 1, volatile=True)  # read by every program before the final barrier advances it
+    parity = 1 - (epoch & 1)
     n_prog = tl.num_programs(0) * tl.num_programs(1)
     z_base = probs_ptr + (rows[:, None] * GAMMA) * Vd + cols[None, :]
     slot = ((lcol ^ MAX_SLOT).to(tl.int64) << TID_BITS)[None, :]  # 511 - column, for the tie-break
@@ -262,7 +284,7 @@ def _markov_kernel(
         if k == 0:
             prev = tl.load(anchor_ptr + rows, mask=rmask, other=0)
         else:
-            prev = _wait_for_words(word_ptr, rows, rmask, k - 1, GAMMA, NS, word_ptr + plane + 1, NS_P2,
+            prev = _wait_for_words(word_ptr, rows, rmask, k - 1, GAMMA, NS, flag_ptr, parity, NS_P2,
                                    SPIN) & TID_MASK
             if pid_v == 0:
                 tl.store(ids_ptr + rows * GAMMA + (k - 1), prev, mask=rmask)
@@ -282,7 +304,7 @@ def _markov_kernel(
         x_loc = pid_v * BLOCK_V + (((word >> TID_BITS) & MAX_SLOT).to(tl.int32) ^ MAX_SLOT)
         word = (word & CLEAR_SLOT) | ((pid_v ^ MAX_SLOT).to(tl.int64) << TID_BITS)
         off = (rows * GAMMA + k) * NS + pid_v
-        tl.store(word_ptr + off, word, mask=rmask)  # publish: the next step can start
+        tl.store(word_ptr + off, word | (parity << 63), mask=rmask)  # publish: the next step can start
         tl.debug_barrier()  # the winner's reductions are done before the softmax's reuse their scratch
         # ---- softmax partials over the finite class, and the stash exp(z/T - max)
         sm = tl.where(cls == 1, scaled, float("-inf"))
@@ -297,7 +319,10 @@ def _markov_kernel(
 
     if FINAL:
         if GRID_SYNC:
-            _grid_barrier(word_ptr + plane, n_prog, word_ptr + plane + 1, SPIN)
+            _grid_barrier(ws_ptr, n_prog, epoch, SPIN)
+        elif (pid_v == 0) & (tl.program_id(1) == 0):
+            # One launch per step: the step launches all read this epoch; the next call's see the next.
+            tl.atomic_add(ws_ptr + 1, 1, sem="relaxed", scope="gpu")
         # ---- per (request, step): merge the slices, write the id, rescale the stash.
         # FINAL_ROWS (request, step) pairs at a time; read/write B*gamma*BLOCK_V*4 B.
         sl = tl.arange(0, NS_P2)
@@ -308,7 +333,7 @@ def _markov_kernel(
             pm = (pair < BLOCK_B * GAMMA) & (row < B)
             msk = pm[:, None] & (sl < NS)[None, :]
             off = ((row * GAMMA + kk) * NS)[:, None] + sl[None, :]
-            words = tl.load(word_ptr + off, mask=msk, other=0, cache_modifier=".cg")
+            words = tl.load(word_ptr + off, mask=msk, other=0, cache_modifier=".cg") & WORD_MASK
             xs = tl.load(pi_ptr + plane + off, mask=msk, other=0, cache_modifier=".cg")
             ms = tl.load(pf_ptr + off, mask=msk, other=float("-inf"), cache_modifier=".cg")
             ns = tl.load(pi_ptr + off, mask=msk, other=0, cache_modifier=".cg")
@@ -366,6 +391,13 @@ def supported(Vd: int, vocab: int) -> bool:
     return vocab <= MAX_TARGET_VOCAB and triton.cdiv(Vd, 256) <= 511
 
 
+def workspace_words(B: int, gamma: int, Vd: int, rank: int, device: torch.device,
+                    weight_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> int:
+    """int64 elements of the workspace a call of this shape needs (control words + step words)."""
+    cfg = dict(default_config(B, Vd, rank, device, weight_dtype), **(config or {}))
+    return CTL_WORDS + B * gamma * triton.cdiv(Vd, cfg["BLOCK_V"])
+
+
 def launch_markov_sample(
     base_logits: torch.Tensor,  # [B, γ, Vd] fp32
     anchor: torch.Tensor,  # [B] int64
@@ -380,6 +412,7 @@ def launch_markov_sample(
     interpret: bool = False,
     check: bool = False,
     spin_limit: int = SPIN_LIMIT,
+    workspace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vanilla-head Markov loop → (ids [B, γ] int64 target vocabulary, probs [B, γ, Vd] fp32).
 
@@ -388,7 +421,9 @@ def launch_markov_sample(
     synchronizes): raise if a program gave up waiting for the others (the
     kernel's error flag), which happens only when not all programs were
     resident at once, or a step word was never written; ``spin_limit``: polls
-    before a program gives up (diagnosis runs use a small one).
+    before a program gives up (diagnosis runs use a small one). ``workspace``: int64
+    [≥ ``workspace_words(...)``], zeroed once and then kept by the caller for calls of this one
+    shape (an engine's batch bucket), so that no call zeroes it again; None: a zeroed one per call.
     """
     B, gamma, Vd = base_logits.shape
     rank = w1.shape[1]
@@ -420,9 +455,15 @@ def launch_markov_sample(
     else:
         w1 = w2 = U  # never read; an empty tensor may have no valid pointer to pass
     rank_w = w1.shape[1] if rank > 0 else 0
-    # Step words, zeroed: a word is never 0, so 0 means "not written yet"; the last element
-    # are the final barrier's counter and the error flag. One memset per call.
-    words = torch.zeros((B * gamma * ns + 2,), dtype=torch.int64, device=dev)
+    # Control words + step words (module docstring): the caller's, or zeroed for this call.
+    n_ws = CTL_WORDS + B * gamma * ns
+    if workspace is None:
+        words = torch.zeros((n_ws,), dtype=torch.int64, device=dev)
+    elif workspace.dtype != torch.int64 or workspace.dim() != 1 or workspace.numel() < n_ws:
+        raise ValueError(f"markov kernel: workspace must be int64 [≥ {n_ws}], got {workspace.dtype} "
+                         f"{list(workspace.shape)}")
+    else:
+        words = workspace
     pf = torch.empty((2, B, gamma, ns), dtype=torch.float32, device=dev)
     pi = torch.empty((2, B, gamma, ns), dtype=torch.int32, device=dev)
     rank_p2 = triton.next_power_of_2(max(rank, 2))
@@ -445,11 +486,13 @@ def launch_markov_sample(
         for k in range(gamma):
             kernel[grid](*args, k, k + 1, *tail, GRID_SYNC=False, FINAL=False, **consts)
         kernel[grid](*args, gamma, gamma, *tail, GRID_SYNC=False, FINAL=True, **consts)
-    if check and int(words[-1]):
-        # Which (request, step, slice) words were never written.
-        missing = (words[:-2].view(B, gamma, ns) == 0).nonzero().tolist()
+    if check and int(words[2]):
+        # Which (request, step, slice) words were never written: not of this call's parity.
+        parity = 1 - ((int(words[1]) - 1) & 1)
+        step_words = words[CTL_WORDS:n_ws].view(B, gamma, ns)
+        missing = (((step_words >> 63) & 1) != parity).nonzero().tolist()
         raise RuntimeError(f"markov kernel: a program gave up waiting for the others (error flag "
-                           f"{int(words[-1])}: 1 = step words, 2 = final barrier); grid {grid}, config {cfg}; "
+                           f"{int(words[2])}: 1 = step words, 2 = final barrier); grid {grid}, config {cfg}; "
                            f"{len(missing)} step words never written (request, step, slice): {missing[:12]}")
     return ids, probs
 

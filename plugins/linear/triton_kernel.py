@@ -1,0 +1,175 @@
+"""Triton kernel of the skinny linear layer: ``y = x @ Wᵀ`` for few rows (a speculative step).
+
+Spec: ``torch.nn.functional.linear(x, W)`` (bf16/fp16 products, fp32 accumulation, the output
+rounded once to x's dtype), and with ``silu_mul`` the DSpark/Muse feed-forward's
+``silu(g) * u`` of the two halves ``g = x @ W[:I]ᵀ``, ``u = x @ W[I:]ᵀ``, rounded as the eager
+modules round them (g and u to the compute dtype, ``silu`` computed in fp32 and rounded, the
+product computed in fp32 and rounded).
+
+Why not cuBLAS: a step multiplies 8 rows (batch 1, γ = 7) by ~17.7 GB of weights, so it is a
+stream of the weights. cuBLAS picks tiles of 64–512 weight rows and splits K where that leaves
+too few tiles, which costs a second reduction kernel per GEMM (80 per step at batch 1) and
+leaves the weight stream below the copy bandwidth (docs/benchmarks.md: the GEMM floor). Here
+the weight rows are cut into ``BLOCK_N``-row tiles, one program each over the whole of K (no
+split, no reduction pass, bits that do not depend on the launch), enough programs to keep
+every SM streaming; the rows of x are the MMA's narrow side (``tl.dot(W_tile, x_tileᵀ)``,
+padded to 16). ``silu_mul`` computes both halves of a tile of the gate/up projection in one
+program and writes only ``silu(g)·u``: the gate/up output never goes to memory.
+
+Bits: each output element is one fp32 dot over K in a fixed order (BLOCK_K chunks through the
+MMA), whatever the batch or the grid, so the eager engine and the compiled packages (which
+call the same op) agree bit for bit. Against cuBLAS the sums differ by rounding only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from muse_spark.plugins.triton_math import add_rn, div_rn, exp_exact, mul_rn, to_rne
+
+# The kernel's range: at most this many rows of x. More rows re-read x once per weight tile and
+# each program's share of the weight shrinks: at 64 rows (batch 8) the H200 sweep has the down
+# projection at 118.6 µs against cuBLAS's 36.6 (scripts/linear_bench.py --batches 8).
+MAX_ROWS = 16
+DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
+
+
+SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may take (227 KB per SM)
+
+
+def default_config(M: int, N: int, K: int, silu_mul: bool) -> dict:
+    """Launch configuration, from scripts/linear_bench.py --sweep on the H200 (8 rows, each shape's
+    weight streamed from HBM): 64-row tiles over 256-column chunks, 4 stages (qkv 15.4 µs, o 11.6,
+    lm_head 248.6, against cuBLAS's 16.3 / 13.4 / 267.6); with silu·mul (two weight tiles per
+    step) 128-column chunks and 3 stages (59.4 µs against 65.8 for cuBLAS + silu); a long K (the
+    down projection, the draft's fc) 16-row tiles over 512 columns, 2 warps (31.8 µs against 33.2).
+    More rows of x take more shared memory per stage: the chunk, then the stages, shrink
+    until the stages fit ``SHARED_BUDGET``."""
+    if silu_mul:
+        cfg = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    elif K >= 8192:
+        cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=2, num_stages=4)
+    else:
+        cfg = dict(DEFAULT_CONFIG)
+    block_m = max(16, triton.next_power_of_2(M))
+
+    def stage_bytes():
+        return ((2 if silu_mul else 1) * cfg["BLOCK_N"] + block_m) * cfg["BLOCK_K"] * 2
+
+    while cfg["num_stages"] * stage_bytes() > SHARED_BUDGET:
+        if cfg["BLOCK_K"] > 128:
+            cfg["BLOCK_K"] //= 2
+        elif cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        else:
+            break
+    return cfg
+
+
+@triton.jit
+def _silu_mul(g, u, DTYPE: tl.constexpr):
+    """silu(g)·u as the eager modules round it: g, u rounded to DTYPE; silu = g / (1 + exp(-g))
+    in fp32, rounded; the product in fp32, rounded."""
+    gf = to_rne(g, DTYPE).to(tl.float32)
+    uf = to_rne(u, DTYPE).to(tl.float32)
+    s = to_rne(div_rn(gf, add_rn(1.0, exp_exact(-gf))), DTYPE).to(tl.float32)
+    return to_rne(mul_rn(s, uf), DTYPE)
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr,  # [M, K], last dim contiguous
+    w_ptr,  # [N_w, K] contiguous (N_w = N, or 2·N with SILU_MUL)
+    y_ptr,  # [M, N] out
+    M, N, K, stride_xm, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    nmask = rn < N
+    mmask = rm < M
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
+    u_ptrs = w_ptr + (rn + N).to(tl.int64)[:, None] * K + rk[None, :]  # the up half (SILU_MUL)
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]  # [BLOCK_K, BLOCK_M]: xᵀ
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=mmask[None, :], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
+        else:
+            kmask = (k0 + rk) < K
+            xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if IEEE_DOT:  # the CPU interpreter (its bf16 dot is broken): exact fp32 products
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+        if SILU_MUL:
+            if EVEN_K:
+                if EVEN_N:
+                    wu = tl.load(u_ptrs)
+                else:
+                    wu = tl.load(u_ptrs, mask=nmask[:, None], other=0.0)
+            else:
+                wu = tl.load(u_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if IEEE_DOT:
+                acc_u = tl.dot(wu.to(tl.float32), xt.to(tl.float32), acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(wu, xt, acc_u)
+            u_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]  # [BLOCK_N, BLOCK_M]: yᵀ
+    if SILU_MUL:
+        out = _silu_mul(acc, acc_u, y_ptr.dtype.element_ty)
+    else:
+        out = to_rne(acc, y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, out, mask=nmask[:, None] & mmask[None, :])
+
+
+def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """What the kernel takes: x [..., K] with at most ``MAX_ROWS`` rows, W [N, K] contiguous, both
+    bf16 or both fp16."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.dim() == 2
+            and x.shape[-1] == w.shape[1] and 0 < rows <= MAX_ROWS and w.is_contiguous())
+
+
+def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap=lambda f: f,
+                  interpret: bool = False, config: dict | None = None) -> torch.Tensor:
+    """x [..., K] @ W[N_w, K]ᵀ → [..., N_w] in x's dtype; with ``silu_mul`` (N_w = 2·I) → [..., I]:
+    silu(x @ W[:I]ᵀ) · (x @ W[I:]ᵀ). ``wrap`` is ``torch.library.wrap_triton`` inside the op;
+    ``config`` overrides the launch configuration (the sweep)."""
+    K = x.shape[-1]
+    n_w = w.shape[0]
+    if w.dim() != 2 or w.shape[1] != K:
+        raise ValueError(f"linear: x {list(x.shape)} and weight {list(w.shape)}: expected weight [N, {K}]")
+    if silu_mul and n_w % 2:
+        raise ValueError(f"linear: silu_mul needs an even number of weight rows (gate | up), got {n_w}")
+    N = n_w // 2 if silu_mul else n_w
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M > 0 and N > 0:
+        cfg = dict(default_config(M, N, K, silu_mul), **(config or {}))
+        block_m = max(16, triton.next_power_of_2(M))
+        grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, block_m))
+        wrap(_linear_kernel)[grid](
+            x2, w, y, M, N, K, x2.stride(0), y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=N % cfg["BLOCK_N"] == 0,
+            EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=interpret,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return y.reshape(*x.shape[:-1], N)

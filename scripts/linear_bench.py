@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""The skinny linear kernel (plugins/linear) against cuBLAS, on the step's weight shapes.
+
+    python scripts/linear_bench.py [--sweep] [--json out.json]     # on a CUDA device
+
+Every time is graph-timed (``plugins/markov/bench.time_in_graph``) with the calls rotating over
+enough copies of the weight that it never stays in the L2 cache, as in a step, where each
+weight is read once. Prints, per shape, µs per call for cuBLAS (``F.linear``; for the fused
+gate/up, ``F.linear`` then silu·mul) and the kernel, and the weight stream's GB/s; then the
+step's whole GEMM sequence (``muse_spark.bench.gemm_floor``): cuBLAS, and the engine's GEMMs
+(the kernel with its default configurations, silu·mul fused). ``--sweep`` times the launch
+configurations per shape and reports each shape's fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear  # noqa: E402
+from muse_spark.plugins.markov.bench import time_in_graph  # noqa: E402
+
+L2_BYTES = 256 << 20  # rotate over at least this many bytes of weights
+
+
+def shapes(hidden=4096, ffn=14336, qkv=6144, vocab=131072, draft_vocab=32768, fc=20480):
+    """(name, M, N, K, silu_mul): the step's GEMMs at batch 1 (M = 8 target rows, 7 draft rows)."""
+    return [("qkv", 8, qkv, hidden, False), ("o", 8, hidden, hidden, False),
+            ("gate_up+silu", 8, 2 * ffn, hidden, True), ("down", 8, hidden, ffn, False),
+            ("lm_head", 8, vocab, hidden, False), ("draft_lm_head", 7, draft_vocab, hidden, False),
+            ("draft_fc", 7, hidden, fc, False)]
+
+
+def configs():
+    out = []
+    for bn, warps in ((16, 2), (16, 4), (32, 4), (64, 4), (64, 8)):
+        for bk, stages in itertools.product((128, 256, 512), (3, 4, 6)):
+            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages))
+    return out
+
+
+def operands(M, N, K, dev):
+    copies = max(1, min(16, math.ceil(L2_BYTES / (N * K * 2))))
+    ws = [torch.randn(N, K, device=dev).to(torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+    return x, ws
+
+
+def cublas_call(x, w, silu):
+    if silu:
+        gu = F.linear(x, w)
+        i = w.shape[0] // 2
+        return F.silu(gu[:, :i]) * gu[:, i:]
+    return F.linear(x, w)
+
+
+def time_calls(fn, x, ws) -> float:
+    calls = [lambda w=w: fn(x, w) for w in ws]
+    us, _ = time_in_graph(calls, reps=max(4, len(ws)), replays=10)
+    return us
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true", help="time the launch configurations per shape")
+    p.add_argument("--batches", type=int, nargs="+", default=[1], help="rows = batch·(γ+1) (7 for the draft's)")
+    p.add_argument("--deadline-s", type=float, default=420.0)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        print("linear_bench: needs a CUDA device")
+        return 1
+    dev = torch.device("cuda")
+    t0 = time.time()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}, "sequence": {}}
+
+    def save():
+        if a.json:
+            a.json.write_text(json.dumps(res, indent=1))
+
+    # The read stream ceiling: a bf16 sum over 2 GiB (reads only), beside the copy.
+    big = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev).normal_()
+    us_sum, _ = time_in_graph([lambda: big.sum(dtype=torch.float32)], reps=4, replays=10)
+    res["read_GBps"] = big.numel() * 2 / us_sum / 1e3
+    big = None  # free the 2 GiB
+    print(f"read stream (torch sum over 2 GiB): {res['read_GBps']:.0f} GB/s", flush=True)
+
+    with torch.inference_mode():
+        for b in a.batches:
+            for name, m, N, K, silu in shapes():
+                M = m * b
+                key = f"{name}@M{M}"
+                x, ws = operands(M, N, K, dev)
+                nbytes = N * K * 2
+                r = {"M": M, "N": N, "K": K, "silu_mul": silu, "weight_MB": nbytes / 1e6}
+                r["cublas_us"] = time_calls(lambda x, w: cublas_call(x, w, silu), x, ws)
+                ref = cublas_call(x, ws[0], silu).float()
+                cands = configs() if (a.sweep and time.time() - t0 < a.deadline_s) else [default_config(M, N // (1 + silu), K, silu)]
+                timings = []
+                for cfg in cands:
+                    if time.time() - t0 > a.deadline_s:
+                        break
+                    try:
+                        out = launch_linear(x, ws[0], silu, config=cfg).float()
+                        err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                        us = time_calls(lambda x, w, cfg=cfg: launch_linear(x, w, silu, config=cfg), x, ws)
+                    except Exception as e:  # noqa: BLE001 — a configuration that does not compile
+                        timings.append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:100]}"))
+                        continue
+                    timings.append(dict(cfg, us=us, rel_err=err))
+                ok = [t for t in timings if "us" in t]
+                best = min(ok, key=lambda t: t["us"]) if ok else None
+                r["configs"] = timings
+                r["best"] = best
+                if best:
+                    r["triton_us"] = best["us"]
+                    r["cublas_GBps"] = nbytes / r["cublas_us"] / 1e3
+                    r["triton_GBps"] = nbytes / best["us"] / 1e3
+                    print(f"{key:>22}: cuBLAS {r['cublas_us']:8.1f} µs ({r['cublas_GBps']:5.0f} GB/s)  triton "
+                          f"{best['us']:8.1f} µs ({r['triton_GBps']:5.0f} GB/s) {r['best']}", flush=True)
+                res["shapes"][key] = r
+                save()
+                del ws
+
+        # The whole GEMM sequence of a step (151 GEMMs), cuBLAS and the engine's, each in one graph.
+        from muse_spark.bench import gemm_floor, preset_configs, random_pair
+
+        tcfg, dcfg = preset_configs("muse-spark-8b")
+        target, draft = random_pair(tcfg, dcfg, dev)
+        for b in a.batches:
+            seq = res["sequence"][b] = {}
+            for label, engine in (("cublas", False), ("engine", True)):
+                r = gemm_floor(target, draft, b, dcfg.block_size, dev, iters=10, engine=engine)
+                seq[label] = r["median_ms"]
+                print(f"sequence B={b} ({r['gemms']} GEMMs, {r['how']}) {label}: {r['median_ms']:.3f} ms", flush=True)
+            seq["weight_GB"] = r["weight_bytes"] / 1e9
+            save()
+    res["seconds"] = time.time() - t0
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
