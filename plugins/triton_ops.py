@@ -5,7 +5,8 @@ Importing this module imports Triton and registers
 * ``muse_spark::gated_residual_add_triton`` — gated FP32 residual add fused with the next RMSNorm;
 * ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop;
 * ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
-  which ``models.layers.linear`` calls in bf16/fp16 on CUDA (``MUSE_SPARK_LINEAR=cublas``: ``F.linear``);
+  which ``models.layers.linear`` calls in bf16/fp16 on CUDA with ``MUSE_SPARK_LINEAR=triton``
+  (the default is cuBLAS: ``F.linear``);
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
   which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
   selects SDPA instead). Its reference is ``models.layers.attend_reference``.

@@ -187,13 +187,18 @@ def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 
 LINEAR_KERNELS = ("triton", "cublas")
-DEFAULT_LINEAR_KERNEL = "triton"  # the step's GEMM sequence 0.44 ms faster than cuBLAS + silu at batch 1 (H200)
+# cuBLAS by default. On the H200 the Triton kernel makes the batch-1 step's 151 GEMMs 0.12 ms
+# faster (4.60 against 4.72 ms) but not the step (6.25 / 6.28 ms against 6.17 / 6.27): Inductor
+# then splits the q/k norm + RoPE kernel into four (+0.15 ms of kernels), and the packed output of
+# the compiled step was not bit-equal to eager's in the two runs (the emitted tokens were).
+# docs/benchmarks.md, "fifth session".
+DEFAULT_LINEAR_KERNEL = "cublas"
 
 
 def linear_kernel() -> str:
-    """The GEMM of few-row linear layers in bf16/fp16 on CUDA, from ``MUSE_SPARK_LINEAR``: ``triton``
-    (plugins/linear: the skinny kernel, silu·mul fused into the gate/up projection) or ``cublas``
-    (``F.linear``). A build records it in the engine's manifest."""
+    """The GEMM of few-row linear layers in bf16/fp16 on CUDA, from ``MUSE_SPARK_LINEAR``: ``cublas``
+    (``F.linear``, the default) or ``triton`` (plugins/linear: the skinny kernel, silu·mul fused into
+    the gate/up projection). A build records it in the engine's manifest."""
     name = os.environ.get("MUSE_SPARK_LINEAR", DEFAULT_LINEAR_KERNEL).strip().lower()
     if name not in LINEAR_KERNELS:
         raise ValueError(f"MUSE_SPARK_LINEAR={name!r}: expected one of {list(LINEAR_KERNELS)}")
@@ -226,9 +231,9 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias). With few rows (≤ 16: a speculative step at batch 1–2) in
-    bf16/fp16 on CUDA: the skinny Triton kernel (``linear_kernel()``), in the eager engine and the
-    compiled packages alike; otherwise cuBLAS."""
+    """``F.linear(x, w)`` (no bias). With ``MUSE_SPARK_LINEAR=triton`` and few rows (≤ 16: a speculative
+    step at batch 1–2) in bf16/fp16 on CUDA: the skinny Triton kernel, in the eager engine and the
+    compiled packages alike; otherwise cuBLAS (or the CPU's GEMM)."""
     if _triton_linear_fits(x, w):
         return torch.ops.muse_spark.linear_triton(x, w, False)
     return linear_reference(x, w)

@@ -16,6 +16,11 @@ every SM streaming; the rows of x are the MMA's narrow side (``tl.dot(W_tile, x_
 padded to 16). ``silu_mul`` computes both halves of a tile of the gate/up projection in one
 program and writes only ``silu(g)·u``: the gate/up output never goes to memory.
 
+Measured (H200, docs/benchmarks.md "fifth session"): faster than cuBLAS for every GEMM of a
+batch-1 step (the step's 151 GEMMs 4.51–4.60 ms against 4.64–4.74), slower at 64 rows (hence
+``MAX_ROWS``). Opt-in (``MUSE_SPARK_LINEAR=triton``): in the compiled step Inductor splits the q/k
+norm + RoPE kernel that follows the qkv projection into four, which costs what the GEMMs gain.
+
 Bits: each output element is one fp32 dot over K in a fixed order (BLOCK_K chunks through the
 MMA), whatever the batch or the grid, so the eager engine and the compiled packages (which
 call the same op) agree bit for bit. Against cuBLAS the sums differ by rounding only.

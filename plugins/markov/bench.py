@@ -178,16 +178,30 @@ def compile_all() -> None:
     torch.cuda.synchronize()
 
 
+def compare_workspace(reps: int = 3) -> None:
+    """A zeroed workspace per call (a memset before each kernel) against one kept across calls, as
+    an engine's bucket would keep it; alternating, ``reps`` times, at batches 1 and 8."""
+    for rep in range(reps):
+        for batch in (1, 8):
+            for cfg in (None, {"KEEP_WORKSPACE": True}):
+                warm, cold = bench_markov(batch, config=cfg), bench_markov(batch, config=cfg, cold=True)
+                print(f"rep {rep} batch {batch} {'kept workspace' if cfg else 'zeroed per call'}: "
+                      f"warm {warm:.1f} us, cold {cold:.1f} us", flush=True)
+
+
 def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile-only", action="store_true", help="only compile the swept configurations")
+    ap.add_argument("--workspace", action="store_true", help="only compare a kept workspace with a zeroed one")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA device")
     if opts.compile_only:
         return compile_all()
+    if opts.workspace:
+        return compare_workspace()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
     for batch in (1, 8, 32):
