@@ -144,7 +144,8 @@ def kernel_configs():
     cfgs = [None, dict(BLOCK_B=1, BLOCK_V=128, RESIDENT=False), dict(BLOCK_B=1, BLOCK_V=64, RESIDENT=True),
             dict(BLOCK_B=16, BLOCK_V=64, GRID_SYNC=False)]
     if ON_GPU:
-        cfgs += [dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=False, num_warps=8),
+        cfgs += [dict(COUNT_BARRIER=True),
+                 dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=False, num_warps=8),
                  dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, num_warps=16),
                  dict(BLOCK_B=16, BLOCK_V=512, GRID_SYNC=True)]
     return cfgs
@@ -199,23 +200,30 @@ def test_markov_kernel_never_gives_up_polling(kern, B, grid_sync):
 
 
 @needs_kernels
+@pytest.mark.parametrize("count_barrier", [False, True], ids=["sense_reversing", "count_barrier"])
 @pytest.mark.parametrize("B", [1, 3, 16])
 @pytest.mark.parametrize("grid_sync", [True, False])
-def test_markov_kept_workspace_gives_the_same_results_call_after_call(kern, B, grid_sync):
+def test_markov_kept_workspace_gives_the_same_results_call_after_call(kern, B, grid_sync, count_barrier):
     """A workspace zeroed once and kept (an engine's bucket): every call flips the word parity and
-    advances the epoch, so call after call gives the fresh workspace's ids and probabilities, and
-    no program ever gives up waiting."""
+    advances the epoch (or, with ``COUNT_BARRIER``, the counter by one call's programs), so call
+    after call gives the fresh workspace's ids and probabilities, and no program ever gives up."""
     gamma, Vd, V, r = (7, 1000, 3001, 24) if ON_GPU else (3, 300, 500, 16)
     args = markov_inputs(B, gamma, Vd, V, r, seed=11 + B)
     U, _h, anchor, w1, w2, d2t, seeds, positions, temps = args[:9]
-    call = dict(interpret=INTERPRETED, config={"GRID_SYNC": grid_sync})
+    config = {"GRID_SYNC": grid_sync, "COUNT_BARRIER": count_barrier}
+    call = dict(interpret=INTERPRETED, config=config)
     ref_ids, ref_probs = kern.launch_markov_sample(U, anchor, w1, w2, d2t, seeds, positions, temps, **call)
     ws = torch.zeros(kern.workspace_words(B, gamma, Vd, r, U.device) + 5, dtype=torch.int64, device=DEV)
+    cfg = kern.default_config(B, Vd, r, U.device)
+    n_prog = triton.cdiv(Vd, cfg["BLOCK_V"]) * triton.cdiv(B, cfg["BLOCK_B"])
     for c in range(4 if ON_GPU else 3):
         ids, probs = kern.launch_markov_sample(U, anchor, w1, w2, d2t, seeds, positions, temps, workspace=ws,
                                                check=True, **call)
         assert torch.equal(ids, ref_ids) and torch.equal(probs, ref_probs), f"call {c}"
-        assert int(ws[1]) == c + 1 and int(ws[0]) == 0  # the epoch advanced; the barrier's counter reset
+        if count_barrier:  # the counter only grows, by the call's programs
+            assert int(ws[0]) == (c + 1) * n_prog and int(ws[1]) == 0
+        else:  # the epoch advanced; the barrier's counter reset
+            assert int(ws[1]) == c + 1 and int(ws[0]) == 0
     with pytest.raises(ValueError, match="workspace must be int64"):
         kern.launch_markov_sample(U, anchor, w1, w2, d2t, seeds, positions, temps, workspace=ws[:5], **call)
 
@@ -627,8 +635,9 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("count_barrier", [False, True], ids=["sense_reversing", "count_barrier"])
 @pytest.mark.parametrize("batch", [1, 32])
-def test_markov_kernel_compiles_for_hopper(batch):
+def test_markov_kernel_compiles_for_hopper(batch, count_barrier):
     """The Markov kernel under its default launch configurations at the production shape (γ = 7,
     Vd = 32768, r = 256), compiled ahead of time for sm_90 without a GPU: it compiles (batch 1:
     W2 resident in registers) and fits an SM's shared memory."""
@@ -646,7 +655,7 @@ def test_markov_kernel_compiles_for_hopper(batch):
     consts = dict(RANK_P2=256, NS_P2=triton.next_power_of_2(ns), BLOCK_B=cfg["BLOCK_B"], BLOCK_V=cfg["BLOCK_V"],
                   BLOCK_R=32 if cfg["BLOCK_B"] == 1 else 64, FINAL_ROWS=8 if cfg["BLOCK_B"] == 1 else cfg["BLOCK_B"],
                   SALT=mk.SALT_KEY, HAS_MARKOV=True, RESIDENT=resident, GRID_SYNC=True, FINAL=True, IEEE_DOT=False,
-                  SPIN=mk.SPIN_LIMIT)
+                  SPIN=mk.SPIN_LIMIT, COUNT_BARRIER=count_barrier)
     k = compile_for_hopper(mk._markov_kernel, sig, consts, cfg["num_warps"])
     assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
 

@@ -151,6 +151,7 @@ def check_config(batch: int, config: dict | None, gamma=7, vd=32768, rank=256, v
 SWEEP = {  # configurations compared on the H200 (partial dicts over default_config)
     1: [None,
         dict(KEEP_WORKSPACE=True),
+        dict(KEEP_WORKSPACE=True, COUNT_BARRIER=True),
         dict(RESIDENT=True, num_warps=16),
         dict(RESIDENT=False, num_warps=8),
         dict(BLOCK_V=128, RESIDENT=False, GRID_SYNC=False, num_warps=8)],
@@ -180,13 +181,14 @@ def compile_all() -> None:
 
 def compare_workspace(reps: int = 3) -> None:
     """A zeroed workspace per call (a memset before each kernel) against one kept across calls, as
-    an engine's bucket would keep it; alternating, ``reps`` times, at batches 1 and 8."""
+    an engine's bucket would keep it, with either grid barrier; alternating, ``reps`` times, at
+    batches 1 and 8."""
     for rep in range(reps):
         for batch in (1, 8):
-            for cfg in (None, {"KEEP_WORKSPACE": True}):
+            for cfg in (None, {"KEEP_WORKSPACE": True}, {"KEEP_WORKSPACE": True, "COUNT_BARRIER": True}):
                 warm, cold = bench_markov(batch, config=cfg), bench_markov(batch, config=cfg, cold=True)
-                print(f"rep {rep} batch {batch} {'kept workspace' if cfg else 'zeroed per call'}: "
-                      f"warm {warm:.1f} us, cold {cold:.1f} us", flush=True)
+                name = "zeroed per call" if cfg is None else ", ".join(k.lower() for k in cfg)
+                print(f"rep {rep} batch {batch} {name}: warm {warm:.1f} us, cold {cold:.1f} us", flush=True)
 
 
 def main() -> None:

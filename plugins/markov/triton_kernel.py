@@ -30,7 +30,10 @@ dependent memory accesses short:
   arrive resets the counter and advances the epoch) flips the parity for the
   next call. So a workspace kept by the caller for one shape (an engine's batch
   bucket) is never zeroed again: no memset per call. A zeroed workspace
-  (epoch 0: parity 1, and a zero word has parity 0) serves any one call;
+  (epoch 0: parity 1, and a zero word has parity 0) serves any one call.
+  ``COUNT_BARRIER`` (a launch option, not the default; not yet measured on the GPU): the
+  counter is never reset, the epoch is counter / programs, and the barrier's waiters poll the
+  counter itself, so the last program to arrive does no extra atomics before the others go on;
 * at batch 1 the program's W2 slice (BLOCK_V·r·2 B = 128 KB) stays in
   registers for all γ steps (``RESIDENT``, bf16 pairs as int32).
 
@@ -159,6 +162,24 @@ def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, parity, NS_P2
 
 
 @triton.jit
+def _count_barrier(ctl_ptr, n_prog, SPIN: tl.constexpr):
+    """``COUNT_BARRIER``: the counter (ctl[0]) only grows, by ``n_prog`` per call, so the call's
+    target is the next multiple of ``n_prog`` above a program's own arrival. bar.sync, then one
+    thread's release increment publishes the CTA's stores at GPU scope; the acquire spin on the
+    counter makes every other CTA's visible."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(ctl_ptr, 1, sem="release", scope="gpu")
+    target = (arrived // n_prog + 1) * n_prog
+    cnt = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")
+    spins = 0
+    while (cnt < target) & (spins < SPIN):
+        cnt = tl.atomic_add(ctl_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    tl.store(ctl_ptr + 2, 2, mask=cnt < target)  # gave up: the error flag
+    tl.debug_barrier()
+
+
+@triton.jit
 def _grid_barrier(ctl_ptr, n_prog, epoch, SPIN: tl.constexpr):
     """Sense-reversing: the last of ``n_prog`` programs to arrive resets the counter (ctl[0]) and
     advances the epoch (ctl[1]) that the others wait on, which also flips the next call's parity.
@@ -246,6 +267,7 @@ def _markov_kernel(
     RANK_P2: tl.constexpr, NS_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     FINAL_ROWS: tl.constexpr, SALT: tl.constexpr, HAS_MARKOV: tl.constexpr, RESIDENT: tl.constexpr,
     GRID_SYNC: tl.constexpr, FINAL: tl.constexpr, IEEE_DOT: tl.constexpr, SPIN: tl.constexpr,
+    COUNT_BARRIER: tl.constexpr = False,
 ):
     pid_v = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -264,9 +286,12 @@ def _markov_kernel(
     plane = B * GAMMA * NS
     word_ptr = ws_ptr + CTL
     flag_ptr = ws_ptr + 2
-    epoch = tl.load(ws_ptr + 1, volatile=True)  # read by every program before the final barrier advances it
-    parity = 1 - (epoch & 1)
     n_prog = tl.num_programs(0) * tl.num_programs(1)
+    if COUNT_BARRIER:  # the counter is a multiple of n_prog between calls
+        epoch = tl.load(ws_ptr, volatile=True) // n_prog
+    else:  # read by every program before the final barrier advances it
+        epoch = tl.load(ws_ptr + 1, volatile=True)
+    parity = 1 - (epoch & 1)
     z_base = probs_ptr + (rows[:, None] * GAMMA) * Vd + cols[None, :]
     slot = ((lcol ^ MAX_SLOT).to(tl.int64) << TID_BITS)[None, :]  # 511 - column, for the tie-break
     w_res = tl.zeros((1, 1), dtype=tl.int32)
@@ -319,10 +344,16 @@ def _markov_kernel(
 
     if FINAL:
         if GRID_SYNC:
-            _grid_barrier(ws_ptr, n_prog, epoch, SPIN)
+            if COUNT_BARRIER:
+                _count_barrier(ws_ptr, n_prog, SPIN)
+            else:
+                _grid_barrier(ws_ptr, n_prog, epoch, SPIN)
         elif (pid_v == 0) & (tl.program_id(1) == 0):
             # One launch per step: the step launches all read this epoch; the next call's see the next.
-            tl.atomic_add(ws_ptr + 1, 1, sem="relaxed", scope="gpu")
+            if COUNT_BARRIER:
+                tl.atomic_add(ws_ptr, n_prog, sem="relaxed", scope="gpu")
+            else:
+                tl.atomic_add(ws_ptr + 1, 1, sem="relaxed", scope="gpu")
         # ---- per (request, step): merge the slices, write the id, rescale the stash.
         # FINAL_ROWS (request, step) pairs at a time; read/write B*gamma*BLOCK_V*4 B.
         sl = tl.arange(0, NS_P2)
@@ -472,7 +503,7 @@ def launch_markov_sample(
         RANK_P2=max(rank_p2, block_r), NS_P2=triton.next_power_of_2(ns), BLOCK_B=block_b, BLOCK_V=block_v,
         BLOCK_R=block_r, FINAL_ROWS=triton.next_power_of_2(gamma) if block_b == 1 else block_b, SALT=SALT_KEY,
         HAS_MARKOV=rank > 0, RESIDENT=resident, IEEE_DOT=w1.dtype == torch.float32 or interpret, SPIN=spin_limit,
-        num_warps=cfg["num_warps"],
+        COUNT_BARRIER=bool(cfg.get("COUNT_BARRIER", False)), num_warps=cfg["num_warps"],
     )
     args = (U, anchor.to(torch.int64), w1, w2, d2t.to(torch.int64), seeds.to(torch.int64),
             positions.to(torch.int64), temperature.float(), ids, probs, words, pf, pi, B, Vd, gamma, rank, ns)
@@ -488,7 +519,9 @@ def launch_markov_sample(
         kernel[grid](*args, gamma, gamma, *tail, GRID_SYNC=False, FINAL=True, **consts)
     if check and int(words[2]):
         # Which (request, step, slice) words were never written: not of this call's parity.
-        parity = 1 - ((int(words[1]) - 1) & 1)
+        n_prog = grid[0] * grid[1]
+        epoch = int(words[0]) // n_prog if cfg.get("COUNT_BARRIER") else int(words[1])
+        parity = 1 - ((epoch - 1) & 1)
         step_words = words[CTL_WORDS:n_ws].view(B, gamma, ns)
         missing = (((step_words >> 63) & 1) != parity).nonzero().tolist()
         raise RuntimeError(f"markov kernel: a program gave up waiting for the others (error flag "
