@@ -213,11 +213,11 @@ def linear_path(device, dtype: torch.dtype) -> str:
 
 
 def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if linear_path(x.device, x.dtype) != "triton":
+    if linear_path(x.device, x.dtype) != "triton" or not _triton_ops_available():  # (imports Triton)
         return False
     from muse_spark.plugins.linear.triton_kernel import fits
 
-    return fits(x, w) and _triton_ops_available()
+    return fits(x, w)
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
