@@ -733,10 +733,21 @@ def render_markdown(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def batch_list(text: str) -> list[int]:
+    """``--batches``: comma-separated positive batch sizes, ``1,8,32``."""
+    try:
+        batches = [int(x) for x in text.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive batch sizes such as 1,8,32, got {text!r}")
+    return batches
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="muse-spark-8b")
     p.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--batches", type=batch_list, default=[1, 8, 32], help="comma-separated, e.g. 1,8,32")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per request")
     p.add_argument("--max-seq", type=int, default=None, help="static key window (default context + 128)")
     p.add_argument("--iters", type=int, default=20)

@@ -22,6 +22,8 @@ import json
 
 import torch
 
+from muse_spark.bench import batch_list
+
 
 # Launch configurations the sweep times (keys of plugins/attention DEFAULT_CONFIG, plus num_stages).
 # EARLY_KV gives the same bits as without it (same split and tile); the split and the tile change
@@ -38,7 +40,7 @@ def _name(c: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--batches", type=batch_list, default=[1, 8, 32], help="comma-separated, e.g. 1,8,32")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--window", type=int, default=1152)
     p.add_argument("--queries", type=int, default=8, help="γ + 1")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The skinny linear kernel (plugins/linear) against cuBLAS, on the step's weight shapes.
 
-    python scripts/linear_bench.py [--sweep] [--json out.json]     # on a CUDA device
+    python scripts/linear_bench.py [--sweep] [--batches 1,8] [--json out.json]     # on a CUDA device
 
 Every time is graph-timed (``plugins/markov/bench.time_in_graph``) with the calls rotating over
 enough copies of the weight that it never stays in the L2 cache, as in a step, where each
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from muse_spark.bench import batch_list  # noqa: E402
 from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear  # noqa: E402
 from muse_spark.plugins.markov.bench import time_in_graph  # noqa: E402
 
@@ -73,7 +74,8 @@ def time_calls(fn, x, ws) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true", help="time the launch configurations per shape")
-    p.add_argument("--batches", type=int, nargs="+", default=[1], help="rows = batch·(γ+1) (7 for the draft's)")
+    p.add_argument("--batches", type=batch_list, default=[1],
+                   help="comma-separated, e.g. 1,8; rows = batch·(γ+1) (batch·γ for the draft's)")
     p.add_argument("--deadline-s", type=float, default=420.0)
     p.add_argument("--json", type=Path)
     a = p.parse_args()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from muse_spark.bench import emitted_tokens, first_differing_columns, render_markdown
@@ -71,3 +72,14 @@ def test_emitted_tokens_are_the_accepted_drafts_and_the_bonus():
     assert emitted_tokens(other) == emitted_tokens(packed)
     other[0, 0] = 0  # an accepted draft
     assert emitted_tokens(other) != emitted_tokens(packed)
+
+
+def test_batches_option_takes_a_comma_separated_list():
+    import argparse
+
+    from muse_spark.bench import batch_list
+
+    assert batch_list("1,8,32") == [1, 8, 32] and batch_list("4") == [4]
+    for bad in ("1 8", "1,x", "0", "", "2,-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="comma-separated positive batch sizes"):
+            batch_list(bad)

@@ -36,7 +36,7 @@ from muse_spark.plugins.triton_math import add_rn, div_rn, exp_exact, mul_rn, to
 
 # The kernel's range: at most this many rows of x. More rows re-read x once per weight tile and
 # each program's share of the weight shrinks: at 64 rows (batch 8) the H200 sweep has the down
-# projection at 118.6 µs against cuBLAS's 36.6 (scripts/linear_bench.py --batches 8).
+# projection at 118.6 µs against cuBLAS's 36.6 (scripts/linear_bench.py --batches 1,8).
 MAX_ROWS = 16
 DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
 
