@@ -39,17 +39,16 @@ from muse_spark.plugins.triton_math import add_rn, div_rn, exp_exact, mul_rn, to
 # projection at 118.6 µs against cuBLAS's 36.6 (scripts/linear_bench.py --batches 1,8).
 MAX_ROWS = 16
 DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
-
-
 SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may take (227 KB per SM)
 
 
 def default_config(M: int, N: int, K: int, silu_mul: bool) -> dict:
-    """Launch configuration, from scripts/linear_bench.py --sweep on the H200 (8 rows, each shape's
-    weight streamed from HBM): 64-row tiles over 256-column chunks, 4 stages (qkv 15.4 µs, o 11.6,
-    lm_head 248.6, against cuBLAS's 16.3 / 13.4 / 267.6); with silu·mul (two weight tiles per
-    step) 128-column chunks and 3 stages (59.4 µs against 65.8 for cuBLAS + silu); a long K (the
-    down projection, the draft's fc) 16-row tiles over 512 columns, 2 warps (31.8 µs against 33.2).
+    """Launch configuration, chosen by scripts/linear_bench.py --sweep on the H200 (8 rows, each
+    shape's weight streamed from HBM), then timed (``--batches 1,8``): 64-row tiles over 256-column
+    chunks, 4 stages (qkv 15.4 µs, o 12.1, lm_head 245.3, against cuBLAS's 16.2 / 13.3 / 255.6);
+    with silu·mul (two weight tiles per step) 128-column chunks and 3 stages (59.0 µs against 64.9
+    for cuBLAS + silu); a long K (the down projection, the draft's fc) 16-row tiles over 512
+    columns, 2 warps (down 31.9 µs against 32.8).
     More rows of x take more shared memory per stage: the chunk, then the stages, shrink
     until the stages fit ``SHARED_BUDGET``."""
     if silu_mul:
