@@ -199,9 +199,10 @@ def step_matrices(target, draft) -> list:
 def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int, engine: bool = False) -> dict:
     """The step's weight GEMMs alone, back to back (captured in one CUDA graph on the GPU): the
     target's with B·(γ+1) rows, the draft's with B·γ. cuBLAS through ``F.linear``, or with
-    ``engine`` the engine's own path (``models.layers.linear``: the skinny Triton kernel on CUDA,
-    silu·mul fused into the gate/up projections). What a step built on these GEMMs cannot beat,
-    whatever it fuses around them."""
+    ``engine`` the engine's own path (``models.layers.linear`` / ``linear_silu_mul``: cuBLAS and a
+    silu kernel by default, the skinny Triton kernel with silu·mul fused under
+    ``MUSE_SPARK_LINEAR=triton``). What a step built on these GEMMs cannot beat, whatever it fuses
+    around them."""
     import torch
     import torch.nn.functional as F
 
@@ -671,7 +672,7 @@ def render_markdown(result: dict) -> str:
         + f"Medians of {cfg['iters']} CUDA-event-timed steps after warm-up. The aoti buckets are "
         f"captured and timed {'smallest' if cfg.get('aoti_order') == 'ascending' else 'largest'} first. "
         "GEMM floor = the step's weight GEMMs alone, back to back: cuBLAS (`F.linear`), and the engine's "
-        "own GEMMs (the skinny Triton kernel with silu·mul fused, where the engine runs it).",
+        "own GEMMs (with `MUSE_SPARK_LINEAR=triton`, the skinny Triton kernel with silu·mul fused).",
         "",
         "## Speculative step latency",
         "",

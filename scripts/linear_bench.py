@@ -5,11 +5,11 @@
 
 Every time is graph-timed (``plugins/markov/bench.time_in_graph``) with the calls rotating over
 enough copies of the weight that it never stays in the L2 cache, as in a step, where each
-weight is read once. Prints, per shape, µs per call for cuBLAS (``F.linear``; for the fused
-gate/up, ``F.linear`` then silu·mul) and the kernel, and the weight stream's GB/s; then the
-step's whole GEMM sequence (``muse_spark.bench.gemm_floor``): cuBLAS, and the engine's GEMMs
-(the kernel with its default configurations, silu·mul fused). ``--sweep`` times the launch
-configurations per shape and reports each shape's fastest.
+weight is read once. Prints, per shape, µs per call for cuBLAS (``models.layers.linear_reference``:
+``F.linear``, then silu·mul for the fused gate/up) and the kernel, and the weight stream's GB/s;
+then the step's whole GEMM sequence (``muse_spark.bench.gemm_floor``): cuBLAS, and the engine's
+GEMMs with ``MUSE_SPARK_LINEAR=triton`` (the kernel with its default configurations, silu·mul
+fused). ``--sweep`` times the launch configurations per shape and reports each shape's fastest.
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ import argparse
 import itertools
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from muse_spark.bench import batch_list  # noqa: E402
+from muse_spark.models.layers import linear_reference  # noqa: E402
 from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear  # noqa: E402
 from muse_spark.plugins.markov.bench import time_in_graph  # noqa: E402
 
@@ -55,14 +56,6 @@ def operands(M, N, K, dev):
     ws = [torch.randn(N, K, device=dev).to(torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(M, K, device=dev).to(torch.bfloat16)
     return x, ws
-
-
-def cublas_call(x, w, silu):
-    if silu:
-        gu = F.linear(x, w)
-        i = w.shape[0] // 2
-        return F.silu(gu[:, :i]) * gu[:, i:]
-    return F.linear(x, w)
 
 
 def time_calls(fn, x, ws) -> float:
@@ -105,8 +98,8 @@ def main() -> int:
                 x, ws = operands(M, N, K, dev)
                 nbytes = N * K * 2
                 r = {"M": M, "N": N, "K": K, "silu_mul": silu, "weight_MB": nbytes / 1e6}
-                r["cublas_us"] = time_calls(lambda x, w: cublas_call(x, w, silu), x, ws)
-                ref = cublas_call(x, ws[0], silu).float()
+                r["cublas_us"] = time_calls(lambda x, w: linear_reference(x, w, silu), x, ws)
+                ref = linear_reference(x, ws[0], silu).float()
                 cands = configs() if (a.sweep and time.time() - t0 < a.deadline_s) else [default_config(M, N // (1 + silu), K, silu)]
                 timings = []
                 for cfg in cands:
@@ -134,8 +127,11 @@ def main() -> int:
                 save()
                 del ws
 
-        # The whole GEMM sequence of a step (151 GEMMs), cuBLAS and the engine's, each in one graph.
+        # The whole GEMM sequence of a step (151 GEMMs), cuBLAS and the engine's through the kernel
+        # (cuBLAS is the engines' default: select the kernel), each in one graph.
         from muse_spark.bench import gemm_floor, preset_configs, random_pair
+
+        os.environ["MUSE_SPARK_LINEAR"] = "triton"
 
         tcfg, dcfg = preset_configs("muse-spark-8b")
         target, draft = random_pair(tcfg, dcfg, dev)

@@ -688,11 +688,10 @@ def linear_operands(M, N, K, dtype, exact, seed=0):
 def exact_linear(x, w, silu_mul):
     """The correctly rounded result: fp32 sums (exact for ``linear_operands(exact=True)``) rounded
     once, then silu·mul in the compute dtype as the modules compute it."""
+    from muse_spark.models.layers import silu_mul_halves
+
     y = torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)
-    if not silu_mul:
-        return y
-    inter = w.shape[0] // 2
-    return torch.nn.functional.silu(y[..., :inter]) * y[..., inter:]
+    return silu_mul_halves(y) if silu_mul else y
 
 
 @needs_kernels

@@ -220,14 +220,17 @@ def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     return fits(x, w)
 
 
+def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
+    """``silu(g) · u`` of the two halves ``[g | u]`` of ``y``'s last dim, in ``y``'s dtype."""
+    inter = y.shape[-1] // 2
+    return F.silu(y[..., :inter]) * y[..., inter:]
+
+
 def linear_reference(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
     """``F.linear(x, w)``; with ``silu_mul``, ``silu(g) · u`` of its halves ``[g | u]``: the spec of
     ``muse_spark::linear_triton``, and what ``linear`` runs off its Triton path."""
     y = F.linear(x, w)
-    if not silu_mul:
-        return y
-    inter = w.shape[0] // 2
-    return F.silu(y[..., :inter]) * y[..., inter:]
+    return silu_mul_halves(y) if silu_mul else y
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
