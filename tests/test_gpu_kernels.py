@@ -142,9 +142,13 @@ def markov_inputs(B, gamma, Vd, V, r, seed=0, exact=True, temps=None, wdtype=tor
 def kernel_configs():
     """Launch configurations to cover (the default, and each alternative the wrapper can pick)."""
     cfgs = [None, dict(BLOCK_B=1, BLOCK_V=128, RESIDENT=False), dict(BLOCK_B=1, BLOCK_V=64, RESIDENT=True),
-            dict(BLOCK_B=16, BLOCK_V=64, GRID_SYNC=False)]
+            dict(BLOCK_B=16, BLOCK_V=64, GRID_SYNC=False),
+            dict(BLOCK_B=1, BLOCK_V=64, RESIDENT=True, MMA=True, POLL_MAX=True)]
     if ON_GPU:
         cfgs += [dict(COUNT_BARRIER=True),
+                 dict(COUNT_BARRIER=True, POLL_MAX=True),
+                 dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, MMA=True, COUNT_BARRIER=True, POLL_MAX=True),
+                 dict(BLOCK_B=16, BLOCK_V=256, POLL_MAX=True),
                  dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=False, num_warps=8),
                  dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, num_warps=16),
                  dict(BLOCK_B=16, BLOCK_V=512, GRID_SYNC=True)]

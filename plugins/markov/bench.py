@@ -179,15 +179,32 @@ def compile_all() -> None:
     torch.cuda.synchronize()
 
 
-def compare_workspace(reps: int = 3) -> None:
-    """A zeroed workspace per call (a memset before each kernel) against one kept across calls, as
-    an engine's bucket would keep it, with either grid barrier; alternating, ``reps`` times, at
-    batches 1 and 8."""
+WORKSPACE_VARIANTS = [None, {"KEEP_WORKSPACE": True}, {"KEEP_WORKSPACE": True, "COUNT_BARRIER": True}]
+KERNEL_VARIANTS = {  # batch 1: W2 resident; kept workspace, as the engines call it
+    1: [{"KEEP_WORKSPACE": True},
+        {"KEEP_WORKSPACE": True, "COUNT_BARRIER": True},
+        {"KEEP_WORKSPACE": True, "COUNT_BARRIER": True, "POLL_MAX": True},
+        {"KEEP_WORKSPACE": True, "COUNT_BARRIER": True, "MMA": True},
+        {"KEEP_WORKSPACE": True, "COUNT_BARRIER": True, "POLL_MAX": True, "MMA": True},
+        {"KEEP_WORKSPACE": True, "COUNT_BARRIER": True, "POLL_MAX": True, "MMA": True, "num_warps": 4}],
+    8: [{"KEEP_WORKSPACE": True},
+        {"KEEP_WORKSPACE": True, "COUNT_BARRIER": True, "POLL_MAX": True}],
+}
+
+
+def compare(variants: dict, reps: int = 3) -> None:
+    """Launch variants {batch: [config, …]} timed alternately, ``reps`` times (warm and cold L2),
+    each checked once against the reference. ``WORKSPACE_VARIANTS``: a zeroed workspace per call (a
+    memset before each kernel) against one kept across calls, as an engine's bucket keeps it."""
+    for batch, cfgs in variants.items():
+        for cfg in cfgs:
+            print(f"check batch {batch} {cfg}: {check_config(batch, cfg)}", flush=True)
     for rep in range(reps):
-        for batch in (1, 8):
-            for cfg in (None, {"KEEP_WORKSPACE": True}, {"KEEP_WORKSPACE": True, "COUNT_BARRIER": True}):
+        for batch, cfgs in variants.items():
+            for cfg in cfgs:
                 warm, cold = bench_markov(batch, config=cfg), bench_markov(batch, config=cfg, cold=True)
-                name = "zeroed per call" if cfg is None else ", ".join(k.lower() for k in cfg)
+                name = "zeroed per call" if cfg is None else ", ".join(
+                    k.lower() if v is True else f"{k}={v}" for k, v in cfg.items())
                 print(f"rep {rep} batch {batch} {name}: warm {warm:.1f} us, cold {cold:.1f} us", flush=True)
 
 
@@ -197,13 +214,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile-only", action="store_true", help="only compile the swept configurations")
     ap.add_argument("--workspace", action="store_true", help="only compare a kept workspace with a zeroed one")
+    ap.add_argument("--variants", action="store_true", help="only compare the kernel variants (KERNEL_VARIANTS)")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench needs a CUDA device")
     if opts.compile_only:
         return compile_all()
     if opts.workspace:
-        return compare_workspace()
+        return compare({1: WORKSPACE_VARIANTS, 8: WORKSPACE_VARIANTS})
+    if opts.variants:
+        return compare(KERNEL_VARIANTS)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     rows = []
     for batch in (1, 8, 32):

@@ -136,10 +136,22 @@ def _ordered(x):
 
 
 @triton.jit
+def _poll_words(ptrs, msk, parity):
+    """One poll of a block of step words -> per row, the winning word (parity bit cleared), or
+    ``WORD_MASK`` where a word does not carry this call's ``parity`` yet. WORD_MASK is never a word:
+    its key field would be all ones, the order key of a NaN, and keys are never NaN."""
+    w = tl.load(ptrs, mask=msk, other=0, volatile=True)  # volatile: from L2, never a stale L1 line
+    t = w ^ (parity << 63)  # this call's words: sign bit clear, the rest the word; others: negative
+    return tl.max(tl.where(msk, tl.where(t < 0, WORD_MASK, t), 0), axis=1)
+
+
+@triton.jit
 def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, parity, NS_P2: tl.constexpr,
-                    SPIN: tl.constexpr):
+                    SPIN: tl.constexpr, POLL_MAX: tl.constexpr):
     """Poll the NS words of step k until all carry this call's ``parity`` -> the winning word per
-    row (parity bit cleared). A poll that gives up (after SPIN polls) raises the error flag to 1."""
+    row (parity bit cleared). A poll that gives up (after SPIN polls) raises the error flag to 1.
+    ``POLL_MAX``: each poll is one max-reduction that yields the winner too (``_poll_words``);
+    else a count of missing words per poll, then the max."""
     sl = tl.arange(0, NS_P2)
     msk = rmask[:, None] & (sl < NS)[None, :]
     ptrs = word_ptr + (rows[:, None] * GAMMA + k) * NS + sl[None, :]
@@ -147,16 +159,27 @@ def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, parity, NS_P2
     # H200 (Triton 3.6) the poll's reductions read each other's shared-memory scratch and a
     # program spun on words that were all written (2026-12-02, scripts/markov_diag.py).
     tl.debug_barrier()
-    w = tl.load(ptrs, mask=msk, other=0, volatile=True)  # volatile: from L2, never a stale L1 line
-    missing = tl.sum(tl.sum((msk & (((w >> 63) & 1) != parity)).to(tl.int32), axis=1), axis=0)
-    spins = 0
-    while (missing > 0) & (spins < SPIN):
-        tl.debug_barrier()  # every thread has read ``missing`` before the scratch is reused
+    if POLL_MAX:
+        w = _poll_words(ptrs, msk, parity)
+        missing = tl.max(w, axis=0) == WORD_MASK
+        spins = 0
+        while missing & (spins < SPIN):
+            tl.debug_barrier()  # every thread has read ``missing`` before the scratch is reused
+            w = _poll_words(ptrs, msk, parity)
+            missing = tl.max(w, axis=0) == WORD_MASK
+            spins += 1
+        tl.store(flag_ptr, 1, mask=missing)
+    else:
         w = tl.load(ptrs, mask=msk, other=0, volatile=True)
         missing = tl.sum(tl.sum((msk & (((w >> 63) & 1) != parity)).to(tl.int32), axis=1), axis=0)
-        spins += 1
-    tl.store(flag_ptr, 1, mask=missing > 0)
-    w = tl.max(tl.where(msk, w & WORD_MASK, 0), axis=1)
+        spins = 0
+        while (missing > 0) & (spins < SPIN):
+            tl.debug_barrier()  # every thread has read ``missing`` before the scratch is reused
+            w = tl.load(ptrs, mask=msk, other=0, volatile=True)
+            missing = tl.sum(tl.sum((msk & (((w >> 63) & 1) != parity)).to(tl.int32), axis=1), axis=0)
+            spins += 1
+        tl.store(flag_ptr, 1, mask=missing > 0)
+        w = tl.max(tl.where(msk, w & WORD_MASK, 0), axis=1)
     tl.debug_barrier()
     return w
 
@@ -205,12 +228,24 @@ def _grid_barrier(ctl_ptr, n_prog, epoch, SPIN: tl.constexpr):
 @triton.jit
 def _bias(w1_ptr, w2_ptr, prev, rmask, cols, cmask, RANK, RANK_W, w_res, RANK_P2: tl.constexpr,
           BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, RESIDENT: tl.constexpr,
-          IEEE_DOT: tl.constexpr):
+          IEEE_DOT: tl.constexpr, MMA: tl.constexpr):
     """W2[cols] @ W1[prev] -> [BLOCK_B, BLOCK_V] fp32.
 
     Reads BLOCK_V*r*2 B of W2 (none if RESIDENT) and BLOCK_B*r*2 B of W1."""
     acc = tl.zeros((BLOCK_B, BLOCK_V), dtype=tl.float32)
-    if RESIDENT:
+    if RESIDENT and MMA:
+        # batch 1, W2 slice held as bf16 [BLOCK_V, r]: z^T = W2 @ [e e … e] on the tensor cores (the
+        # W1 row broadcast to the MMA's 16 columns; every column is the same sum, so their max is it).
+        rr = tl.arange(0, RANK_P2)
+        e = tl.load(w1_ptr + prev[:, None] * RANK_W + rr[None, :], mask=rmask[:, None] & (rr < RANK)[None, :],
+                    other=0.0)  # [1, r]
+        eb = tl.broadcast_to(tl.trans(e), (RANK_P2, 16))
+        if IEEE_DOT:
+            zt = tl.dot(w_res.to(tl.float32), eb.to(tl.float32), input_precision="ieee")
+        else:
+            zt = tl.dot(w_res, eb)  # [BLOCK_V, 16] fp32; bf16 products are exact in fp32
+        acc += tl.max(zt, axis=1)[None, :]
+    elif RESIDENT:
         # batch 1, W2 slice held as bf16 pairs in int32 [BLOCK_V, r/2]; the W1 row likewise [1, r/2].
         # (Columns on dim 0 and a reduction over dim 1 keep the result spread over the threads.)
         jj = tl.arange(0, RANK_P2 // 2)
@@ -267,7 +302,7 @@ def _markov_kernel(
     RANK_P2: tl.constexpr, NS_P2: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     FINAL_ROWS: tl.constexpr, SALT: tl.constexpr, HAS_MARKOV: tl.constexpr, RESIDENT: tl.constexpr,
     GRID_SYNC: tl.constexpr, FINAL: tl.constexpr, IEEE_DOT: tl.constexpr, SPIN: tl.constexpr,
-    COUNT_BARRIER: tl.constexpr = False,
+    COUNT_BARRIER: tl.constexpr = False, POLL_MAX: tl.constexpr = False, MMA: tl.constexpr = False,
 ):
     pid_v = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -295,7 +330,11 @@ def _markov_kernel(
     z_base = probs_ptr + (rows[:, None] * GAMMA) * Vd + cols[None, :]
     slot = ((lcol ^ MAX_SLOT).to(tl.int64) << TID_BITS)[None, :]  # 511 - column, for the tie-break
     w_res = tl.zeros((1, 1), dtype=tl.int32)
-    if RESIDENT:  # the W2 slice, read once for all steps: [BLOCK_V, r/2] int32 (bf16 pairs)
+    if RESIDENT and MMA:  # the W2 slice, read once for all steps: [BLOCK_V, r] bf16
+        rr = tl.arange(0, RANK_P2)
+        w_res = tl.load(w2_ptr + cols[:, None] * RANK_W + rr[None, :], mask=cmask[:, None] & (rr < RANK)[None, :],
+                        other=0.0)
+    elif RESIDENT:  # the W2 slice, read once for all steps: [BLOCK_V, r/2] int32 (bf16 pairs)
         jj = tl.arange(0, RANK_P2 // 2)
         w_res = tl.load(w2_ptr + cols[:, None] * RANK_W + jj[None, :], mask=cmask[:, None] & (jj < RANK_W)[None, :],
                         other=0)
@@ -310,13 +349,13 @@ def _markov_kernel(
             prev = tl.load(anchor_ptr + rows, mask=rmask, other=0)
         else:
             prev = _wait_for_words(word_ptr, rows, rmask, k - 1, GAMMA, NS, flag_ptr, parity, NS_P2,
-                                   SPIN) & TID_MASK
+                                   SPIN, POLL_MAX) & TID_MASK
             if pid_v == 0:
                 tl.store(ids_ptr + rows * GAMMA + (k - 1), prev, mask=rmask)
         # ---- z = U_k + W2 @ W1[prev]
         if HAS_MARKOV:
             z = z + _bias(w1_ptr, w2_ptr, prev, rmask, cols, cmask, RANK, RANK_W, w_res, RANK_P2, BLOCK_B, BLOCK_V,
-                          BLOCK_R, RESIDENT, IEEE_DOT)
+                          BLOCK_R, RESIDENT, IEEE_DOT, MMA)
         # ---- sanitize: class 2 = +inf, 1 = finite, 0 = -inf/NaN, -1 = padding
         z = tl.where(z != z, float("-inf"), z)
         cls = tl.where(z == float("inf"), 2, tl.where(z == float("-inf"), 0, 1))
@@ -479,9 +518,10 @@ def launch_markov_sample(
         U = U.contiguous()
     resident = (cfg["RESIDENT"] and block_b == 1 and rank > 0 and rank % 2 == 0 and w1.dtype == torch.bfloat16
                 and w2.dtype == torch.bfloat16)
+    mma = resident and bool(cfg.get("MMA", False))
     if rank > 0:
         w1, w2 = w1.contiguous(), w2.to(w1.dtype).contiguous()  # no-ops for engine weights
-        if resident:  # bf16 pairs as int32: [V, r/2], [Vd, r/2]
+        if resident and not mma:  # bf16 pairs as int32: [V, r/2], [Vd, r/2]
             w1, w2 = w1.view(torch.int32), w2.view(torch.int32)
     else:
         w1 = w2 = U  # never read; an empty tensor may have no valid pointer to pass
@@ -499,11 +539,14 @@ def launch_markov_sample(
     pi = torch.empty((2, B, gamma, ns), dtype=torch.int32, device=dev)
     rank_p2 = triton.next_power_of_2(max(rank, 2))
     block_r = min(rank_p2, 32) if block_b == 1 else min(max(rank_p2, 16), 64)
+    if mma:
+        rank_p2 = max(rank_p2, 16)  # an MMA's K
     consts = dict(
         RANK_P2=max(rank_p2, block_r), NS_P2=triton.next_power_of_2(ns), BLOCK_B=block_b, BLOCK_V=block_v,
         BLOCK_R=block_r, FINAL_ROWS=triton.next_power_of_2(gamma) if block_b == 1 else block_b, SALT=SALT_KEY,
         HAS_MARKOV=rank > 0, RESIDENT=resident, IEEE_DOT=w1.dtype == torch.float32 or interpret, SPIN=spin_limit,
-        COUNT_BARRIER=bool(cfg.get("COUNT_BARRIER", False)), num_warps=cfg["num_warps"],
+        COUNT_BARRIER=bool(cfg.get("COUNT_BARRIER", False)), POLL_MAX=bool(cfg.get("POLL_MAX", False)), MMA=mma,
+        num_warps=cfg["num_warps"],
     )
     args = (U, anchor.to(torch.int64), w1, w2, d2t.to(torch.int64), seeds.to(torch.int64),
             positions.to(torch.int64), temperature.float(), ids, probs, words, pf, pi, B, Vd, gamma, rank, ns)
