@@ -142,15 +142,14 @@ def markov_inputs(B, gamma, Vd, V, r, seed=0, exact=True, temps=None, wdtype=tor
 def kernel_configs():
     """Launch configurations to cover (the default, and each alternative the wrapper can pick)."""
     cfgs = [None, dict(BLOCK_B=1, BLOCK_V=128, RESIDENT=False), dict(BLOCK_B=1, BLOCK_V=64, RESIDENT=True),
-            dict(BLOCK_B=16, BLOCK_V=64, GRID_SYNC=False),
-            dict(BLOCK_B=1, BLOCK_V=64, RESIDENT=True, MMA=True, POLL_MAX=True)]
+            dict(BLOCK_B=1, BLOCK_V=64, RESIDENT=True, MMA=False, POLL_MAX=False, COUNT_BARRIER=False),
+            dict(BLOCK_B=16, BLOCK_V=64, GRID_SYNC=False)]
     if ON_GPU:
-        cfgs += [dict(COUNT_BARRIER=True),
-                 dict(COUNT_BARRIER=True, POLL_MAX=True),
-                 dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, MMA=True, COUNT_BARRIER=True, POLL_MAX=True),
-                 dict(BLOCK_B=16, BLOCK_V=256, POLL_MAX=True),
+        cfgs += [dict(COUNT_BARRIER=False),
+                 dict(POLL_MAX=False),
                  dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=False, num_warps=8),
-                 dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, num_warps=16),
+                 dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, MMA=False),
+                 dict(BLOCK_B=1, BLOCK_V=256, RESIDENT=True, MMA=False, num_warps=16),
                  dict(BLOCK_B=16, BLOCK_V=512, GRID_SYNC=True)]
     return cfgs
 
@@ -639,17 +638,20 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-@pytest.mark.parametrize("count_barrier", [False, True], ids=["sense_reversing", "count_barrier"])
+@pytest.mark.parametrize("variant", [{}, dict(COUNT_BARRIER=False, POLL_MAX=False), dict(MMA=False)],
+                         ids=["default", "sense_reversing_count_poll", "registers"])
 @pytest.mark.parametrize("batch", [1, 32])
-def test_markov_kernel_compiles_for_hopper(batch, count_barrier):
+def test_markov_kernel_compiles_for_hopper(batch, variant):
     """The Markov kernel under its default launch configurations at the production shape (γ = 7,
-    Vd = 32768, r = 256), compiled ahead of time for sm_90 without a GPU: it compiles (batch 1:
-    W2 resident in registers) and fits an SM's shared memory."""
+    Vd = 32768, r = 256), and with the alternatives to its defaults, compiled ahead of time for
+    sm_90 without a GPU: it compiles (batch 1: W2 resident in shared memory for the tensor cores,
+    or in registers) and fits an SM's shared memory."""
     from muse_spark.plugins.markov import triton_kernel as mk
 
-    cfg = mk.default_config(batch, 32768, 256, torch.device("cpu"))
+    cfg = dict(mk.default_config(batch, 32768, 256, torch.device("cpu")), **variant)
     resident = cfg["RESIDENT"]
-    w = "*i32" if resident else "*bf16"
+    mma = resident and cfg["MMA"]
+    w = "*i32" if resident and not mma else "*bf16"
     names = ["u_ptr", "anchor_ptr", "w1_ptr", "w2_ptr", "d2t_ptr", "seed_ptr", "pos_ptr", "temp_ptr", "ids_ptr",
              "probs_ptr", "ws_ptr", "pf_ptr", "pi_ptr", "B", "Vd", "GAMMA", "RANK", "NS", "k_begin", "k_end",
              "stride_ub", "stride_uk", "RANK_W"]
@@ -659,9 +661,12 @@ def test_markov_kernel_compiles_for_hopper(batch, count_barrier):
     consts = dict(RANK_P2=256, NS_P2=triton.next_power_of_2(ns), BLOCK_B=cfg["BLOCK_B"], BLOCK_V=cfg["BLOCK_V"],
                   BLOCK_R=32 if cfg["BLOCK_B"] == 1 else 64, FINAL_ROWS=8 if cfg["BLOCK_B"] == 1 else cfg["BLOCK_B"],
                   SALT=mk.SALT_KEY, HAS_MARKOV=True, RESIDENT=resident, GRID_SYNC=True, FINAL=True, IEEE_DOT=False,
-                  SPIN=mk.SPIN_LIMIT, COUNT_BARRIER=count_barrier)
-    k = compile_for_hopper(mk._markov_kernel, sig, consts, cfg["num_warps"])
+                  SPIN=mk.SPIN_LIMIT, COUNT_BARRIER=cfg["COUNT_BARRIER"], POLL_MAX=cfg["POLL_MAX"], MMA=mma)
+    k = compile_for_hopper(mk._markov_kernel, sig, consts, cfg["num_warps"],
+                           multiples_of_16=("Vd", "stride_ub", "stride_uk", "RANK_W"))
     assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
+    if mma:  # the GEMV is on the tensor cores, and the W2 slice is in shared memory (128 KB)
+        assert "wgmma.mma_async" in k.asm["ptx"] and k.metadata.shared >= 128 * 1024
 
 
 # ---- the skinny linear layer ---------------------------------------------------------------------

@@ -16,8 +16,11 @@ HBM (16 MB / 4.3 TB/s ≈ 3.9 µs) and each step is a chain of dependent
 accesses (poll the step words → W1 row → GEMV → step word), so it is
 latency-bound: the target is ≤ 30 µs.
 
-Measured on the H200 (torch 2.11, Triton 3.6; sampled, T = 1; warm / cold L2):
-batch 1: 30.8 / 33.3 µs (W2 in registers, 8 warps; 41.6 / 51.3 reading W2 from
+Measured on the H200 (torch 2.11, Triton 3.6; sampled, T = 1; warm / cold L2), the
+defaults of 2026-12-03 with a kept workspace (``--variants``, three alternating runs):
+batch 1: 27.5–27.6 / 30.1–30.4 µs (W2 slice in shared memory, tensor-core GEMV,
+counting barrier, one reduction per poll); batch 8: 98.1–98.3 / 100.7–100.9 µs.
+Earlier defaults: batch 1: 30.8 / 33.3 µs (W2 in registers, 8 warps; 41.6 / 51.3 reading W2 from
 L2 each step); batch 8: 97.7 / 100.4 µs; batch 32: 173 / 174 µs. The reference
 loop, eager (it could not be captured then: ``sanitize_logits`` copied a host scalar, fixed since):
 6.8–8.2 ms. At batch 1: γ = 1 costs 11.6 µs, rank 0 (no GEMV) 17.0 µs, greedy

@@ -23,19 +23,24 @@ dependent memory accesses short:
   argmax with torch's tie-break (highest class, highest key, lowest index) and
   carries ``prev = x + d2t[x]`` itself. Readers poll the NS words of step k−1
   until all carry this call's parity: the poll is both the barrier and the
-  data (no fence, no atomic);
+  data (no fence, no atomic). ``POLL_MAX`` (default): each poll is one
+  max-reduction over the words with the ones of another parity mapped to a
+  sentinel, which is both the "all written?" test and the winner;
 * the words live in a workspace ``[counter, epoch, error flag, 0, words…]``:
   the call's parity is 1 − (epoch mod 2), every call writes every word of its
-  shape, and the final grid barrier (sense-reversing: the last program to
-  arrive resets the counter and advances the epoch) flips the parity for the
-  next call. So a workspace kept by the caller for one shape (an engine's batch
-  bucket) is never zeroed again: no memset per call. A zeroed workspace
-  (epoch 0: parity 1, and a zero word has parity 0) serves any one call.
-  ``COUNT_BARRIER`` (a launch option, not the default; not yet measured on the GPU): the
-  counter is never reset, the epoch is counter / programs, and the barrier's waiters poll the
-  counter itself, so the last program to arrive does no extra atomics before the others go on;
-* at batch 1 the program's W2 slice (BLOCK_V·r·2 B = 128 KB) stays in
-  registers for all γ steps (``RESIDENT``, bf16 pairs as int32).
+  shape, and the final grid barrier flips the parity for the next call. So a
+  workspace kept by the caller for one shape (an engine's batch bucket) is never
+  zeroed again: no memset per call. A zeroed workspace (epoch 0: parity 1, and a
+  zero word has parity 0) serves any one call. The barrier: ``COUNT_BARRIER``
+  (default) — the counter is never reset, the epoch is counter / programs, and
+  the waiters poll the counter itself, so the last program to arrive does no
+  extra atomics before the others go on; otherwise sense-reversing — the last
+  program to arrive resets the counter and advances the epoch the others wait on;
+* at batch 1 the program's W2 slice (BLOCK_V·r·2 B = 128 KB) is read once for
+  all γ steps (``RESIDENT``): with ``MMA`` (default) into shared memory, and
+  each step's GEMV is one tensor-core product W2_slice @ [e … e] (the W1 row
+  broadcast to 16 columns); without, into registers as bf16 pairs (int32) and
+  the GEMV runs on the CUDA cores.
 
 Barriers: a CTA barrier (``tl.debug_barrier``) stands before and inside the poll, after its
 final reduction, and after the word is published. Without them, on the H200 with Triton 3.6
@@ -442,17 +447,21 @@ def _sm_count(device: torch.device) -> int:
 
 def default_config(B: int, Vd: int, rank: int, device: torch.device,
                    weight_dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Launch configuration, from the sweep on the H200 (plugins/markov/bench.py, γ = 7, Vd = 32768,
-    r = 256): batch 1 keeps W2 in registers (30.8 µs, vs 36.6 with 16 warps and 41.6 reading W2
-    from L2 every step); batches 2–16 share a W2 tile through tensor cores (97.7 µs at batch 8);
-    larger batches use 512-column slices (173 µs at batch 32, vs 326 with 32-row blocks), except
-    with fp32 weights, whose 512-column tiles need more shared memory than an SM has (264 KB)."""
+    """Launch configuration, from the sweeps on the H200 (plugins/markov/bench.py, γ = 7, Vd = 32768,
+    r = 256; warm L2, a kept workspace): batch 1 keeps its W2 slice resident in shared memory and
+    runs the GEMV on the tensor cores (``MMA``: 27.5–27.6 µs, against 29.7–29.9 with the slice in
+    registers as bf16 pairs, 36.6 with 16 warps, 41.6 reading W2 from L2 every step); batches 2–16
+    share a W2 tile through tensor cores (98.1–98.3 µs at batch 8); larger batches use 512-column
+    slices (173 µs at batch 32, vs 326 with 32-row blocks), except with fp32 weights, whose
+    512-column tiles need more shared memory than an SM has (264 KB). Every batch: the counting
+    grid barrier (``COUNT_BARRIER``) and one max-reduction per poll (``POLL_MAX``), 0.9 and 0.4 µs
+    less at batch 1 than the sense-reversing barrier and a count of missing words."""
+    common = dict(GRID_SYNC=True, COUNT_BARRIER=True, POLL_MAX=True, num_warps=8)
     if B == 1:
-        return dict(BLOCK_B=1, BLOCK_V=min(256, triton.next_power_of_2(max(Vd, 16))), GRID_SYNC=True,
-                    RESIDENT=True, num_warps=8)
+        return dict(common, BLOCK_B=1, BLOCK_V=min(256, triton.next_power_of_2(max(Vd, 16))), RESIDENT=True, MMA=True)
     block_v = 256 if B <= 16 or weight_dtype == torch.float32 else 512
-    return dict(BLOCK_B=16, BLOCK_V=min(block_v, triton.next_power_of_2(max(Vd, 16))), GRID_SYNC=True,
-                RESIDENT=False, num_warps=8)
+    return dict(common, BLOCK_B=16, BLOCK_V=min(block_v, triton.next_power_of_2(max(Vd, 16))), RESIDENT=False,
+                MMA=False)
 
 
 def supported(Vd: int, vocab: int) -> bool:
@@ -518,7 +527,7 @@ def launch_markov_sample(
         U = U.contiguous()
     resident = (cfg["RESIDENT"] and block_b == 1 and rank > 0 and rank % 2 == 0 and w1.dtype == torch.bfloat16
                 and w2.dtype == torch.bfloat16)
-    mma = resident and bool(cfg.get("MMA", False))
+    mma = resident and bool(cfg["MMA"])
     if rank > 0:
         w1, w2 = w1.contiguous(), w2.to(w1.dtype).contiguous()  # no-ops for engine weights
         if resident and not mma:  # bf16 pairs as int32: [V, r/2], [Vd, r/2]
@@ -545,7 +554,7 @@ def launch_markov_sample(
         RANK_P2=max(rank_p2, block_r), NS_P2=triton.next_power_of_2(ns), BLOCK_B=block_b, BLOCK_V=block_v,
         BLOCK_R=block_r, FINAL_ROWS=triton.next_power_of_2(gamma) if block_b == 1 else block_b, SALT=SALT_KEY,
         HAS_MARKOV=rank > 0, RESIDENT=resident, IEEE_DOT=w1.dtype == torch.float32 or interpret, SPIN=spin_limit,
-        COUNT_BARRIER=bool(cfg.get("COUNT_BARRIER", False)), POLL_MAX=bool(cfg.get("POLL_MAX", False)), MMA=mma,
+        COUNT_BARRIER=bool(cfg["COUNT_BARRIER"]), POLL_MAX=bool(cfg["POLL_MAX"]), MMA=mma,
         num_warps=cfg["num_warps"],
     )
     args = (U, anchor.to(torch.int64), w1, w2, d2t.to(torch.int64), seeds.to(torch.int64),
@@ -563,7 +572,7 @@ def launch_markov_sample(
     if check and int(words[2]):
         # Which (request, step, slice) words were never written: not of this call's parity.
         n_prog = grid[0] * grid[1]
-        epoch = int(words[0]) // n_prog if cfg.get("COUNT_BARRIER") else int(words[1])
+        epoch = int(words[0]) // n_prog if cfg["COUNT_BARRIER"] else int(words[1])
         parity = 1 - ((epoch - 1) & 1)
         step_words = words[CTL_WORDS:n_ws].view(B, gamma, ns)
         missing = (((step_words >> 63) & 1) != parity).nonzero().tolist()
