@@ -95,38 +95,3 @@ else:
     def to_rne(x, dtype: tl.constexpr):
         return x.to(dtype)  # cvt.rn: round to nearest even
 
-
-# ----------------------------------------------------------------------------- L2 prefetch
-# Fire-and-forget prefetches of global memory into L2, so that a latency-bound kernel keeps HBM
-# streaming the weight the next kernel reads (docs/benchmarks.md, sixth session). The asm is one
-# line (Inductor re-emits a user kernel's source into its own module, where "\n" broke a string
-# literal) and pure (torch's mutation analysis of a user Triton kernel skips pure inline asm and
-# refuses impure), so the caller must use the returned zero, or the compiler drops the prefetch.
-if interpreting():
-
-    @triton.jit
-    def prefetch_l2(base_ptr, nbytes, part, parts, CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BULK: tl.constexpr):
-        return 0  # the interpreter has no L2 and no inline asm
-
-else:
-
-    @triton.jit
-    def prefetch_l2(base_ptr, nbytes, part, parts, CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BULK: tl.constexpr):
-        """Prefetch bytes [0, nbytes) at ``base_ptr`` into L2: program ``part`` of ``parts`` takes chunks
-        part, part + parts, … (``CHUNKS`` of ``CHUNK`` bytes each; the caller makes CHUNKS·parts·CHUNK
-        ≥ nbytes). ``BULK``: one ``cp.async.bulk.prefetch.L2`` per chunk (sm_90; ``nbytes`` and
-        ``CHUNK`` multiples of 16); else ``prefetch.global.L2::evict_last`` per 128-byte line of a
-        chunk (``CHUNK`` = 128). → an int32 zero that the caller must fold into a store."""
-        i = tl.arange(0, CHUNKS).to(tl.int64)
-        off = (part + parts * i) * CHUNK
-        valid = off < nbytes
-        off = tl.where(valid, off, 0)
-        ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + off
-        if BULK:
-            size = tl.where(valid, tl.minimum(nbytes - off, CHUNK), 16).to(tl.int32)
-            z = tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                          [ptrs, size], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            z = tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
-                                          [ptrs], dtype=tl.int32, is_pure=True, pack=1)
-        return tl.sum(z, axis=0)

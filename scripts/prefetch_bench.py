@@ -9,9 +9,13 @@ norms) during which HBM idles. This measures, inside one CUDA graph, per iterati
     → [F.linear(x, W_i)]   (x: 8 rows, bf16)
 
 rotating over enough copies of each weight that every GEMM starts with its weight out of L2.
-The prefetch kernel only issues the prefetches (``plugins/triton_math.prefetch_l2``) and exits;
+The prefetch kernel only issues the prefetches (``prefetch_l2`` below) and exits;
 the memory system fills L2 while the idle phase runs. Printed per weight shape, idle phase and
 prefetch size: µs per iteration and the saving against no prefetch, side by side in one run.
+
+Measured on the H200 (2026-12-03, docs/prefetch-bench.json): every prefetch made the sequence
+slower, by about the time to stream the prefetched bytes, whatever the idle phase; the GEMM after
+it did not get faster. So no plugin kernel prefetches (docs/benchmarks.md, sixth session).
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import triton
 import triton.language as tl
 
 from muse_spark.plugins.markov.bench import time_in_graph
-from muse_spark.plugins.triton_math import prefetch_l2
 
 SHAPES = {  # (N, K) of the target's weights at Muse Spark size
     "o": (4096, 4096),
@@ -32,6 +35,31 @@ SHAPES = {  # (N, K) of the target's weights at Muse Spark size
     "down": (4096, 14336),
     "gate_up": (28672, 4096),
 }
+
+
+# Fire-and-forget prefetches into L2. The asm is one line and pure, as a plugin kernel would need
+# it (Inductor re-emits a user kernel's source, where "\n" broke a string literal before; torch's
+# mutation analysis of a user Triton kernel skips pure inline asm and refuses impure). A pure op's
+# result must be used, or the compiler drops it: hence the returned zero.
+@triton.jit
+def prefetch_l2(base_ptr, nbytes, part, parts, CHUNKS: tl.constexpr, CHUNK: tl.constexpr, BULK: tl.constexpr):
+    """Prefetch bytes [0, nbytes) at ``base_ptr`` into L2: program ``part`` of ``parts`` takes chunks
+    part, part + parts, … (``CHUNKS`` of ``CHUNK`` bytes each; CHUNKS·parts·CHUNK ≥ nbytes). ``BULK``:
+    one ``cp.async.bulk.prefetch.L2`` per chunk (sm_90; nbytes and CHUNK multiples of 16); else one
+    ``prefetch.global.L2::evict_last`` per 128-byte line (CHUNK = 128). → an int32 zero to store."""
+    i = tl.arange(0, CHUNKS).to(tl.int64)
+    off = (part + parts * i) * CHUNK
+    valid = off < nbytes
+    off = tl.where(valid, off, 0)
+    ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + off
+    if BULK:
+        size = tl.where(valid, tl.minimum(nbytes - off, CHUNK), 16).to(tl.int32)
+        z = tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                      [ptrs, size], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        z = tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
+                                      [ptrs], dtype=tl.int32, is_pure=True, pack=1)
+    return tl.sum(z, axis=0)
 
 
 @triton.jit
@@ -95,7 +123,7 @@ def main() -> None:
                     print(f"{name:8} W {row['weight_mb']:6.1f} MB  idle {idle:4.1f} us  prefetch {mb:5.1f} MB "
                           f"{'bulk' if bulk else 'line':4}  {us:8.2f} us/iter  saved {row['saved_us']:6.2f} us",
                           flush=True)
-        del ws
+        ws.clear()  # free the copies before the next shape
         torch.cuda.empty_cache()
     if opts.json:
         with open(opts.json, "w") as f:
