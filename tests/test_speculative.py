@@ -187,3 +187,25 @@ def test_a_broken_acceptance_rule_fails_the_same_test(stat_engine, monkeypatch):
     monkeypatch.setattr(sampling, "residual_distribution", lambda p, q: p)
     pvals = _lossless_pvalues(stat_engine)
     assert min(pvals) < 1e-3, pvals
+
+
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_two_stage_argmax_is_argmax(chunk):
+    """``sampling.argmax_last`` (the compiled step's two-stage argmax) returns ``argmax``'s index:
+    the first index of the maximum, with ties inside a chunk and across chunks, ±0, −inf rows and
+    NaN (which counts as the maximum), and falls back to ``argmax`` on lengths it cannot split."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (6, 5, 64), generator=g).float()  # many ties
+    x[0, 0] = float("-inf")
+    x[0, 1] = 0.0
+    x[0, 1, 37] = -0.0
+    x[0, 2, 20] = float("nan")
+    x[0, 2, 50] = float("nan")
+    x[0, 3, 63] = float("inf")
+    x[0, 3, 5] = float("inf")
+    x[1] = torch.randn(5, 64, generator=g)
+    assert torch.equal(sampling.argmax_last(x, chunk), x.argmax(-1))
+    for n in (chunk, 3 * chunk + 1):  # one chunk, not a multiple: plain argmax
+        assert torch.equal(sampling.argmax_last(x[..., :n], chunk), x[..., :n].argmax(-1))
+    bf = x.bfloat16()
+    assert torch.equal(sampling.argmax_last(bf, chunk), bf.argmax(-1))
