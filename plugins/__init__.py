@@ -12,7 +12,7 @@ from muse_spark.plugins.gated_residual import op as _gated_residual_op  # noqa: 
 from muse_spark.plugins.markov import op as _markov_op  # noqa: F401
 
 PLUGIN_VERSIONS = {
-    "gated_residual_add": 1,
+    "gated_residual_add": 2,  # 2: the branch's own norm fused in (norm_branch)
     "markov_sample": 1,
     "keyed_random": 1,
 }

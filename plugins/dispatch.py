@@ -46,17 +46,18 @@ def _triton_ops():
     return triton_ops
 
 
-def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype):
+def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype,
+                       branch_norm_weight=None, norm_branch=False):
     impl = _current["impl"]
+    args = (stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype, branch_norm_weight,
+            norm_branch)
     if impl == "inline":
-        return gated_residual_add_ref(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype)
+        return gated_residual_add_ref(*args)
     if impl == "triton":
-        return _triton_ops().gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm,
-                                                out_dtype)
+        return _triton_ops().gated_residual_add(*args)
     import torch
 
-    return torch.ops.muse_spark.gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered,
-                                                   apply_norm, out_dtype)
+    return torch.ops.muse_spark.gated_residual_add(*args)
 
 
 def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w,

@@ -2,7 +2,8 @@
 
 Importing this module imports Triton and registers
 
-* ``muse_spark::gated_residual_add_triton`` — gated FP32 residual add fused with the next RMSNorm;
+* ``muse_spark::gated_residual_add_triton`` — gated FP32 residual add fused with the branch's own
+  output norm before it and the next RMSNorm after it;
 * ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop;
 * ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
   which ``models.layers.linear`` calls in bf16/fp16 on CUDA with ``MUSE_SPARK_LINEAR=triton``
@@ -72,12 +73,15 @@ def _gated_residual_add_op(
     zero_centered: bool,
     apply_norm: bool,
     out_dtype: torch.dtype,
+    branch_norm_weight: torch.Tensor | None = None,
+    norm_branch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_gated_residual_inputs(stream, branch, gate)
+    check_gated_residual_inputs(stream, branch, gate, branch_norm_weight)
+    args = (stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype, branch_norm_weight,
+            norm_branch)
     if not _runs_kernels(stream):
-        return gated_residual_add_ref(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype)
-    return launch_gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype,
-                                     wrap=wrap_triton)
+        return gated_residual_add_ref(*args)
+    return launch_gated_residual_add(*args, wrap=wrap_triton)
 
 
 @triton_op("muse_spark::markov_sample_triton", mutates_args=())
@@ -152,10 +156,11 @@ def attention(q, k, v, mask, slots=None):
     return torch.ops.muse_spark.attention_triton(q, k, v, mask, slots)
 
 
-def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype):
+def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype,
+                       branch_norm_weight=None, norm_branch=False):
     """Same signature as ``gated_residual_add_ref``; runs ``muse_spark::gated_residual_add_triton``."""
     return torch.ops.muse_spark.gated_residual_add_triton(stream, branch, gate, norm_weight, eps, zero_centered,
-                                                          apply_norm, out_dtype)
+                                                          apply_norm, out_dtype, branch_norm_weight, norm_branch)
 
 
 def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w,

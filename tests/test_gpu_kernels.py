@@ -19,6 +19,7 @@ import torch
 import muse_spark.plugins  # noqa: F401  (registers the reference ops)
 from muse_spark.plugins import dispatch
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
+from muse_spark.plugins.norm import rms_norm
 from muse_spark.plugins.keyed_random import SALT_DRAFT, keyed_gumbel
 from muse_spark.plugins.markov.reference import markov_sample_ref
 
@@ -88,18 +89,42 @@ def kern():
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("D", [33, 1000, 4096])
 @pytest.mark.parametrize("weight", ["plain", "zero_centered", "none"])
-def test_gated_residual_norm_matches_reference(tops, out_dtype, D, weight):
+@pytest.mark.parametrize("norm_branch", [False, True], ids=["branch_as_is", "branch_normed"])
+def test_gated_residual_norm_matches_reference(tops, out_dtype, D, weight, norm_branch):
     g = torch.Generator().manual_seed(D)
     stream = (4 * torch.randn(2, 7, D, generator=g)).to(DEV)
-    branch = torch.randn(2, 7, D, generator=g).to(out_dtype).to(DEV)
+    branch = (3 * torch.randn(2, 7, D, generator=g)).to(out_dtype).to(DEV)
     gate = (0.5 + torch.rand(D, generator=g)).to(DEV)
     w = None if weight == "none" else (0.1 * torch.randn(D, generator=g)).to(out_dtype).to(DEV)
-    args = (stream, branch, gate, w, 1e-6, weight == "zero_centered", True, out_dtype)
+    wb = None if weight == "none" else (1 + 0.1 * torch.randn(D, generator=g)).to(out_dtype).to(DEV)
+    args = (stream, branch, gate, w, 1e-6, weight == "zero_centered", True, out_dtype, wb, norm_branch)
     new, normed = tops.gated_residual_add(*args)
     ref_new, ref_normed = gated_residual_add_ref(*args)
-    assert torch.equal(new, ref_new)
+    if norm_branch:
+        # The normed branch may differ from the reference's by its rounding (a few units in the
+        # last place of the branch dtype where the fp32 norm straddles a rounding boundary); the
+        # stream then by gate times that, and nowhere else.
+        rb = rms_norm(branch, wb, 1e-6, weight == "zero_centered", out_dtype).float()
+        bound = 4 * torch.finfo(out_dtype).eps * (gate * rb.abs()) + 4 * torch.finfo(torch.float32).eps * ref_new.abs()
+        assert ((new - ref_new).abs() <= bound).all()
+        if out_dtype != torch.float32:  # fp32: the norm's scale may differ in its last bit, so every element
+            assert (new != ref_new).float().mean() < 0.05
+        # given the reference's normed branch, the kernel's stream is the reference's bit for bit
+        again, _ = tops.gated_residual_add(stream, rb.to(out_dtype), *args[2:8])
+        assert torch.equal(again, ref_new)
+        # the next norm reads the kernel's own stream
+        ref_normed = rms_norm(new.to(out_dtype), w, 1e-6, weight == "zero_centered", out_dtype)
+    else:
+        assert torch.equal(new, ref_new)
     assert normed.dtype == out_dtype and normed.shape == stream.shape
     torch.testing.assert_close(normed, ref_normed, **NORM_TOL[out_dtype])
+
+
+def test_gated_residual_rejects_a_branch_norm_weight_of_another_width():
+    stream, branch, gate = torch.zeros(2, 8), torch.zeros(2, 8).bfloat16(), torch.ones(8)
+    with pytest.raises(ValueError, match=r"expected branch norm weight of shape \[8\], got \[7\]"):
+        torch.ops.muse_spark.gated_residual_add(stream, branch, gate, None, 1e-6, False, True, torch.bfloat16,
+                                                torch.ones(7), True)
 
 
 @needs_kernels

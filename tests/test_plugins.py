@@ -37,6 +37,32 @@ def test_gated_residual_add_matches_the_formula(zero_centered, with_weight):
     assert torch.equal(new2, want) and empty.numel() == 0
 
 
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("with_weight", [False, True])
+def test_gated_residual_add_norms_the_branch_first(zero_centered, with_weight):
+    """``norm_branch``: the branch's own output norm (post-attention / post-FFN) inside the op,
+    exactly the separate norm it replaces: rms_norm in the branch's dtype, then the residual."""
+    from muse_spark.plugins.norm import rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    stream = torch.randn(5, 33, generator=g)
+    branch = (4 * torch.randn(5, 33, generator=g)).bfloat16()
+    gate = torch.rand(33, generator=g)
+    w = torch.randn(33, generator=g).bfloat16() if with_weight else None
+    wb = torch.randn(33, generator=g).bfloat16() if with_weight else None
+    normed_branch = rms_norm(branch, wb, 1e-6, zero_centered, torch.bfloat16)
+    for apply_norm in (True, False):
+        got = torch.ops.muse_spark.gated_residual_add(stream, branch, gate, w, 1e-6, zero_centered, apply_norm,
+                                                      torch.bfloat16, wb, True)
+        want = torch.ops.muse_spark.gated_residual_add(stream, normed_branch, gate, w, 1e-6, zero_centered,
+                                                       apply_norm, torch.bfloat16)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # the weight is ignored unless norm_branch is set
+    plain = torch.ops.muse_spark.gated_residual_add(stream, branch, gate, w, 1e-6, zero_centered, True,
+                                                    torch.bfloat16, wb, False)
+    assert torch.equal(plain[0], stream + gate * branch.float())
+
+
 def test_gated_residual_add_rejects_bad_shapes():
     with pytest.raises(ValueError, match=r"expected gate of shape \[8\], got \[7\]"):
         torch.ops.muse_spark.gated_residual_add(torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(7), None, 1e-6,

@@ -328,14 +328,15 @@ class DecoderLayer(nn.Module):
         c = self.cfg
         x = self.self_attn.pre_qkv_proj_norm(stream.to(dt), dt)
         attn = self.self_attn(x, positions, kv)
+        # stream += g_attn ⊙ post_attn_norm(attn); x = pre_ffn_norm(stream): one plugin call
         stream, x = dispatch.gated_residual_add(
-            stream, self.post_attn_norm(attn, dt), self.g_attn,
-            self.pre_ffn_norm.weight, c.rms_norm_eps, c.norm_zero_centered_gamma, True, dt,
+            stream, attn, self.g_attn, self.pre_ffn_norm.weight, c.rms_norm_eps, c.norm_zero_centered_gamma, True,
+            dt, self.post_attn_norm.weight, True,
         )
         ffn = self.feed_forward(x)
-        stream, _ = dispatch.gated_residual_add(
-            stream, self.post_ffn_norm(ffn, dt), self.g_ffn,
-            None, c.rms_norm_eps, c.norm_zero_centered_gamma, False, dt,
+        stream, _ = dispatch.gated_residual_add(  # stream += g_ffn ⊙ post_ffn_norm(ffn)
+            stream, ffn, self.g_ffn, None, c.rms_norm_eps, c.norm_zero_centered_gamma, False, dt,
+            self.post_ffn_norm.weight, True,
         )
         return stream
 

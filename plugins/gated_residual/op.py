@@ -12,7 +12,8 @@ import torch
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 
 
-def check_gated_residual_inputs(stream: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor) -> None:
+def check_gated_residual_inputs(stream: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor,
+                                branch_norm_weight: torch.Tensor | None = None) -> None:
     """The schema's shape/dtype contract, shared by the reference op and the kernels."""
     if stream.dtype != torch.float32:
         raise ValueError(f"gated_residual_add: stream must be float32, got {stream.dtype}")
@@ -22,6 +23,9 @@ def check_gated_residual_inputs(stream: torch.Tensor, branch: torch.Tensor, gate
         )
     if gate.shape != stream.shape[-1:]:
         raise ValueError(f"gated_residual_add: expected gate of shape [{stream.shape[-1]}], got {list(gate.shape)}")
+    if branch_norm_weight is not None and branch_norm_weight.shape != stream.shape[-1:]:
+        raise ValueError(f"gated_residual_add: expected branch norm weight of shape [{stream.shape[-1]}], got "
+                         f"{list(branch_norm_weight.shape)}")
 
 
 @torch.library.custom_op("muse_spark::gated_residual_add", mutates_args=())
@@ -34,12 +38,16 @@ def gated_residual_add(
     zero_centered: bool,
     apply_norm: bool,
     out_dtype: torch.dtype,
+    branch_norm_weight: torch.Tensor | None = None,
+    norm_branch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_gated_residual_inputs(stream, branch, gate)
-    return gated_residual_add_ref(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype)
+    check_gated_residual_inputs(stream, branch, gate, branch_norm_weight)
+    return gated_residual_add_ref(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype,
+                                  branch_norm_weight, norm_branch)
 
 
 @gated_residual_add.register_fake
-def _(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype):
+def _(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype, branch_norm_weight=None,
+      norm_branch=False):
     normed = stream.new_empty(stream.shape if apply_norm else (0,), dtype=out_dtype)
     return torch.empty_like(stream), normed

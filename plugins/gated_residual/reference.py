@@ -2,6 +2,7 @@
 
 The decoder layer's residual update (DESIGN.md §2) is
 
+    branch = post_norm(branch)                     # the branch's own output norm (optional)
     stream = stream + g ⊙ branch.float()          # fp32 [N, D]
     x      = norm(stream.to(compute_dtype))        # the next input norm
 
@@ -28,7 +29,11 @@ def gated_residual_add_ref(
     zero_centered: bool,
     apply_norm: bool,
     out_dtype: torch.dtype,
+    branch_norm_weight: torch.Tensor | None = None,  # [D] or None (norm_affine false)
+    norm_branch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if norm_branch:  # the layer's post-attention / post-FFN norm, in the branch's dtype
+        branch = rms_norm(branch, branch_norm_weight, eps, zero_centered, branch.dtype)
     new_stream = stream + gate.float() * branch.float()
     if not apply_norm:
         return new_stream, new_stream.new_empty((0,), dtype=out_dtype)

@@ -2,11 +2,14 @@
 
 Reference (``reference.py``, the spec)::
 
+    branch     = rms_norm(branch, wb, eps, zc)                     # optional (norm_branch), branch dtype
     new_stream = stream + g ⊙ branch.float()                      # fp32 [N, D]
     normed     = rms_norm(new_stream.to(out_dtype), w, eps, zc)   # out_dtype [N, D]
 
 One program per row: the row is read once, the new fp32 stream written once,
-and the norm reduces the row while it is still in registers.
+and both norms reduce the row while it is still in registers. In a decoder
+layer that is three kernels in one: the branch's post-attention (post-FFN)
+norm, the residual add, and the next input norm.
 
 Memory traffic per row: read D·4 (stream) + D·s (branch, s = 2 for bf16)
 + D·4 (gate, L2-resident) + D·s (norm weight, L2-resident); write D·4 (new
@@ -14,8 +17,11 @@ stream) + D·s (normed). The unfused pair (add, then norm) reads the new stream
 back: one D·4 read and one launch saved.
 
 Rounding, against the reference:
-* the new stream is bit-identical: ``gate·branch`` and the add are rounded
-  separately (``mul_rn``/``add_rn``), never contracted into an FMA;
+* the new stream is bit-identical given the same branch: ``gate·branch`` and
+  the add are rounded separately (``mul_rn``/``add_rn``), never contracted
+  into an FMA. With ``norm_branch`` the normed branch (rounded to the branch's
+  dtype, as the reference rounds it) differs from the reference's by the
+  norm's rounding, and the stream follows it;
 * the norm reads the stream *rounded to out_dtype*, as the reference does;
 * the mean of squares is summed in another order than torch's reduction and
   ``rsqrt`` is the hardware approximation (torch's CUDA ``rsqrt`` is too), so
@@ -33,11 +39,26 @@ from muse_spark.plugins.triton_math import add_rn, mul_rn, to_rne
 
 
 @triton.jit
+def _rms_norm(x, weight_ptr, cols, mask, D, EPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """plugins/norm.rms_norm of one fp32 row (zeros past D) -> fp32, before the cast."""
+    ms = tl.sum(x * x, axis=0) / D
+    y = x * tl.rsqrt(ms + EPS)
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            y = y * (1.0 + w)
+        else:
+            y = y * w
+    return y
+
+
+@triton.jit
 def _gated_residual_norm_kernel(
     stream_ptr,  # [N, D] fp32
     branch_ptr,  # [N, D] compute dtype
     gate_ptr,  # [D] fp32
     weight_ptr,  # [D] norm weight (unused unless HAS_WEIGHT)
+    bweight_ptr,  # [D] the branch norm's weight (unused unless NORM_BRANCH and HAS_BRANCH_WEIGHT)
     new_ptr,  # [N, D] fp32 out: the new stream
     out_ptr,  # [N, D] out_dtype out: the normed row (unused unless APPLY_NORM)
     D,
@@ -46,6 +67,8 @@ def _gated_residual_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     APPLY_NORM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NORM_BRANCH: tl.constexpr = False,
+    HAS_BRANCH_WEIGHT: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -55,19 +78,15 @@ def _gated_residual_norm_kernel(
     s = tl.load(stream_ptr + base + cols, mask=mask, other=0.0)
     b = tl.load(branch_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + cols, mask=mask, other=0.0)
+    if NORM_BRANCH:  # the branch's own norm, rounded to the branch's dtype (reference.py)
+        b = to_rne(_rms_norm(b, bweight_ptr, cols, mask, D, EPS, HAS_BRANCH_WEIGHT, ZERO_CENTERED),
+                   branch_ptr.dtype.element_ty).to(tl.float32)
     new = add_rn(s, mul_rn(g, b))  # stream + (g * branch): two roundings, as in torch
     tl.store(new_ptr + base + cols, new, mask=mask)  # write D*4 B
     if APPLY_NORM:
         # The norm reads the stream rounded to the compute dtype (reference.py).
         x = to_rne(new, out_ptr.dtype.element_ty).to(tl.float32)
-        ms = tl.sum(x * x, axis=0) / D
-        y = x * tl.rsqrt(ms + EPS)
-        if HAS_WEIGHT:
-            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            if ZERO_CENTERED:
-                y = y * (1.0 + w)
-            else:
-                y = y * w
+        y = _rms_norm(x, weight_ptr, cols, mask, D, EPS, HAS_WEIGHT, ZERO_CENTERED)
         tl.store(out_ptr + base + cols, to_rne(y, out_ptr.dtype.element_ty), mask=mask)  # write D*s B
 
 
@@ -80,6 +99,8 @@ def launch_gated_residual_add(
     zero_centered: bool,
     apply_norm: bool,
     out_dtype: torch.dtype,
+    branch_norm_weight: torch.Tensor | None = None,  # [D] or None
+    norm_branch: bool = False,
     wrap=lambda k: k,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel; ``wrap`` is ``torch.library.wrap_triton`` inside the op."""
@@ -92,8 +113,9 @@ def launch_gated_residual_add(
         )
     if gate.shape != (D,):
         raise ValueError(f"gated_residual_add: expected gate of shape [{D}], got {list(gate.shape)}")
-    if norm_weight is not None and norm_weight.shape != (D,):
-        raise ValueError(f"gated_residual_add: expected norm weight of shape [{D}], got {list(norm_weight.shape)}")
+    for name, t in (("norm weight", norm_weight), ("branch norm weight", branch_norm_weight)):
+        if t is not None and t.shape != (D,):
+            raise ValueError(f"gated_residual_add: expected {name} of shape [{D}], got {list(t.shape)}")
     s2 = stream.reshape(-1, D).contiguous()
     b2 = branch.reshape(-1, D).contiguous()
     g = gate.float().contiguous()
@@ -104,10 +126,12 @@ def launch_gated_residual_add(
         block_d = triton.next_power_of_2(D)
         num_warps = min(16, max(1, block_d // 512))
         w = norm_weight.contiguous() if norm_weight is not None else g
+        has_bw = norm_branch and branch_norm_weight is not None
+        wb = branch_norm_weight.contiguous() if has_bw else g
         wrap(_gated_residual_norm_kernel)[(N,)](
-            s2, b2, g, w, new, out if apply_norm else new, D,
+            s2, b2, g, w, wb, new, out if apply_norm else new, D,
             EPS=float(eps), HAS_WEIGHT=norm_weight is not None, ZERO_CENTERED=zero_centered, APPLY_NORM=apply_norm,
-            BLOCK_D=block_d, num_warps=num_warps,
+            BLOCK_D=block_d, NORM_BRANCH=bool(norm_branch), HAS_BRANCH_WEIGHT=has_bw, num_warps=num_warps,
         )
     new = new.reshape(stream.shape)
     return new, (out.reshape(stream.shape) if apply_norm else out)
