@@ -120,9 +120,10 @@ def time_fn(fn, device, iters: int, warmup: int = 3) -> dict:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "iters": iters}
 
 
-def profile_kernels(fn, device, calls: int = 3, top: int = 15) -> dict:
+def profile_kernels(fn, device, calls: int = 3, top: int = 15, keep_all: bool = False) -> dict:
     """Where a call's device time goes: torch.profiler over ``calls`` calls of ``fn`` -> the kernel
-    time per call and the ``top`` kernels (name, launches per call, ms per call, share)."""
+    time per call and the ``top`` kernels (name, launches per call, ms per call, share);
+    ``keep_all``: also ``all``, {name: ms per call} of every kernel."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -147,9 +148,19 @@ def profile_kernels(fn, device, calls: int = 3, top: int = 15) -> dict:
         acc[1] += us
     total = sum(v[1] for v in per.values()) / calls / 1e3
     rows = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"kernel_ms": total, "calls": calls,
-            "top": [{"name": k[:120], "launches": v[0] / calls, "ms": v[1] / calls / 1e3,
-                     "share": v[1] / calls / 1e3 / total if total else 0.0} for k, v in rows]}
+    out = {"kernel_ms": total, "calls": calls,
+           "top": [{"name": k[:120], "launches": v[0] / calls, "ms": v[1] / calls / 1e3,
+                    "share": v[1] / calls / 1e3 / total if total else 0.0} for k, v in rows]}
+    if keep_all:
+        out["all"] = {k[:120]: [v[0] / calls, v[1] / calls / 1e3] for k, v in per.items()}
+    return out
+
+
+def slower_in_graph(plain: dict, replay: dict, top: int = 10) -> list:
+    """The kernels whose time per step grew most from the packages' plain calls to the graph's
+    replay (``profile_kernels(keep_all=True)`` of each): [name, launches, plain ms, replay ms]."""
+    rows = [[k, launches, plain["all"].get(k, [0, 0.0])[1], ms] for k, (launches, ms) in replay["all"].items()]
+    return sorted(rows, key=lambda r: r[2] - r[3])[:top]
 
 
 def copy_bandwidth(device, gib: float = 2.0) -> dict:
@@ -512,9 +523,19 @@ class Bench:
                 self.log(f"aoti B={b}: {sec['aoti'][b]['median_ms']:.2f} ms (greedy step equals eager: {same})")
                 if a.profile:  # the same packages, called without the graph: the kernels it replays
                     plain = StaticStep(fn, b, weights, caches, scratch, dev)
-                    prof = sec.setdefault("aoti_profile", {})[b] = profile_kernels(lambda: plain(*x), dev)
+                    prof = profile_kernels(lambda: plain(*x), dev, keep_all=cuda)
                     self.log(f"aoti B={b} profile: {prof['kernel_ms']:.2f} ms of kernels per step; top: "
                              + "; ".join(f"{r['name'][:60]} {r['ms']:.3f} ms" for r in prof["top"][:5]))
+                    if cuda:  # the graph's replay too: which kernels run longer inside it
+                        rep = profile_kernels(runner.graph.replay, dev, keep_all=True)
+                        slower = slower_in_graph(prof, rep)
+                        sec.setdefault("aoti_replay_profile", {})[b] = dict(
+                            kernel_ms=rep["kernel_ms"], top=rep["top"], slower_in_graph=slower)
+                        self.log(f"aoti B={b} replay profile: {rep['kernel_ms']:.2f} ms of kernels per replay; "
+                                 "most slower in the graph: " + "; ".join(
+                                     f"{n[:50]} x{k:g} {p:.3f}->{r:.3f} ms" for n, k, p, r in slower[:6]))
+                        prof.pop("all")
+                    sec.setdefault("aoti_profile", {})[b] = prof
         self.save()
 
     def markov_section(self, draft, batches, impl) -> None:

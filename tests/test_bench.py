@@ -83,3 +83,12 @@ def test_batches_option_takes_a_comma_separated_list():
     for bad in ("1 8", "1,x", "0", "", "2,-1"):
         with pytest.raises(argparse.ArgumentTypeError, match="comma-separated positive batch sizes"):
             batch_list(bad)
+
+
+def test_slower_in_graph_ranks_kernels_by_their_growth():
+    from muse_spark.bench import slower_in_graph
+
+    plain = {"all": {"gemm": [4, 2.0], "norm": [8, 0.1], "gone": [1, 0.5]}}
+    replay = {"all": {"gemm": [4, 2.05], "norm": [8, 0.4], "new": [2, 0.2]}}
+    rows = slower_in_graph(plain, replay, top=2)
+    assert rows == [["norm", 8, 0.1, 0.4], ["new", 2, 0.0, 0.2]]
