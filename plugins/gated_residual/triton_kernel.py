@@ -12,9 +12,10 @@ layer that is three kernels in one: the branch's post-attention (post-FFN)
 norm, the residual add, and the next input norm.
 
 Memory traffic per row: read D·4 (stream) + D·s (branch, s = 2 for bf16)
-+ D·4 (gate, L2-resident) + D·s (norm weight, L2-resident); write D·4 (new
-stream) + D·s (normed). The unfused pair (add, then norm) reads the new stream
-back: one D·4 read and one launch saved.
++ D·4 (gate, L2-resident) + D·s (norm weight, L2-resident) [+ D·s (branch norm
+weight, L2-resident)]; write D·4 (new stream) + D·s (normed). The unfused
+kernels (branch norm, add, norm) write the normed branch and read it and the new
+stream back: two launches and 2·D·s + D·4 bytes saved.
 
 Rounding, against the reference:
 * the new stream is bit-identical given the same branch: ``gate·branch`` and
