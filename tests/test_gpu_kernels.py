@@ -193,6 +193,10 @@ def run_kernel(kern, args, config):
 @pytest.mark.parametrize("shape", [(3, 5, 1000, 3001, 24), (1, 7, 257, 300, 16), (5, 2, 300, 400, 0)], ids=str)
 def test_markov_tokens_and_probs_match_reference(kern, config, shape):
     B, gamma, Vd, V, r = shape
+    if INTERPRETED and config and config.get("BLOCK_B") == 1 and B > 1 and Vd > 512:
+        # one program per request and slice: 15-20 s each on the interpreter (CI time); the GPU runs
+        # it, and the interpreter runs these configurations at the other shapes
+        pytest.skip("a one-request-per-program configuration at the large shape: GPU only")
     args = markov_inputs(B, gamma, Vd, V, r, seed=sum(shape))
     ids, probs = run_kernel(kern, args, config)
     ref_ids, ref_probs = markov_sample_ref(*args)
