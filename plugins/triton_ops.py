@@ -76,7 +76,7 @@ def _gated_residual_add_op(
     branch_norm_weight: torch.Tensor | None = None,
     norm_branch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_gated_residual_inputs(stream, branch, gate, branch_norm_weight)
+    check_gated_residual_inputs(stream, branch, gate, norm_weight, branch_norm_weight)
     args = (stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype, branch_norm_weight,
             norm_branch)
     if not _runs_kernels(stream):

@@ -67,6 +67,12 @@ def test_gated_residual_add_rejects_bad_shapes():
     with pytest.raises(ValueError, match=r"expected gate of shape \[8\], got \[7\]"):
         torch.ops.muse_spark.gated_residual_add(torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(7), None, 1e-6,
                                                 False, False, torch.float32)
+    with pytest.raises(ValueError, match=r"expected norm weight of shape \[8\], got \[1\]"):  # not broadcast
+        torch.ops.muse_spark.gated_residual_add(torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(8), torch.ones(1),
+                                                1e-6, False, True, torch.float32)
+    with pytest.raises(ValueError, match=r"expected branch norm weight of shape \[8\], got \[7\]"):
+        torch.ops.muse_spark.gated_residual_add(torch.zeros(2, 8), torch.zeros(2, 8).bfloat16(), torch.ones(8), None,
+                                                1e-6, False, True, torch.bfloat16, torch.ones(7), True)
 
 
 # ---- keyed randomness -----------------------------------------------------------------------

@@ -13,6 +13,7 @@ from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 
 
 def check_gated_residual_inputs(stream: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor,
+                                norm_weight: torch.Tensor | None = None,
                                 branch_norm_weight: torch.Tensor | None = None) -> None:
     """The schema's shape/dtype contract, shared by the reference op and the kernels."""
     if stream.dtype != torch.float32:
@@ -23,9 +24,9 @@ def check_gated_residual_inputs(stream: torch.Tensor, branch: torch.Tensor, gate
         )
     if gate.shape != stream.shape[-1:]:
         raise ValueError(f"gated_residual_add: expected gate of shape [{stream.shape[-1]}], got {list(gate.shape)}")
-    if branch_norm_weight is not None and branch_norm_weight.shape != stream.shape[-1:]:
-        raise ValueError(f"gated_residual_add: expected branch norm weight of shape [{stream.shape[-1]}], got "
-                         f"{list(branch_norm_weight.shape)}")
+    for name, t in (("norm weight", norm_weight), ("branch norm weight", branch_norm_weight)):
+        if t is not None and t.shape != stream.shape[-1:]:
+            raise ValueError(f"gated_residual_add: expected {name} of shape [{stream.shape[-1]}], got {list(t.shape)}")
 
 
 @torch.library.custom_op("muse_spark::gated_residual_add", mutates_args=())
@@ -41,7 +42,7 @@ def gated_residual_add(
     branch_norm_weight: torch.Tensor | None = None,
     norm_branch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_gated_residual_inputs(stream, branch, gate, branch_norm_weight)
+    check_gated_residual_inputs(stream, branch, gate, norm_weight, branch_norm_weight)
     return gated_residual_add_ref(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype,
                                   branch_norm_weight, norm_branch)
 

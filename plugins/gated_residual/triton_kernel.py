@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.triton_math import add_rn, mul_rn, to_rne
 
 
@@ -105,18 +106,8 @@ def launch_gated_residual_add(
     wrap=lambda k: k,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel; ``wrap`` is ``torch.library.wrap_triton`` inside the op."""
+    check_gated_residual_inputs(stream, branch, gate, norm_weight, branch_norm_weight)
     D = stream.shape[-1]
-    if stream.dtype != torch.float32:
-        raise ValueError(f"gated_residual_add: stream must be float32, got {stream.dtype}")
-    if branch.shape != stream.shape:
-        raise ValueError(
-            f"gated_residual_add: branch shape {list(branch.shape)} differs from stream {list(stream.shape)}"
-        )
-    if gate.shape != (D,):
-        raise ValueError(f"gated_residual_add: expected gate of shape [{D}], got {list(gate.shape)}")
-    for name, t in (("norm weight", norm_weight), ("branch norm weight", branch_norm_weight)):
-        if t is not None and t.shape != (D,):
-            raise ValueError(f"gated_residual_add: expected {name} of shape [{D}], got {list(t.shape)}")
     s2 = stream.reshape(-1, D).contiguous()
     b2 = branch.reshape(-1, D).contiguous()
     g = gate.float().contiguous()
