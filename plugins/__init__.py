@@ -15,4 +15,5 @@ PLUGIN_VERSIONS = {
     "gated_residual_add": 2,  # 2: the branch's own norm fused in (norm_branch)
     "markov_sample": 1,
     "keyed_random": 1,
+    "head_norm_rope": 1,  # the attention's q/k norm + RoPE (bf16/fp16 on CUDA)
 }

@@ -11,8 +11,9 @@ residual stream). Two habits of the Triton compiler get in the way:
 
 So the kernels call these helpers: on the GPU they are libdevice's
 ``__nv_fmul_rn`` / ``__nv_fadd_rn`` (explicit round-to-nearest, which ptxas
-never contracts) and ``__nv_logf`` / ``__nv_expf`` (the CUDA math library
-that torch's kernels use). Triton's CPU interpreter (``TRITON_INTERPRET=1``)
+never contracts) and ``__nv_logf`` / ``__nv_expf`` / ``__nv_powf`` / ``__nv_cosf`` / ``__nv_sinf`` (the
+CUDA math library that torch's kernels use; the approximate ``cos.approx`` would be far
+off at RoPE's large angles). Triton's CPU interpreter (``TRITON_INTERPRET=1``)
 cannot call libdevice; there numpy's IEEE float32 arithmetic is already
 uncontracted, and ``log``/``exp`` are numpy's. The interpreter also truncates
 float32 → bfloat16 where the GPU rounds to nearest even, so ``to_rne`` rounds
@@ -60,6 +61,20 @@ if interpreting():
     def exp_exact(x):
         return tl.exp(x)
 
+    # In float64, rounded once: the correctly rounded float32 result almost always, as a CPU libm
+    # gives it (numpy's float32 pow is not reachable from the interpreter).
+    @triton.jit
+    def pow_exact(x, y):
+        return tl.exp(y.to(tl.float64) * tl.log(x.to(tl.float64))).to(tl.float32)
+
+    @triton.jit
+    def cos_exact(x):
+        return tl.cos(x.to(tl.float64)).to(tl.float32)
+
+    @triton.jit
+    def sin_exact(x):
+        return tl.sin(x.to(tl.float64)).to(tl.float32)
+
     @triton.jit
     def to_rne(x, dtype: tl.constexpr):
         if dtype == tl.bfloat16:  # round the fp32 bits to nearest even, then the cast truncates exactly
@@ -90,6 +105,18 @@ else:
     @triton.jit
     def exp_exact(x):
         return libdevice.exp(x)
+
+    @triton.jit
+    def pow_exact(x, y):
+        return libdevice.pow(x, y)
+
+    @triton.jit
+    def cos_exact(x):
+        return libdevice.cos(x)
+
+    @triton.jit
+    def sin_exact(x):
+        return libdevice.sin(x)
 
     @triton.jit
     def to_rne(x, dtype: tl.constexpr):

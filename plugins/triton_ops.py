@@ -8,6 +8,9 @@ Importing this module imports Triton and registers
 * ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
   which ``models.layers.linear`` calls in bf16/fp16 on CUDA with ``MUSE_SPARK_LINEAR=triton``
   (the default is cuBLAS: ``F.linear``);
+* ``muse_spark::head_norm_rope_triton`` — the attention's per-head q/k RMS norm and RoPE in one
+  pass, which ``models.layers.head_norm_rope`` calls in bf16/fp16 on CUDA. Its reference is
+  ``models.layers.head_norm_rope_reference``;
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
   which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
   selects SDPA instead). Its reference is ``models.layers.attend_reference``.
@@ -33,8 +36,10 @@ import logging
 import torch
 from torch.library import triton_op, wrap_triton
 
-from muse_spark.models.layers import attend_reference, cache_rows, linear_reference, triton_attention_fits
+from muse_spark.models.layers import (attend_reference, cache_rows, head_norm_rope_reference, linear_reference,
+                                      triton_attention_fits)
 from muse_spark.plugins.attention.triton_kernel import launch_attention
+from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
@@ -139,6 +144,20 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return launch_attention(q, k, v, mask, slots, wrap=wrap_triton, interpret=interpreting())
 
 
+@triton_op("muse_spark::head_norm_rope_triton", mutates_args=())
+def _head_norm_rope_op(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
+                       use_rope: bool) -> torch.Tensor:
+    if not head_norm_rope_kernel.fits(x):
+        raise ValueError(f"head_norm_rope: x {list(x.shape)} {x.dtype}: the kernel takes [B, S, heads, Dh] in bf16 or "
+                         "fp16 with Dh a power of two in [2, 512]")
+    if positions.dtype != torch.int64 or tuple(positions.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"head_norm_rope: positions must be int64 {list(x.shape[:2])}, got {positions.dtype} "
+                         f"{list(positions.shape)}")
+    if not _runs_kernels(x):
+        return head_norm_rope_reference(x, positions, eps, theta, use_rope)
+    return head_norm_rope_kernel.launch_head_norm_rope(x, positions, eps, theta, use_rope, wrap=wrap_triton)
+
+
 @triton_op("muse_spark::linear_triton", mutates_args=())
 def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:
     if not fits(x, w):
@@ -154,6 +173,11 @@ def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor
 def attention(q, k, v, mask, slots=None):
     """``models.layers.attend``'s signature; runs ``muse_spark::attention_triton``."""
     return torch.ops.muse_spark.attention_triton(q, k, v, mask, slots)
+
+
+def head_norm_rope(x, positions, eps, theta, use_rope):
+    """``models.layers.head_norm_rope``'s signature; runs ``muse_spark::head_norm_rope_triton``."""
+    return torch.ops.muse_spark.head_norm_rope_triton(x, positions, eps, theta, use_rope)
 
 
 def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype,

@@ -404,9 +404,12 @@ class _Tiny(torch.nn.Module):
                                                                     torch.bfloat16)
         y = torch.ops.muse_spark.linear_triton(normed, wl, False)
         act = torch.ops.muse_spark.linear_triton(x, wl, True)
+        # y's rows as [B = 2, S = 2, heads 3, Dh 32] at the requests' positions
+        qk = torch.ops.muse_spark.head_norm_rope_triton(y.view(2, 2, 3, 32), positions[:, None].expand(2, 2), 1e-6,
+                                                        5e5, True)
         ids, probs = torch.ops.muse_spark.markov_sample_triton(U, h, anchor, w1, w2, d2t, seeds, positions, temps,
                                                                "vanilla", None, None, 0)
-        return new, normed, y, act, ids, probs
+        return new, normed, y, act, qk, ids, probs
 
 
 def _tiny_args():
@@ -425,6 +428,7 @@ def test_triton_ops_export_as_ops(tops):
     assert "muse_spark.gated_residual_add_triton.default" in targets
     assert "muse_spark.markov_sample_triton.default" in targets
     assert "muse_spark.linear_triton.default" in targets
+    assert "muse_spark.head_norm_rope_triton.default" in targets
     for a, b in zip(ep.module()(*args), _Tiny()(*args)):
         assert torch.equal(a, b)
 
@@ -689,6 +693,117 @@ def test_markov_kernel_compiles_for_hopper(batch, variant):
     assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
     if mma:  # the GEMV is on the tensor cores, and the W2 slice is in shared memory (128 KB)
         assert "wgmma.mma_async" in k.asm["ptx"] and k.metadata.shared >= 128 * 1024
+
+
+# ---- q/k head norm + RoPE ------------------------------------------------------------------------
+
+ROPE_SHAPES = {  # (B, S, heads, Dh): q and k of a step side by side, a prefill chunk, one head
+    "step": (1, 8, 40, 128),
+    "batch": (3, 5, 12, 64),
+    "prefill_chunk": (2, 33, 10, 128),
+    "one_head": (2, 3, 1, 16),
+}
+
+
+def rope_operands(shape, dtype, strided, seed=0):
+    """x [B, S, NH, Dh] on DEV (with ``strided``: the first NH heads of a wider row, as q|k are of a
+    qkv projection) and positions [B, S] up to 10^5 (angles far past 2π)."""
+    B, S, NH, dh = shape
+    g = torch.Generator().manual_seed(seed)
+    wide = (3 * torch.randn(B, S, (NH + 3 if strided else NH) * dh, generator=g)).to(dtype).to(DEV)
+    x = wide[..., : NH * dh].reshape(B, S, NH, dh)
+    positions = torch.randint(0, 100_000, (B, S), generator=g).to(DEV)
+    return x, positions
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(ROPE_SHAPES))
+@pytest.mark.parametrize("theta", [5e5, 1e4])
+def test_head_norm_rope_kernel_matches_reference(tops, shape, dtype, theta):
+    """The norm within its rounding (one unit of the dtype's last place where the fp32 value
+    straddles a boundary); RoPE of the kernel's own normed values exactly the reference's on the
+    GPU (the same CUDA math library, every product and sum rounded as torch rounds it); under the
+    interpreter numpy's cos/sin/pow may differ from torch's by an fp32 ulp, so within one unit of
+    the dtype at the head's scale there."""
+    from muse_spark.models.layers import head_norm_rope_reference, head_rms_norm, rope
+
+    x, positions = rope_operands(ROPE_SHAPES[shape], dtype, strided=shape != "one_head", seed=len(shape))
+    normed = tops.head_norm_rope(x, positions, 1e-6, theta, False)
+    ref_normed = head_rms_norm(x, 1e-6)
+    assert normed.shape == x.shape and normed.dtype == dtype and normed.is_contiguous()
+    torch.testing.assert_close(normed, ref_normed, **NORM_TOL[dtype])
+    assert (normed != ref_normed).float().mean() < 0.02
+    out = tops.head_norm_rope(x, positions, 1e-6, theta, True)
+    given_normed = rope(normed, positions, theta)
+    # one unit of the dtype's last place at the head's scale (a rotated value may be small)
+    bound = 2 * torch.finfo(dtype).eps * (normed.float().abs().amax(-1, keepdim=True) + 1e-3)
+    if ON_GPU:
+        assert torch.equal(out, given_normed)
+    else:
+        assert ((out.float() - given_normed.float()).abs() <= bound).all()
+        assert (out != given_normed).float().mean() < 0.01
+    # against the whole reference: the norm's rounding, rotated
+    ref = head_norm_rope_reference(x, positions, 1e-6, theta, True)
+    assert ((out.float() - ref.float()).abs() <= bound).all()
+
+
+@needs_kernels
+def test_head_norm_rope_rows_are_independent_of_batch_and_grid(tops):
+    """A row's bits depend on its own heads and position only: one request alone, or among others,
+    or with fewer heads beside it, gives the same bits."""
+    x, positions = rope_operands((3, 4, 40, 128), torch.bfloat16, strided=True, seed=3)
+    full = tops.head_norm_rope(x, positions, 1e-6, 5e5, True)
+    assert torch.equal(tops.head_norm_rope(x[1:2], positions[1:2], 1e-6, 5e5, True), full[1:2])
+    assert torch.equal(tops.head_norm_rope(x[:, :, 32:], positions, 1e-6, 5e5, True), full[:, :, 32:])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the op's module imports it)")
+def test_head_norm_rope_op_rejects_bad_inputs(tops):
+    x, positions = rope_operands((1, 2, 4, 16), torch.bfloat16, strided=False)
+    op = torch.ops.muse_spark.head_norm_rope_triton
+    with pytest.raises(ValueError, match="bf16 or fp16 with Dh a power of two"):
+        op(x.float(), positions, 1e-6, 5e5, True)
+    with pytest.raises(ValueError, match="Dh a power of two"):
+        op(x[..., :12], positions, 1e-6, 5e5, True)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        op(x, positions.int(), 1e-6, 5e5, True)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        op(x, positions[:, :1], 1e-6, 5e5, True)
+
+
+@needs_kernels
+def test_models_call_the_head_norm_rope_kernel_on_cuda(tops, monkeypatch):
+    """``models.layers.head_norm_rope`` runs the kernel for bf16/fp16 on CUDA, the reference
+    elsewhere (fp32, CPU)."""
+    from muse_spark.models import layers
+
+    calls = []
+    real = torch.ops.muse_spark.head_norm_rope_triton
+    monkeypatch.setattr(layers.torch.ops.muse_spark, "head_norm_rope_triton",
+                        lambda *a: calls.append(a[0].device.type) or real(*a), raising=False)
+    x, positions = rope_operands((1, 3, 5, 32), torch.bfloat16, strided=True)
+    out = layers.head_norm_rope(x, positions, 1e-6, 5e5, True)
+    assert calls == (["cuda"] if ON_GPU else [])
+    assert torch.equal(out, tops.head_norm_rope(x, positions, 1e-6, 5e5, True) if ON_GPU
+                       else layers.head_norm_rope_reference(x, positions, 1e-6, 5e5, True))
+    layers.head_norm_rope(x.float(), positions, 1e-6, 5e5, True)
+    assert len(calls) == (1 if ON_GPU else 0)
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+def test_head_norm_rope_kernel_compiles_for_hopper_with_the_exact_math():
+    """Compiled for sm_90 without a GPU: cos/sin are the CUDA math library's (range reduction in
+    software), not the approximate instructions. (The library itself uses FMAs, so the rotation's
+    separate roundings are checked by the GPU test's exact match with torch instead.)"""
+    from muse_spark.plugins.head_norm_rope import triton_kernel as hk
+
+    names = ["x_ptr", "pos_ptr", "out_ptr", "S", "NH", "sx_b", "sx_s", "sx_h", "sp_b", "sp_s"]
+    sig = dict(zip(names, ["*bf16", "*i64", "*bf16"] + ["i32"] * 7))
+    k = compile_for_hopper(hk._head_norm_rope_kernel, sig,
+                           dict(EPS=1e-6, THETA=5e5, DH=128, BLOCK_H=hk.BLOCK_H, ROPE=True), 4)
+    ptx = k.asm["ptx"]
+    assert k.asm["cubin"] and "cos.approx" not in ptx and "sin.approx" not in ptx
 
 
 # ---- the skinny linear layer ---------------------------------------------------------------------

@@ -107,7 +107,7 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
             kv = torch.nn.functional.linear(ctx, attn.kv_weight())
             k = kv[..., : c.kv_size].reshape(B, S, c.num_key_value_heads, c.head_dim)
             v = kv[..., c.kv_size :].reshape(B, S, c.num_key_value_heads, c.head_dim)
-            ks.append(attn.normalize_k(k, positions))
+            ks.append(attn.normalize_heads(k, positions))
             vs.append(v)
         return ks, vs
 

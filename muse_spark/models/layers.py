@@ -67,6 +67,29 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def head_norm_rope_reference(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
+                             use_rope: bool) -> torch.Tensor:
+    """``head_rms_norm``, then ``rope`` at ``positions`` when ``use_rope``: the spec of
+    ``muse_spark::head_norm_rope_triton``. x [B, S, heads, Dh], positions [B, S] int64."""
+    x = head_rms_norm(x, eps)
+    return rope(x, positions, theta) if use_rope else x
+
+
+def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
+                   use_rope: bool) -> torch.Tensor:
+    """The attention's q/k normalization: per-head weightless RMS norm, then RoPE (when
+    ``use_rope``). x [B, S, heads, Dh] → the same shape in x's dtype. In bf16/fp16 on CUDA (Dh a
+    power of two) one Triton kernel for every head of x, in the eager engine and the compiled
+    packages alike (compiled, the plain functions became four kernels a layer); otherwise
+    ``head_norm_rope_reference``."""
+    if x.device.type == "cuda" and _triton_ops_available():
+        from muse_spark.plugins.head_norm_rope.triton_kernel import fits
+
+        if fits(x):
+            return torch.ops.muse_spark.head_norm_rope_triton(x, positions, eps, theta, use_rope)
+    return head_norm_rope_reference(x, positions, eps, theta, use_rope)
+
+
 ATTENTION_KERNELS = ("triton", "sdpa")
 DEFAULT_ATTENTION_KERNEL = "triton"  # 6x SDPA per layer on the H200 (docs/benchmarks.md)
 _log = logging.getLogger(__name__)
@@ -263,10 +286,11 @@ class Attention(nn.Module):
         q = self.cfg.q_size
         return self.qkv_proj.weight[q : q + 2 * self.cfg.kv_size]
 
-    def normalize_k(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Per-head weightless RMS norm, then RoPE at ``positions``. k: [B, S, KV, Dh]."""
-        k = head_rms_norm(k, self.cfg.rms_norm_eps)
-        return rope(k, positions, self.cfg.rope_theta) if self.cfg.use_rope else k
+    def normalize_heads(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Per-head weightless RMS norm, then RoPE at ``positions``. x: [B, S, heads, Dh] (q and k of
+        a step side by side, or the draft's context keys)."""
+        c = self.cfg
+        return head_norm_rope(x, positions, c.rms_norm_eps, c.rope_theta, c.use_rope)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider) -> torch.Tensor:
         # x: [B, S, D] normed input (compute dtype); positions: [B, S]
@@ -274,12 +298,11 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         qkv = linear(x, self.qkv_proj.weight)
         qs, kvs = c.q_size, c.kv_size
-        q, k, v = qkv[..., :qs], qkv[..., qs : qs + kvs], qkv[..., qs + kvs : qs + 2 * kvs]
-        q = head_rms_norm(q.reshape(B, S, c.num_attention_heads, c.head_dim), c.rms_norm_eps)
-        if c.use_rope:
-            q = rope(q, positions, c.rope_theta)
-        k = self.normalize_k(k.reshape(B, S, c.num_key_value_heads, c.head_dim), positions)
-        v = v.reshape(B, S, c.num_key_value_heads, c.head_dim)
+        H = c.num_attention_heads
+        # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
+        qk = self.normalize_heads(qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim), positions)
+        q, k = qk[:, :, :H], qk[:, :, H:]
+        v = qkv[..., qs + kvs : qs + 2 * kvs].reshape(B, S, c.num_key_value_heads, c.head_dim)
         keys, values, mask, slots = kv(k, v)
         out = attend(q, keys, values, mask, slots).reshape(B, S, c.q_size)
         if c.attn_output_gate:

@@ -1,0 +1,110 @@
+"""Triton kernel of the attention's per-head q/k normalization and RoPE, in one pass.
+
+Spec: ``muse_spark.models.layers.head_norm_rope_reference`` (``head_rms_norm`` then ``rope``)::
+
+    n = rms_norm(x, None, eps)                   # fp32 per head, rounded to x's dtype
+    inv_freq[i] = 1 / theta ** (2i / Dh)         # fp32, i < Dh/2
+    f = position · inv_freq                      # fp32
+    y = [n1·cos f − n2·sin f, n2·cos f + n1·sin f]   # rotate-half (NeoX), rounded to x's dtype
+
+for x [B, S, NH, Dh] (q and k of a step side by side: NH = H + KV) and positions [B, S].
+
+Why a kernel: compiled, the two plain functions became four Inductor kernels per layer (a cos/sin
+table, q, k fused with the cache write, and one more: 0.20 ms and 128 launches of a batch-1
+step on the H200, docs/benchmarks.md "sixth session"); here q and k of a layer are one launch.
+
+One program per (row b·S + s, block of ``BLOCK_H`` heads): the two halves of each head are
+loaded separately, so the rotation needs no shuffle. Rounding, against the reference on CUDA:
+
+* the norm sums x² in another order than torch's reduction (both use the hardware rsqrt), so a
+  normed value may land one unit of the dtype's last place away: ``tests/test_gpu_kernels.py``
+  holds the tolerance;
+* the rest is the reference's arithmetic step for step: ``inv_freq``, the angle, cos and sin
+  are the CUDA math library's (libdevice ``powf``/``cosf``/``sinf``, what torch's kernels call;
+  not the approximate instructions, which are far off at large angles), and every product and
+  sum of the rotation is rounded on its own (``mul_rn``/``add_rn``, never an FMA).
+
+The eager engine (bf16/fp16 on CUDA) calls this kernel too, so it and the compiled packages agree
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from muse_spark.plugins.triton_math import add_rn, cos_exact, div_rn, mul_rn, pow_exact, sin_exact, to_rne
+
+BLOCK_H = 16  # heads per program
+
+
+@triton.jit
+def _head_norm_rope_kernel(
+    x_ptr,  # [B, S, NH, Dh], last dim contiguous
+    pos_ptr,  # [B, S] int64 (unused unless ROPE)
+    out_ptr,  # [B, S, NH, Dh] contiguous, x's dtype
+    S, NH,
+    sx_b, sx_s, sx_h, sp_b, sp_s,
+    EPS: tl.constexpr,  # constexpr: Inductor would pass a float argument as fp64 (see attention's SCALE)
+    THETA: tl.constexpr,
+    DH: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    HALF: tl.constexpr = DH // 2
+    row = tl.program_id(0)
+    b = row // S
+    s = row % S
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = (heads < NH)[:, None]
+    d = tl.arange(0, HALF)
+    src = x_ptr + b.to(tl.int64) * sx_b + s.to(tl.int64) * sx_s + heads[:, None].to(tl.int64) * sx_h + d[None, :]
+    x1 = tl.load(src, mask=hm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=hm, other=0.0).to(tl.float32)
+    ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / DH
+    r = tl.rsqrt(ms + EPS)[:, None]
+    # the norm's result, rounded to x's dtype as head_rms_norm returns it
+    n1 = to_rne(x1 * r, out_ptr.dtype.element_ty).to(tl.float32)
+    n2 = to_rne(x2 * r, out_ptr.dtype.element_ty).to(tl.float32)
+    if ROPE:
+        pos = tl.load(pos_ptr + b.to(tl.int64) * sp_b + s.to(tl.int64) * sp_s).to(tl.float32)
+        expo = div_rn((2 * d).to(tl.float32), tl.full((HALF,), DH, tl.float32))
+        inv = div_rn(tl.full((HALF,), 1.0, tl.float32), pow_exact(tl.full((HALF,), THETA, tl.float32), expo))
+        f = mul_rn(tl.full((HALF,), 1.0, tl.float32) * pos, inv)
+        c = cos_exact(f)[None, :]
+        sn = sin_exact(f)[None, :]
+        y1 = add_rn(mul_rn(n1, c), mul_rn(-n2, sn))
+        y2 = add_rn(mul_rn(n2, c), mul_rn(n1, sn))
+    else:
+        y1 = n1
+        y2 = n2
+    dst = out_ptr + (row.to(tl.int64) * NH + heads[:, None]) * DH + d[None, :]
+    tl.store(dst, to_rne(y1, out_ptr.dtype.element_ty), mask=hm)
+    tl.store(dst + HALF, to_rne(y2, out_ptr.dtype.element_ty), mask=hm)
+
+
+def fits(x: torch.Tensor) -> bool:
+    """What the kernel takes: x [B, S, NH, Dh] in bf16/fp16, Dh a power of two in [2, 512]."""
+    dh = x.shape[-1] if x.dim() == 4 else 0
+    return x.dtype in (torch.bfloat16, torch.float16) and 2 <= dh <= 512 and dh & (dh - 1) == 0
+
+
+def launch_head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float, use_rope: bool,
+                          wrap=lambda f: f) -> torch.Tensor:
+    """x [B, S, NH, Dh] (any strides; the last dim is made contiguous if it is not), positions
+    [B, S] int64 → [B, S, NH, Dh] contiguous in x's dtype. ``wrap`` is ``torch.library.wrap_triton``
+    inside the op."""
+    B, S, NH, dh = x.shape
+    out = torch.empty((B, S, NH, dh), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_h = min(BLOCK_H, triton.next_power_of_2(NH))
+    wrap(_head_norm_rope_kernel)[(B * S, triton.cdiv(NH, block_h))](
+        x, positions, out, S, NH, x.stride(0), x.stride(1), x.stride(2), positions.stride(0), positions.stride(1),
+        EPS=float(eps), THETA=float(theta), DH=dh, BLOCK_H=block_h, ROPE=bool(use_rope),
+        num_warps=4 if block_h * dh >= 1024 else 1,
+    )
+    return out
