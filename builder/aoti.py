@@ -64,7 +64,7 @@ import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
 from muse_spark.models.layers import attention_path, linear_path
-from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, GraphFn, build_pair, part_weight_names, torch_dtype,
+from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
 PLUGIN_IMPLS = ("auto", "inline", "triton")
@@ -151,11 +151,11 @@ def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: lis
     common = dict(tcfg=tcfg.to_dict(), dcfg=dcfg.to_dict(), device=device, max_seq=max_seq,
                   cache_slots=cache_slots, cache_dtype=cache_dtype, impl=impl, configs=configs)
     jobs = []
+    spec = {w[0]: w for w in wspecs}
     for name, fn, batch in graph_plan_names(buckets, with_prefill):
-        part = set(part_weight_names(names, fn))
         tokens = prefill_chunk if name.startswith("prefill") else dcfg.block_size + 1
-        jobs.append(dict(common, name=name, fn=fn, batch=batch, tokens=tokens,
-                         weights=[w for w in wspecs if w[0] in part], out=str(out_dir / f"{name}.pt2")))
+        jobs.append(dict(common, name=name, fn=fn, batch=batch, tokens=tokens,  # in the runtime's feed order
+                         weights=[spec[n] for n in part_weight_names(names, fn)], out=str(out_dir / f"{name}.pt2")))
     return jobs
 
 
@@ -164,7 +164,7 @@ def fake_inputs(job: dict, tcfg, dcfg):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     dev = torch.device(job["device"])
-    cache_dtype = torch_dtype(job["cache_dtype"])
+    cache_dtype = torch_dtype(job["cache_dtype"])  # the compute dtype (the normed inputs x and h have it too)
     i64, f32 = torch.int64, torch.float32
     B, S, D, g = job["batch"], job["tokens"], tcfg.hidden_size, dcfg.block_size
     with FakeTensorMode():
@@ -177,17 +177,19 @@ def fake_inputs(job: dict, tcfg, dcfg):
         weights = [t(shape, torch_dtype(dt)) for _, shape, dt in job["weights"]]
         fn = job["fn"]
         if fn == "layer":
-            return (weights, cache(tcfg), cache(tcfg), t((B, S, D), f32), t((B, S), i64), t((B,), i64))
+            return (weights, cache(tcfg), cache(tcfg), t((B, S, D), f32), t((B, S, D), cache_dtype),
+                    t((B, S), i64), t((B,), i64))
         dk = [cache(dcfg) for _ in range(dcfg.num_hidden_layers)]
         dv = [cache(dcfg) for _ in range(dcfg.num_hidden_layers)]
         aux = [t((B, S, D), f32) for _ in dcfg.target_layer_ids]
         if fn == "step_draft":
             return (weights, dk, dv, *[t((B,), i64) for _ in range(4)], t((B,), f32))
+        h = t((B, S, D), cache_dtype)
         if fn == "step_finish":
-            return (weights, dk, dv, t((B, S, D), f32), aux, t((B, g), i64), t((B, g, dcfg.draft_vocab_size), f32),
+            return (weights, dk, dv, h, aux, t((B, g), i64), t((B, g, dcfg.draft_vocab_size), f32),
                     t((B, S), i64), t((B,), i64), t((B,), i64), t((B,), f32))
         if fn == "prefill_finish":
-            return (weights, dk, dv, t((1, S, D), f32), aux, t((1, S), i64), *[t((1,), i64) for _ in range(3)],
+            return (weights, dk, dv, h, aux, t((1, S), i64), *[t((1,), i64) for _ in range(3)],
                     t((1,), f32))
     raise ValueError(f"unknown graph function {fn!r}")
 
@@ -332,7 +334,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
     graphs = {r["name"]: {"file": r["file"], "fn": r["fn"], "batch": r["batch"], "tokens": r["tokens"]}
               for r in results}
     return {
-        "layout": "layered",
+        "layout": LAYOUT,
         "plugin_impl": impl,
         "plugin_fallback": fallback,
         "attention_kernel": attention_path(device, target.dtype),

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file
 
 from muse_spark.config import dtype_name, parse_dtype
-from muse_spark.runtime.aoti_graphs import (LayeredPrefill, LayeredStep, SpecPair, weight_names, weight_specs,
+from muse_spark.runtime.aoti_graphs import (LAYOUT, LayeredPrefill, embed_and_norm, LayeredStep, SpecPair, weight_names, weight_specs,
                                             weight_tensors)
 from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
 from muse_spark.runtime.engine import (EagerEngine, EngineError, build_modules, check_plugins, configs_from_manifest,
@@ -161,7 +161,7 @@ def load_step(d: str | Path, graphs: dict | None, bucket: int, target, draft, de
 
 def load_prefill(d: str | Path, graphs: dict | None, target, draft, device) -> LayeredPrefill:
     d, names = Path(d), weight_names(SpecPair(target, draft))
-    return LayeredPrefill(names, target.cfg.num_hidden_layers, target.aux_layer_ids, target.embed_stream,
+    return LayeredPrefill(names, target.cfg.num_hidden_layers, target.aux_layer_ids, embed_and_norm(target),
                           _part(d, graphs, "prefill_layer", device), _part(d, graphs, "prefill_finish", device))
 
 
@@ -198,9 +198,10 @@ class AOTIEngine(EagerEngine):
         d = Path(engine_dir)
         cuda = self.device.type == "cuda"
         self.cuda_graphs = cuda and cuda_graphs
-        if a.get("layout") != "layered":
-            raise EngineError(f"{engine_dir}: this aoti engine was built by an older muse-spark (one unrolled graph "
-                              f"per step); rebuild it")
+        if a.get("layout") != LAYOUT:
+            older = ("one unrolled graph per step" if a.get("layout") is None
+                     else f"the packages' layout {a.get('layout')!r}, this runtime's is {LAYOUT!r}")
+            raise EngineError(f"{engine_dir}: this aoti engine was built by another muse-spark ({older}); rebuild it")
         self.prefill_fn = load_prefill(d, a["graphs"], target, draft, self.device)
         self.buckets = [b for b in a["batch_buckets"] if b <= max_batch] or [min(a["batch_buckets"])]
         if self.buckets[-1] < max_batch:

@@ -35,6 +35,9 @@ from muse_spark.models.target import KVCache, MuseSpark1xForCausalLM
 from muse_spark.runtime.sampling import accept, sample_tokens
 
 EMBED = "target.model.embed_tokens.weight"
+# The packages' calling convention; an engine of another layout is refused ("rebuild it").
+# "layered-2": the layer package takes and returns the normed input (the next norm fused in).
+LAYOUT = "layered-2"
 
 
 class SpecPair(nn.Module):
@@ -66,63 +69,80 @@ class SpecPair(nn.Module):
         anchor, anchor_pos, slots, seeds [B] int64; temperature [B] fp32; dk/dv: the draft's
         per-layer context caches [slots, max_seq, KV, Dh] (read).
         → (ids [B, γ] int64 target ids, probs [B, γ, Vd] fp32, stream [B, γ+1, D] fp32,
-        positions [B, γ+1] int64).
+        x [B, γ+1, D] (layer 0's normed input, compute dtype), positions [B, γ+1] int64).
         """
         g = self.draft.cfg.block_size
         dcache = KVCache(list(dk), list(dv))
         ids, probs, _conf = self.draft.propose(anchor, anchor_pos, slots, dcache, dk[0].shape[1], seeds, temperature)
         tokens = torch.cat([anchor[:, None], ids], 1)  # [B, γ+1]
         positions = anchor_pos[:, None] + torch.arange(g + 1, device=anchor.device)
-        return ids, probs, self.target.embed_stream(tokens), positions
+        stream = self.target.embed_stream(tokens)
+        # (the compute dtype from a weight this part reads: layer 0's projections stay on meta)
+        return ids, probs, stream, self.target.model.layers[0].input_norm(stream, self.target.dtype), positions
 
-    def layer(self, k, v, stream, positions, slots):
-        """One target layer (layer 0's weights stand for whichever layer the runtime feeds):
-        k/v [slots, max_seq, KV, Dh] written in place; stream [B, S, D] fp32 → the next stream."""
-        return self.target.layer_forward(0, stream, positions, slots, k, v, k.shape[1])
+    def layer(self, k, v, stream, x, positions, slots):
+        """One target layer (layer 0's weights stand for whichever layer the runtime feeds, and the
+        final norm's weight for whichever norm reads its output: ``NEXT_NORM``): k/v [slots,
+        max_seq, KV, Dh] written in place; stream [B, S, D] fp32 and x, its normed input →
+        (the next stream, its norm: the next layer's input, or after the last layer h)."""
+        return self.target.layer_forward(0, stream, x, positions, slots, k, v, k.shape[1],
+                                         next_norm=self.target.model.norm)
 
-    def step_finish(self, dk, dv, stream, aux, ids, probs, positions, slots, seeds, temperature):
+    def step_finish(self, dk, dv, h, aux, ids, probs, positions, slots, seeds, temperature):
         """Verify and accept, then store the draft context K/V of the block's tokens.
 
-        aux: the streams after the draft's target layers (list of [B, γ+1, D] fp32).
+        h: the final norm of the last layer's stream [B, γ+1, D]; aux: the streams after the
+        draft's target layers (list of [B, γ+1, D] fp32).
         → packed [B, γ+2] int64: γ draft tokens (target ids), n accepted, bonus.
         """
-        h = self.target.final_norm(stream)
         anchor_pos = positions[:, 0]
         n, bonus = accept(self.target.logits(h), ids, probs, self.draft.d2t, temperature, seeds, anchor_pos)
-        self.draft.store_context(self.target.cat_aux(list(aux), stream), positions, slots,
-                                 KVCache(list(dk), list(dv)))
+        self.draft.store_context(self.target.cat_aux(list(aux), h), positions, slots, KVCache(list(dk), list(dv)))
         return torch.cat([ids, n[:, None], bonus[:, None]], 1)
 
-    def prefill_finish(self, dk, dv, stream, aux, positions, slots, last, seeds, temperature):
+    def prefill_finish(self, dk, dv, h, aux, positions, slots, last, seeds, temperature):
         """The end of one prompt chunk: store its draft context K/V, sample the token after ``last``.
 
-        stream [1, C, D] fp32 after the last layer; aux as in ``step_finish``; positions [1, C]
+        h [1, C, D]: the final norm of the last layer's stream; aux as in ``step_finish``; positions [1, C]
         (a short last chunk is padded: its pad positions lie past the prompt, where no query
         looks, and later steps overwrite them); slots, last, seeds [1] int64 (``last``: index
         of the chunk's last real token); temperature [1] fp32.
         → [1] int64: the token after ``last`` (used from the prompt's last chunk).
         """
-        self.draft.store_context(self.target.cat_aux(list(aux), stream), positions, slots,
-                                 KVCache(list(dk), list(dv)))
-        h_last = self.target.final_norm(stream.index_select(1, last))[:, 0]  # [1, D]
+        self.draft.store_context(self.target.cat_aux(list(aux), h), positions, slots, KVCache(list(dk), list(dv)))
+        h_last = h.index_select(1, last)[:, 0]  # [1, D]
         return sample_tokens(self.target.logits(h_last), temperature, seeds, positions.index_select(1, last)[:, 0] + 1)
 
 
 LAYER_PREFIX = "target.model.layers."
+# The layer package's last weight: the norm that reads the layer's output. It was compiled under
+# the final norm's name; the runtime feeds the next layer's input norm there, the final norm's
+# after the last layer (``next_norm_name``).
+NEXT_NORM = "target.model.norm.weight"
+INPUT_NORM = "self_attn.pre_qkv_proj_norm.weight"
 
 
-def part_weight_names(names: list[str], fn: str, layer: int = 0) -> list[str]:
+def next_norm_name(names: list[str], layer: int, layers: int) -> str | None:
+    """The weight of the norm that reads layer ``layer``'s output (None: the norms have no weight)."""
+    name = f"{LAYER_PREFIX}{layer + 1}.{INPUT_NORM}" if layer + 1 < layers else NEXT_NORM
+    return name if name in names else None
+
+
+def part_weight_names(names: list[str], fn: str, layer: int = 0, layers: int = 1) -> list[str]:
     """The weights one compiled part reads, in its graph-input order.
 
-    ``layer``: layer ``layer``'s tensors (the runtime's feed for the one layer package, which was
-    compiled over layer 0's names; the suffixes and their order are the same for every layer).
+    ``layer``: layer ``layer``'s tensors, then the weight of the norm that reads its output (the
+    runtime's feed for the one layer package, compiled over layer 0's names and ``NEXT_NORM``;
+    the suffixes and their order are the same for every layer; ``layers``: how many there are).
     Every other part: everything but the target layers (the draft, the embedding, the final norm,
-    the head).
+    the head), then layer 0's input norm (``step_draft`` normalizes the stream entering layer 0).
     """
     if fn == "layer":
         prefix = f"{LAYER_PREFIX}{layer}."
-        return [n for n in names if n.startswith(prefix)]
-    return [n for n in names if not n.startswith(LAYER_PREFIX)]
+        nxt = NEXT_NORM if layer == 0 and layers == 1 else next_norm_name(names, layer, layers)
+        return [n for n in names if n.startswith(prefix)] + ([nxt] if nxt in names else [])
+    first = f"{LAYER_PREFIX}0.{INPUT_NORM}"
+    return [n for n in names if not n.startswith(LAYER_PREFIX)] + ([first] if first in names else [])
 
 
 def weight_names(pair: SpecPair) -> list[str]:
@@ -164,10 +184,10 @@ def weight_specs(pair: SpecPair) -> list[list]:
 GRAPH_INPUTS = {
     "step_draft": ["weights[head]", "draft_k[]", "draft_v[]", "anchor", "anchor_pos", "slots", "seeds",
                    "temperature"],
-    "layer": ["weights[layer i]", "target_k[i]", "target_v[i]", "stream", "positions", "slots"],
-    "step_finish": ["weights[head]", "draft_k[]", "draft_v[]", "stream", "aux[]", "ids", "probs", "positions",
+    "layer": ["weights[layer i]", "target_k[i]", "target_v[i]", "stream", "x", "positions", "slots"],
+    "step_finish": ["weights[head]", "draft_k[]", "draft_v[]", "h", "aux[]", "ids", "probs", "positions",
                     "slots", "seeds", "temperature"],
-    "prefill_finish": ["weights[head]", "draft_k[]", "draft_v[]", "stream", "aux[]", "positions", "slots", "last",
+    "prefill_finish": ["weights[head]", "draft_k[]", "draft_v[]", "h", "aux[]", "positions", "slots", "last",
                        "seeds", "temperature"],
 }
 
@@ -204,20 +224,21 @@ class _Layered:
     def __init__(self, names: list[str], layers: int, aux_layer_ids, layer_fn):
         where = {n: i for i, n in enumerate(names)}
         self.head_idx = [where[n] for n in part_weight_names(names, "head")]
-        self.layer_idx = [[where[n] for n in part_weight_names(names, "layer", i)] for i in range(layers)]
+        self.layer_idx = [[where[n] for n in part_weight_names(names, "layer", i, layers)] for i in range(layers)]
         if len({len(ix) for ix in self.layer_idx}) > 1:
             raise ValueError("the target layers do not all have the same tensors: one layer package cannot serve them")
         self.aux_layer_ids = set(aux_layer_ids)
         self.layer_fn = layer_fn
 
-    def layers(self, weights, tk, tv, stream, positions, slots):
-        """Run the layer package over every layer; → (last stream, aux streams)."""
+    def layers(self, weights, tk, tv, stream, x, positions, slots):
+        """Run the layer package over every layer (x: layer 0's normed input); → (h, the final norm
+        of the last stream; aux streams)."""
         aux = []
         for i, ix in enumerate(self.layer_idx):
-            stream = self.layer_fn([weights[j] for j in ix], tk[i], tv[i], stream, positions, slots)
+            stream, x = self.layer_fn([weights[j] for j in ix], tk[i], tv[i], stream, x, positions, slots)
             if i in self.aux_layer_ids:
                 aux.append(stream)
-        return stream, aux
+        return x, aux
 
 
 class LayeredStep(_Layered):
@@ -231,15 +252,26 @@ class LayeredStep(_Layered):
 
     def __call__(self, weights, tk, tv, dk, dv, anchor, anchor_pos, slots, seeds, temperature):
         head = [weights[j] for j in self.head_idx]
-        ids, probs, stream, positions = self.draft_fn(head, dk, dv, anchor, anchor_pos, slots, seeds, temperature)
-        stream, aux = self.layers(weights, tk, tv, stream, positions, slots)
-        return self.finish_fn(head, dk, dv, stream, aux, ids, probs, positions, slots, seeds, temperature)
+        ids, probs, stream, x, positions = self.draft_fn(head, dk, dv, anchor, anchor_pos, slots, seeds, temperature)
+        h, aux = self.layers(weights, tk, tv, stream, x, positions, slots)
+        return self.finish_fn(head, dk, dv, h, aux, ids, probs, positions, slots, seeds, temperature)
+
+
+def embed_and_norm(target: MuseSpark1xForCausalLM):
+    """tokens → (the FP32 stream entering layer 0, its input norm): ``LayeredPrefill``'s ``embed``."""
+
+    def embed(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = target.embed_stream(tokens)
+        return stream, target.model.layers[0].input_norm(stream, target.dtype)
+
+    return embed
 
 
 class LayeredPrefill(_Layered):
     """One prompt chunk from its compiled parts: ``fn(weights, tk, tv, dk, dv, tokens, positions,
-    slots, last, seeds, temperature)`` → ``[1]``. The embedding lookup (``embed``: tokens → the
-    FP32 stream, the reference module's) runs uncompiled: it is one gather."""
+    slots, last, seeds, temperature)`` → ``[1]``. The embedding lookup and layer 0's input norm
+    (``embed``: tokens → the FP32 stream and its norm, the reference modules') run uncompiled: a
+    gather and a norm."""
 
     def __init__(self, names, layers, aux_layer_ids, embed, layer_fn, finish_fn):
         super().__init__(names, layers, aux_layer_ids, layer_fn)
@@ -247,5 +279,6 @@ class LayeredPrefill(_Layered):
 
     def __call__(self, weights, tk, tv, dk, dv, tokens, positions, slots, last, seeds, temperature):
         head = [weights[j] for j in self.head_idx]
-        stream, aux = self.layers(weights, tk, tv, self.embed(tokens), positions, slots)
-        return self.finish_fn(head, dk, dv, stream, aux, positions, slots, last, seeds, temperature)
+        stream, x = self.embed(tokens)
+        h, aux = self.layers(weights, tk, tv, stream, x, positions, slots)
+        return self.finish_fn(head, dk, dv, h, aux, positions, slots, last, seeds, temperature)

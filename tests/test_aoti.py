@@ -17,6 +17,7 @@ import torch
 
 from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingParams, load_engine
 from muse_spark.runtime.aoti_engine import AOTIEngine, check_compatibility, machine_info
+from muse_spark.runtime.aoti_graphs import LAYOUT
 
 from conftest import ENGINE_PROMPTS as PROMPTS
 from conftest import cli_generate_ids, run_cli
@@ -61,7 +62,7 @@ def test_build_reports_progress_and_writes_the_manifest(built):
     m = json.loads((out / "manifest.json").read_text())
     assert m["backend"] == "aoti" and m["device"]["kind"] == "cpu"
     a = m["aoti"]
-    assert a["layout"] == "layered" and a["plugin_impl"] == "inline"  # CPU builds trace the reference plugins
+    assert a["layout"] == LAYOUT and a["plugin_impl"] == "inline"  # CPU builds trace the reference plugins
     assert a["attention_kernel"] == "reference"  # the fp32 einsums: no fused attention on CPU
     assert a["linear_kernel"] == "reference"  # F.linear on CPU
     assert a["batch_buckets"] == [MAX_BATCH] and a["cache_slots"] == MAX_BATCH + 1
@@ -112,8 +113,8 @@ def test_layered_parts_compose_to_the_eager_step_and_prefill(agreeing_pair):
     """The parts the builder compiles (draft, one layer reused for every layer, finish), run
     uncompiled over the reference modules and composed as the runtime composes them, give the
     eager engine's step and prefill token for token and write the same caches."""
-    from muse_spark.runtime.aoti_graphs import (GraphFn, LayeredPrefill, LayeredStep, SpecPair, part_weight_names,
-                                                weight_names, weight_tensors)
+    from muse_spark.runtime.aoti_graphs import (GraphFn, LayeredPrefill, LayeredStep, SpecPair, embed_and_norm,
+                                                part_weight_names, weight_names, weight_tensors)
 
     a = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=MAX_BATCH, max_seq=MAX_SEQ)
     b = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=MAX_BATCH, max_seq=MAX_SEQ)
@@ -126,7 +127,7 @@ def test_layered_parts_compose_to_the_eager_step_and_prefill(agreeing_pair):
 
     L, aux_ids = b.tcfg.num_hidden_layers, b.target.aux_layer_ids
     step = LayeredStep(names, L, aux_ids, part("step_draft"), part("layer"), part("step_finish"))
-    prefill = LayeredPrefill(names, L, aux_ids, b.target.embed_stream, part("layer"), part("prefill_finish"))
+    prefill = LayeredPrefill(names, L, aux_ids, embed_and_norm(b.target), part("layer"), part("prefill_finish"))
     caches_b = (b.target_cache.k, b.target_cache.v, b.draft_cache.k, b.draft_cache.v)
     with torch.inference_mode():
         prompt = [72, 101, 108, 108, 111, 44, 32, 119]
@@ -209,12 +210,19 @@ def test_refuses_an_engine_compiled_with_another_torch(built, tmp_path):
         load_engine(d)
 
 
-def test_refuses_an_engine_of_the_older_one_graph_per_step_layout(built, tmp_path):
+@pytest.mark.parametrize("layout", [None, "layered"], ids=["one_graph_per_step", "layered_without_fused_norm"])
+def test_refuses_an_engine_of_an_older_layout(built, tmp_path, layout):
+    """The unrolled step of the first builds, and the layer package before it took and returned
+    the normed input ("layered"): another calling convention, refused before anything loads."""
     d = copy_engine(built[0], tmp_path / "e")
     m = json.loads((d / "manifest.json").read_text())
-    del m["aoti"]["layout"]
+    if layout is None:
+        del m["aoti"]["layout"]
+    else:
+        m["aoti"]["layout"] = layout
     (d / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(EngineError, match="built by an older muse-spark .*rebuild it"):
+    what = "one unrolled graph per step" if layout is None else f"the packages' layout '{layout}', this runtime's is '{LAYOUT}'"
+    with pytest.raises(EngineError, match=f"built by another muse-spark \\({what}\\); rebuild it"):
         load_engine(d)
 
 

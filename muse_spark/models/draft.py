@@ -144,16 +144,19 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
         if c.causal:
             blk = torch.tril(blk)
         mask = torch.cat([ctx_mask, blk[None].expand(B, gamma, gamma)], -1)  # [B, γ, ctx_len+γ]
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        x = layers[0].input_norm(stream, self.dtype)
+        for i, layer in enumerate(layers):
 
             def kv(k_new, v_new, i=i):
                 keys = torch.cat([cache.k[i][slots, :ctx_len], k_new], 1)
                 values = torch.cat([cache.v[i][slots, :ctx_len], v_new], 1)
                 return keys, values, mask, None
 
-            stream = layer(stream, positions, kv)
-        h = self.model.norm(stream.to(self.dtype), self.dtype)
-        return h, self.base_logits(h)
+            # the next layer's input norm (the last layer: the final norm) fused into this one's residual
+            nxt = layers[i + 1].self_attn.pre_qkv_proj_norm if i + 1 < len(layers) else self.model.norm
+            stream, x = layer(stream, positions, kv, x, nxt)
+        return x, self.base_logits(x)  # x: the final norm of the stream
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         raw = linear(h.to(self.lm_head.weight.dtype), self.lm_head.weight)

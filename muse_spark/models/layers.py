@@ -345,11 +345,22 @@ class DecoderLayer(nn.Module):
         self.g_attn = (m * self.attn_residual_gate.float()).contiguous()
         self.g_ffn = (m * self.ffn_residual_gate.float()).contiguous()
 
-    def forward(self, stream: torch.Tensor, positions: torch.Tensor, kv: KVProvider) -> torch.Tensor:
-        # stream: [B, S, D] fp32 residual stream
+    def input_norm(self, stream: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This layer's normed input, ``pre_qkv_proj_norm`` of the stream in the compute dtype."""
+        return self.self_attn.pre_qkv_proj_norm(stream.to(dtype), dtype)
+
+    def forward(self, stream: torch.Tensor, positions: torch.Tensor, kv: KVProvider, x: torch.Tensor | None = None,
+                next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """stream [B, S, D] fp32 → (the new stream, ``next_norm`` of it in the compute dtype).
+
+        ``x``: this layer's ``input_norm(stream)`` when the caller has it (the previous layer's
+        ``next_norm`` output), else computed here. ``next_norm``: the norm that reads this layer's
+        output (the next layer's input norm, or the model's final norm), fused into the last
+        residual kernel; without it the second result is an empty tensor."""
         dt = self.self_attn.qkv_proj.weight.dtype
         c = self.cfg
-        x = self.self_attn.pre_qkv_proj_norm(stream.to(dt), dt)
+        if x is None:
+            x = self.input_norm(stream, dt)
         attn = self.self_attn(x, positions, kv)
         # stream += g_attn ⊙ post_attn_norm(attn); x = pre_ffn_norm(stream): one plugin call
         stream, x = dispatch.gated_residual_add(
@@ -357,11 +368,11 @@ class DecoderLayer(nn.Module):
             dt, self.post_attn_norm.weight, True,
         )
         ffn = self.feed_forward(x)
-        stream, _ = dispatch.gated_residual_add(  # stream += g_ffn ⊙ post_ffn_norm(ffn)
-            stream, ffn, self.g_ffn, None, c.rms_norm_eps, c.norm_zero_centered_gamma, False, dt,
-            self.post_ffn_norm.weight, True,
+        # stream += g_ffn ⊙ post_ffn_norm(ffn); x_next = next_norm(stream): one plugin call
+        return dispatch.gated_residual_add(
+            stream, ffn, self.g_ffn, next_norm.weight if next_norm is not None else None, c.rms_norm_eps,
+            c.norm_zero_centered_gamma, next_norm is not None, dt, self.post_ffn_norm.weight, True,
         )
-        return stream
 
 
 def output_transform(logits: torch.Tensor, multiplier: float, soft_cap: float | None) -> torch.Tensor:

@@ -94,13 +94,14 @@ class MuseSpark1xForCausalLM(LayerStackLM):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (h = norm(stream) [B, S, D] compute dtype, aux [B, S, D·len(aux_layer_ids)] fp32)."""
         stream = self.embed_stream(tokens)
+        x = self.model.layers[0].input_norm(stream, self.dtype)
         mask = self.key_mask(positions, kv_len)
         aux = []
         for i in range(len(self.model.layers)):
-            stream = self.layer_forward(i, stream, positions, slots, cache.k[i], cache.v[i], kv_len, mask)
+            stream, x = self.layer_forward(i, stream, x, positions, slots, cache.k[i], cache.v[i], kv_len, mask)
             if i in self.aux_layer_ids:
                 aux.append(stream)
-        return self.final_norm(stream), self.cat_aux(aux, stream)
+        return x, self.cat_aux(aux, stream)  # the last layer's x is the final norm's output
 
     # The pieces of ``forward`` (the aoti engine compiles them separately: one layer package serves
     # every layer, since the layers share one structure and their weights are graph inputs).
@@ -114,10 +115,18 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         key_pos = torch.arange(kv_len, device=positions.device)
         return key_pos[None, None, :] <= positions[:, :, None]
 
-    def layer_forward(self, i: int, stream, positions, slots, k_cache, v_cache, kv_len: int,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    def next_norm(self, i: int) -> nn.Module:
+        """The norm that reads layer ``i``'s output: layer ``i + 1``'s input norm, or the final norm."""
+        layers = self.model.layers
+        return layers[i + 1].self_attn.pre_qkv_proj_norm if i + 1 < len(layers) else self.model.norm
+
+    def layer_forward(self, i: int, stream, x, positions, slots, k_cache, v_cache, kv_len: int,
+                      mask: torch.Tensor | None = None,
+                      next_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``: write its K/V for ``positions`` into rows ``slots`` of its caches, attend over
-        keys ``[0, kv_len)`` visible to each query (``key_mask``), → the new stream."""
+        keys ``[0, kv_len)`` visible to each query (``key_mask``), → (the new stream, its
+        ``next_norm`` in the compute dtype: by default ``self.next_norm(i)``). ``x``: the layer's
+        normed input (the previous layer's second result; None: computed from the stream)."""
         if mask is None:
             mask = self.key_mask(positions, kv_len)
         rows = slots[:, None]
@@ -127,14 +136,13 @@ class MuseSpark1xForCausalLM(LayerStackLM):
             v_cache[rows, positions] = v_new
             return k_cache, v_cache, mask, slots  # attend reads rows ``slots``, keys [0, kv_len) (the mask)
 
-        return self.model.layers[i](stream, positions, kv)
-
-    def final_norm(self, stream: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(stream.to(self.dtype), self.dtype)
+        return self.model.layers[i](stream, positions, kv, x, self.next_norm(i) if next_norm is None else next_norm)
 
     @staticmethod
-    def cat_aux(aux: list[torch.Tensor], stream: torch.Tensor) -> torch.Tensor:
-        return torch.cat(aux, -1) if aux else stream.new_zeros(stream.shape[:2] + (0,))
+    def cat_aux(aux: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """The aux streams side by side, [B, S, D·len(aux)] fp32 (``like``: a [B, S, …] tensor for
+        the empty case)."""
+        return torch.cat(aux, -1) if aux else like.new_zeros(like.shape[:2] + (0,), dtype=torch.float32)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Transformed fp32 logits over the target vocabulary."""
