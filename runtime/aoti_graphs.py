@@ -67,7 +67,8 @@ class SpecPair(nn.Module):
         """Draft block + Markov loop, and the target's input stream.
 
         anchor, anchor_pos, slots, seeds [B] int64; temperature [B] fp32; dk/dv: the draft's
-        per-layer context caches [slots, max_seq, KV, Dh] (read).
+        per-layer context caches [slots, max_seq, KV, Dh] (read; the block's K/V are written at
+        its positions, which step_finish overwrites).
         → (ids [B, γ] int64 target ids, probs [B, γ, Vd] fp32, stream [B, γ+1, D] fp32,
         x [B, γ+1, D] (layer 0's normed input, compute dtype), positions [B, γ+1] int64).
         """

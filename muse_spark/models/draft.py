@@ -7,7 +7,9 @@
   K/V persist across steps.
 * ``block``: the γ-slot block ``[a, mask, …]`` at positions ``p … p+γ−1``,
   attending to cached context at positions ``< p`` and to the block (causally
-  when ``causal``); returns ``h_k`` and the transformed base logits ``U_k``.
+  when ``causal``; the block's K/V are written into the cache at its positions,
+  which ``store_context`` overwrites after verification); returns ``h_k`` and the
+  transformed base logits ``U_k``.
 * ``propose``: block → Markov loop (``torch.ops.muse_spark.markov_sample``).
 """
 
@@ -127,7 +129,13 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
         cache: KVCache,
         ctx_len: int,  # context keys [0, ctx_len) are read; ≥ max(p)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ (h [B, γ, D] compute dtype, U [B, γ, Vd] fp32 transformed base logits)."""
+        """→ (h [B, γ, D] compute dtype, U [B, γ, Vd] fp32 transformed base logits).
+
+        The block's K/V are written into the draft cache at the block's positions ``p … p+γ−1``
+        (which ``store_context`` overwrites with the verified tokens' context before any later
+        block can read them), and each layer attends in place over the key window
+        ``[0, min(ctx_len + γ, max_seq))``: the context below ``p`` and the block (causally when
+        ``causal``). No gathered copy of the window, as the target's layers."""
         c = self.cfg
         gamma = c.block_size
         B = anchor.shape[0]
@@ -138,20 +146,20 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
         tokens[:, 0] = anchor
         positions = anchor_pos[:, None] + torch.arange(gamma, device=dev)  # [B, γ]
         stream = torch.nn.functional.embedding(tokens, self.embed_weight).to(torch.float32)
-        ctx_pos = torch.arange(ctx_len, device=dev)
-        ctx_mask = (ctx_pos[None, :] < anchor_pos[:, None])[:, None, :].expand(B, gamma, ctx_len)
-        blk = torch.ones(gamma, gamma, dtype=torch.bool, device=dev)
-        if c.causal:
-            blk = torch.tril(blk)
-        mask = torch.cat([ctx_mask, blk[None].expand(B, gamma, gamma)], -1)  # [B, γ, ctx_len+γ]
+        window = min(ctx_len + gamma, cache.max_seq)
+        key_pos = torch.arange(window, device=dev)[None, None, :]
+        # a query at p+s sees the context (< p) and the block up to itself (causal) or all of it
+        last_seen = positions if c.causal else (anchor_pos + gamma - 1)[:, None].expand(B, gamma)
+        mask = key_pos <= last_seen[:, :, None]  # [B, γ, window]
+        rows = slots[:, None]
         layers = self.model.layers
         x = layers[0].input_norm(stream, self.dtype)
         for i, layer in enumerate(layers):
 
             def kv(k_new, v_new, i=i):
-                keys = torch.cat([cache.k[i][slots, :ctx_len], k_new], 1)
-                values = torch.cat([cache.v[i][slots, :ctx_len], v_new], 1)
-                return keys, values, mask, None
+                cache.k[i][rows, positions] = k_new
+                cache.v[i][rows, positions] = v_new
+                return cache.k[i], cache.v[i], mask, slots
 
             # the next layer's input norm (the last layer: the final norm) fused into this one's residual
             nxt = layers[i + 1].self_attn.pre_qkv_proj_norm if i + 1 < len(layers) else self.model.norm
