@@ -722,10 +722,12 @@ def rope_operands(shape, dtype, strided, seed=0):
 @pytest.mark.parametrize("theta", [5e5, 1e4])
 def test_head_norm_rope_kernel_matches_reference(tops, shape, dtype, theta):
     """The norm within its rounding (one unit of the dtype's last place where the fp32 value
-    straddles a boundary); RoPE of the kernel's own normed values within one unit of the dtype
-    at the head's scale of torch's rope of them: the angles are large (positions up to 10^5), so
-    an fp32 ulp of inv_freq, cos or sin between two math libraries (libdevice as Triton links it
-    against torch's kernels on the H200; numpy under the interpreter) can move a rounding."""
+    straddles a boundary). RoPE of the kernel's own normed values against torch's rope of them:
+    the angle position·inv_freq is fp32, whose resolution at positions up to 10^5 is ~0.008 rad,
+    so two math libraries (libdevice as Triton links it, torch's CUDA kernels on the H200; numpy
+    under the interpreter) may disagree by a few ulps of the angle. The bound is that, plus one
+    unit of the dtype at the head's scale. On the H200 a bound of one dtype unit alone failed in
+    fp16 at these positions (errors up to 0.012, concentrated in the highest-frequency dims)."""
     from muse_spark.models.layers import head_norm_rope_reference, head_rms_norm, rope
 
     x, positions = rope_operands(ROPE_SHAPES[shape], dtype, strided=shape != "one_head", seed=len(shape))
@@ -736,15 +738,23 @@ def test_head_norm_rope_kernel_matches_reference(tops, shape, dtype, theta):
     assert (normed != ref_normed).float().mean() < 0.02
     out = tops.head_norm_rope(x, positions, 1e-6, theta, True)
     given_normed = rope(normed, positions, theta)
-    # one unit of the dtype's last place at the head's scale (a rotated value may be small)
-    bound = 2 * torch.finfo(dtype).eps * (normed.float().abs().amax(-1, keepdim=True) + 1e-3)
+    # 4 ulps of each dim's fp32 angle, times the pair's magnitude |n1| + |n2| (both halves of y see it)
+    dh = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dh, 2, device=x.device, dtype=torch.float32) / dh))
+    angle = positions.float()[..., None, None] * inv_freq  # [B, S, 1, Dh/2]
+    d_angle = 4 * (torch.nextafter(angle, torch.full_like(angle, float("inf"))) - angle)
+    nf = normed.float()
+    pair = nf[..., : dh // 2].abs() + nf[..., dh // 2 :].abs()
+    angle_bound = torch.cat([pair * d_angle] * 2, -1)
+    unit = 2 * torch.finfo(dtype).eps * (nf.abs().amax(-1, keepdim=True) + 1e-3)  # a dtype unit at the head's scale
+    bound = angle_bound + unit
     err = (out.float() - given_normed.float()).abs()
     differ = (out != given_normed).float().mean().item()
-    assert (err <= bound).all(), f"{(err > bound).sum().item()} values off by more than an ulp at the head's scale"
+    assert (err <= bound).all(), f"{(err > bound).sum().item()} values off by more than the bound (max {err.max():.4g})"
     assert differ < 0.1, f"{differ:.4f} of the values differ"
-    # against the whole reference: the norm's rounding, rotated
+    # against the whole reference: the norm's rounding, rotated, on top
     ref = head_norm_rope_reference(x, positions, 1e-6, theta, True)
-    assert ((out.float() - ref.float()).abs() <= bound).all()
+    assert ((out.float() - ref.float()).abs() <= bound + unit).all()
 
 
 @needs_kernels

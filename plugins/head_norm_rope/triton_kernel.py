@@ -24,9 +24,10 @@ loaded separately, so the rotation needs no shuffle. Rounding, against the refer
   instructions, which are far off at large angles), and every product and sum of the rotation
   is rounded on its own (``mul_rn``/``add_rn``, never an FMA). On the H200 the rotated values
   are still not all bit-equal to torch's eager ops given the same normed input (the angles reach
-  10^3–10^5 rad, so an fp32 ulp of ``inv_freq``, cos or sin between libdevice as Triton links it
-  and torch's kernels can move a rounding): the tests bound them by one unit of the dtype at the
-  head's scale.
+  10^3–10^5 rad, where an fp32 angle resolves only ~0.008 rad, so an ulp of ``inv_freq``, cos or
+  sin between libdevice as Triton links it and torch's kernels moves the result): the tests bound
+  them by 4 ulps of each dimension's angle times the pair's magnitude, plus one unit of the dtype
+  at the head's scale.
 
 The eager engine (bf16/fp16 on CUDA) calls this kernel too, so it and the compiled packages agree
 bit for bit.
