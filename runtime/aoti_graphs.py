@@ -140,8 +140,8 @@ def part_weight_names(names: list[str], fn: str, layer: int = 0, layers: int = 1
     """
     if fn == "layer":
         prefix = f"{LAYER_PREFIX}{layer}."
-        nxt = NEXT_NORM if layer == 0 and layers == 1 else next_norm_name(names, layer, layers)
-        return [n for n in names if n.startswith(prefix)] + ([nxt] if nxt in names else [])
+        nxt = next_norm_name(names, layer, layers)
+        return [n for n in names if n.startswith(prefix)] + ([nxt] if nxt else [])
     first = f"{LAYER_PREFIX}0.{INPUT_NORM}"
     return [n for n in names if not n.startswith(LAYER_PREFIX)] + ([first] if first in names else [])
 

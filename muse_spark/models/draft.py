@@ -146,24 +146,14 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
         tokens[:, 0] = anchor
         positions = anchor_pos[:, None] + torch.arange(gamma, device=dev)  # [B, γ]
         stream = torch.nn.functional.embedding(tokens, self.embed_weight).to(torch.float32)
-        window = min(ctx_len + gamma, cache.max_seq)
-        key_pos = torch.arange(window, device=dev)[None, None, :]
         # a query at p+s sees the context (< p) and the block up to itself (causal) or all of it
         last_seen = positions if c.causal else (anchor_pos + gamma - 1)[:, None].expand(B, gamma)
-        mask = key_pos <= last_seen[:, :, None]  # [B, γ, window]
-        rows = slots[:, None]
-        layers = self.model.layers
-        x = layers[0].input_norm(stream, self.dtype)
-        for i, layer in enumerate(layers):
-
-            def kv(k_new, v_new, i=i):
-                cache.k[i][rows, positions] = k_new
-                cache.v[i][rows, positions] = v_new
-                return cache.k[i], cache.v[i], mask, slots
-
+        mask = self.key_mask(last_seen, min(ctx_len + gamma, cache.max_seq))  # [B, γ, window]
+        x = self.model.layers[0].input_norm(stream, self.dtype)
+        for i, layer in enumerate(self.model.layers):
+            kv = self.cache_kv(cache.k[i], cache.v[i], slots, positions, mask)
             # the next layer's input norm (the last layer: the final norm) fused into this one's residual
-            nxt = layers[i + 1].self_attn.pre_qkv_proj_norm if i + 1 < len(layers) else self.model.norm
-            stream, x = layer(stream, positions, kv, x, nxt)
+            stream, x = layer(stream, positions, kv, x, self.next_norm(i))
         return x, self.base_logits(x)  # x: the final norm of the stream
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from muse_spark.config import MuseSpark1xConfig
-from muse_spark.models.layers import DecoderLayer, linear, make_norm, output_transform
+from muse_spark.models.layers import DecoderLayer, KVProvider, linear, make_norm, output_transform
 
 
 @dataclass
@@ -68,6 +68,32 @@ class LayerStackLM(nn.Module):
         return KVCache.allocate(c.num_hidden_layers, slots, max_seq, c.num_key_value_heads, c.head_dim,
                                 self.dtype, device)
 
+    @staticmethod
+    def key_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[B, S, kv_len]: key j is visible to a query iff j ≤ ``positions`` (the query's position,
+        or the last key it may see)."""
+        key_pos = torch.arange(kv_len, device=positions.device)
+        return key_pos[None, None, :] <= positions[:, :, None]
+
+    @staticmethod
+    def cache_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor) -> KVProvider:
+        """The layer's ``kv``: write the new K/V at ``positions`` of rows ``slots`` of the caches, and
+        let attention read those rows in place over the keys ``mask`` shows."""
+        rows = slots[:, None]
+
+        def kv(k_new, v_new):
+            k_cache[rows, positions] = k_new
+            v_cache[rows, positions] = v_new
+            return k_cache, v_cache, mask, slots
+
+        return kv
+
+    def next_norm(self, i: int) -> nn.Module:
+        """The norm that reads layer ``i``'s output: layer ``i + 1``'s input norm, or the final norm."""
+        layers = self.model.layers
+        return layers[i + 1].self_attn.pre_qkv_proj_norm if i + 1 < len(layers) else self.model.norm
+
 
 class MuseSpark1xForCausalLM(LayerStackLM):
     def __init__(self, cfg: MuseSpark1xConfig, aux_layer_ids: tuple[int, ...] = ()):
@@ -109,17 +135,6 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         """The FP32 residual stream entering layer 0."""
         return self.model.embed_tokens(tokens).to(torch.float32)
 
-    @staticmethod
-    def key_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """[B, S, kv_len]: key j is visible to a query iff j ≤ the query's position."""
-        key_pos = torch.arange(kv_len, device=positions.device)
-        return key_pos[None, None, :] <= positions[:, :, None]
-
-    def next_norm(self, i: int) -> nn.Module:
-        """The norm that reads layer ``i``'s output: layer ``i + 1``'s input norm, or the final norm."""
-        layers = self.model.layers
-        return layers[i + 1].self_attn.pre_qkv_proj_norm if i + 1 < len(layers) else self.model.norm
-
     def layer_forward(self, i: int, stream, x, positions, slots, k_cache, v_cache, kv_len: int,
                       mask: torch.Tensor | None = None,
                       next_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,13 +144,7 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         normed input (the previous layer's second result; None: computed from the stream)."""
         if mask is None:
             mask = self.key_mask(positions, kv_len)
-        rows = slots[:, None]
-
-        def kv(k_new, v_new):
-            k_cache[rows, positions] = k_new
-            v_cache[rows, positions] = v_new
-            return k_cache, v_cache, mask, slots  # attend reads rows ``slots``, keys [0, kv_len) (the mask)
-
+        kv = self.cache_kv(k_cache, v_cache, slots, positions, mask)  # keys [0, kv_len): the mask's width
         return self.model.layers[i](stream, positions, kv, x, self.next_norm(i) if next_norm is None else next_norm)
 
     @staticmethod
