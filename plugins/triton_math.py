@@ -122,3 +122,55 @@ else:
     def to_rne(x, dtype: tl.constexpr):
         return x.to(dtype)  # cvt.rn: round to nearest even
 
+
+
+# Programmatic dependent launch (docs/pdl.md). A kernel compiled with ``PDL`` first lets the next
+# kernel of the graph launch (``griddepcontrol.launch_dependents``), then waits until the kernels
+# it depends on have finished and their writes are visible (``griddepcontrol.wait``). Every access
+# to memory an earlier kernel writes, and every store, must come after the wait: the kernels make
+# those addresses depend on the returned zero (a data dependency no compiler reorders), which is
+# why the asm is pure and returns a value. Under a normal launch the wait returns at once: the
+# kernel before has already finished. Without ``PDL`` (and on Triton's CPU interpreter, which has
+# no inline asm) the zero is a constant and nothing changes.
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """``PDL`` 1: trigger the dependents, then wait for the upstream kernels; 2: only wait (the
+    dependents launch as this kernel's programs exit); 0: neither. → an int32 zero to add to indices."""
+    if PDL == 1:
+        z = tl.inline_asm_elementwise("griddepcontrol.launch_dependents; griddepcontrol.wait; mov.u32 $0, 0;",
+                                      "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+    elif PDL == 2:
+        z = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:
+        z = 0
+    return z
+
+
+@triton.jit
+def pdl_enter_after(PDL: tl.constexpr, after):
+    """``pdl_enter`` ordered after ``after`` (an int32 from work that reads no upstream data, such
+    as a prefetch of the kernel's weights, which so overlaps the kernel before)."""
+    if PDL == 1:
+        z = tl.inline_asm_elementwise("griddepcontrol.launch_dependents; griddepcontrol.wait; mov.u32 $0, 0;",
+                                      "=r,r", [after], dtype=tl.int32, is_pure=True, pack=1)
+    elif PDL == 2:
+        z = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [after], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:
+        z = 0
+    return z
+
+
+@triton.jit
+def prefetch_l2(base_ptr, nbytes, CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+    """Prefetch the bytes [0, nbytes) at ``base_ptr`` into L2 (``cp.async.bulk.prefetch.L2``, sm_90;
+    ``CHUNKS`` chunks of ``CHUNK`` bytes, CHUNK and nbytes multiples of 16) → an int32 zero that
+    orders later work after the prefetches are issued (not completed: they are fire-and-forget)."""
+    off = tl.arange(0, CHUNKS).to(tl.int64) * CHUNK
+    valid = off < nbytes
+    size = tl.where(valid, tl.minimum(nbytes - off, CHUNK), 16).to(tl.int32)
+    ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + tl.where(valid, off, 0)
+    z = tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                  [ptrs, size], dtype=tl.int32, is_pure=True, pack=1)
+    return tl.max(z, axis=0)

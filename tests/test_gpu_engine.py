@@ -68,7 +68,7 @@ def test_manifest_records_the_device_and_versions(built):
     assert m["aoti"]["batch_buckets"] == [1, 2, 4]
     assert m["aoti"]["plugin_impl"] == "inline"
     assert m["aoti"]["attention_kernel"] == "triton"  # bf16 on CUDA, MUSE_SPARK_ATTENTION unset
-    assert m["aoti"]["linear_kernel"] == "cublas"  # MUSE_SPARK_LINEAR unset
+    assert m["aoti"]["linear_kernel"] == "triton"  # MUSE_SPARK_LINEAR unset
 
 
 def test_every_bucket_is_a_captured_cuda_graph(engine):

@@ -905,13 +905,14 @@ def test_linear_op_rejects_bad_inputs(tops):
 
 @needs_kernels
 def test_models_call_the_linear_kernel_where_it_fits(tops, monkeypatch):
-    """``models.layers.linear`` takes the Triton kernel with ``MUSE_SPARK_LINEAR=triton`` for few rows on
-    CUDA (in bf16/fp16), cuBLAS for more rows or by default, ``F.linear`` elsewhere; every path gives
+    """``models.layers.linear`` takes the Triton kernel for few rows on CUDA (in bf16/fp16; the
+    default, or ``MUSE_SPARK_LINEAR=triton``), cuBLAS for more rows or with ``MUSE_SPARK_LINEAR=cublas``,
+    ``F.linear`` elsewhere; every path gives
     the correctly rounded result on exact operands."""
     from muse_spark.models import layers
 
     monkeypatch.delenv("MUSE_SPARK_LINEAR", raising=False)
-    assert layers.linear_path("cuda", torch.bfloat16) == "cublas"  # the default
+    assert layers.linear_path("cuda", torch.bfloat16) == "triton"  # the default
     assert layers.linear_path("cpu", torch.bfloat16) == "reference"
     monkeypatch.setenv("MUSE_SPARK_LINEAR", "triton")
     x, w = linear_operands(8, 64, 128, torch.bfloat16, exact=True)

@@ -210,18 +210,19 @@ def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
 
 LINEAR_KERNELS = ("triton", "cublas")
-# cuBLAS by default. On the H200 the Triton kernel makes the batch-1 step's 151 GEMMs 0.12 ms
-# faster (4.60 against 4.72 ms) but not the step (6.25 / 6.28 ms against 6.17 / 6.27): Inductor
-# then splits the q/k norm + RoPE kernel into four (+0.15 ms of kernels), and the packed output of
-# the compiled step was not bit-equal to eager's in the two runs (the emitted tokens were).
-# docs/benchmarks.md, "fifth session".
-DEFAULT_LINEAR_KERNEL = "cublas"
+# The Triton kernel by default (eighth session): on the H200 the batch-1 step is 5.95 ms with it
+# against 6.10 with cuBLAS (its GEMMs 4.61 against 4.72 ms; no split-K reductions, silu·mul fused),
+# and the aoti step's greedy output equalled eager's. In the fifth session it was not faster per step:
+# Inductor then split the q/k norm + RoPE kernel into four, which the head_norm_rope plugin op
+# (seventh session) ended. docs/benchmarks.md, "eighth session". It takes ≤ 16 rows (batch 1–2);
+# more rows always use cuBLAS.
+DEFAULT_LINEAR_KERNEL = "triton"
 
 
 def linear_kernel() -> str:
-    """The GEMM of few-row linear layers in bf16/fp16 on CUDA, from ``MUSE_SPARK_LINEAR``: ``cublas``
-    (``F.linear``, the default) or ``triton`` (plugins/linear: the skinny kernel, silu·mul fused into
-    the gate/up projection). A build records it in the engine's manifest."""
+    """The GEMM of few-row linear layers in bf16/fp16 on CUDA, from ``MUSE_SPARK_LINEAR``: ``triton``
+    (the default; plugins/linear: the skinny kernel, silu·mul fused into the gate/up projection) or
+    ``cublas`` (``F.linear``). A build records it in the engine's manifest."""
     name = os.environ.get("MUSE_SPARK_LINEAR", DEFAULT_LINEAR_KERNEL).strip().lower()
     if name not in LINEAR_KERNELS:
         raise ValueError(f"MUSE_SPARK_LINEAR={name!r}: expected one of {list(LINEAR_KERNELS)}")
@@ -257,8 +258,8 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias). With ``MUSE_SPARK_LINEAR=triton`` and few rows (≤ 16: a speculative
-    step at batch 1–2) in bf16/fp16 on CUDA: the skinny Triton kernel, in the eager engine and the
+    """``F.linear(x, w)`` (no bias). With few rows (≤ 16: a speculative step at batch 1–2) in bf16/fp16
+    on CUDA, unless ``MUSE_SPARK_LINEAR=cublas``: the skinny Triton kernel, in the eager engine and the
     compiled packages alike; otherwise cuBLAS (or the CPU's GEMM)."""
     if _triton_linear_fits(x, w):
         return torch.ops.muse_spark.linear_triton(x, w, False)

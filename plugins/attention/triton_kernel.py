@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muse_spark.plugins.triton_math import add_rn, mul_rn
+from muse_spark.plugins.triton_math import add_rn, mul_rn, pdl_enter
 
 BLOCK_T = 64  # keys per tile
 BLOCK_M = 32  # rows (query head × query) per program
@@ -100,11 +100,11 @@ def _partial_kernel(
     sq_b, sq_s, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sm_b, sm_s,
     SCALE: tl.constexpr,  # constexpr: Inductor passes a float argument as fp64, which made the scores fp64
     REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr,
-    IEEE_DOT: tl.constexpr, HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr,
+    IEEE_DOT: tl.constexpr, HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
-    bk = tl.program_id(2)
+    bk = tl.program_id(2) + pdl_enter(PDL)  # every load and store is addressed after the PDL wait
     b = bk // KV
     kvh = bk % KV
     if HAS_SLOTS:  # read the cache row in place: no gathered copy of the window
@@ -167,13 +167,13 @@ def _partial_kernel(
 def _combine_kernel(
     po_ptr, pm_ptr, pl_ptr, out_ptr,  # out [B, S, H, Dh] contiguous
     S, M, KV, NSPLIT, H,
-    REP: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr,
+    REP: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # One (row, batch·KV head) per program; the splits CHUNK at a time, merged online. A chunk of
     # empty splits (keys past the last visible one) leaves the running max, and so everything,
     # unchanged exactly (a rescale by exp(0) = 1 and sums of exact zeros).
     row = tl.program_id(0)
-    bk = tl.program_id(1)
+    bk = tl.program_id(1) + pdl_enter(PDL)
     b = bk // KV
     kvh = bk % KV
     d = tl.arange(0, DH)
@@ -202,14 +202,15 @@ def _combine_kernel(
 
 def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      slots: torch.Tensor | None = None, wrap=lambda f: f, interpret: bool = False,
-                     config: dict | None = None) -> torch.Tensor:
+                     config: dict | None = None, pdl: bool = False, launch_pdl: bool = False) -> torch.Tensor:
     """q [B, S, H, Dh], mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. k/v: [B, ≥ T, KV, Dh], or
     with ``slots`` ([B] int64) whole caches [N, ≥ T, KV, Dh] of which request b reads row
     ``slots[b]`` in place (the caller keeps slots in range); only the first T positions are read.
     Any strides (the last dim is made contiguous if it is not). Dh a power of two in [16, 256] and
     KV dividing H (``models.layers.triton_attention_fits``). ``wrap`` is
     ``torch.library.wrap_triton`` inside the op; ``config`` overrides ``DEFAULT_CONFIG`` (the
-    sweep only: SPLIT_T a multiple of BLOCK_T, powers of two)."""
+    sweep only: SPLIT_T a multiple of BLOCK_T, powers of two). ``pdl``/``launch_pdl``: as
+    ``plugins.linear.triton_kernel.launch_linear``'s."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if cfg["SPLIT_T"] % cfg["BLOCK_T"]:
         raise ValueError(f"attention config: SPLIT_T {cfg['SPLIT_T']} is not a multiple of BLOCK_T {cfg['BLOCK_T']}")
@@ -225,6 +226,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if v.stride(-1) != 1:
         v = v.contiguous()
     M = (H // KV) * S
+    launch_opts = {"launch_pdl": True} if launch_pdl else {}
     nsplit = max(1, triton.cdiv(T, cfg["SPLIT_T"]))
     m8 = mask if mask.stride(-1) == 1 else mask.contiguous()  # bool: Triton loads its bytes as int1
     po = torch.empty((B * KV, nsplit, M, dh), dtype=torch.float32, device=q.device)
@@ -236,9 +238,10 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
         SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
         SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None, EARLY_KV=cfg["EARLY_KV"],
-        num_warps=cfg["num_warps"],
+        PDL=0 if interpret else int(pdl), num_warps=cfg["num_warps"], **launch_opts,
         **{opt: cfg[opt] for opt in ("num_stages", "maxnreg") if opt in cfg},  # eager launches only (the sweep)
     )
     wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
-                                       CHUNK=cfg["MERGE_CHUNK"], num_warps=cfg["merge_warps"])
+                                       CHUNK=cfg["MERGE_CHUNK"], PDL=0 if interpret else int(pdl),
+                                       num_warps=cfg["merge_warps"], **launch_opts)
     return out

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
-from muse_spark.plugins.triton_math import add_rn, mul_rn, to_rne
+from muse_spark.plugins.triton_math import add_rn, mul_rn, to_rne, pdl_enter
 
 
 @triton.jit
@@ -71,8 +71,9 @@ def _gated_residual_norm_kernel(
     BLOCK_D: tl.constexpr,
     NORM_BRANCH: tl.constexpr = False,
     HAS_BRANCH_WEIGHT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    row = (tl.program_id(0) + pdl_enter(PDL)).to(tl.int64)  # rows are addressed after the PDL wait
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     base = row * D
@@ -104,8 +105,11 @@ def launch_gated_residual_add(
     branch_norm_weight: torch.Tensor | None = None,  # [D] or None
     norm_branch: bool = False,
     wrap=lambda k: k,
+    pdl: bool = False,
+    launch_pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the fused kernel; ``wrap`` is ``torch.library.wrap_triton`` inside the op."""
+    """Launch the fused kernel; ``wrap`` is ``torch.library.wrap_triton`` inside the op;
+    ``pdl``/``launch_pdl``: as ``plugins.linear.triton_kernel.launch_linear``'s."""
     check_gated_residual_inputs(stream, branch, gate, norm_weight, branch_norm_weight)
     D = stream.shape[-1]
     s2 = stream.reshape(-1, D).contiguous()
@@ -123,7 +127,8 @@ def launch_gated_residual_add(
         wrap(_gated_residual_norm_kernel)[(N,)](
             s2, b2, g, w, wb, new, out if apply_norm else new, D,
             EPS=float(eps), HAS_WEIGHT=norm_weight is not None, ZERO_CENTERED=zero_centered, APPLY_NORM=apply_norm,
-            BLOCK_D=block_d, NORM_BRANCH=bool(norm_branch), HAS_BRANCH_WEIGHT=has_bw, num_warps=num_warps,
+            BLOCK_D=block_d, NORM_BRANCH=bool(norm_branch), HAS_BRANCH_WEIGHT=has_bw, PDL=int(pdl), num_warps=num_warps,
+            **({"launch_pdl": True} if launch_pdl else {}),
         )
     new = new.reshape(stream.shape)
     return new, (out.reshape(stream.shape) if apply_norm else out)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muse_spark.plugins.triton_math import add_rn, cos_exact, div_rn, mul_rn, pow_exact, sin_exact, to_rne
+from muse_spark.plugins.triton_math import add_rn, cos_exact, div_rn, mul_rn, pdl_enter, pow_exact, sin_exact, to_rne
 
 BLOCK_H = 16  # heads per program
 
@@ -56,9 +56,10 @@ def _head_norm_rope_kernel(
     DH: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     HALF: tl.constexpr = DH // 2
-    row = tl.program_id(0)
+    row = tl.program_id(0) + pdl_enter(PDL)  # every load and store is addressed after the PDL wait
     b = row // S
     s = row % S
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -96,10 +97,10 @@ def fits(x: torch.Tensor) -> bool:
 
 
 def launch_head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float, use_rope: bool,
-                          wrap=lambda f: f) -> torch.Tensor:
+                          wrap=lambda f: f, pdl: bool = False, launch_pdl: bool = False) -> torch.Tensor:
     """x [B, S, NH, Dh] (any strides; the last dim is made contiguous if it is not), positions
     [B, S] int64 → [B, S, NH, Dh] contiguous in x's dtype. ``wrap`` is ``torch.library.wrap_triton``
-    inside the op."""
+    inside the op; ``pdl``/``launch_pdl``: as ``plugins.linear.triton_kernel.launch_linear``'s."""
     B, S, NH, dh = x.shape
     out = torch.empty((B, S, NH, dh), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -109,7 +110,7 @@ def launch_head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, 
     block_h = min(BLOCK_H, triton.next_power_of_2(NH))
     wrap(_head_norm_rope_kernel)[(B * S, triton.cdiv(NH, block_h))](
         x, positions, out, S, NH, x.stride(0), x.stride(1), x.stride(2), positions.stride(0), positions.stride(1),
-        EPS=float(eps), THETA=float(theta), DH=dh, BLOCK_H=block_h, ROPE=bool(use_rope),
-        num_warps=4 if block_h * dh >= 1024 else 1,
+        EPS=float(eps), THETA=float(theta), DH=dh, BLOCK_H=block_h, ROPE=bool(use_rope), PDL=int(pdl),
+        num_warps=4 if block_h * dh >= 1024 else 1, **({"launch_pdl": True} if launch_pdl else {}),
     )
     return out

@@ -32,13 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-from muse_spark.plugins.triton_math import add_rn, div_rn, exp_exact, mul_rn, to_rne
+from muse_spark.plugins.triton_math import (add_rn, div_rn, exp_exact, mul_rn, pdl_enter, pdl_enter_after,
+                                            prefetch_l2, to_rne)
 
 # The kernel's range: at most this many rows of x. More rows re-read x once per weight tile and
 # each program's share of the weight shrinks: at 64 rows (batch 8) the H200 sweep has the down
 # projection at 118.6 µs against cuBLAS's 36.6 (scripts/linear_bench.py --batches 1,8).
 MAX_ROWS = 16
 DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
+PREFETCH_CHUNKS = tl.constexpr(128)  # one bulk L2 prefetch per thread (4 warps): no thread repeats another's
 SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may take (227 KB per SM)
 
 
@@ -90,9 +92,22 @@ def _linear_kernel(
     M, N, K, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, IEEE_DOT: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    if PREFETCH > 0:
+        # The first PREFETCH bytes of this program's weight rows into L2 before the wait: the weights
+        # are constants, so with PDL their stream starts while the kernel before still runs.
+        n0 = pid_n * BLOCK_N
+        rows_here = tl.minimum(N - n0, BLOCK_N).to(tl.int64)
+        nbytes = tl.minimum(rows_here * K * 2, PREFETCH)
+        dep = prefetch_l2(w_ptr + n0.to(tl.int64) * K, nbytes, PREFETCH_CHUNKS, PREFETCH // PREFETCH_CHUNKS)
+        if SILU_MUL:
+            dep += prefetch_l2(w_ptr + (n0 + N).to(tl.int64) * K, nbytes, PREFETCH_CHUNKS, PREFETCH // PREFETCH_CHUNKS)
+        z = pdl_enter_after(PDL, dep)
+    else:
+        z = pdl_enter(PDL)
+    pid_m = tl.program_id(1) + z  # x and y (upstream data) are addressed after the wait
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -150,10 +165,14 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap=lambda f: f,
-                  interpret: bool = False, config: dict | None = None) -> torch.Tensor:
+                  interpret: bool = False, config: dict | None = None, pdl: int = 0, prefetch: int = 0,
+                  launch_pdl: bool = False) -> torch.Tensor:
     """x [..., K] @ W[N_w, K]ᵀ → [..., N_w] in x's dtype; with ``silu_mul`` (N_w = 2·I) → [..., I]:
     silu(x @ W[:I]ᵀ) · (x @ W[I:]ᵀ). ``wrap`` is ``torch.library.wrap_triton`` inside the op;
-    ``config`` overrides the launch configuration (the sweep)."""
+    ``config`` overrides the launch configuration (the sweep). ``pdl``: compile the PDL wait in
+    (``triton_math.pdl_enter``), with ``prefetch`` bytes of each program's weight rows prefetched
+    into L2 before it (a multiple of 2048); ``launch_pdl``: launch with the PDL attribute (eager
+    launches only: the compiled packages get their PDL edges in the CUDA graph, docs/pdl.md)."""
     K = x.shape[-1]
     n_w = w.shape[0]
     if w.dim() != 2 or w.shape[1] != K:
@@ -174,6 +193,7 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
             x2, w, y, M, N, K, x2.stride(0), y.stride(0),
             BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=N % cfg["BLOCK_N"] == 0,
             EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=interpret,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            PDL=0 if interpret else int(pdl), PREFETCH=prefetch if pdl and not interpret else 0,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
         )
     return y.reshape(*x.shape[:-1], N)
