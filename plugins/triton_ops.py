@@ -14,6 +14,8 @@ Importing this module imports Triton and registers
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
   which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
   selects SDPA instead). Its reference is ``models.layers.attend_reference``.
+  ``muse_spark::attention_bounds_triton`` is the same kernel with the mask in bounds form
+  (``models.layers.KeyBounds``: the models' masks), so no mask tensor is built or read.
 
 Their schemas are those of the reference ops (``muse_spark::gated_residual_add``,
 ``muse_spark::markov_sample``). Because they are ``triton_op``s, ``torch.export``
@@ -36,8 +38,8 @@ import logging
 import torch
 from torch.library import triton_op, wrap_triton
 
-from muse_spark.models.layers import (attend_reference, cache_rows, head_norm_rope_reference, linear_reference,
-                                      triton_attention_fits)
+from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_reference,
+                                      linear_reference, triton_attention_fits)
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
@@ -123,9 +125,7 @@ def _markov_sample_op(
                                 interpret=interpreting())
 
 
-@triton_op("muse_spark::attention_triton", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                  slots: torch.Tensor | None = None) -> torch.Tensor:
+def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None) -> None:
     B, S, H, dh = q.shape
     per_request = slots is None  # k/v [B, T, KV, Dh]; else whole caches, any number of rows
     if k.dim() != 4 or k.shape != v.shape or (per_request and k.shape[0] != B) or k.shape[3] != dh or H % k.shape[2]:
@@ -134,14 +134,38 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     if not triton_attention_fits(q, k, v):
         raise ValueError(f"attention: head_dim {dh} (a power of two in [16, 256]) and dtypes q {q.dtype}, "
                          f"k {k.dtype}, v {v.dtype} (all the same) are what the kernel takes")
+    if slots is not None and (slots.dtype != torch.int64 or tuple(slots.shape) != (B,)):
+        raise ValueError(f"attention: slots must be int64 [{B}], got {slots.dtype} {list(slots.shape)}")
+
+
+@triton_op("muse_spark::attention_triton", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  slots: torch.Tensor | None = None) -> torch.Tensor:
+    B, S = q.shape[:2]
     if mask.dtype != torch.bool or mask.dim() != 3 or tuple(mask.shape[:2]) != (B, S) or mask.shape[2] > k.shape[1]:
         raise ValueError(f"attention: mask must be bool [B, S, T] = [{B}, {S}, T ≤ {k.shape[1]}], got {mask.dtype} "
                          f"{list(mask.shape)}")
-    if slots is not None and (slots.dtype != torch.int64 or tuple(slots.shape) != (B,)):
-        raise ValueError(f"attention: slots must be int64 [{B}], got {slots.dtype} {list(slots.shape)}")
+    _check_attention(q, k, v, slots)
     if not _runs_kernels(q):
         return attend_reference(q, *cache_rows(k, v, mask, slots), mask)
     return launch_attention(q, k, v, mask, slots, wrap=wrap_triton, interpret=interpreting())
+
+
+@triton_op("muse_spark::attention_bounds_triton", mutates_args=())
+def _attention_bounds_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor, window: int,
+                         slots: torch.Tensor | None = None) -> torch.Tensor:
+    """``attention_triton`` with the mask in bounds form (``models.layers.KeyBounds``): key t <
+    ``window`` is visible to query (b, s) iff t ≤ last[b, s]. The same bits as the dense mask."""
+    B, S = q.shape[:2]
+    if last.dtype != torch.int64 or tuple(last.shape) != (B, S):
+        raise ValueError(f"attention: last must be int64 [B, S] = [{B}, {S}], got {last.dtype} {list(last.shape)}")
+    if not 0 <= window <= k.shape[1]:
+        raise ValueError(f"attention: the key window {window} must be in [0, {k.shape[1]}] (the cache's length)")
+    _check_attention(q, k, v, slots)
+    if not _runs_kernels(q):
+        mask = KeyBounds(last, window).dense()
+        return attend_reference(q, *cache_rows(k, v, mask, slots), mask)
+    return launch_attention(q, k, v, last, slots, wrap=wrap_triton, interpret=interpreting(), window=window)
 
 
 @triton_op("muse_spark::head_norm_rope_triton", mutates_args=())
@@ -171,7 +195,10 @@ def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor
 
 
 def attention(q, k, v, mask, slots=None):
-    """``models.layers.attend``'s signature; runs ``muse_spark::attention_triton``."""
+    """``models.layers.attend``'s signature; runs ``muse_spark::attention_triton`` (a ``KeyBounds``
+    mask: ``muse_spark::attention_bounds_triton``)."""
+    if isinstance(mask, KeyBounds):
+        return torch.ops.muse_spark.attention_bounds_triton(q, k, v, mask.last, mask.width, slots)
     return torch.ops.muse_spark.attention_triton(q, k, v, mask, slots)
 
 

@@ -32,6 +32,8 @@ SWEEP = [dict(SPLIT_T=st, BLOCK_T=bt, num_warps=w, EARLY_KV=e, **({"num_stages":
          for st, bt in ((64, 64), (128, 64), (256, 64), (128, 32))
          for e in (False, True) for w in (4, 8) for ns in (None, 3)]
 SWEEP += [dict(MERGE_CHUNK=c, merge_warps=w) for c, w in ((16, 1), (16, 2), (8, 2), (16, 8), (8, 1))]
+# The mask in bounds form (models.layers.KeyBounds) under a few splits, timed in every run.
+BOUNDS_CONFIGS = [dict(SPLIT_T=64, BLOCK_T=64), dict(SPLIT_T=64, BLOCK_T=32), dict(SPLIT_T=256, BLOCK_T=64)]
 
 
 def _name(c: dict) -> str:
@@ -50,7 +52,7 @@ def main() -> int:
     a = p.parse_args()
     from muse_spark.bench import copy_bandwidth
     from muse_spark.plugins.markov.bench import time_in_graph
-    from muse_spark.models.layers import _attend_sdpa, attend_reference, cache_rows
+    from muse_spark.models.layers import KeyBounds, _attend_sdpa, attend_reference, cache_rows
     from muse_spark.plugins import triton_ops
     from muse_spark.plugins.attention.triton_kernel import DEFAULT_CONFIG, launch_attention
 
@@ -72,12 +74,17 @@ def main() -> int:
         kv_bytes = B * (a.context + S) * KV * dh * 2 * 2
         roof_ms = kv_bytes / (bw * 1e9) * 1e3
         res = {"kv_bytes": kv_bytes, "roofline_ms": roof_ms}
+        kb = KeyBounds(pos.expand(B, S), T)  # what the models pass: no mask tensor
         cases = [("triton", lambda: triton_ops.attention(q, kc, vc, mask, slots)),
+                 ("triton_bounds", lambda: triton_ops.attention(q, kc, vc, kb, slots)),
                  ("sdpa", lambda: _attend_sdpa(q, *cache_rows(kc, vc, mask, slots), mask)),
                  ("einsum_fp32", lambda: attend_reference(q, *cache_rows(kc, vc, mask, slots), mask))]
         if a.sweep:
             cases += [(f"triton {_name(c)}", lambda c=c: launch_attention(q, kc, vc, mask, slots, config=c))
                       for c in SWEEP]
+        cases += [(f"triton_bounds {_name(c)}", lambda c=c: launch_attention(q, kc, vc, kb.last, slots, config=c,
+                                                                             window=kb.width))
+                  for c in BOUNDS_CONFIGS]
         for name, fn in cases:
             try:
                 us, how = time_in_graph([fn], reps=16, replays=a.iters)
@@ -90,6 +97,9 @@ def main() -> int:
             res[name] = dict(median_ms=us / 1e3, how=how, max_abs_err=err, x_roofline=us / 1e3 / roof_ms)
             if name == "triton":
                 default_out = got
+            elif name.startswith("triton_bounds"):  # other splits change the bits; the default's must not
+                res[name]["bits_equal_default"] = bool(torch.equal(got, default_out))
+                print(f"B={B} {name}: {us:.1f} µs (bits = default: {res[name]['bits_equal_default']})", flush=True)
             elif name.startswith("triton "):
                 res[name]["bits_equal_default"] = bool(torch.equal(got, default_out))
         out["batches"][B] = res

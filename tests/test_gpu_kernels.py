@@ -603,6 +603,63 @@ def test_attention_op_rejects_bad_inputs(tops):
         tops.attention(q, k, v, mask, torch.arange(q.shape[0], device=q.device, dtype=torch.int32))
 
 
+def bounds_of(mask):
+    """The ``KeyBounds`` of a prefix mask (attention_case's: keys 0 … last visible, or none)."""
+    from muse_spark.models.layers import KeyBounds
+
+    last = mask.sum(-1) - 1
+    assert torch.equal(KeyBounds(last, mask.shape[-1]).dense(), mask)
+    return KeyBounds(last, mask.shape[-1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", list(ATTN_SHAPES))
+@pytest.mark.parametrize("early", [True, False], ids=["early_kv", "per_tile"])
+def test_attention_bounds_give_the_dense_masks_bits(tops, shape, early):
+    """The mask in bounds form (``KeyBounds``, what the models pass: no mask tensor) is the same
+    attention bit for bit as its dense mask, over NaN-filled caches read in place, with a window
+    longer than every request (whole splits nobody sees), a query that sees no key (zeros), and
+    strided bounds (the draft's non-causal block repeats one bound per request)."""
+    from muse_spark.models.layers import KeyBounds
+    from muse_spark.plugins.attention.triton_kernel import launch_attention
+    from muse_spark.plugins.triton_math import interpreting
+
+    from test_models import attention_case
+
+    B, S, H, KV, dh, T = ATTN_SHAPES[shape]
+    q, k, v, mask = attention_case(torch.bfloat16, DEV, B=B, S=S, H=H, KV=KV, dh=dh, T=T)
+    kc, vc, slots = cache_with_slots(k, v, extra_positions=300)
+    mask = torch.nn.functional.pad(mask, (0, 300))
+    kb = bounds_of(mask)
+    cfg = dict(EARLY_KV=early)
+    dense = launch_attention(q, kc, vc, mask, slots, config=cfg, interpret=interpreting())
+    got = launch_attention(q, kc, vc, kb.last, slots, config=cfg, interpret=interpreting(), window=kb.width)
+    assert torch.isfinite(got).all() and torch.equal(got[-1, 0], torch.zeros_like(got[-1, 0]))
+    assert torch.equal(got, dense)
+    assert torch.equal(tops.attention(q, kc, vc, kb, slots), dense)  # the op the models call
+    one = KeyBounds(kb.last[:, -1:].expand(B, S), kb.width)  # stride 0 along the queries
+    assert torch.equal(tops.attention(q, kc, vc, one, slots), tops.attention(q, kc, vc, one.dense(), slots))
+
+
+@needs_kernels
+def test_attention_bounds_op_rejects_bad_inputs(tops):
+    from test_models import attention_case
+
+    q, k, v, mask = attention_case(torch.bfloat16, DEV)
+    kb = bounds_of(mask)
+    op = torch.ops.muse_spark.attention_bounds_triton
+    with pytest.raises(ValueError, match="last must be int64"):
+        op(q, k, v, kb.last.to(torch.int32), kb.width)
+    with pytest.raises(ValueError, match="last must be int64"):
+        op(q, k, v, kb.last[:, :-1], kb.width)
+    with pytest.raises(ValueError, match="key window 49 must be in"):  # a window longer than the cache
+        op(q, k, v, kb.last, kb.width + 1)
+    with pytest.raises(ValueError, match="expected k and v"):
+        op(q, k[..., :8], v[..., :8], kb.last, kb.width)
+    with pytest.raises(ValueError, match="slots must be int64"):
+        op(q, k, v, kb.last, kb.width, torch.arange(q.shape[0], device=q.device, dtype=torch.int32))
+
+
 @needs_gpu
 def test_attention_kernel_compiles_into_an_aoti_package(tops, tmp_path):
     """The attention op exported and compiled by AOTInductor: the package runs the same kernels as

@@ -139,6 +139,23 @@ def attention_case(dtype, device="cpu", B=3, S=5, H=8, KV=2, dh=16, T=48, seed=0
     return [t.to(device) for t in (q, k, v, mask)]
 
 
+def test_key_bounds_are_the_key_mask():
+    """``key_mask`` gives bounds (``KeyBounds``), not a tensor: ``dense`` is the mask the models
+    meant (key j visible iff j ≤ the query's bound), and ``attend`` with bounds equals ``attend``
+    with that mask on every path that expands it (CPU here)."""
+    from muse_spark.models.layers import KeyBounds, attend
+    from muse_spark.models.target import LayerStackLM
+
+    last = torch.tensor([[3, 4, -1], [0, 9, 20]])
+    kb = LayerStackLM.key_mask(last, 10)
+    assert isinstance(kb, KeyBounds) and kb.shape == (2, 3, 10)
+    want = torch.tensor([[[j <= int(b) for j in range(10)] for b in row] for row in last])
+    assert torch.equal(kb.dense(), want)
+    q, k, v, mask = attention_case(torch.float32)
+    last = mask.sum(-1) - 1  # attention_case's masks are prefixes
+    assert torch.equal(attend(q, k, v, KeyBounds(last, mask.shape[-1])), attend(q, k, v, mask))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sdpa_attention_matches_the_fp32_einsums(dtype):
     """The fused-SDPA attention (bf16 on CUDA) against the fp32 einsum path, run here on CPU:

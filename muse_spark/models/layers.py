@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -28,10 +28,34 @@ from muse_spark.plugins import dispatch
 from muse_spark.config import MuseSpark1xConfig
 from muse_spark.plugins.norm import rms_norm
 
-# (k_new [B,S,KV,Dh], v_new) -> (keys, values, mask [B,S,T] bool, slots): keys/values [B,T,KV,Dh]
-# with slots None, or whole caches [N,≥T,KV,Dh] of which request b reads row slots[b] ([B] int64)
+
+
+class KeyBounds(NamedTuple):
+    """Which keys each query sees, without a [B, S, T] mask tensor: key t (of the first ``width``) is
+    visible to query (b, s) iff t ≤ ``last[b, s]``. Every mask the models build has this form (a
+    query sees the keys up to its own position, or up to the draft block's end), so the Triton
+    attention kernel takes it as is (no mask kernel, no mask reads); the other paths expand it
+    (``dense``)."""
+
+    last: torch.Tensor  # [B, S] int64
+    width: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.last.shape, self.width)
+
+    def dense(self) -> torch.Tensor:
+        """The boolean mask [B, S, width]."""
+        return torch.arange(self.width, device=self.last.device)[None, None, :] <= self.last[:, :, None]
+
+
+Mask = "torch.Tensor | KeyBounds"
+
+# (k_new [B,S,KV,Dh], v_new) -> (keys, values, mask, slots): the mask [B,S,T] bool or KeyBounds;
+# keys/values [B,T,KV,Dh] with slots None, or whole caches [N,≥T,KV,Dh] of which request b reads
+# row slots[b] ([B] int64)
 KVProvider = Callable[[torch.Tensor, torch.Tensor],
-                      tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]]
+                      tuple[torch.Tensor, torch.Tensor, Mask, "torch.Tensor | None"]]
 
 
 class RMSNorm(nn.Module):
@@ -133,12 +157,7 @@ def _triton_ops_available() -> bool:
     return True
 
 
-def _triton_attention_op():
-    """``torch.ops.muse_spark.attention_triton`` (registering it), or None without Triton."""
-    return torch.ops.muse_spark.attention_triton if _triton_ops_available() else None
-
-
-def cache_rows(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def cache_rows(k: torch.Tensor, v: torch.Tensor, mask: Mask,
                slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values ``attend`` reads, [B, T, KV, Dh] each (T = mask's last dim): rows
     ``slots`` of whole caches (a gathered copy), or the first T positions of per-request k/v."""
@@ -148,9 +167,10 @@ def cache_rows(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     return k[slots, :T], v[slots, :T]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
            slots: torch.Tensor | None = None) -> torch.Tensor:
-    """Masked GQA attention. q [B,S,H,Dh], mask [B,S,T] → [B,S,H,Dh] (q's dtype); k/v [B,≥T,KV,Dh],
+    """Masked GQA attention. q [B,S,H,Dh], mask [B,S,T] bool or ``KeyBounds`` (the Triton kernel reads
+    its bounds; the other paths expand it) → [B,S,H,Dh] (q's dtype); k/v [B,≥T,KV,Dh],
     or with ``slots`` [B] whole caches [N,≥T,KV,Dh] of which request b reads row ``slots[b]`` (the
     Triton kernel reads it in place; the other paths gather the rows first).
 
@@ -161,10 +181,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     with no visible key.
     """
     path = attention_path(q.device, q.dtype)
-    if path == "triton" and triton_attention_fits(q, k, v):
-        op = _triton_attention_op()
-        if op is not None:
-            return op(q, k, v, mask, slots)
+    if path == "triton" and triton_attention_fits(q, k, v) and _triton_ops_available():
+        if isinstance(mask, KeyBounds):
+            return torch.ops.muse_spark.attention_bounds_triton(q, k, v, mask.last, mask.width, slots)
+        return torch.ops.muse_spark.attention_triton(q, k, v, mask, slots)
+    if isinstance(mask, KeyBounds):
+        mask = mask.dense()
     k, v = cache_rows(k, v, mask, slots)
     if path == "reference":
         return attend_reference(q, k, v, mask)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from muse_spark.config import MuseSpark1xConfig
-from muse_spark.models.layers import DecoderLayer, KVProvider, linear, make_norm, output_transform
+from muse_spark.models.layers import DecoderLayer, KeyBounds, KVProvider, linear, make_norm, output_transform
 
 
 @dataclass
@@ -69,15 +69,15 @@ class LayerStackLM(nn.Module):
                                 self.dtype, device)
 
     @staticmethod
-    def key_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """[B, S, kv_len]: key j is visible to a query iff j ≤ ``positions`` (the query's position,
-        or the last key it may see)."""
-        key_pos = torch.arange(kv_len, device=positions.device)
-        return key_pos[None, None, :] <= positions[:, :, None]
+    def key_mask(positions: torch.Tensor, kv_len: int) -> KeyBounds:
+        """[B, S, kv_len] in bounds form: key j is visible to a query iff j ≤ ``positions`` (the
+        query's position, or the last key it may see). Nothing is computed: the attention kernel
+        reads the bounds (``models.layers.KeyBounds``)."""
+        return KeyBounds(positions, kv_len)
 
     @staticmethod
     def cache_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                 mask: torch.Tensor) -> KVProvider:
+                 mask: KeyBounds) -> KVProvider:
         """The layer's ``kv``: write the new K/V at ``positions`` of rows ``slots`` of the caches, and
         let attention read those rows in place over the keys ``mask`` shows."""
         rows = slots[:, None]
@@ -136,7 +136,7 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         return self.model.embed_tokens(tokens).to(torch.float32)
 
     def layer_forward(self, i: int, stream, x, positions, slots, k_cache, v_cache, kv_len: int,
-                      mask: torch.Tensor | None = None,
+                      mask: KeyBounds | None = None,
                       next_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``: write its K/V for ``positions`` into rows ``slots`` of its caches, attend over
         keys ``[0, kv_len)`` visible to each query (``key_mask``), → (the new stream, its

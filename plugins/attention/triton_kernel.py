@@ -93,14 +93,16 @@ def _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE: tl.constexpr, BLOCK_M: tl.
 
 @triton.jit
 def _partial_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr,  # q [B, S, H, Dh]; k, v [N, >= T, KV, Dh]; mask [B, S, T] bool
+    q_ptr, k_ptr, v_ptr, mask_ptr,  # q [B, S, H, Dh]; k, v [N, >= T, KV, Dh]; mask [B, S, T] bool, or
+    # with BOUNDS last [B, S] int64 (key t visible to query (b, s) iff t ≤ last[b, s])
     slot_ptr,  # [B] int64: the row of k/v request b reads (when HAS_SLOTS; else row b)
     po_ptr, pm_ptr, pl_ptr,  # partials: acc [B*KV, NSPLIT, M, Dh] fp32, max and sum [B*KV, NSPLIT, M] fp32
     S, T, M, KV, NSPLIT,
     sq_b, sq_s, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sm_b, sm_s,
     SCALE: tl.constexpr,  # constexpr: Inductor passes a float argument as fp64, which made the scores fp64
     REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr,
-    IEEE_DOT: tl.constexpr, HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, PDL: tl.constexpr = False,
+    IEEE_DOT: tl.constexpr, HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, PDL: tl.constexpr = 0,
+    BOUNDS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -123,7 +125,11 @@ def _partial_kernel(
     acc = tl.zeros((BLOCK_M, DH), tl.float32)
     t_begin = split * SPLIT_T
     t_end = tl.minimum(t_begin + SPLIT_T, T)
-    if EARLY_KV:
+    if BOUNDS:  # key t is visible to row r iff t ≤ last[b, s(r)]: no mask tensor to read
+        last = tl.load(mask_ptr + b * sm_b + s * sm_s, mask=rmask, other=-1)  # [BLOCK_M] int64
+        if EARLY_KV:
+            t_end = tl.where(t_begin <= tl.max(last, axis=0), t_end, t_begin)  # nobody sees the split: no tile
+    elif EARLY_KV:
         # Whether any row of the block sees any key of the split: one mask load for the split, so
         # each tile's K/V loads wait on nothing else (a visible split's masked tail is read, and
         # made harmless below; a split nobody sees is never read).
@@ -140,8 +146,11 @@ def _partial_kernel(
                          mask=tm[None, :], other=0.0)  # [DH, BLOCK_T]
             v = tl.load(v_ptr + kv_row * sv_b + t[:, None] * sv_t + kvh * sv_h + d[None, :],
                         mask=tm[:, None], other=0.0)  # [BLOCK_T, DH]
-        vis = tl.load(mask_ptr + b * sm_b + s[:, None] * sm_s + t[None, :], mask=rmask[:, None] & tm[None, :],
-                      other=0) != 0  # [BLOCK_M, BLOCK_T]
+        if BOUNDS:
+            vis = (t[None, :] <= last[:, None]) & rmask[:, None] & tm[None, :]  # [BLOCK_M, BLOCK_T]
+        else:
+            vis = tl.load(mask_ptr + b * sm_b + s[:, None] * sm_s + t[None, :], mask=rmask[:, None] & tm[None, :],
+                          other=0) != 0  # [BLOCK_M, BLOCK_T]
         col_vis = tl.max(vis.to(tl.int32), axis=0) > 0  # [BLOCK_T]: keys some row of the block may see
         if EARLY_KV:
             # Straight-line: a tile nobody sees leaves m, l and acc exactly as they are (its scores
@@ -167,7 +176,7 @@ def _partial_kernel(
 def _combine_kernel(
     po_ptr, pm_ptr, pl_ptr, out_ptr,  # out [B, S, H, Dh] contiguous
     S, M, KV, NSPLIT, H,
-    REP: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
+    REP: tl.constexpr, DH: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     # One (row, batch·KV head) per program; the splits CHUNK at a time, merged online. A chunk of
     # empty splits (keys past the last visible one) leaves the running max, and so everything,
@@ -202,8 +211,11 @@ def _combine_kernel(
 
 def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      slots: torch.Tensor | None = None, wrap=lambda f: f, interpret: bool = False,
-                     config: dict | None = None, pdl: bool = False, launch_pdl: bool = False) -> torch.Tensor:
-    """q [B, S, H, Dh], mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. k/v: [B, ≥ T, KV, Dh], or
+                     config: dict | None = None, pdl: int = 0, launch_pdl: bool = False,
+                     window: int | None = None) -> torch.Tensor:
+    """q [B, S, H, Dh], mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. Or with ``window`` = T, the
+    mask in bounds form: ``mask`` is ``last`` [B, S] int64 and key t < T is visible to query (b, s)
+    iff t ≤ last[b, s] (``models.layers.KeyBounds``; the same bits as its dense mask). k/v: [B, ≥ T, KV, Dh], or
     with ``slots`` ([B] int64) whole caches [N, ≥ T, KV, Dh] of which request b reads row
     ``slots[b]`` in place (the caller keeps slots in range); only the first T positions are read.
     Any strides (the last dim is made contiguous if it is not). Dh a power of two in [16, 256] and
@@ -215,7 +227,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if cfg["SPLIT_T"] % cfg["BLOCK_T"]:
         raise ValueError(f"attention config: SPLIT_T {cfg['SPLIT_T']} is not a multiple of BLOCK_T {cfg['BLOCK_T']}")
     B, S, H, dh = q.shape
-    T, KV = mask.shape[-1], k.shape[2]
+    T, KV = (mask.shape[-1] if window is None else int(window)), k.shape[2]
     out = torch.empty((B, S, H, dh), dtype=q.dtype, device=q.device)
     if B == 0 or S == 0:
         return out
@@ -228,7 +240,10 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     M = (H // KV) * S
     launch_opts = {"launch_pdl": True} if launch_pdl else {}
     nsplit = max(1, triton.cdiv(T, cfg["SPLIT_T"]))
-    m8 = mask if mask.stride(-1) == 1 else mask.contiguous()  # bool: Triton loads its bytes as int1
+    if window is None:
+        m8 = mask if mask.stride(-1) == 1 else mask.contiguous()  # bool: Triton loads its bytes as int1
+    else:
+        m8 = mask  # last [B, S]: any strides
     po = torch.empty((B * KV, nsplit, M, dh), dtype=torch.float32, device=q.device)
     pm = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
     pl = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
@@ -238,7 +253,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
         SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
         SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None, EARLY_KV=cfg["EARLY_KV"],
-        PDL=0 if interpret else int(pdl), num_warps=cfg["num_warps"], **launch_opts,
+        PDL=0 if interpret else int(pdl), BOUNDS=window is not None, num_warps=cfg["num_warps"], **launch_opts,
         **{opt: cfg[opt] for opt in ("num_stages", "maxnreg") if opt in cfg},  # eager launches only (the sweep)
     )
     wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
