@@ -123,15 +123,16 @@ else:
         return x.to(dtype)  # cvt.rn: round to nearest even
 
 
-
-# Programmatic dependent launch (docs/pdl.md). A kernel compiled with ``PDL`` first lets the next
-# kernel of the graph launch (``griddepcontrol.launch_dependents``), then waits until the kernels
-# it depends on have finished and their writes are visible (``griddepcontrol.wait``). Every access
-# to memory an earlier kernel writes, and every store, must come after the wait: the kernels make
-# those addresses depend on the returned zero (a data dependency no compiler reorders), which is
-# why the asm is pure and returns a value. Under a normal launch the wait returns at once: the
-# kernel before has already finished. Without ``PDL`` (and on Triton's CPU interpreter, which has
-# no inline asm) the zero is a constant and nothing changes.
+# Programmatic dependent launch (docs/pdl-research.md; an option the engines do not use yet).
+# A kernel compiled with ``PDL`` may let the next kernel of the graph launch early
+# (``griddepcontrol.launch_dependents``), then waits until the kernels it depends on have
+# finished and their writes are visible (``griddepcontrol.wait``). Every access to memory an
+# earlier kernel writes, and every store, must come after the wait: the kernels make those
+# addresses depend on the returned zero (a data dependency no compiler reorders), which is why the
+# asm is pure and returns a value (torch's mutation analysis of a user kernel also refuses impure
+# asm). Under a normal launch the wait returns at once: the kernel before has already finished.
+# Without ``PDL`` (and on Triton's CPU interpreter, which has no inline asm) the zero is a
+# constant and nothing changes.
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """``PDL`` 1: trigger the dependents, then wait for the upstream kernels; 2: only wait (the

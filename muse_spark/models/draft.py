@@ -106,7 +106,7 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
         for layer in self.model.layers:
             attn = layer.self_attn
             ctx = attn.pre_qkv_proj_norm(h, dt)
-            kv = torch.nn.functional.linear(ctx, attn.kv_weight())
+            kv = linear(ctx, attn.kv_weight())  # contiguous rows of the qkv weight: the skinny kernel where it fits
             k = kv[..., : c.kv_size].reshape(B, S, c.num_key_value_heads, c.head_dim)
             v = kv[..., c.kv_size :].reshape(B, S, c.num_key_value_heads, c.head_dim)
             ks.append(attn.normalize_heads(k, positions))

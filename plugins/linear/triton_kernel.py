@@ -172,7 +172,7 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     ``config`` overrides the launch configuration (the sweep). ``pdl``: compile the PDL wait in
     (``triton_math.pdl_enter``), with ``prefetch`` bytes of each program's weight rows prefetched
     into L2 before it (a multiple of 2048); ``launch_pdl``: launch with the PDL attribute (eager
-    launches only: the compiled packages get their PDL edges in the CUDA graph, docs/pdl.md)."""
+    launches only; scripts/pdl_bench.py, docs/pdl-research.md). The engines use neither yet."""
     K = x.shape[-1]
     n_w = w.shape[0]
     if w.dim() != 2 or w.shape[1] != K:
