@@ -197,11 +197,11 @@ class Generator:
             return []
         dev = self.engine.device
         t0 = time.perf_counter()
-        anchor = torch.tensor([r.anchor for r in batch], device=dev)
-        pos = torch.tensor([r.position for r in batch], device=dev)
-        slots = torch.tensor([r.slot for r in batch], device=dev)
-        seeds = torch.tensor([r.params.seed for r in batch], device=dev, dtype=torch.int64)
-        temps = torch.tensor([float(r.params.temperature) for r in batch], device=dev, dtype=torch.float32)
+        # The per-request inputs in two host→device copies (one int64 block, one fp32 row), not five.
+        ints = torch.tensor([[r.anchor for r in batch], [r.position for r in batch], [r.slot for r in batch],
+                             [r.params.seed for r in batch]], dtype=torch.int64).to(dev)
+        anchor, pos, slots, seeds = ints.unbind(0)
+        temps = torch.tensor([float(r.params.temperature) for r in batch], dtype=torch.float32).to(dev)
         kv_len = max(r.position for r in batch) + self.gamma + 1
         packed = self.engine.step(anchor, pos, slots, seeds, temps, kv_len).cpu().tolist()  # the one D2H copy
         self.step_times.append(time.perf_counter() - t0)
