@@ -527,7 +527,21 @@ class Bench:
                 sec["aoti"][b] = time_fn(lambda: runner(*x), dev, a.iters)
                 if cuda:
                     sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
-                self.log(f"aoti B={b}: {sec['aoti'][b]['median_ms']:.2f} ms (greedy step equals eager: {same})")
+                # The serving loop's form, host values in and rows out: as the generator did it before
+                # (tensors built on the device from lists, the step, .cpu()) and through step_host.
+                host = [t.tolist() for t in x]
+
+                def from_lists():
+                    ts = [torch.tensor(v, device=dev, dtype=t.dtype) for v, t in zip(host, x)]
+                    return runner(*ts).cpu().tolist()
+
+                sec.setdefault("aoti_serving_lists", {})[b] = time_fn(from_lists, dev, a.iters)
+                sec.setdefault("aoti_step_host", {})[b] = time_fn(lambda: runner.step_host(*host), dev, a.iters)
+                sec.setdefault("aoti_step_host_equals_step", {})[b] = runner.step_host(*host) == runner(*x).tolist()
+                self.log(f"aoti B={b}: {sec['aoti'][b]['median_ms']:.2f} ms (greedy step equals eager: {same}); "
+                         f"serving form: lists → device tensors → step → .cpu() "
+                         f"{sec['aoti_serving_lists'][b]['median_ms']:.2f} ms, step_host "
+                         f"{sec['aoti_step_host'][b]['median_ms']:.2f} ms")
                 if a.profile:  # the same packages, called without the graph: the kernels it replays
                     plain = StaticStep(fn, b, weights, caches, scratch, dev)
                     prof = profile_kernels(lambda: plain(*x), dev, keep_all=cuda)

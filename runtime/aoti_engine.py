@@ -291,9 +291,18 @@ class AOTIEngine(EagerEngine):
              temperature: torch.Tensor, kv_len: int) -> torch.Tensor:
         """``EagerEngine.step`` from the compiled graph of the smallest bucket that fits.
         ``kv_len`` only guards the window: the graph attends over [0, max_seq) with the position mask."""
+        return self._runner(anchor.shape[0], kv_len)(anchor, anchor_pos, slots, seeds, temperature)
+
+    @torch.inference_mode()
+    def step_host(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> list[list[int]]:
+        """``EagerEngine.step_host`` through the runner's pinned buffers: two host→device copies
+        straight into the graph's static inputs, the replay, one device→host copy."""
+        return self._runner(len(anchor), kv_len).step_host(anchor, anchor_pos, slots, seeds, temperature)
+
+    def _runner(self, n: int, kv_len: int) -> StaticStep:
         if kv_len > self.max_seq:
             raise ValueError(f"kv_len {kv_len} exceeds the engine's max_seq {self.max_seq}")
-        runner = self.runners[self.bucket_for(anchor.shape[0])]
+        runner = self.runners[self.bucket_for(n)]
         if isinstance(runner, CUDAGraphStep):
             runner.check(self.caches)
-        return runner(anchor, anchor_pos, slots, seeds, temperature)
+        return runner

@@ -18,7 +18,11 @@ falls back silently to an uncaptured run.
 
 No step synchronizes with the host: the inputs are copied device-to-device into
 the static buffers and the caller does the one device→host copy of the packed
-result.
+result. ``step_host`` is the serving path's shortcut: the per-request inputs come
+as host values (Python ints and floats), are written into pinned host twins of the
+static buffers and copied into them asynchronously (one copy each, no pageable
+staging and no device-to-device pass); the packed result comes back in one
+device→host copy into a pinned buffer.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ class StaticStep:
         self.seeds = torch.zeros(bucket, **z)
         self.temperature = torch.zeros(bucket, device=device, dtype=torch.float32)
         self.static_inputs = (self.anchor, self.anchor_pos, self.slots, self.seeds, self.temperature)
+        pin = device.type == "cuda"  # pinned host buffers: asynchronous copies (CUDA only)
+        self.host_inputs = tuple(torch.zeros(bucket, dtype=t.dtype, pin_memory=pin) for t in self.static_inputs)
+        self.host_out: Tensor | None = None  # pinned [bucket, γ+2], made on the first step_host
+        self.copied_in = torch.cuda.Event() if pin else None  # the last host→device copy read the buffers
+        self.copied_out = torch.cuda.Event() if pin else None
 
     def _fill(self, anchor: Tensor, anchor_pos: Tensor, slots: Tensor, seeds: Tensor, temperature: Tensor) -> int:
         n = anchor.shape[0]
@@ -66,6 +75,37 @@ class StaticStep:
             self.temperature[n:].zero_()
         return n
 
+    def _fill_host(self, anchor, anchor_pos, slots, seeds, temperature) -> int:
+        """Host values (sequences of ints / floats, or CPU tensors) → the static buffers, padding rows
+        as ``_fill`` makes them: written into pinned host buffers, then one asynchronous
+        host→device copy per input (no pageable staging, no device-to-device pass)."""
+        n = len(anchor)
+        if not 1 <= n <= self.bucket:
+            raise ValueError(f"batch of {n} requests does not fit the bucket of {self.bucket}")
+        inputs = (anchor, anchor_pos, slots, seeds, temperature)
+        for name, values in zip(("anchor", "anchor_pos", "slots", "seeds", "temperature"), inputs):
+            if len(values) != n:
+                raise ValueError(f"step input {name}: expected {n} values, got {len(values)}")
+        if self.copied_in is not None:
+            self.copied_in.synchronize()  # the previous step's copies have read the pinned buffers
+        pad = (0, 0, self.scratch_slot, 0, 0.0)  # padding rows: scratch slot, position 0, greedy
+        for values, host, dst, fill in zip(inputs, self.host_inputs, self.static_inputs, pad):
+            host[:n] = torch.as_tensor(values, dtype=host.dtype)
+            host[n:] = fill
+            dst.copy_(host, non_blocking=True)
+        if self.copied_in is not None:
+            self.copied_in.record(torch.cuda.current_stream(self.device))
+        return n
+
+    def _to_host(self, out: Tensor, n: int) -> list[list[int]]:
+        if self.host_out is None or self.host_out.shape != out.shape:
+            self.host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=self.copied_out is not None)
+        self.host_out.copy_(out, non_blocking=True)
+        if self.copied_out is not None:
+            self.copied_out.record(torch.cuda.current_stream(self.device))
+            self.copied_out.synchronize()
+        return self.host_out[:n].tolist()
+
     def _run(self) -> Tensor:
         return self.fn(self.weights, *self.caches, *self.static_inputs)
 
@@ -73,6 +113,12 @@ class StaticStep:
         """→ packed [n, γ+2] int64 on the device (a fresh tensor, not a view of a static buffer)."""
         n = self._fill(anchor, anchor_pos, slots, seeds, temperature)
         return self._run()[:n].clone()
+
+    def step_host(self, anchor, anchor_pos, slots, seeds, temperature) -> list[list[int]]:
+        """``__call__`` for host values (sequences of n ints, n floats for the temperatures) → the
+        packed rows as lists of ints, after one device→host copy (the step is finished on return)."""
+        n = self._fill_host(anchor, anchor_pos, slots, seeds, temperature)
+        return self._to_host(self._run(), n)
 
 
 class CUDAGraphStep(StaticStep):
@@ -115,9 +161,16 @@ class CUDAGraphStep(StaticStep):
         if now != self._captured[: len(now)]:
             raise AssertionError("CUDA graph replay after a captured input tensor was reallocated")
 
-    def __call__(self, anchor, anchor_pos, slots, seeds, temperature) -> Tensor:
-        n = self._fill(anchor, anchor_pos, slots, seeds, temperature)
+    def _replay(self) -> Tensor:
         self._assert_unmoved(full=self.replays == 0)
         self.graph.replay()
         self.replays += 1
-        return self.out[:n].clone()
+        return self.out
+
+    def __call__(self, anchor, anchor_pos, slots, seeds, temperature) -> Tensor:
+        n = self._fill(anchor, anchor_pos, slots, seeds, temperature)
+        return self._replay()[:n].clone()
+
+    def step_host(self, anchor, anchor_pos, slots, seeds, temperature) -> list[list[int]]:
+        n = self._fill_host(anchor, anchor_pos, slots, seeds, temperature)
+        return self._to_host(self._replay(), n)

@@ -212,6 +212,14 @@ class EagerEngine:
         self.draft.store_context(aux, positions, slots, self.draft_cache)
         return torch.cat([ids, n[:, None], bonus[:, None]], 1)
 
+    def step_host(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> list[list[int]]:
+        """``step`` for host values (sequences of n ints; n floats for the temperatures) → the packed
+        rows as lists of ints: the serving loop's form. Two host→device copies, one back."""
+        dev = self.device
+        ints = torch.tensor([list(anchor), list(anchor_pos), list(slots), list(seeds)], dtype=torch.int64).to(dev)
+        temps = torch.tensor(list(temperature), dtype=torch.float32).to(dev)
+        return self.step(*ints.unbind(0), temps, kv_len).cpu().tolist()
+
     # ---- target-only decoding (the reference the speculative output must equal) ---------
     @torch.inference_mode()
     def target_step(self, token: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, seeds: torch.Tensor,

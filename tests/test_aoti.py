@@ -168,6 +168,24 @@ def test_step_graph_equals_eager_step_and_writes_only_its_slots(engine, eager):
         torch.testing.assert_close(a[1, written].float(), e[1, written].float(), atol=0.05, rtol=0.02)
 
 
+def test_step_host_gives_the_steps_rows(engine, eager):
+    """The serving loop's form (host values in, lists of ints out, through the runner's host
+    twins of its static inputs): the rows ``step`` gives, for a padded bucket and a full one, on
+    the aoti engine and the eager engine alike. Inputs of unequal lengths are refused before
+    anything is copied."""
+    for n in (1, MAX_BATCH):
+        lists = ([65 + i for i in range(n)], [40 + 3 * i for i in range(n)], list(range(n)),
+                 [7 + i for i in range(n)], [0.0 if i % 2 == 0 else 0.8 for i in range(n)])
+        tensors = [torch.tensor(v) for v in lists]
+        kv_len = max(lists[1]) + engine.gamma + 1
+        want = eager.step(*tensors, kv_len).tolist()
+        assert engine.step(*tensors, kv_len).tolist() == want
+        assert engine.step_host(*lists, kv_len) == want
+        assert eager.step_host(*lists, kv_len) == want
+    with pytest.raises(ValueError, match="step input seeds: expected 1 values, got 2"):
+        engine.step_host([65], [40], [0], [7, 8], [0.0], 50)
+
+
 def test_fresh_process_generates_the_same_tokens(built, engine):
     """A new process (the CLI) loads the engine, generates, and exits cleanly."""
     ids = cli_generate_ids(built[0], [72, 101, 108], 20, temperature=0.9, seed=7)

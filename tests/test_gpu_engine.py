@@ -110,6 +110,17 @@ def test_a_step_does_not_synchronize_with_the_host(engine):
     assert out.shape == (3, engine.gamma + 2) and out.device.type == "cuda"
 
 
+def test_step_host_gives_the_steps_rows(engine):
+    """The serving loop's form on the CUDA graphs: host values through the pinned twins of the
+    static inputs, the packed rows back through a pinned buffer; the rows ``step`` gives, for a
+    padded bucket, twice in a row (the pinned buffers are reused)."""
+    lists = ([65, 66, 67], [10, 20, 30], [0, 1, 2], [1, 2, 3], [0.0, 1.0, 0.5])
+    x = [torch.tensor(v, device="cuda") for v in lists]
+    for _ in range(2):
+        want = engine.step(*x, 40).tolist()
+        assert engine.step_host(*lists, 40) == want
+
+
 def test_replay_refuses_caches_other_than_the_captured_ones(engine):
     x = tuple(torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(4)) + (
         torch.zeros(1, device="cuda"),)
