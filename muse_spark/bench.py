@@ -210,10 +210,10 @@ def step_matrices(target, draft) -> list:
 def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int, engine: bool = False) -> dict:
     """The step's weight GEMMs alone, back to back (captured in one CUDA graph on the GPU): the
     target's with B·(γ+1) rows, the draft's with B·γ. cuBLAS through ``F.linear``, or with
-    ``engine`` the engine's own path (``models.layers.linear`` / ``linear_silu_mul``: cuBLAS and a
-    silu kernel by default, the skinny Triton kernel with silu·mul fused under
-    ``MUSE_SPARK_LINEAR=triton``). What a step built on these GEMMs cannot beat, whatever it fuses
-    around them."""
+    ``engine`` the engine's own path (``models.layers.linear`` / ``linear_silu_mul``: the skinny
+    Triton kernel with silu·mul fused for ≤ 16 rows by default; cuBLAS and a silu kernel under
+    ``MUSE_SPARK_LINEAR=cublas`` or for more rows). What a step built on these GEMMs cannot beat,
+    whatever it fuses around them."""
     import torch
     import torch.nn.functional as F
 
@@ -321,16 +321,22 @@ class Bench:
         self.save()
 
         # ---- the GEMM floor: the step's weight GEMMs alone, back to back -------------------------
-        # The engine's own GEMM sequence only where it is not cuBLAS's (MUSE_SPARK_LINEAR=triton): on
-        # cuBLAS it would add an unfused eager silu·mul that the compiled step fuses into one kernel.
+        # The engine's own GEMM sequence only where it is not cuBLAS's (the skinny kernel, batch ≤ 2):
+        # on cuBLAS it would add an unfused eager silu·mul that the compiled step fuses into one kernel.
         from muse_spark.models.layers import linear_path
 
-        floors = [("gemm_floor", False)]
+        floors = [("gemm_floor", False, batches)]
         if linear_path(dev, target.dtype) == "triton":
-            floors.append(("gemm_floor_engine", True))
-        for name, engine in floors:
+            # Only batches whose every GEMM fits the skinny kernel (≤ MAX_ROWS rows): above, the
+            # engine's GEMMs are cuBLAS's plus an eager silu·mul the compiled step does not have.
+            from muse_spark.plugins.linear.triton_kernel import MAX_ROWS
+
+            fit = [b for b in batches if b * (g + 1) <= MAX_ROWS]
+            if fit:
+                floors.append(("gemm_floor_engine", True, fit))
+        for name, engine, bs in floors:
             sec[name] = {}
-            for b in batches:
+            for b in bs:
                 r = sec[name][b] = gemm_floor(target, draft, b, g, dev, a.iters, engine=engine)
                 self.log(f"GEMM floor B={b} ({'the engine GEMMs' if engine else 'cuBLAS'}): {r['median_ms']:.2f} ms "
                          f"({r['gemms']} GEMMs, {r['how']}; {r['median_ms'] / sec['roofline_ms'][b]:.2f}× the roofline)")
@@ -714,7 +720,7 @@ def render_markdown(result: dict) -> str:
         + f"Medians of {cfg['iters']} CUDA-event-timed steps after warm-up. The aoti buckets are "
         f"captured and timed {'smallest' if cfg.get('aoti_order') == 'ascending' else 'largest'} first. "
         "GEMM floor = the step's weight GEMMs alone, back to back: cuBLAS (`F.linear`), and, when the engine "
-        "runs its own (`MUSE_SPARK_LINEAR=triton`: the skinny Triton kernel with silu·mul fused), those; "
+        "runs its own (the skinny Triton kernel with silu·mul fused, at most 16 rows: batch ≤ 2), those; "
         "`aoti / GEMM floor` is against the engine's GEMMs where measured, else cuBLAS's.",
         "",
         "## Speculative step latency",

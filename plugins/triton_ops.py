@@ -6,8 +6,8 @@ Importing this module imports Triton and registers
   output norm before it and the next RMSNorm after it;
 * ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop;
 * ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
-  which ``models.layers.linear`` calls in bf16/fp16 on CUDA with ``MUSE_SPARK_LINEAR=triton``
-  (the default is cuBLAS: ``F.linear``);
+  which ``models.layers.linear`` calls in bf16/fp16 on CUDA for at most 16 rows (the default;
+  ``MUSE_SPARK_LINEAR=cublas`` selects ``F.linear``);
 * ``muse_spark::head_norm_rope_triton`` — the attention's per-head q/k RMS norm and RoPE in one
   pass, which ``models.layers.head_norm_rope`` calls in bf16/fp16 on CUDA. Its reference is
   ``models.layers.head_norm_rope_reference``;
@@ -155,7 +155,9 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 def _attention_bounds_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor, window: int,
                          slots: torch.Tensor | None = None) -> torch.Tensor:
     """``attention_triton`` with the mask in bounds form (``models.layers.KeyBounds``): key t <
-    ``window`` is visible to query (b, s) iff t ≤ last[b, s]. The same bits as the dense mask."""
+    ``window`` is visible to query (b, s) iff t ≤ last[b, s]. The same attention as the dense mask,
+    within rounding: on the H200 the bits differ at head_dim 128 (docs/benchmarks.md, eighth
+    session); its own bits do not depend on batch, queries or window, as the dense form's."""
     B, S = q.shape[:2]
     if last.dtype != torch.int64 or tuple(last.shape) != (B, S):
         raise ValueError(f"attention: last must be int64 [B, S] = [{B}, {S}], got {last.dtype} {list(last.shape)}")

@@ -295,8 +295,8 @@ class AOTIEngine(EagerEngine):
 
     @torch.inference_mode()
     def step_host(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> list[list[int]]:
-        """``EagerEngine.step_host`` through the runner's pinned buffers: two host→device copies
-        straight into the graph's static inputs, the replay, one device→host copy."""
+        """``EagerEngine.step_host`` through the runner's pinned buffers: asynchronous host→device
+        copies straight into the graph's static inputs, the replay, one device→host copy."""
         return self._runner(len(anchor), kv_len).step_host(anchor, anchor_pos, slots, seeds, temperature)
 
     def _runner(self, n: int, kv_len: int) -> StaticStep:

@@ -29,7 +29,6 @@ from muse_spark.config import MuseSpark1xConfig
 from muse_spark.plugins.norm import rms_norm
 
 
-
 class KeyBounds(NamedTuple):
     """Which keys each query sees, without a [B, S, T] mask tensor: key t (of the first ``width``) is
     visible to query (b, s) iff t ≤ ``last[b, s]``. Every mask the models build has this form (a

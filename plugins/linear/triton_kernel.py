@@ -18,8 +18,10 @@ program and writes only ``silu(g)·u``: the gate/up output never goes to memory.
 
 Measured (H200, docs/benchmarks.md "fifth session"): faster than cuBLAS for every GEMM of a
 batch-1 step (the step's 151 GEMMs 4.51–4.60 ms against 4.64–4.74), slower at 64 rows (hence
-``MAX_ROWS``). Opt-in (``MUSE_SPARK_LINEAR=triton``): in the compiled step Inductor splits the q/k
-norm + RoPE kernel that follows the qkv projection into four, which costs what the GEMMs gain.
+``MAX_ROWS``). The default for ≤ ``MAX_ROWS`` rows since the eighth session (batch-1 step 5.95 ms
+against 6.10 with cuBLAS; ``MUSE_SPARK_LINEAR=cublas`` selects cuBLAS): before the head_norm_rope
+plugin op, Inductor split the q/k norm + RoPE kernel after the qkv projection into four, which
+cost what the GEMMs gained.
 
 Bits: each output element is one fp32 dot over K in a fixed order (BLOCK_K chunks through the
 MMA), whatever the batch or the grid, so the eager engine and the compiled packages (which
