@@ -186,6 +186,36 @@ def test_step_host_gives_the_steps_rows(engine, eager):
         engine.step_host([65], [40], [0], [7, 8], [0.0], 50)
 
 
+def test_runner_fills_its_static_inputs_and_padding_rows_alike_from_tensors_and_host_values():
+    """The runner's two ways in (device tensors through ``__call__``, host values through
+    ``step_host``) leave the same static inputs: the batch's values in rows [0, n), and padding rows
+    pointed at the scratch slot at position 0, greedy (so a padded step writes nothing but the
+    scratch slot); rows of a larger earlier batch do not linger."""
+    from muse_spark.runtime.cuda_graph import StaticStep
+
+    seen = []
+
+    def fn(weights, *args):  # the compiled step's signature: weights, 4 caches, 5 per-request inputs
+        seen.append([t.clone() for t in args[4:]])
+        return torch.arange(4 * 9).view(4, 9)
+
+    runner = StaticStep(fn, 4, [], ([], [], [], []), scratch_slot=7, device=torch.device("cpu"))
+    full = ([5, 6, 7, 8], [10, 11, 12, 13], [0, 1, 2, 3], [21, 22, 23, 24], [0.5, 1.0, 0.0, 2.0])
+    small = ([65, 66], [40, 41], [3, 1], [9, 10], [0.8, 0.0])
+    for values in (full, small):
+        n = len(values[0])
+        assert runner.step_host(*values) == torch.arange(4 * 9).view(4, 9)[:n].tolist()
+        by_host = seen[-1]
+        runner(*(torch.tensor(v) for v in values))
+        assert all(torch.equal(a, b) for a, b in zip(seen[-1], by_host))
+    anchor, pos, slots, seeds, temps = by_host  # the small batch after the full one
+    assert anchor.tolist() == [65, 66, 0, 0] and pos.tolist() == [40, 41, 0, 0]
+    assert slots.tolist() == [3, 1, 7, 7] and seeds.tolist() == [9, 10, 0, 0]
+    assert temps.tolist() == pytest.approx([0.8, 0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="does not fit the bucket of 4"):
+        runner.step_host([1] * 5, [1] * 5, [1] * 5, [1] * 5, [0.0] * 5)
+
+
 def test_fresh_process_generates_the_same_tokens(built, engine):
     """A new process (the CLI) loads the engine, generates, and exits cleanly."""
     ids = cli_generate_ids(built[0], [72, 101, 108], 20, temperature=0.9, seed=7)
