@@ -137,15 +137,7 @@ else:
 def pdl_enter(PDL: tl.constexpr):
     """``PDL`` 1: trigger the dependents, then wait for the upstream kernels; 2: only wait (the
     dependents launch as this kernel's programs exit); 0: neither. → an int32 zero to add to indices."""
-    if PDL == 1:
-        z = tl.inline_asm_elementwise("griddepcontrol.launch_dependents; griddepcontrol.wait; mov.u32 $0, 0;",
-                                      "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-    elif PDL == 2:
-        z = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                      is_pure=True, pack=1)
-    else:
-        z = 0
-    return z
+    return pdl_enter_after(PDL, tl.zeros((), tl.int32))
 
 
 @triton.jit

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import torch
 
 Tensor = torch.Tensor
+INPUT_NAMES = ("anchor", "anchor_pos", "slots", "seeds", "temperature")  # the step's per-request inputs
 
 
 class StaticStep:
@@ -52,6 +53,7 @@ class StaticStep:
         self.seeds = torch.zeros(bucket, **z)
         self.temperature = torch.zeros(bucket, device=device, dtype=torch.float32)
         self.static_inputs = (self.anchor, self.anchor_pos, self.slots, self.seeds, self.temperature)
+        self.padding = (0, 0, scratch_slot, 0, 0.0)  # padding rows: scratch slot, position 0, greedy
         pin = device.type == "cuda"  # pinned host buffers: asynchronous copies (CUDA only)
         self.host_inputs = tuple(torch.zeros(bucket, dtype=t.dtype, pin_memory=pin) for t in self.static_inputs)
         self.host_arrays = tuple(h.numpy() for h in self.host_inputs)  # the same memory: cheap writes
@@ -63,17 +65,13 @@ class StaticStep:
         n = anchor.shape[0]
         if not 1 <= n <= self.bucket:
             raise ValueError(f"batch of {n} requests does not fit the bucket of {self.bucket}")
-        for name, src, dst in zip(("anchor", "anchor_pos", "slots", "seeds", "temperature"),
-                                  (anchor, anchor_pos, slots, seeds, temperature), self.static_inputs):
+        for name, src, dst in zip(INPUT_NAMES, (anchor, anchor_pos, slots, seeds, temperature), self.static_inputs):
             if src.shape != (n,):
                 raise ValueError(f"step input {name}: expected shape [{n}], got {list(src.shape)}")
             dst[:n].copy_(src)  # device→device (or host→device), no sync
-        if n < self.bucket:  # padding rows: scratch slot, position 0, greedy
-            self.anchor[n:].zero_()
-            self.anchor_pos[n:].zero_()
-            self.slots[n:].fill_(self.scratch_slot)
-            self.seeds[n:].zero_()
-            self.temperature[n:].zero_()
+        if n < self.bucket:
+            for dst, fill in zip(self.static_inputs, self.padding):
+                dst[n:].fill_(fill)
         return n
 
     def _fill_host(self, anchor, anchor_pos, slots, seeds, temperature) -> int:
@@ -84,13 +82,13 @@ class StaticStep:
         if not 1 <= n <= self.bucket:
             raise ValueError(f"batch of {n} requests does not fit the bucket of {self.bucket}")
         inputs = (anchor, anchor_pos, slots, seeds, temperature)
-        for name, values in zip(("anchor", "anchor_pos", "slots", "seeds", "temperature"), inputs):
+        for name, values in zip(INPUT_NAMES, inputs):
             if len(values) != n:
                 raise ValueError(f"step input {name}: expected {n} values, got {len(values)}")
         if self.copied_in is not None:
             self.copied_in.synchronize()  # the previous step's copies have read the pinned buffers
-        pad = (0, 0, self.scratch_slot, 0, 0.0)  # padding rows: scratch slot, position 0, greedy
-        for values, arr, host, dst, fill in zip(inputs, self.host_arrays, self.host_inputs, self.static_inputs, pad):
+        for values, arr, host, dst, fill in zip(inputs, self.host_arrays, self.host_inputs, self.static_inputs,
+                                                self.padding):
             arr[:n] = values
             arr[n:] = fill
             dst.copy_(host, non_blocking=True)

@@ -181,9 +181,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
     """
     path = attention_path(q.device, q.dtype)
     if path == "triton" and triton_attention_fits(q, k, v) and _triton_ops_available():
-        if isinstance(mask, KeyBounds):
-            return torch.ops.muse_spark.attention_bounds_triton(q, k, v, mask.last, mask.width, slots)
-        return torch.ops.muse_spark.attention_triton(q, k, v, mask, slots)
+        from muse_spark.plugins import triton_ops  # (imported by _triton_ops_available)
+
+        return triton_ops.attention(q, k, v, mask, slots)  # picks the op for the mask's form
     if isinstance(mask, KeyBounds):
         mask = mask.dense()
     k, v = cache_rows(k, v, mask, slots)

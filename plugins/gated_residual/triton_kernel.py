@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
-from muse_spark.plugins.triton_math import add_rn, mul_rn, to_rne, pdl_enter
+from muse_spark.plugins.triton_math import add_rn, mul_rn, pdl_enter, to_rne
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def _gated_residual_norm_kernel(
     BLOCK_D: tl.constexpr,
     NORM_BRANCH: tl.constexpr = False,
     HAS_BRANCH_WEIGHT: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     row = (tl.program_id(0) + pdl_enter(PDL)).to(tl.int64)  # rows are addressed after the PDL wait
     cols = tl.arange(0, BLOCK_D)
@@ -105,7 +105,7 @@ def launch_gated_residual_add(
     branch_norm_weight: torch.Tensor | None = None,  # [D] or None
     norm_branch: bool = False,
     wrap=lambda k: k,
-    pdl: bool = False,
+    pdl: int = 0,
     launch_pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel; ``wrap`` is ``torch.library.wrap_triton`` inside the op;

@@ -56,7 +56,7 @@ def _head_norm_rope_kernel(
     DH: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROPE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     HALF: tl.constexpr = DH // 2
     row = tl.program_id(0) + pdl_enter(PDL)  # every load and store is addressed after the PDL wait
@@ -97,7 +97,7 @@ def fits(x: torch.Tensor) -> bool:
 
 
 def launch_head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float, use_rope: bool,
-                          wrap=lambda f: f, pdl: bool = False, launch_pdl: bool = False) -> torch.Tensor:
+                          wrap=lambda f: f, pdl: int = 0, launch_pdl: bool = False) -> torch.Tensor:
     """x [B, S, NH, Dh] (any strides; the last dim is made contiguous if it is not), positions
     [B, S] int64 → [B, S, NH, Dh] contiguous in x's dtype. ``wrap`` is ``torch.library.wrap_triton``
     inside the op; ``pdl``/``launch_pdl``: as ``plugins.linear.triton_kernel.launch_linear``'s."""

@@ -94,7 +94,7 @@ def _linear_kernel(
     M, N, K, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, IEEE_DOT: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     if PREFETCH > 0:
