@@ -10,7 +10,8 @@ Importing this module imports Triton and registers
   ``MUSE_SPARK_LINEAR=cublas`` selects ``F.linear``);
 * ``muse_spark::head_norm_rope_triton`` — the attention's per-head q/k RMS norm and RoPE in one
   pass, which ``models.layers.head_norm_rope`` calls in bf16/fp16 on CUDA. Its reference is
-  ``models.layers.head_norm_rope_reference``;
+  ``models.layers.head_norm_rope_reference``. ``muse_spark::head_norm_rope_cache_triton`` also
+  writes the k heads and v into the KV caches (the layer's cache write, in the same kernel);
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
   which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
   selects SDPA instead). Its reference is ``models.layers.attend_reference``.
@@ -38,8 +39,8 @@ import logging
 import torch
 from torch.library import triton_op, wrap_triton
 
-from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_reference,
-                                      linear_reference, triton_attention_fits)
+from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
+                                      head_norm_rope_reference, linear_reference, triton_attention_fits)
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
@@ -182,6 +183,39 @@ def _head_norm_rope_op(x: torch.Tensor, positions: torch.Tensor, eps: float, the
     if not _runs_kernels(x):
         return head_norm_rope_reference(x, positions, eps, theta, use_rope)
     return head_norm_rope_kernel.launch_head_norm_rope(x, positions, eps, theta, use_rope, wrap=wrap_triton)
+
+
+@triton_op("muse_spark::head_norm_rope_cache_triton", mutates_args=("k_cache", "v_cache"))
+def _head_norm_rope_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
+                             use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             slots: torch.Tensor) -> torch.Tensor:
+    """``head_norm_rope_triton`` of x [B, S, H + KV, Dh] (q and k heads) whose k heads, and v [B, S,
+    KV, Dh], go straight into the caches [N, T, KV, Dh] at rows ``slots`` [B], positions
+    ``positions`` [B, S] (the layers' ``k_cache[slots[:, None], positions] = k``): one kernel
+    instead of the norm and two index_put kernels. → the normed q [B, S, H, Dh]. Its reference is
+    ``models.layers.head_norm_rope_cache_reference``."""
+    if not head_norm_rope_kernel.fits(x):
+        raise ValueError(f"head_norm_rope: x {list(x.shape)} {x.dtype}: the kernel takes [B, S, heads, Dh] in bf16 or "
+                         "fp16 with Dh a power of two in [2, 512]")
+    B, S, NH, dh = x.shape
+    if positions.dtype != torch.int64 or tuple(positions.shape) != (B, S):
+        raise ValueError(f"head_norm_rope: positions must be int64 {[B, S]}, got {positions.dtype} "
+                         f"{list(positions.shape)}")
+    if v.dim() != 4 or tuple(v.shape[:2]) != (B, S) or v.shape[3] != dh or not 0 < v.shape[2] <= NH or v.dtype != x.dtype:
+        raise ValueError(f"head_norm_rope: v must be {x.dtype} [{B}, {S}, KV ≤ {NH}, {dh}], got {v.dtype} "
+                         f"{list(v.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or tuple(c.shape[2:]) != tuple(v.shape[2:]) or c.dtype != x.dtype or c.stride(-1) != 1:
+            raise ValueError(f"head_norm_rope: {name} must be {x.dtype} [N, T, {v.shape[2]}, {dh}] with a contiguous "
+                             f"last dim, got {c.dtype} {list(c.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"head_norm_rope: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ")
+    if slots.dtype != torch.int64 or tuple(slots.shape) != (B,):
+        raise ValueError(f"head_norm_rope: slots must be int64 [{B}], got {slots.dtype} {list(slots.shape)}")
+    if not _runs_kernels(x):
+        return head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
+    return head_norm_rope_kernel.launch_head_norm_rope_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache,
+                                                            slots, wrap=wrap_triton)
 
 
 @triton_op("muse_spark::linear_triton", mutates_args=())

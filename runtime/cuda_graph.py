@@ -19,10 +19,10 @@ falls back silently to an uncaptured run.
 No step synchronizes with the host: the inputs are copied device-to-device into
 the static buffers and the caller does the one device→host copy of the packed
 result. ``step_host`` is the serving path's shortcut: the per-request inputs come
-as host values (Python ints and floats), are written into pinned host twins of the
-static buffers and copied into them asynchronously (one copy each, no pageable
-staging and no device-to-device pass); the packed result comes back in one
-device→host copy into a pinned buffer.
+as host values (Python ints and floats), are written into a pinned host twin of
+the static buffers (which are rows of one packed buffer) and copied in with one
+asynchronous copy (no pageable staging, no device-to-device pass); the packed
+result comes back in one device→host copy into a pinned buffer.
 """
 
 from __future__ import annotations
@@ -46,20 +46,27 @@ class StaticStep:
         self.caches = tuple(list(c) for c in caches)  # tk, tv, dk, dv
         self.scratch_slot = scratch_slot
         self.device = device
-        z = dict(device=device, dtype=torch.int64)
-        self.anchor = torch.zeros(bucket, **z)
-        self.anchor_pos = torch.zeros(bucket, **z)
-        self.slots = torch.full((bucket,), scratch_slot, **z)
-        self.seeds = torch.zeros(bucket, **z)
-        self.temperature = torch.zeros(bucket, device=device, dtype=torch.float32)
-        self.static_inputs = (self.anchor, self.anchor_pos, self.slots, self.seeds, self.temperature)
+        # The five per-request inputs are rows of one int64 buffer (the temperatures' row read as
+        # float32), each row starting 16-byte aligned: ``step_host`` fills them with one copy.
+        width = bucket + bucket % 2
+        self.packed = torch.zeros(len(INPUT_NAMES), width, device=device, dtype=torch.int64)
+        self.static_inputs = self._rows(self.packed, bucket)
+        self.anchor, self.anchor_pos, self.slots, self.seeds, self.temperature = self.static_inputs
         self.padding = (0, 0, scratch_slot, 0, 0.0)  # padding rows: scratch slot, position 0, greedy
-        pin = device.type == "cuda"  # pinned host buffers: asynchronous copies (CUDA only)
-        self.host_inputs = tuple(torch.zeros(bucket, dtype=t.dtype, pin_memory=pin) for t in self.static_inputs)
-        self.host_arrays = tuple(h.numpy() for h in self.host_inputs)  # the same memory: cheap writes
+        self.slots.fill_(scratch_slot)
+        pin = device.type == "cuda"  # a pinned host twin: an asynchronous copy (CUDA only)
+        self.host_packed = torch.zeros(self.packed.shape, dtype=torch.int64, pin_memory=pin)
+        self.host_arrays = tuple(t.numpy() for t in self._rows(self.host_packed, bucket))  # cheap writes
         self.host_out: Tensor | None = None  # pinned [bucket, γ+2], made on the first step_host
-        self.copied_in = torch.cuda.Event() if pin else None  # the last host→device copy read the buffers
+        self.copied_in = torch.cuda.Event() if pin else None  # the last host→device copy read the twin
         self.copied_out = torch.cuda.Event() if pin else None
+
+    @staticmethod
+    def _rows(packed: Tensor, bucket: int) -> tuple[Tensor, ...]:
+        """The per-request inputs as views of ``packed`` [5, width] int64: four int64 rows and the
+        temperatures, float32 [bucket] over the last row's bytes."""
+        return (*(packed[i, :bucket] for i in range(len(INPUT_NAMES) - 1)),
+                packed[-1].view(torch.float32)[:bucket])
 
     def _fill(self, anchor: Tensor, anchor_pos: Tensor, slots: Tensor, seeds: Tensor, temperature: Tensor) -> int:
         n = anchor.shape[0]
@@ -76,8 +83,8 @@ class StaticStep:
 
     def _fill_host(self, anchor, anchor_pos, slots, seeds, temperature) -> int:
         """Host values (sequences of ints / floats, or CPU tensors) → the static buffers, padding rows
-        as ``_fill`` makes them: written into pinned host buffers, then one asynchronous
-        host→device copy per input (no pageable staging, no device-to-device pass)."""
+        as ``_fill`` makes them: written into the pinned host twin of the packed inputs, then one
+        asynchronous host→device copy of all five (no pageable staging, no device-to-device pass)."""
         n = len(anchor)
         if not 1 <= n <= self.bucket:
             raise ValueError(f"batch of {n} requests does not fit the bucket of {self.bucket}")
@@ -86,12 +93,11 @@ class StaticStep:
             if len(values) != n:
                 raise ValueError(f"step input {name}: expected {n} values, got {len(values)}")
         if self.copied_in is not None:
-            self.copied_in.synchronize()  # the previous step's copies have read the pinned buffers
-        for values, arr, host, dst, fill in zip(inputs, self.host_arrays, self.host_inputs, self.static_inputs,
-                                                self.padding):
+            self.copied_in.synchronize()  # the previous step's copy has read the pinned twin
+        for values, arr, fill in zip(inputs, self.host_arrays, self.padding):
             arr[:n] = values
             arr[n:] = fill
-            dst.copy_(host, non_blocking=True)
+        self.packed.copy_(self.host_packed, non_blocking=True)  # all five inputs, one copy
         if self.copied_in is not None:
             self.copied_in.record(torch.cuda.current_stream(self.device))
         return n

@@ -857,6 +857,85 @@ def test_head_norm_rope_rows_are_independent_of_batch_and_grid(tops):
     assert torch.equal(tops.head_norm_rope(x[:, :, 32:], positions, 1e-6, 5e5, True), full[:, :, 32:])
 
 
+def cache_write_operands(B=2, S=3, H=4, KV=2, dh=32, slots_n=4, T=16, dtype=torch.bfloat16, seed=5):
+    """A layer's qkv row as the model slices it (q|k heads and v, views of one wider tensor), random
+    caches [slots_n, T, KV, dh], distinct positions < T per request, and rows ``slots``."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (3 * torch.randn(B, S, (H + 2 * KV + 1) * dh, generator=g)).to(dtype).to(DEV)
+    x = qkv[..., : (H + KV) * dh].reshape(B, S, H + KV, dh)
+    v = qkv[..., (H + KV) * dh : (H + 2 * KV) * dh].reshape(B, S, KV, dh)
+    caches = [torch.randn(slots_n, T, KV, dh, generator=g).to(dtype).to(DEV) for _ in range(2)]
+    positions = torch.stack([torch.randperm(T, generator=g)[:S] for _ in range(B)]).to(DEV)
+    slots = torch.tensor([2, 0, 3, 1][:B]).to(DEV)
+    return x, v, positions, slots, caches
+
+
+@needs_kernels
+@pytest.mark.parametrize("rope", [True, False])
+def test_head_norm_rope_cache_kernel_writes_what_the_layers_wrote(tops, rope):
+    """The fused cache write: q is bit for bit the plain kernel's first H heads; the caches hold, at
+    rows ``slots`` and ``positions``, the plain kernel's k heads and v exactly, as the layers'
+    index_put wrote them, and nothing else changed; the reference op (CPU path) does the same."""
+    from muse_spark.models.layers import head_norm_rope_cache_reference
+
+    x, v, positions, slots, (kc, vc) = cache_write_operands()
+    H = x.shape[2] - v.shape[2]
+    want_kc, want_vc = kc.clone(), vc.clone()
+    normed = tops.head_norm_rope(x, positions, 1e-6, 5e5, rope)
+    want_kc[slots[:, None], positions] = normed[:, :, H:]
+    want_vc[slots[:, None], positions] = v
+    q = torch.ops.muse_spark.head_norm_rope_cache_triton(x, v, positions, 1e-6, 5e5, rope, kc, vc, slots)
+    assert q.shape == (*x.shape[:2], H, x.shape[3]) and q.is_contiguous()
+    assert torch.equal(q, normed[:, :, :H])
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    # the spec on fresh copies of the same operands (on the CPU): the same writes, its norm and RoPE
+    # within the kernel's rounding (test_head_norm_rope_kernel_matches_reference bounds that closely)
+    x, v, positions, slots, (rkc, rvc) = (t.cpu() if torch.is_tensor(t) else [c.cpu() for c in t]
+                                          for t in cache_write_operands())
+    rq = head_norm_rope_cache_reference(x, v, positions, 1e-6, 5e5, rope, rkc, rvc, slots)
+    assert torch.equal(rvc, want_vc.cpu())
+    torch.testing.assert_close(rq.float(), q.float().cpu(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(rkc.float(), want_kc.float().cpu(), rtol=0.05, atol=0.05)
+
+
+@needs_kernels
+def test_head_norm_rope_cache_kernel_never_writes_outside_the_caches(tops):
+    """A row or position outside the caches writes nothing (the index_put it replaces would have
+    raised); the other requests' rows are written as usual and q is still computed."""
+    x, v, positions, slots, (kc, vc) = cache_write_operands()
+    before_k, before_v = kc.clone(), vc.clone()
+    bad_pos = positions.clone()
+    bad_pos[0, 1] = kc.shape[1]  # one past the window
+    bad_slots = slots.clone()
+    bad_slots[1] = kc.shape[0]  # one past the last row
+    q = torch.ops.muse_spark.head_norm_rope_cache_triton(x, v, bad_pos, 1e-6, 5e5, True, kc, vc, bad_slots)
+    changed = (kc != before_k).any(-1).any(-1) | (vc != before_v).any(-1).any(-1)  # [N, T]
+    expect = torch.zeros_like(changed)
+    for b, slot in enumerate(bad_slots.tolist()):
+        for p in bad_pos[b].tolist():
+            if slot < kc.shape[0] and p < kc.shape[1]:
+                expect[slot, p] = True
+    assert expect.sum() == bad_pos.shape[1] - 1  # request 0's other positions; request 1 nothing
+    assert torch.equal(changed, expect)
+    assert torch.equal(q, tops.head_norm_rope(x, bad_pos, 1e-6, 5e5, True)[:, :, : x.shape[2] - v.shape[2]])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the op's module imports it)")
+def test_head_norm_rope_cache_op_rejects_bad_inputs(tops):
+    x, v, positions, slots, (kc, vc) = cache_write_operands()
+    op = torch.ops.muse_spark.head_norm_rope_cache_triton
+    with pytest.raises(ValueError, match="v must be"):
+        op(x, v[:, :2], positions, 1e-6, 5e5, True, kc, vc, slots)
+    with pytest.raises(ValueError, match="k_cache must be"):
+        op(x, v, positions, 1e-6, 5e5, True, kc.float(), vc, slots)
+    with pytest.raises(ValueError, match="v_cache must be"):
+        op(x, v, positions, 1e-6, 5e5, True, kc, vc[..., :16], slots)
+    with pytest.raises(ValueError, match="slots must be int64"):
+        op(x, v, positions, 1e-6, 5e5, True, kc, vc, slots.int())
+    with pytest.raises(ValueError, match="positions must be int64"):
+        op(x, v, positions[:, :1], 1e-6, 5e5, True, kc, vc, slots)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the op's module imports it)")
 def test_head_norm_rope_op_rejects_bad_inputs(tops):
     x, positions = rope_operands((1, 2, 4, 16), torch.bfloat16, strided=False)
@@ -902,6 +981,16 @@ def test_head_norm_rope_kernel_compiles_for_hopper_with_the_exact_math():
                            dict(EPS=1e-6, THETA=5e5, DH=128, BLOCK_H=hk.BLOCK_H, ROPE=True), 4)
     ptx = k.asm["ptx"]
     assert k.asm["cubin"] and "cos.approx" not in ptx and "sin.approx" not in ptx
+    # the cache-writing variant: the same math, compiled
+    import inspect
+
+    names = [n for n, prm in inspect.signature(hk._head_norm_rope_cache_kernel.fn).parameters.items()
+             if "constexpr" not in str(prm.annotation)]
+    sig = dict(zip(names, ["*bf16", "*bf16", "*i64", "*i64", "*bf16", "*bf16", "*bf16"] + ["i32"] * 20))
+    assert len(sig) == len(names) == 27
+    k = compile_for_hopper(hk._head_norm_rope_cache_kernel, sig, dict(EPS=1e-6, THETA=5e5, DH=128,
+                                                                   BLOCK_H=hk.BLOCK_H, ROPE=True, BLOCK_KV=8), 4)
+    assert k.asm["cubin"] and "cos.approx" not in k.asm["ptx"]
 
 
 # ---- the skinny linear layer ---------------------------------------------------------------------

@@ -57,6 +57,26 @@ KVProvider = Callable[[torch.Tensor, torch.Tensor],
                       tuple[torch.Tensor, torch.Tensor, Mask, "torch.Tensor | None"]]
 
 
+class CacheKV(NamedTuple):
+    """The ``KVProvider`` of a layer over slot-indexed KV caches: ``kv(k, v)`` writes the new K/V at
+    ``positions`` of rows ``slots`` (``k_cache[slots[:, None], positions] = k``) and lets attention
+    read those rows in place over the keys ``mask`` shows. ``Attention`` may instead have the
+    q/k norm kernel write them (``muse_spark::head_norm_rope_cache_triton``), which it can because
+    the caches, rows and positions are named here."""
+
+    k_cache: torch.Tensor  # [N, T, KV, Dh]
+    v_cache: torch.Tensor
+    slots: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B, S] int64
+    mask: Mask
+
+    def __call__(self, k_new: torch.Tensor, v_new: torch.Tensor):
+        rows = self.slots[:, None]
+        self.k_cache[rows, self.positions] = k_new
+        self.v_cache[rows, self.positions] = v_new
+        return self.k_cache, self.v_cache, self.mask, self.slots
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, affine: bool, zero_centered: bool):
         super().__init__()
@@ -98,6 +118,20 @@ def head_norm_rope_reference(x: torch.Tensor, positions: torch.Tensor, eps: floa
     return rope(x, positions, theta) if use_rope else x
 
 
+def head_norm_rope_cache_reference(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float,
+                                   theta: float, use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   slots: torch.Tensor) -> torch.Tensor:
+    """``head_norm_rope_reference`` of x [B, S, H + KV, Dh] (q and k heads), its k heads and v [B, S,
+    KV, Dh] written into the caches at rows ``slots`` [B], positions ``positions`` [B, S] →
+    the normed q [B, S, H, Dh]: the spec of ``muse_spark::head_norm_rope_cache_triton``."""
+    n = head_norm_rope_reference(x, positions, eps, theta, use_rope)
+    H = x.shape[2] - v.shape[2]
+    rows = slots[:, None]
+    k_cache[rows, positions] = n[:, :, H:]
+    v_cache[rows, positions] = v
+    return n[:, :, :H].contiguous()
+
+
 def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                    use_rope: bool) -> torch.Tensor:
     """The attention's q/k normalization: per-head weightless RMS norm, then RoPE (when
@@ -105,12 +139,15 @@ def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: 
     power of two) one Triton kernel for every head of x, in the eager engine and the compiled
     packages alike (compiled, the plain functions became four kernels a layer); otherwise
     ``head_norm_rope_reference``."""
-    if x.device.type == "cuda" and _triton_ops_available():
-        from muse_spark.plugins.head_norm_rope.triton_kernel import fits
-
-        if fits(x):
-            return torch.ops.muse_spark.head_norm_rope_triton(x, positions, eps, theta, use_rope)
+    if x.device.type == "cuda" and _triton_ops_available() and _head_norm_rope_fits(x):
+        return torch.ops.muse_spark.head_norm_rope_triton(x, positions, eps, theta, use_rope)
     return head_norm_rope_reference(x, positions, eps, theta, use_rope)
+
+
+def _head_norm_rope_fits(x: torch.Tensor) -> bool:
+    from muse_spark.plugins.head_norm_rope.triton_kernel import fits  # (imports Triton: after _triton_ops_available)
+
+    return fits(x)
 
 
 ATTENTION_KERNELS = ("triton", "sdpa")
@@ -314,6 +351,13 @@ class Attention(nn.Module):
         c = self.cfg
         return head_norm_rope(x, positions, c.rms_norm_eps, c.rope_theta, c.use_rope)
 
+    @staticmethod
+    def writes_cache(qk: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
+        """Whether the q/k norm kernel writes the layer's K/V into the caches itself (bf16/fp16 on
+        CUDA, a ``CacheKV`` at the layer's own positions): one launch instead of three."""
+        return (isinstance(kv, CacheKV) and kv.positions is positions and qk.device.type == "cuda"
+                and kv.k_cache.dtype == qk.dtype and _triton_ops_available() and _head_norm_rope_fits(qk))
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider) -> torch.Tensor:
         # x: [B, S, D] normed input (compute dtype); positions: [B, S]
         c = self.cfg
@@ -322,10 +366,16 @@ class Attention(nn.Module):
         qs, kvs = c.q_size, c.kv_size
         H = c.num_attention_heads
         # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
-        qk = self.normalize_heads(qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim), positions)
-        q, k = qk[:, :, :H], qk[:, :, H:]
+        qk = qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim)
         v = qkv[..., qs + kvs : qs + 2 * kvs].reshape(B, S, c.num_key_value_heads, c.head_dim)
-        keys, values, mask, slots = kv(k, v)
+        if self.writes_cache(qk, kv, positions):  # the norm kernel stores k and v into the caches
+            q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, c.rms_norm_eps, c.rope_theta,
+                                                                 c.use_rope, kv.k_cache, kv.v_cache, kv.slots)
+            keys, values, mask, slots = kv.k_cache, kv.v_cache, kv.mask, kv.slots
+        else:
+            qk = self.normalize_heads(qk, positions)
+            keys, values, mask, slots = kv(qk[:, :, H:], v)
+            q = qk[:, :, :H]
         out = attend(q, keys, values, mask, slots).reshape(B, S, c.q_size)
         if c.attn_output_gate:
             gate = qkv[..., c.q_size + 2 * c.kv_size :]

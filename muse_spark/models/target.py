@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from muse_spark.config import MuseSpark1xConfig
-from muse_spark.models.layers import DecoderLayer, KeyBounds, KVProvider, linear, make_norm, output_transform
+from muse_spark.models.layers import CacheKV, DecoderLayer, KeyBounds, linear, make_norm, output_transform
 
 
 @dataclass
@@ -77,17 +77,10 @@ class LayerStackLM(nn.Module):
 
     @staticmethod
     def cache_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                 mask: KeyBounds) -> KVProvider:
+                 mask: KeyBounds) -> CacheKV:
         """The layer's ``kv``: write the new K/V at ``positions`` of rows ``slots`` of the caches, and
-        let attention read those rows in place over the keys ``mask`` shows."""
-        rows = slots[:, None]
-
-        def kv(k_new, v_new):
-            k_cache[rows, positions] = k_new
-            v_cache[rows, positions] = v_new
-            return k_cache, v_cache, mask, slots
-
-        return kv
+        let attention read those rows in place over the keys ``mask`` shows (``layers.CacheKV``)."""
+        return CacheKV(k_cache, v_cache, slots, positions, mask)
 
     def next_norm(self, i: int) -> nn.Module:
         """The norm that reads layer ``i``'s output: layer ``i + 1``'s input norm, or the final norm."""

@@ -45,6 +45,35 @@ BLOCK_H = 16  # heads per program
 
 
 @triton.jit
+def _norm_rope_heads(x_ptr, pos_ptr, b, s, heads, hm, sx_b, sx_s, sx_h, sp_b, sp_s, EPS: tl.constexpr,
+                     THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, DTYPE: tl.constexpr):
+    """The two halves of heads ``heads`` of x[b, s], normed and rotated, rounded to DTYPE."""
+    HALF: tl.constexpr = DH // 2
+    d = tl.arange(0, HALF)
+    src = x_ptr + b.to(tl.int64) * sx_b + s.to(tl.int64) * sx_s + heads[:, None].to(tl.int64) * sx_h + d[None, :]
+    x1 = tl.load(src, mask=hm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=hm, other=0.0).to(tl.float32)
+    ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / DH
+    r = tl.rsqrt(ms + EPS)[:, None]
+    # the norm's result, rounded to x's dtype as head_rms_norm returns it
+    n1 = to_rne(x1 * r, DTYPE).to(tl.float32)
+    n2 = to_rne(x2 * r, DTYPE).to(tl.float32)
+    if ROPE:
+        pos = tl.load(pos_ptr + b.to(tl.int64) * sp_b + s.to(tl.int64) * sp_s).to(tl.float32)
+        expo = div_rn((2 * d).to(tl.float32), tl.full((HALF,), DH, tl.float32))
+        inv = div_rn(tl.full((HALF,), 1.0, tl.float32), pow_exact(tl.full((HALF,), THETA, tl.float32), expo))
+        f = mul_rn(tl.full((HALF,), 1.0, tl.float32) * pos, inv)
+        c = cos_exact(f)[None, :]
+        sn = sin_exact(f)[None, :]
+        y1 = add_rn(mul_rn(n1, c), mul_rn(-n2, sn))
+        y2 = add_rn(mul_rn(n2, c), mul_rn(n1, sn))
+    else:
+        y1 = n1
+        y2 = n2
+    return to_rne(y1, DTYPE), to_rne(y2, DTYPE)
+
+
+@triton.jit
 def _head_norm_rope_kernel(
     x_ptr,  # [B, S, NH, Dh], last dim contiguous
     pos_ptr,  # [B, S] int64 (unused unless ROPE)
@@ -64,30 +93,57 @@ def _head_norm_rope_kernel(
     s = row % S
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = (heads < NH)[:, None]
-    d = tl.arange(0, HALF)
-    src = x_ptr + b.to(tl.int64) * sx_b + s.to(tl.int64) * sx_s + heads[:, None].to(tl.int64) * sx_h + d[None, :]
-    x1 = tl.load(src, mask=hm, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=hm, other=0.0).to(tl.float32)
-    ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / DH
-    r = tl.rsqrt(ms + EPS)[:, None]
-    # the norm's result, rounded to x's dtype as head_rms_norm returns it
-    n1 = to_rne(x1 * r, out_ptr.dtype.element_ty).to(tl.float32)
-    n2 = to_rne(x2 * r, out_ptr.dtype.element_ty).to(tl.float32)
-    if ROPE:
-        pos = tl.load(pos_ptr + b.to(tl.int64) * sp_b + s.to(tl.int64) * sp_s).to(tl.float32)
-        expo = div_rn((2 * d).to(tl.float32), tl.full((HALF,), DH, tl.float32))
-        inv = div_rn(tl.full((HALF,), 1.0, tl.float32), pow_exact(tl.full((HALF,), THETA, tl.float32), expo))
-        f = mul_rn(tl.full((HALF,), 1.0, tl.float32) * pos, inv)
-        c = cos_exact(f)[None, :]
-        sn = sin_exact(f)[None, :]
-        y1 = add_rn(mul_rn(n1, c), mul_rn(-n2, sn))
-        y2 = add_rn(mul_rn(n2, c), mul_rn(n1, sn))
+    y1, y2 = _norm_rope_heads(x_ptr, pos_ptr, b, s, heads, hm, sx_b, sx_s, sx_h, sp_b, sp_s, EPS, THETA, DH, ROPE,
+                              out_ptr.dtype.element_ty)
+    dst = out_ptr + (row.to(tl.int64) * NH + heads[:, None]) * DH + tl.arange(0, HALF)[None, :]
+    tl.store(dst, y1, mask=hm)
+    tl.store(dst + HALF, y2, mask=hm)
+
+
+@triton.jit
+def _head_norm_rope_cache_kernel(
+    x_ptr,  # [B, S, H + KV, Dh], last dim contiguous: q and k heads
+    v_ptr,  # [B, S, KV, Dh], last dim contiguous
+    pos_ptr,  # [B, S] int64
+    slot_ptr,  # [B] int64
+    out_ptr,  # [B, S, H, Dh] contiguous: the normed q
+    kc_ptr, vc_ptr,  # caches [N_SLOTS, T, KV, Dh], last dim contiguous
+    S, NH, H, KVH, N_SLOTS, T,
+    sx_b, sx_s, sx_h, sp_b, sp_s, sv_b, sv_s, sv_h, skc_n, skc_t, skc_h, svc_n, svc_t, svc_h,
+    EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+):
+    """``_head_norm_rope_kernel`` whose heads from H on are keys, stored into the K cache at row
+    slots[b], position pos[b, s] instead of the output; the last column of programs copies v's
+    heads into the V cache there. A row or position outside the caches writes nothing."""
+    HALF: tl.constexpr = DH // 2
+    row = tl.program_id(0)
+    b = row // S
+    s = row % S
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    cpos = tl.load(pos_ptr + b.to(tl.int64) * sp_b + s.to(tl.int64) * sp_s).to(tl.int64)
+    in_cache = (slot >= 0) & (slot < N_SLOTS) & (cpos >= 0) & (cpos < T)
+    if tl.program_id(1) == tl.num_programs(1) - 1:  # the V heads, copied as they are
+        kvh = tl.arange(0, BLOCK_KV)
+        vm = (kvh < KVH)[:, None] & in_cache
+        dd = tl.arange(0, DH)
+        val = tl.load(v_ptr + b.to(tl.int64) * sv_b + s.to(tl.int64) * sv_s + kvh[:, None].to(tl.int64) * sv_h
+                      + dd[None, :], mask=vm, other=0.0)
+        tl.store(vc_ptr + slot * svc_n + cpos * svc_t + kvh[:, None].to(tl.int64) * svc_h + dd[None, :], val, mask=vm)
     else:
-        y1 = n1
-        y2 = n2
-    dst = out_ptr + (row.to(tl.int64) * NH + heads[:, None]) * DH + d[None, :]
-    tl.store(dst, to_rne(y1, out_ptr.dtype.element_ty), mask=hm)
-    tl.store(dst + HALF, to_rne(y2, out_ptr.dtype.element_ty), mask=hm)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = (heads < NH)[:, None]
+        y1, y2 = _norm_rope_heads(x_ptr, pos_ptr, b, s, heads, hm, sx_b, sx_s, sx_h, sp_b, sp_s, EPS, THETA, DH,
+                                  ROPE, out_ptr.dtype.element_ty)
+        d = tl.arange(0, HALF)[None, :]
+        qm = hm & (heads < H)[:, None]
+        dst = out_ptr + (row.to(tl.int64) * H + heads[:, None]) * DH + d
+        tl.store(dst, y1, mask=qm)
+        tl.store(dst + HALF, y2, mask=qm)
+        km = hm & (heads >= H)[:, None] & in_cache
+        kdst = kc_ptr + slot * skc_n + cpos * skc_t + (heads - H)[:, None].to(tl.int64) * skc_h + d
+        tl.store(kdst, y1, mask=km)
+        tl.store(kdst + HALF, y2, mask=km)
 
 
 def fits(x: torch.Tensor) -> bool:
@@ -112,5 +168,35 @@ def launch_head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, 
         x, positions, out, S, NH, x.stride(0), x.stride(1), x.stride(2), positions.stride(0), positions.stride(1),
         EPS=float(eps), THETA=float(theta), DH=dh, BLOCK_H=block_h, ROPE=bool(use_rope), PDL=int(pdl),
         num_warps=4 if block_h * dh >= 1024 else 1, **({"launch_pdl": True} if launch_pdl else {}),
+    )
+    return out
+
+
+def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
+                                use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                                wrap=lambda f: f) -> torch.Tensor:
+    """``launch_head_norm_rope`` of x [B, S, H + KV, Dh] (q and k side by side) with the key heads and
+    v [B, S, KV, Dh] written into the caches [N, T, KV, Dh] (last dim contiguous) at row
+    ``slots[b]``, position ``positions[b, s]`` (as ``k_cache[slots[:, None], positions] = k``) →
+    the normed q [B, S, H, Dh] contiguous. One launch: the cache write is the kernel's store. A
+    row or position out of the caches' range writes nothing (callers keep them in range; the
+    engines check positions against the window before a step)."""
+    B, S, NH, dh = x.shape
+    KV = v.shape[2]
+    H = NH - KV
+    out = torch.empty((B, S, H, dh), dtype=x.dtype, device=x.device)
+    if B * S == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    block_h = min(BLOCK_H, triton.next_power_of_2(NH))
+    wrap(_head_norm_rope_cache_kernel)[(B * S, triton.cdiv(NH, block_h) + 1)](
+        x, v, positions, slots, out, k_cache, v_cache, S, NH, H, KV, k_cache.shape[0], k_cache.shape[1],
+        x.stride(0), x.stride(1), x.stride(2), positions.stride(0), positions.stride(1), v.stride(0), v.stride(1),
+        v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), EPS=float(eps), THETA=float(theta), DH=dh, BLOCK_H=block_h, ROPE=bool(use_rope),
+        BLOCK_KV=triton.next_power_of_2(KV), num_warps=4 if block_h * dh >= 1024 else 1,
     )
     return out
