@@ -5,6 +5,8 @@ Importing this module imports Triton and registers
 * ``muse_spark::gated_residual_add_triton`` — gated FP32 residual add fused with the branch's own
   output norm before it and the next RMSNorm after it;
 * ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop;
+* ``muse_spark::linear_qkv_cache_triton`` — the attention's qkv projection through the skinny GEMM
+  with the q/k head norm, RoPE and the K/V cache write in its epilogue (one launch a layer);
 * ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
   which ``models.layers.linear`` calls in bf16/fp16 on CUDA for at most 16 rows (the default;
   ``MUSE_SPARK_LINEAR=cublas`` selects ``F.linear``);
@@ -40,13 +42,14 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
-                                      head_norm_rope_reference, linear_reference, triton_attention_fits)
+                                      head_norm_rope_reference, linear_reference, qkv_cache_reference,
+                                      triton_attention_fits)
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
-from muse_spark.plugins.linear.triton_kernel import MAX_ROWS, fits, launch_linear
+from muse_spark.plugins.linear.triton_kernel import MAX_ROWS, fits, launch_linear, launch_linear_qkv_cache
 from muse_spark.plugins.markov.op import check_markov_inputs
 from muse_spark.plugins.markov.reference import markov_sample_ref
 from muse_spark.plugins.markov.triton_kernel import launch_markov_sample, supported
@@ -185,6 +188,27 @@ def _head_norm_rope_op(x: torch.Tensor, positions: torch.Tensor, eps: float, the
     return head_norm_rope_kernel.launch_head_norm_rope(x, positions, eps, theta, use_rope, wrap=wrap_triton)
 
 
+def _check_cache_write(v: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slots: torch.Tensor, op: str, like: torch.Tensor | None = None) -> None:
+    """The contract of an op that writes v [B, S, KV, Dh] (and k, its like) into the caches [N, T, KV,
+    Dh] at rows ``slots`` [B] int64 and positions [B, S] int64."""
+    like = v if like is None else like
+    B, S = like.shape[:2]
+    if v.dim() != 4 or tuple(v.shape[:2]) != (B, S) or v.shape[3] != like.shape[-1] or v.dtype != like.dtype:
+        raise ValueError(f"{op}: v must be {like.dtype} [{B}, {S}, KV, {like.shape[-1]}], got {v.dtype} "
+                         f"{list(v.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or tuple(c.shape[2:]) != tuple(v.shape[2:]) or c.dtype != v.dtype or c.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must be {v.dtype} [N, T, {v.shape[2]}, {v.shape[3]}] with a contiguous "
+                             f"last dim, got {c.dtype} {list(c.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{op}: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ")
+    if slots.dtype != torch.int64 or tuple(slots.shape) != (B,):
+        raise ValueError(f"{op}: slots must be int64 [{B}], got {slots.dtype} {list(slots.shape)}")
+    if positions.dtype != torch.int64 or tuple(positions.shape) != (B, S):
+        raise ValueError(f"{op}: positions must be int64 {[B, S]}, got {positions.dtype} {list(positions.shape)}")
+
+
 @triton_op("muse_spark::head_norm_rope_cache_triton", mutates_args=("k_cache", "v_cache"))
 def _head_norm_rope_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                              use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -201,17 +225,9 @@ def _head_norm_rope_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.
     if positions.dtype != torch.int64 or tuple(positions.shape) != (B, S):
         raise ValueError(f"head_norm_rope: positions must be int64 {[B, S]}, got {positions.dtype} "
                          f"{list(positions.shape)}")
-    if v.dim() != 4 or tuple(v.shape[:2]) != (B, S) or v.shape[3] != dh or not 0 < v.shape[2] <= NH or v.dtype != x.dtype:
-        raise ValueError(f"head_norm_rope: v must be {x.dtype} [{B}, {S}, KV ≤ {NH}, {dh}], got {v.dtype} "
-                         f"{list(v.shape)}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4 or tuple(c.shape[2:]) != tuple(v.shape[2:]) or c.dtype != x.dtype or c.stride(-1) != 1:
-            raise ValueError(f"head_norm_rope: {name} must be {x.dtype} [N, T, {v.shape[2]}, {dh}] with a contiguous "
-                             f"last dim, got {c.dtype} {list(c.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"head_norm_rope: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ")
-    if slots.dtype != torch.int64 or tuple(slots.shape) != (B,):
-        raise ValueError(f"head_norm_rope: slots must be int64 [{B}], got {slots.dtype} {list(slots.shape)}")
+    _check_cache_write(v, positions, k_cache, v_cache, slots, "head_norm_rope", like=x)
+    if v.shape[2] > NH:
+        raise ValueError(f"head_norm_rope: v has {v.shape[2]} heads, more than x's {NH}")
     if not _runs_kernels(x):
         return head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
     return head_norm_rope_kernel.launch_head_norm_rope_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache,
@@ -228,6 +244,30 @@ def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor
     if not _runs_kernels(x):
         return linear_reference(x, w, silu_mul)
     return launch_linear(x, w, silu_mul, wrap=wrap_triton, interpret=interpreting())
+
+
+@triton_op("muse_spark::linear_qkv_cache_triton", mutates_args=("k_cache", "v_cache"))
+def _linear_qkv_cache_op(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float, theta: float, use_rope: bool,
+                         heads: int) -> torch.Tensor:
+    """The attention's qkv projection (x [B, S, D], W [(H + 2·KV)·Dh, D]) with the q/k head norm and
+    RoPE and the K/V cache write in the skinny GEMM's epilogue → q [B, S, H, Dh]; k and v go into
+    the caches [N, T, KV, Dh] at rows ``slots``, positions ``positions``. Its reference is
+    ``models.layers.qkv_cache_reference``."""
+    if x.dim() != 3 or not fits(x, w):
+        raise ValueError(f"linear_qkv_cache: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the "
+                         f"kernel takes x [B, S, D] with B·S ≤ {MAX_ROWS} and a contiguous weight [N, D], both bf16 "
+                         "or fp16")
+    kv, dh = k_cache.shape[2], k_cache.shape[3]
+    if w.shape[0] != (heads + 2 * kv) * dh or dh < 32 or dh & (dh - 1):
+        raise ValueError(f"linear_qkv_cache: weight rows {w.shape[0]} must be (heads {heads} + 2·{kv}) · head_dim "
+                         f"{dh}, head_dim a power of two ≥ 32")
+    v_like = x.new_empty((*x.shape[:2], kv, dh))
+    _check_cache_write(v_like, positions, k_cache, v_cache, slots, "linear_qkv_cache")
+    if not _runs_kernels(x):
+        return qkv_cache_reference(x, w, positions, slots, k_cache, v_cache, eps, theta, use_rope, heads)
+    return launch_linear_qkv_cache(x, w, positions, slots, k_cache, v_cache, eps, theta, use_rope, heads,
+                                   wrap=wrap_triton, interpret=interpreting())
 
 
 def attention(q, k, v, mask, slots=None):

@@ -936,6 +936,100 @@ def test_head_norm_rope_cache_op_rejects_bad_inputs(tops):
         op(x, v, positions[:, :1], 1e-6, 5e5, True, kc, vc, slots)
 
 
+def qkv_operands(B=2, S=3, H=4, KV=2, dh=32, D=64, slots_n=4, T=16, dtype=torch.bfloat16, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, D, generator=g).to(dtype).to(DEV)
+    w = (torch.randn((H + 2 * KV) * dh, D, generator=g) / D**0.5).to(dtype).to(DEV)
+    caches = [torch.randn(slots_n, T, KV, dh, generator=g).to(dtype).to(DEV) for _ in range(2)]
+    positions = torch.stack([torch.randperm(T, generator=g)[:S] for _ in range(B)]).to(DEV)
+    slots = torch.tensor([2, 0, 3, 1][:B]).to(DEV)
+    return x, w, positions, slots, caches
+
+
+@needs_kernels
+@pytest.mark.parametrize("rope", [True, False])
+def test_linear_qkv_cache_kernel_matches_the_projection_norm_and_cache_write(tops, rope):
+    """The qkv GEMM with the head norm, RoPE and cache write in its epilogue, against the unfused
+    plugin kernels (the skinny GEMM, then head_norm_rope_cache): q and the written k within one
+    unit of bf16 (the projection's sums may round apart, the norm sums in another order), v the
+    projection's values within its rounding; nothing outside the request's rows and positions
+    changes; the reference op (the CPU path) agrees the same way."""
+    from muse_spark.models.layers import qkv_cache_reference
+
+    x, w, positions, slots, (kc, vc) = qkv_operands()
+    H, (kv, dh) = 4, kc.shape[2:]
+    wk, wv = kc.clone(), vc.clone()
+    qkv = torch.ops.muse_spark.linear_triton(x, w, False)
+    qk = qkv[..., : (H + kv) * dh].reshape(*x.shape[:2], H + kv, dh)
+    v = qkv[..., (H + kv) * dh :].reshape(*x.shape[:2], kv, dh)
+    want_q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, 1e-6, 5e5, rope, wk, wv, slots)
+    q = torch.ops.muse_spark.linear_qkv_cache_triton(x, w, positions, slots, kc, vc, 1e-6, 5e5, rope, H)
+    tol = dict(rtol=2**-7, atol=2**-7)
+    assert q.shape == want_q.shape and q.is_contiguous()
+    torch.testing.assert_close(q.float(), want_q.float(), **tol)
+    torch.testing.assert_close(kc.float(), wk.float(), **tol)
+    torch.testing.assert_close(vc.float(), wv.float(), **tol)
+    written = torch.zeros(kc.shape[:2], dtype=torch.bool, device=kc.device)
+    written[slots[:, None], positions] = True
+    _, _, _, _, (kc0, vc0) = qkv_operands()
+    assert torch.equal(kc[~written], kc0[~written]) and torch.equal(vc[~written], vc0[~written])
+    assert not torch.equal(kc[written], kc0[written])
+    x, w, positions, slots, (rk, rv) = (t.cpu() if torch.is_tensor(t) else [c.cpu() for c in t] for t in qkv_operands())
+    rq = qkv_cache_reference(x, w, positions, slots, rk, rv, 1e-6, 5e5, rope, H)
+    torch.testing.assert_close(rq.float(), q.float().cpu(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(rk.float(), kc.float().cpu(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(rv.float(), vc.float().cpu(), rtol=0.05, atol=0.05)
+
+
+@needs_kernels
+def test_linear_qkv_cache_kernel_never_writes_outside_the_caches(tops):
+    x, w, positions, slots, (kc, vc) = qkv_operands()
+    before_k, before_v = kc.clone(), vc.clone()
+    positions[0, 1] = kc.shape[1]
+    slots[1] = kc.shape[0]
+    torch.ops.muse_spark.linear_qkv_cache_triton(x, w, positions, slots, kc, vc, 1e-6, 5e5, True, 4)
+    changed = (kc != before_k).any(-1).any(-1) | (vc != before_v).any(-1).any(-1)
+    expect = torch.zeros_like(changed)
+    for p in (positions[0, 0].item(), positions[0, 2].item()):
+        expect[slots[0], p] = True
+    assert torch.equal(changed, expect)
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+def test_linear_qkv_cache_kernel_compiles_for_hopper():
+    """The fused qkv kernel at the 8B shape (head_dim 128: two 64-row tiles per program, the
+    silu·mul configuration) compiles for sm_90 and fits its shared memory."""
+    import inspect
+
+    from muse_spark.plugins.linear import triton_kernel as lk
+
+    cfg = lk.default_config(8, 3072, 4096, True)
+    names = [n for n, prm in inspect.signature(lk._linear_qkv_kernel.fn).parameters.items()
+             if "constexpr" not in str(prm.annotation)]
+    sig = dict(zip(names, ["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*bf16", "*bf16"] + ["i32"] * 14))
+    assert len(sig) == len(names) == 21
+    k = compile_for_hopper(lk._linear_qkv_kernel, sig, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=cfg["BLOCK_K"], EVEN_K=True,
+                           IEEE_DOT=False, EPS=1e-5, THETA=5e5, ROPE=True), cfg["num_warps"], cfg["num_stages"],
+                           multiples_of_16=("K", "stride_xm"))
+    assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024 and "cos.approx" not in k.asm["ptx"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the op's module imports it)")
+def test_linear_qkv_cache_op_rejects_bad_inputs(tops):
+    x, w, positions, slots, (kc, vc) = qkv_operands()
+    op = torch.ops.muse_spark.linear_qkv_cache_triton
+    with pytest.raises(ValueError, match="weight rows 224 must be"):
+        op(x, w[:-32], positions, slots, kc, vc, 1e-6, 5e5, True, 4)
+    with pytest.raises(ValueError, match="must be \\(heads 3"):
+        op(x, w, positions, slots, kc, vc, 1e-6, 5e5, True, 3)
+    with pytest.raises(ValueError, match="B·S ≤ 16"):
+        op(x.repeat(4, 2, 1), w, positions, slots, kc, vc, 1e-6, 5e5, True, 4)
+    with pytest.raises(ValueError, match="slots must be int64"):
+        op(x, w, positions, slots.int(), kc, vc, 1e-6, 5e5, True, 4)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        op(x, w, positions[:, :2], slots, kc, vc, 1e-6, 5e5, True, 4)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the op's module imports it)")
 def test_head_norm_rope_op_rejects_bad_inputs(tops):
     x, positions = rope_operands((1, 2, 4, 16), torch.bfloat16, strided=False)

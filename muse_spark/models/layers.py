@@ -132,6 +132,20 @@ def head_norm_rope_cache_reference(x: torch.Tensor, v: torch.Tensor, positions: 
     return n[:, :, :H].contiguous()
 
 
+def qkv_cache_reference(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float, theta: float, use_rope: bool,
+                        heads: int) -> torch.Tensor:
+    """The attention's qkv projection, its q/k head norm and RoPE, and the K/V cache write: x [B, S,
+    D] @ W[(H + 2·KV)·Dh, D]ᵀ → q [B, S, H, Dh]; k and v written at rows ``slots``, positions
+    ``positions``. The spec of ``muse_spark::linear_qkv_cache_triton``."""
+    B, S, _ = x.shape
+    kv, dh = k_cache.shape[2], k_cache.shape[3]
+    qkv = linear_reference(x, w)
+    qk = qkv[..., : (heads + kv) * dh].reshape(B, S, heads + kv, dh)
+    v = qkv[..., (heads + kv) * dh :].reshape(B, S, kv, dh)
+    return head_norm_rope_cache_reference(qk, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
+
+
 def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                    use_rope: bool) -> torch.Tensor:
     """The attention's q/k normalization: per-head weightless RMS norm, then RoPE (when
@@ -358,13 +372,28 @@ class Attention(nn.Module):
         return (isinstance(kv, CacheKV) and kv.positions is positions and qk.device.type == "cuda"
                 and kv.k_cache.dtype == qk.dtype and _triton_ops_available() and _head_norm_rope_fits(qk))
 
+    def fuses_qkv(self, x: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
+        """Whether the qkv projection's skinny GEMM also norms and rotates q/k and writes K/V into the
+        caches (``muse_spark::linear_qkv_cache_triton``): where ``linear`` takes the Triton kernel
+        (≤ 16 rows), with a ``CacheKV`` at the layer's positions, no output gate, head_dim ≥ 32;
+        ``MUSE_SPARK_QKV_EPILOGUE=0`` turns it off (the bench's comparison)."""
+        c = self.cfg
+        return (os.environ.get("MUSE_SPARK_QKV_EPILOGUE", "1") != "0" and not c.attn_output_gate and x.dim() == 3
+                and c.head_dim >= 32 and c.head_dim & (c.head_dim - 1) == 0 and isinstance(kv, CacheKV) and kv.positions is positions
+                and kv.k_cache.dtype == x.dtype and _triton_linear_fits(x, self.qkv_proj.weight))
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider) -> torch.Tensor:
         # x: [B, S, D] normed input (compute dtype); positions: [B, S]
         c = self.cfg
         B, S, _ = x.shape
+        H = c.num_attention_heads
+        if self.fuses_qkv(x, kv, positions):  # projection, q/k norm, RoPE and cache write: one kernel
+            q = torch.ops.muse_spark.linear_qkv_cache_triton(x, self.qkv_proj.weight, positions, kv.slots, kv.k_cache,
+                                                             kv.v_cache, c.rms_norm_eps, c.rope_theta, c.use_rope, H)
+            out = attend(q, kv.k_cache, kv.v_cache, kv.mask, kv.slots).reshape(B, S, c.q_size)
+            return linear(out, self.o_proj.weight)
         qkv = linear(x, self.qkv_proj.weight)
         qs, kvs = c.q_size, c.kv_size
-        H = c.num_attention_heads
         # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
         qk = qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim)
         v = qkv[..., qs + kvs : qs + 2 * kvs].reshape(B, S, c.num_key_value_heads, c.head_dim)

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from muse_spark.plugins.triton_math import (add_rn, div_rn, exp_exact, mul_rn, pdl_enter, pdl_enter_after,
-                                            prefetch_l2, to_rne)
+from muse_spark.plugins.triton_math import (add_rn, cos_exact, div_rn, exp_exact, mul_rn, pdl_enter,
+                                            pdl_enter_after, pow_exact, prefetch_l2, sin_exact, to_rne)
 
 # The kernel's range: at most this many rows of x. More rows re-read x once per weight tile and
 # each program's share of the weight shrinks: at 64 rows (batch 8) the H200 sweep has the down
@@ -87,6 +87,51 @@ def _silu_mul(g, u, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TWO: tl.constexpr,
+                  IEEE_DOT: tl.constexpr):
+    """The weight stream: fp32 sums W[rn]·xᵀ over the whole of K, [BLOCK_N, BLOCK_M]; with TWO also
+    W[ru]·xᵀ (the second tile: the up half, or a head's second half), else zeros."""
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
+    u_ptrs = w_ptr + ru.to(tl.int64)[:, None] * K + rk[None, :]
+    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]  # [BLOCK_K, BLOCK_M]: xᵀ
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=mmask[None, :], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
+        else:
+            kmask = (k0 + rk) < K
+            xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if IEEE_DOT:  # the CPU interpreter (its bf16 dot is broken): exact fp32 products
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+        if TWO:
+            if EVEN_K:
+                if EVEN_N:
+                    wu = tl.load(u_ptrs)
+                else:
+                    wu = tl.load(u_ptrs, mask=nmask[:, None], other=0.0)
+            else:
+                wu = tl.load(u_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if IEEE_DOT:
+                acc_u = tl.dot(wu.to(tl.float32), xt.to(tl.float32), acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(wu, xt, acc_u)
+            u_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    return acc, acc_u
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr,  # [M, K], last dim contiguous
     w_ptr,  # [N_w, K] contiguous (N_w = N, or 2·N with SILU_MUL)
@@ -112,50 +157,88 @@ def _linear_kernel(
     pid_m = tl.program_id(1) + z  # x and y (upstream data) are addressed after the wait
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
     nmask = rn < N
     mmask = rm < M
-    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
-    u_ptrs = w_ptr + (rn + N).to(tl.int64)[:, None] * K + rk[None, :]  # the up half (SILU_MUL)
-    x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]  # [BLOCK_K, BLOCK_M]: xᵀ
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            xt = tl.load(x_ptrs, mask=mmask[None, :], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
-        else:
-            kmask = (k0 + rk) < K
-            xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if IEEE_DOT:  # the CPU interpreter (its bf16 dot is broken): exact fp32 products
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc)
-        if SILU_MUL:
-            if EVEN_K:
-                if EVEN_N:
-                    wu = tl.load(u_ptrs)
-                else:
-                    wu = tl.load(u_ptrs, mask=nmask[:, None], other=0.0)
-            else:
-                wu = tl.load(u_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if IEEE_DOT:
-                acc_u = tl.dot(wu.to(tl.float32), xt.to(tl.float32), acc_u, input_precision="ieee")
-            else:
-                acc_u = tl.dot(wu, xt, acc_u)
-            u_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + N, rm, nmask, mmask, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
+                               EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT)  # u: the up half (SILU_MUL)
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]  # [BLOCK_N, BLOCK_M]: yᵀ
     if SILU_MUL:
         out = _silu_mul(acc, acc_u, y_ptr.dtype.element_ty)
     else:
         out = to_rne(acc, y_ptr.dtype.element_ty)
     tl.store(y_ptrs, out, mask=nmask[:, None] & mmask[None, :])
+
+
+@triton.jit
+def _qkv_epilogue(acc, acc_u, rm, mmask, head, q_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, S, H, KVH, N_SLOTS, T,
+                  skc_n, skc_t, skc_h, svc_n, svc_t, svc_h, EPS: tl.constexpr, THETA: tl.constexpr,
+                  ROPE: tl.constexpr, HALF: tl.constexpr):
+    """Head ``head`` of the qkv projection for rows ``rm`` (row = b·S + s), its halves ``acc`` and
+    ``acc_u`` [HALF, BLOCK_M] (fp32 sums): rounded to the output dtype as the projection's output
+    is, then as ``plugins/head_norm_rope`` treats q and k heads (weightless RMS norm, RoPE at the
+    row's position) and as the layers' cache write places k and v: a q head into q [B·S, H, Dh],
+    a k head into the K cache, a v head (unnormed) into the V cache, at row slots[b], position
+    pos[b·S + s]. Rows or positions outside the caches write nothing."""
+    DT = q_ptr.dtype.element_ty
+    DH: tl.constexpr = 2 * HALF
+    d = tl.arange(0, HALF)[:, None]
+    y1 = to_rne(acc, DT)
+    y2 = to_rne(acc_u, DT)
+    b = rm // S
+    slot = tl.load(slot_ptr + b, mask=mmask, other=-1).to(tl.int64)
+    pos = tl.load(pos_ptr + rm, mask=mmask, other=-1).to(tl.int64)
+    in_cache = mmask & (slot >= 0) & (slot < N_SLOTS) & (pos >= 0) & (pos < T)  # [BLOCK_M]
+    if head >= H + KVH:  # a v head, as projected
+        at = vc_ptr + slot[None, :] * svc_n + pos[None, :] * svc_t + (head - H - KVH) * svc_h + d
+        tl.store(at, y1, mask=in_cache[None, :])
+        tl.store(at + HALF, y2, mask=in_cache[None, :])
+    else:
+        x1 = y1.to(tl.float32)
+        x2 = y2.to(tl.float32)
+        ms = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / DH
+        r = tl.rsqrt(ms + EPS)[None, :]
+        n1 = to_rne(x1 * r, DT).to(tl.float32)
+        n2 = to_rne(x2 * r, DT).to(tl.float32)
+        if ROPE:
+            half = tl.arange(0, HALF)
+            expo = div_rn((2 * half).to(tl.float32), tl.full((HALF,), DH, tl.float32))
+            inv = div_rn(tl.full((HALF,), 1.0, tl.float32), pow_exact(tl.full((HALF,), THETA, tl.float32), expo))
+            f = mul_rn(inv[:, None], pos.to(tl.float32)[None, :])  # [HALF, BLOCK_M]
+            c = cos_exact(f)
+            sn = sin_exact(f)
+            o1 = to_rne(add_rn(mul_rn(n1, c), mul_rn(-n2, sn)), DT)
+            o2 = to_rne(add_rn(mul_rn(n2, c), mul_rn(n1, sn)), DT)
+        else:
+            o1 = to_rne(n1, DT)
+            o2 = to_rne(n2, DT)
+        if head < H:
+            at = q_ptr + (rm.to(tl.int64)[None, :] * H + head) * DH + d
+            tl.store(at, o1, mask=mmask[None, :])
+            tl.store(at + HALF, o2, mask=mmask[None, :])
+        else:
+            at = kc_ptr + slot[None, :] * skc_n + pos[None, :] * skc_t + (head - H) * skc_h + d
+            tl.store(at, o1, mask=in_cache[None, :])
+            tl.store(at + HALF, o2, mask=in_cache[None, :])
+
+
+@triton.jit
+def _linear_qkv_kernel(
+    x_ptr, w_ptr, q_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,  # x [M, K]; W [(H + 2·KV)·Dh, K]; q [M, H, Dh]
+    M, K, stride_xm, S, H, KVH, N_SLOTS, T, skc_n, skc_t, skc_h, svc_n, svc_t, svc_h,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE_DOT: tl.constexpr, EPS: tl.constexpr, THETA: tl.constexpr, ROPE: tl.constexpr,
+):
+    """``_linear_kernel`` for the attention's qkv projection: program pid_n is head pid_n (q heads,
+    then k, then v), its two halves of BLOCK_N = Dh/2 weight rows as the two tiles; then
+    ``_qkv_epilogue``."""
+    head = tl.program_id(0)
+    rn = head * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = rm < M
+    acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + BLOCK_N, rm, rn >= 0, mmask, K, stride_xm, BLOCK_M, BLOCK_N,
+                               BLOCK_K, True, EVEN_K, True, IEEE_DOT)
+    _qkv_epilogue(acc, acc_u, rm, mmask, head, q_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr, S, H, KVH, N_SLOTS, T,
+                  skc_n, skc_t, skc_h, svc_n, svc_t, svc_h, EPS, THETA, ROPE, BLOCK_N)
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -199,3 +282,36 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
         )
     return y.reshape(*x.shape[:-1], N)
+
+
+def launch_linear_qkv_cache(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float, theta: float, use_rope: bool,
+                            heads: int, wrap=lambda f: f, interpret: bool = False) -> torch.Tensor:
+    """The attention's qkv projection with its head norm, RoPE and cache write in the GEMM's
+    epilogue: x [B, S, D] @ W[(H + 2·KV)·Dh, D]ᵀ, head by head (one program each, the two halves of
+    a head as two weight tiles); q heads normed and rotated → q [B, S, H, Dh]; k heads normed and
+    rotated, and v heads, stored into the caches [N, T, KV, Dh] at rows ``slots`` [B], positions
+    ``positions`` [B, S]. The spec: ``models.layers.qkv_cache_reference``."""
+    B, S, D = x.shape
+    kvh, dh = k_cache.shape[2], k_cache.shape[3]
+    q = torch.empty((B, S, heads, dh), dtype=x.dtype, device=x.device)
+    M = B * S
+    if M == 0:
+        return q
+    x2 = x.reshape(M, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    pos = positions.reshape(M)
+    if pos.stride(0) != 1:
+        pos = pos.contiguous()
+    cfg = default_config(M, w.shape[0] // 2, D, True)  # two weight tiles per program, as silu·mul's
+    block_m = max(16, triton.next_power_of_2(M))
+    wrap(_linear_qkv_kernel)[(heads + 2 * kvh, triton.cdiv(M, block_m))](
+        x2, w, q, pos, slots, k_cache, v_cache, M, D, x2.stride(0), S, heads, kvh, k_cache.shape[0],
+        k_cache.shape[1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(1), v_cache.stride(2),
+        BLOCK_M=block_m, BLOCK_N=dh // 2, BLOCK_K=cfg["BLOCK_K"], EVEN_K=D % cfg["BLOCK_K"] == 0, IEEE_DOT=interpret,
+        EPS=float(eps), THETA=float(theta), ROPE=bool(use_rope), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return q
