@@ -376,9 +376,12 @@ class Attention(nn.Module):
         """Whether the qkv projection's skinny GEMM also norms and rotates q/k and writes K/V into the
         caches (``muse_spark::linear_qkv_cache_triton``): where ``linear`` takes the Triton kernel
         (≤ 16 rows), with a ``CacheKV`` at the layer's positions, no output gate, head_dim ≥ 32;
-        ``MUSE_SPARK_QKV_EPILOGUE=0`` turns it off (the bench's comparison)."""
+        opt-in, ``MUSE_SPARK_QKV_EPILOGUE=1``: on the H200 it was slower (one program per head is 48
+        programs at the 8B shape, too few to stream the weight at full speed: 22.9 µs a layer against
+        19.7 for the GEMM and the head_norm_rope_cache kernel; scripts/qkv_bench.py,
+        docs/benchmarks.md "ninth session")."""
         c = self.cfg
-        return (os.environ.get("MUSE_SPARK_QKV_EPILOGUE", "1") != "0" and not c.attn_output_gate and x.dim() == 3
+        return (os.environ.get("MUSE_SPARK_QKV_EPILOGUE", "0") == "1" and not c.attn_output_gate and x.dim() == 3
                 and c.head_dim >= 32 and c.head_dim & (c.head_dim - 1) == 0 and isinstance(kv, CacheKV) and kv.positions is positions
                 and kv.k_cache.dtype == x.dtype and _triton_linear_fits(x, self.qkv_proj.weight))
 
