@@ -857,17 +857,23 @@ def test_head_norm_rope_rows_are_independent_of_batch_and_grid(tops):
     assert torch.equal(tops.head_norm_rope(x[:, :, 32:], positions, 1e-6, 5e5, True), full[:, :, 32:])
 
 
+def cache_target(g, B, S, KV, dh, slots_n, T, dtype):
+    """Where a cache write goes: distinct positions < T per request, rows ``slots``, and random
+    caches [slots_n, T, KV, dh] (K, V)."""
+    caches = [torch.randn(slots_n, T, KV, dh, generator=g).to(dtype).to(DEV) for _ in range(2)]
+    positions = torch.stack([torch.randperm(T, generator=g)[:S] for _ in range(B)]).to(DEV)
+    slots = torch.tensor([2, 0, 3, 1][:B]).to(DEV)
+    return positions, slots, caches
+
+
 def cache_write_operands(B=2, S=3, H=4, KV=2, dh=32, slots_n=4, T=16, dtype=torch.bfloat16, seed=5):
-    """A layer's qkv row as the model slices it (q|k heads and v, views of one wider tensor), random
-    caches [slots_n, T, KV, dh], distinct positions < T per request, and rows ``slots``."""
+    """A layer's qkv row as the model slices it (q|k heads and v, views of one wider tensor), and
+    ``cache_target``."""
     g = torch.Generator().manual_seed(seed)
     qkv = (3 * torch.randn(B, S, (H + 2 * KV + 1) * dh, generator=g)).to(dtype).to(DEV)
     x = qkv[..., : (H + KV) * dh].reshape(B, S, H + KV, dh)
     v = qkv[..., (H + KV) * dh : (H + 2 * KV) * dh].reshape(B, S, KV, dh)
-    caches = [torch.randn(slots_n, T, KV, dh, generator=g).to(dtype).to(DEV) for _ in range(2)]
-    positions = torch.stack([torch.randperm(T, generator=g)[:S] for _ in range(B)]).to(DEV)
-    slots = torch.tensor([2, 0, 3, 1][:B]).to(DEV)
-    return x, v, positions, slots, caches
+    return (x, v, *cache_target(g, B, S, KV, dh, slots_n, T, dtype))
 
 
 @needs_kernels
@@ -937,13 +943,11 @@ def test_head_norm_rope_cache_op_rejects_bad_inputs(tops):
 
 
 def qkv_operands(B=2, S=3, H=4, KV=2, dh=32, D=64, slots_n=4, T=16, dtype=torch.bfloat16, seed=7):
+    """x [B, S, D], a qkv weight [(H + 2·KV)·dh, D], and ``cache_target``."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, S, D, generator=g).to(dtype).to(DEV)
     w = (torch.randn((H + 2 * KV) * dh, D, generator=g) / D**0.5).to(dtype).to(DEV)
-    caches = [torch.randn(slots_n, T, KV, dh, generator=g).to(dtype).to(DEV) for _ in range(2)]
-    positions = torch.stack([torch.randperm(T, generator=g)[:S] for _ in range(B)]).to(DEV)
-    slots = torch.tensor([2, 0, 3, 1][:B]).to(DEV)
-    return x, w, positions, slots, caches
+    return (x, w, *cache_target(g, B, S, KV, dh, slots_n, T, dtype))
 
 
 @needs_kernels
