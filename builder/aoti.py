@@ -63,7 +63,7 @@ from typing import Callable, Iterator
 import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
-from muse_spark.models.layers import attention_path, linear_path
+from muse_spark.models.layers import attention_path, linear_path, qkv_epilogue
 from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
@@ -339,6 +339,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "plugin_fallback": fallback,
         "attention_kernel": attention_path(device, target.dtype),
         "linear_kernel": linear_path(device, target.dtype),
+        # MUSE_SPARK_QKV_EPILOGUE=1 (opt-in): the qkv GEMM's epilogue norms q/k and writes the caches
+        "qkv_epilogue": qkv_epilogue() and linear_path(device, target.dtype) == "triton",
         "graphs": graphs,
         "batch_buckets": buckets,
         "prefill_chunk": chunk,

@@ -197,3 +197,17 @@ def test_attention_kernel_choice(monkeypatch):
     monkeypatch.setenv("MUSE_SPARK_ATTENTION", "flash")
     with pytest.raises(ValueError, match=r"MUSE_SPARK_ATTENTION='flash': expected one of \['triton', 'sdpa'\]"):
         attention_kernel()
+
+
+def test_the_qkv_epilogue_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
+    """``MUSE_SPARK_QKV_EPILOGUE``: off unless 1 (it was slower on the H200); a value other than 0
+    or 1 is refused with the variable's name, not read as off."""
+    from muse_spark.models.layers import qkv_epilogue
+
+    monkeypatch.delenv("MUSE_SPARK_QKV_EPILOGUE", raising=False)
+    assert qkv_epilogue() is False
+    monkeypatch.setenv("MUSE_SPARK_QKV_EPILOGUE", "1")
+    assert qkv_epilogue() is True
+    monkeypatch.setenv("MUSE_SPARK_QKV_EPILOGUE", "on")
+    with pytest.raises(ValueError, match="MUSE_SPARK_QKV_EPILOGUE='on': expected 0 or 1"):
+        qkv_epilogue()

@@ -308,6 +308,17 @@ def linear_path(device, dtype: torch.dtype) -> str:
     return linear_kernel() if fused else "reference"
 
 
+def qkv_epilogue() -> bool:
+    """``MUSE_SPARK_QKV_EPILOGUE=1``: where the Triton linear kernel takes the attention's qkv
+    projection, its epilogue also does the q/k head norm, RoPE and the K/V cache write
+    (``Attention.fuses_qkv``). Off by default (slower on the H200). A build records it in the
+    engine's manifest."""
+    value = os.environ.get("MUSE_SPARK_QKV_EPILOGUE", "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"MUSE_SPARK_QKV_EPILOGUE={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     if linear_path(x.device, x.dtype) != "triton" or not _triton_ops_available():  # (imports Triton)
         return False
@@ -381,9 +392,10 @@ class Attention(nn.Module):
         19.7 for the GEMM and the head_norm_rope_cache kernel; scripts/qkv_bench.py,
         docs/benchmarks.md "ninth session")."""
         c = self.cfg
-        return (os.environ.get("MUSE_SPARK_QKV_EPILOGUE", "0") == "1" and not c.attn_output_gate and x.dim() == 3
-                and c.head_dim >= 32 and c.head_dim & (c.head_dim - 1) == 0 and isinstance(kv, CacheKV) and kv.positions is positions
-                and kv.k_cache.dtype == x.dtype and _triton_linear_fits(x, self.qkv_proj.weight))
+        return (qkv_epilogue() and not c.attn_output_gate and x.dim() == 3
+                and c.head_dim >= 32 and c.head_dim & (c.head_dim - 1) == 0 and isinstance(kv, CacheKV)
+                and kv.positions is positions and kv.k_cache.dtype == x.dtype
+                and _triton_linear_fits(x, self.qkv_proj.weight))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider) -> torch.Tensor:
         # x: [B, S, D] normed input (compute dtype); positions: [B, S]
@@ -393,21 +405,21 @@ class Attention(nn.Module):
         if self.fuses_qkv(x, kv, positions):  # projection, q/k norm, RoPE and cache write: one kernel
             q = torch.ops.muse_spark.linear_qkv_cache_triton(x, self.qkv_proj.weight, positions, kv.slots, kv.k_cache,
                                                              kv.v_cache, c.rms_norm_eps, c.rope_theta, c.use_rope, H)
-            out = attend(q, kv.k_cache, kv.v_cache, kv.mask, kv.slots).reshape(B, S, c.q_size)
-            return linear(out, self.o_proj.weight)
-        qkv = linear(x, self.qkv_proj.weight)
-        qs, kvs = c.q_size, c.kv_size
-        # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
-        qk = qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim)
-        v = qkv[..., qs + kvs : qs + 2 * kvs].reshape(B, S, c.num_key_value_heads, c.head_dim)
-        if self.writes_cache(qk, kv, positions):  # the norm kernel stores k and v into the caches
-            q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, c.rms_norm_eps, c.rope_theta,
-                                                                 c.use_rope, kv.k_cache, kv.v_cache, kv.slots)
             keys, values, mask, slots = kv.k_cache, kv.v_cache, kv.mask, kv.slots
         else:
-            qk = self.normalize_heads(qk, positions)
-            keys, values, mask, slots = kv(qk[:, :, H:], v)
-            q = qk[:, :, :H]
+            qkv = linear(x, self.qkv_proj.weight)
+            qs, kvs = c.q_size, c.kv_size
+            # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
+            qk = qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim)
+            v = qkv[..., qs + kvs : qs + 2 * kvs].reshape(B, S, c.num_key_value_heads, c.head_dim)
+            if self.writes_cache(qk, kv, positions):  # the norm kernel stores k and v into the caches
+                q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, c.rms_norm_eps, c.rope_theta,
+                                                                     c.use_rope, kv.k_cache, kv.v_cache, kv.slots)
+                keys, values, mask, slots = kv.k_cache, kv.v_cache, kv.mask, kv.slots
+            else:
+                qk = self.normalize_heads(qk, positions)
+                keys, values, mask, slots = kv(qk[:, :, H:], v)
+                q = qk[:, :, :H]
         out = attend(q, keys, values, mask, slots).reshape(B, S, c.q_size)
         if c.attn_output_gate:
             gate = qkv[..., c.q_size + 2 * c.kv_size :]
