@@ -45,32 +45,49 @@ BLOCK_H = 16  # heads per program
 
 
 @triton.jit
-def _norm_rope_heads(x_ptr, pos_ptr, b, s, heads, hm, sx_b, sx_s, sx_h, sp_b, sp_s, EPS: tl.constexpr,
-                     THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, DTYPE: tl.constexpr):
-    """The two halves of heads ``heads`` of x[b, s], normed and rotated, rounded to DTYPE."""
+def norm_rotate(x1, x2, pos, AXIS: tl.constexpr, EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr,
+                ROPE: tl.constexpr, DTYPE: tl.constexpr):
+    """Heads whose two halves are ``x1``, ``x2`` (fp32, the head's dims along ``AXIS`` of a 2-D
+    block): ``head_rms_norm``, rounded to DTYPE as it rounds, then (ROPE) rotated at position
+    ``pos`` (fp32, broadcastable to the block: a scalar, or one per head along the other axis) →
+    the two halves rounded to DTYPE. The arithmetic of ``head_norm_rope_reference`` step for step
+    (module docstring); shared by this module's kernels and the qkv GEMM's epilogue
+    (``plugins/linear``)."""
     HALF: tl.constexpr = DH // 2
-    d = tl.arange(0, HALF)
-    src = x_ptr + b.to(tl.int64) * sx_b + s.to(tl.int64) * sx_s + heads[:, None].to(tl.int64) * sx_h + d[None, :]
-    x1 = tl.load(src, mask=hm, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=hm, other=0.0).to(tl.float32)
-    ms = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / DH
-    r = tl.rsqrt(ms + EPS)[:, None]
-    # the norm's result, rounded to x's dtype as head_rms_norm returns it
+    ms = (tl.sum(x1 * x1, axis=AXIS) + tl.sum(x2 * x2, axis=AXIS)) / DH
+    r = tl.expand_dims(tl.rsqrt(ms + EPS), AXIS)
     n1 = to_rne(x1 * r, DTYPE).to(tl.float32)
     n2 = to_rne(x2 * r, DTYPE).to(tl.float32)
     if ROPE:
-        pos = tl.load(pos_ptr + b.to(tl.int64) * sp_b + s.to(tl.int64) * sp_s).to(tl.float32)
+        d = tl.arange(0, HALF)
         expo = div_rn((2 * d).to(tl.float32), tl.full((HALF,), DH, tl.float32))
-        inv = div_rn(tl.full((HALF,), 1.0, tl.float32), pow_exact(tl.full((HALF,), THETA, tl.float32), expo))
-        f = mul_rn(tl.full((HALF,), 1.0, tl.float32) * pos, inv)
-        c = cos_exact(f)[None, :]
-        sn = sin_exact(f)[None, :]
+        inv = tl.expand_dims(div_rn(tl.full((HALF,), 1.0, tl.float32),
+                                    pow_exact(tl.full((HALF,), THETA, tl.float32), expo)), 1 - AXIS)
+        f = mul_rn(inv, tl.zeros_like(inv) + pos)  # the angle, one per (dim, position)
+        c = cos_exact(f)
+        sn = sin_exact(f)
         y1 = add_rn(mul_rn(n1, c), mul_rn(-n2, sn))
         y2 = add_rn(mul_rn(n2, c), mul_rn(n1, sn))
     else:
         y1 = n1
         y2 = n2
     return to_rne(y1, DTYPE), to_rne(y2, DTYPE)
+
+
+@triton.jit
+def _norm_rope_heads(x_ptr, pos_ptr, b, s, heads, hm, sx_b, sx_s, sx_h, sp_b, sp_s, EPS: tl.constexpr,
+                     THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, DTYPE: tl.constexpr):
+    """The two halves of heads ``heads`` of x[b, s], normed and rotated (``norm_rotate``)."""
+    HALF: tl.constexpr = DH // 2
+    d = tl.arange(0, HALF)
+    src = x_ptr + b.to(tl.int64) * sx_b + s.to(tl.int64) * sx_s + heads[:, None].to(tl.int64) * sx_h + d[None, :]
+    x1 = tl.load(src, mask=hm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=hm, other=0.0).to(tl.float32)
+    if ROPE:
+        pos = tl.load(pos_ptr + b.to(tl.int64) * sp_b + s.to(tl.int64) * sp_s).to(tl.float32)
+    else:
+        pos = 0.0
+    return norm_rotate(x1, x2, pos, 1, EPS, THETA, DH, ROPE, DTYPE)
 
 
 @triton.jit

@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from muse_spark.plugins.triton_math import (add_rn, cos_exact, div_rn, exp_exact, mul_rn, pdl_enter,
-                                            pdl_enter_after, pow_exact, prefetch_l2, sin_exact, to_rne)
+from muse_spark.plugins.head_norm_rope.triton_kernel import norm_rotate
+from muse_spark.plugins.triton_math import (add_rn, div_rn, exp_exact, mul_rn, pdl_enter, pdl_enter_after,
+                                            prefetch_l2, to_rne)
 
 # The kernel's range: at most this many rows of x. More rows re-read x once per weight tile and
 # each program's share of the weight shrinks: at 64 rows (batch 8) the H200 sweep has the down
@@ -193,24 +194,8 @@ def _qkv_epilogue(acc, acc_u, rm, mmask, head, q_ptr, pos_ptr, slot_ptr, kc_ptr,
         tl.store(at, y1, mask=in_cache[None, :])
         tl.store(at + HALF, y2, mask=in_cache[None, :])
     else:
-        x1 = y1.to(tl.float32)
-        x2 = y2.to(tl.float32)
-        ms = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / DH
-        r = tl.rsqrt(ms + EPS)[None, :]
-        n1 = to_rne(x1 * r, DT).to(tl.float32)
-        n2 = to_rne(x2 * r, DT).to(tl.float32)
-        if ROPE:
-            half = tl.arange(0, HALF)
-            expo = div_rn((2 * half).to(tl.float32), tl.full((HALF,), DH, tl.float32))
-            inv = div_rn(tl.full((HALF,), 1.0, tl.float32), pow_exact(tl.full((HALF,), THETA, tl.float32), expo))
-            f = mul_rn(inv[:, None], pos.to(tl.float32)[None, :])  # [HALF, BLOCK_M]
-            c = cos_exact(f)
-            sn = sin_exact(f)
-            o1 = to_rne(add_rn(mul_rn(n1, c), mul_rn(-n2, sn)), DT)
-            o2 = to_rne(add_rn(mul_rn(n2, c), mul_rn(n1, sn)), DT)
-        else:
-            o1 = to_rne(n1, DT)
-            o2 = to_rne(n2, DT)
+        o1, o2 = norm_rotate(y1.to(tl.float32), y2.to(tl.float32), pos.to(tl.float32)[None, :], 0, EPS, THETA,
+                             DH, ROPE, DT)
         if head < H:
             at = q_ptr + (rm.to(tl.int64)[None, :] * H + head) * DH + d
             tl.store(at, o1, mask=mmask[None, :])
