@@ -188,19 +188,14 @@ def _head_norm_rope_op(x: torch.Tensor, positions: torch.Tensor, eps: float, the
     return head_norm_rope_kernel.launch_head_norm_rope(x, positions, eps, theta, use_rope, wrap=wrap_triton)
 
 
-def _check_cache_write(v: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slots: torch.Tensor, op: str, like: torch.Tensor | None = None) -> None:
-    """The contract of an op that writes v [B, S, KV, Dh] (and k, its like) into the caches [N, T, KV,
-    Dh] at rows ``slots`` [B] int64 and positions [B, S] int64."""
-    like = v if like is None else like
-    B, S = like.shape[:2]
-    if v.dim() != 4 or tuple(v.shape[:2]) != (B, S) or v.shape[3] != like.shape[-1] or v.dtype != like.dtype:
-        raise ValueError(f"{op}: v must be {like.dtype} [{B}, {S}, KV, {like.shape[-1]}], got {v.dtype} "
-                         f"{list(v.shape)}")
+def _check_cache_write(op: str, B: int, S: int, kv: int, dh: int, dtype: torch.dtype, positions: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """The contract of an op that writes K/V of ``kv`` heads of ``dh`` into the caches [N, T, kv, dh]
+    (``dtype``, last dim contiguous) at rows ``slots`` [B] int64 and positions [B, S] int64."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4 or tuple(c.shape[2:]) != tuple(v.shape[2:]) or c.dtype != v.dtype or c.stride(-1) != 1:
-            raise ValueError(f"{op}: {name} must be {v.dtype} [N, T, {v.shape[2]}, {v.shape[3]}] with a contiguous "
-                             f"last dim, got {c.dtype} {list(c.shape)}")
+        if c.dim() != 4 or tuple(c.shape[2:]) != (kv, dh) or c.dtype != dtype or c.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must be {dtype} [N, T, {kv}, {dh}] with a contiguous last dim, got "
+                             f"{c.dtype} {list(c.shape)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{op}: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ")
     if slots.dtype != torch.int64 or tuple(slots.shape) != (B,):
@@ -222,12 +217,10 @@ def _head_norm_rope_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.
         raise ValueError(f"head_norm_rope: x {list(x.shape)} {x.dtype}: the kernel takes [B, S, heads, Dh] in bf16 or "
                          "fp16 with Dh a power of two in [2, 512]")
     B, S, NH, dh = x.shape
-    if positions.dtype != torch.int64 or tuple(positions.shape) != (B, S):
-        raise ValueError(f"head_norm_rope: positions must be int64 {[B, S]}, got {positions.dtype} "
-                         f"{list(positions.shape)}")
-    _check_cache_write(v, positions, k_cache, v_cache, slots, "head_norm_rope", like=x)
-    if v.shape[2] > NH:
-        raise ValueError(f"head_norm_rope: v has {v.shape[2]} heads, more than x's {NH}")
+    if v.dim() != 4 or tuple(v.shape[:2]) != (B, S) or v.shape[3] != dh or not 0 < v.shape[2] <= NH or v.dtype != x.dtype:
+        raise ValueError(f"head_norm_rope: v must be {x.dtype} [{B}, {S}, KV ≤ {NH}, {dh}], got {v.dtype} "
+                         f"{list(v.shape)}")
+    _check_cache_write("head_norm_rope", B, S, v.shape[2], dh, x.dtype, positions, k_cache, v_cache, slots)
     if not _runs_kernels(x):
         return head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
     return head_norm_rope_kernel.launch_head_norm_rope_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache,
@@ -258,12 +251,13 @@ def _linear_qkv_cache_op(x: torch.Tensor, w: torch.Tensor, positions: torch.Tens
         raise ValueError(f"linear_qkv_cache: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the "
                          f"kernel takes x [B, S, D] with B·S ≤ {MAX_ROWS} and a contiguous weight [N, D], both bf16 "
                          "or fp16")
+    if k_cache.dim() != 4:
+        raise ValueError(f"linear_qkv_cache: k_cache must be [N, T, KV, head_dim], got {list(k_cache.shape)}")
     kv, dh = k_cache.shape[2], k_cache.shape[3]
     if w.shape[0] != (heads + 2 * kv) * dh or dh < 32 or dh & (dh - 1):
         raise ValueError(f"linear_qkv_cache: weight rows {w.shape[0]} must be (heads {heads} + 2·{kv}) · head_dim "
                          f"{dh}, head_dim a power of two ≥ 32")
-    v_like = x.new_empty((*x.shape[:2], kv, dh))
-    _check_cache_write(v_like, positions, k_cache, v_cache, slots, "linear_qkv_cache")
+    _check_cache_write("linear_qkv_cache", *x.shape[:2], kv, dh, x.dtype, positions, k_cache, v_cache, slots)
     if not _runs_kernels(x):
         return qkv_cache_reference(x, w, positions, slots, k_cache, v_cache, eps, theta, use_rope, heads)
     return launch_linear_qkv_cache(x, w, positions, slots, k_cache, v_cache, eps, theta, use_rope, heads,

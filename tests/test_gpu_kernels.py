@@ -1028,6 +1028,10 @@ def test_linear_qkv_cache_op_rejects_bad_inputs(tops):
         op(x, w, positions, slots, kc, vc, 1e-6, 5e5, True, 3)
     with pytest.raises(ValueError, match="B·S ≤ 16"):
         op(x.repeat(4, 2, 1), w, positions, slots, kc, vc, 1e-6, 5e5, True, 4)
+    with pytest.raises(ValueError, match="k_cache must be \\[N, T, KV, head_dim\\]"):
+        op(x, w, positions, slots, kc[0], vc, 1e-6, 5e5, True, 4)
+    with pytest.raises(ValueError, match="v_cache must be"):
+        op(x, w, positions, slots, kc, vc.half(), 1e-6, 5e5, True, 4)
     with pytest.raises(ValueError, match="slots must be int64"):
         op(x, w, positions, slots.int(), kc, vc, 1e-6, 5e5, True, 4)
     with pytest.raises(ValueError, match="positions must be int64"):
