@@ -47,7 +47,7 @@ PREFETCH_CHUNKS = tl.constexpr(128)  # one bulk L2 prefetch per thread (4 warps)
 SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may take (227 KB per SM)
 
 
-def default_config(M: int, N: int, K: int, silu_mul: bool) -> dict:
+def default_config(M: int, N: int, K: int, silu_mul: bool, block_n: int | None = None) -> dict:
     """Launch configuration, chosen by scripts/linear_bench.py --sweep on the H200 (8 rows, each
     shape's weight streamed from HBM), then timed (``--batches 1,8``): 64-row tiles over 256-column
     chunks, 4 stages (qkv 15.4 µs, o 12.1, lm_head 245.3, against cuBLAS's 16.2 / 13.3 / 255.6);
@@ -55,13 +55,16 @@ def default_config(M: int, N: int, K: int, silu_mul: bool) -> dict:
     for cuBLAS + silu); a long K (the down projection, the draft's fc) 16-row tiles over 512
     columns, 2 warps (down 31.9 µs against 32.8).
     More rows of x take more shared memory per stage: the chunk, then the stages, shrink
-    until the stages fit ``SHARED_BUDGET``."""
+    until the stages fit ``SHARED_BUDGET``. ``block_n``: the tile's rows, where the caller fixes them
+    (the qkv kernel: half a head)."""
     if silu_mul:
         cfg = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     elif K >= 8192:
         cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=2, num_stages=4)
     else:
         cfg = dict(DEFAULT_CONFIG)
+    if block_n is not None:
+        cfg["BLOCK_N"] = block_n
     block_m = max(16, triton.next_power_of_2(M))
 
     def stage_bytes():
@@ -289,13 +292,13 @@ def launch_linear_qkv_cache(x: torch.Tensor, w: torch.Tensor, positions: torch.T
     pos = positions.reshape(M)
     if pos.stride(0) != 1:
         pos = pos.contiguous()
-    cfg = default_config(M, w.shape[0] // 2, D, True)  # two weight tiles per program, as silu·mul's
+    cfg = default_config(M, w.shape[0] // 2, D, True, block_n=dh // 2)  # two tiles per program, as silu·mul's
     block_m = max(16, triton.next_power_of_2(M))
     wrap(_linear_qkv_kernel)[(heads + 2 * kvh, triton.cdiv(M, block_m))](
         x2, w, q, pos, slots, k_cache, v_cache, M, D, x2.stride(0), S, heads, kvh, k_cache.shape[0],
         k_cache.shape[1], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
         v_cache.stride(1), v_cache.stride(2),
-        BLOCK_M=block_m, BLOCK_N=dh // 2, BLOCK_K=cfg["BLOCK_K"], EVEN_K=D % cfg["BLOCK_K"] == 0, IEEE_DOT=interpret,
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=D % cfg["BLOCK_K"] == 0, IEEE_DOT=interpret,
         EPS=float(eps), THETA=float(theta), ROPE=bool(use_rope), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
