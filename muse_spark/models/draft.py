@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from muse_spark.config import MuseSparkDSparkConfig
-from muse_spark.models.layers import DecoderLayer, linear, make_norm, output_transform
+from muse_spark.models.layers import CacheKV, DecoderLayer, linear, make_norm, output_transform
 from muse_spark.models.target import KVCache, LayerStackLM
 from muse_spark.plugins import dispatch
 
@@ -115,10 +115,8 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
 
     def store_context(self, aux: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> None:
         ks, vs = self.context_kv(aux, positions)
-        rows = slots[:, None]
         for i in range(len(ks)):
-            cache.k[i][rows, positions] = ks[i]
-            cache.v[i][rows, positions] = vs[i]
+            CacheKV(cache.k[i], cache.v[i], slots, positions, None)(ks[i], vs[i])
 
     # ---- block ------------------------------------------------------------------------
     def block(

@@ -68,7 +68,13 @@ class CacheKV(NamedTuple):
     v_cache: torch.Tensor
     slots: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B, S] int64
-    mask: Mask
+    mask: Mask  # None where the provider only writes (the references)
+
+    @staticmethod
+    def at(kv: "KVProvider", positions: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether ``kv`` is a ``CacheKV`` at ``positions`` (the layer's own) with caches of ``dtype``:
+        then a kernel may write the layer's K/V into them itself."""
+        return isinstance(kv, CacheKV) and kv.positions is positions and kv.k_cache.dtype == dtype
 
     def __call__(self, k_new: torch.Tensor, v_new: torch.Tensor):
         rows = self.slots[:, None]
@@ -126,9 +132,7 @@ def head_norm_rope_cache_reference(x: torch.Tensor, v: torch.Tensor, positions: 
     the normed q [B, S, H, Dh]: the spec of ``muse_spark::head_norm_rope_cache_triton``."""
     n = head_norm_rope_reference(x, positions, eps, theta, use_rope)
     H = x.shape[2] - v.shape[2]
-    rows = slots[:, None]
-    k_cache[rows, positions] = n[:, :, H:]
-    v_cache[rows, positions] = v
+    CacheKV(k_cache, v_cache, slots, positions, None)(n[:, :, H:], v)  # the layers' cache write
     return n[:, :, :H].contiguous()
 
 
@@ -380,8 +384,8 @@ class Attention(nn.Module):
     def writes_cache(qk: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether the q/k norm kernel writes the layer's K/V into the caches itself (bf16/fp16 on
         CUDA, a ``CacheKV`` at the layer's own positions): one launch instead of three."""
-        return (isinstance(kv, CacheKV) and kv.positions is positions and qk.device.type == "cuda"
-                and kv.k_cache.dtype == qk.dtype and _triton_ops_available() and _head_norm_rope_fits(qk))
+        return (CacheKV.at(kv, positions, qk.dtype) and qk.device.type == "cuda" and _triton_ops_available()
+                and _head_norm_rope_fits(qk))
 
     def fuses_qkv(self, x: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether the qkv projection's skinny GEMM also norms and rotates q/k and writes K/V into the
@@ -393,8 +397,7 @@ class Attention(nn.Module):
         docs/benchmarks.md "ninth session")."""
         c = self.cfg
         return (qkv_epilogue() and not c.attn_output_gate and x.dim() == 3
-                and c.head_dim >= 32 and c.head_dim & (c.head_dim - 1) == 0 and isinstance(kv, CacheKV)
-                and kv.positions is positions and kv.k_cache.dtype == x.dtype
+                and c.head_dim >= 32 and c.head_dim & (c.head_dim - 1) == 0 and CacheKV.at(kv, positions, x.dtype)
                 and _triton_linear_fits(x, self.qkv_proj.weight))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider) -> torch.Tensor:
