@@ -145,8 +145,10 @@ def graph_plan_names(buckets: list[int], with_prefill: bool = True) -> list[tupl
 
 def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: list[list], *, device: str,
                max_seq: int, cache_slots: int, buckets: list[int], prefill_chunk: int, impl: str,
-               cache_dtype: str, configs: dict, out_dir: Path, with_prefill: bool = True) -> list[dict]:
-    """One self-contained job per package (picklable: a worker rebuilds everything from it)."""
+               cache_dtype: str, configs: dict, out_dir: Path, with_prefill: bool = True,
+               markov_words: dict[int, int] | None = None) -> list[dict]:
+    """One self-contained job per package (picklable: a worker rebuilds everything from it).
+    ``markov_words``: the Markov kernel's kept workspace per batch bucket (``markov_workspaces``)."""
     names = [w[0] for w in wspecs]
     common = dict(tcfg=tcfg.to_dict(), dcfg=dcfg.to_dict(), device=device, max_seq=max_seq,
                   cache_slots=cache_slots, cache_dtype=cache_dtype, impl=impl, configs=configs)
@@ -154,7 +156,8 @@ def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: lis
     spec = {w[0]: w for w in wspecs}
     for name, fn, batch in graph_plan_names(buckets, with_prefill):
         tokens = prefill_chunk if name.startswith("prefill") else dcfg.block_size + 1
-        jobs.append(dict(common, name=name, fn=fn, batch=batch, tokens=tokens,  # in the runtime's feed order
+        jobs.append(dict(common, name=name, fn=fn, batch=batch, tokens=tokens,
+                         markov_words=(markov_words or {}).get(batch, 0),  # in the runtime's feed order
                          weights=[spec[n] for n in part_weight_names(names, fn)], out=str(out_dir / f"{name}.pt2")))
     return jobs
 
@@ -183,10 +186,12 @@ def fake_inputs(job: dict, tcfg, dcfg):
         dv = [cache(dcfg) for _ in range(dcfg.num_hidden_layers)]
         aux = [t((B, S, D), f32) for _ in dcfg.target_layer_ids]
         if fn == "step_draft":
-            return (weights, dk, dv, *[t((B,), i64) for _ in range(4)], t((B,), f32))
+            return (weights, dk, dv, t((job["markov_words"],), i64), *[t((B,), i64) for _ in range(4)],
+                    t((B,), f32))
         h = t((B, S, D), cache_dtype)
         if fn == "step_finish":
-            return (weights, dk, dv, h, aux, t((B, g), i64), t((B, g, dcfg.draft_vocab_size), f32),
+            return (weights, dk, dv, t((job["markov_words"],), i64), h, aux, t((B, g), i64),
+                    t((B, g, dcfg.draft_vocab_size), f32),
                     t((B, S), i64), t((B,), i64), t((B,), i64), t((B,), f32))
         if fn == "prefill_finish":
             return (weights, dk, dv, h, aux, t((1, S), i64), *[t((1,), i64) for _ in range(3)],
@@ -246,6 +251,19 @@ def _compile_job(job: dict) -> dict:
     return {"name": job["name"], "file": Path(job["out"]).name, "fn": job["fn"], "batch": job["batch"],
             "tokens": job["tokens"], "export_s": round(t1 - t0, 1),
             "compile_s": round(time.perf_counter() - t1, 1)}
+
+
+def markov_workspaces(impl: str, device: str, draft, vocab: int, buckets: list[int]) -> dict[int, int]:
+    """int64 words of the fused Markov kernel's kept workspace per batch bucket (the step_draft
+    package's ``markov_ws`` input, recorded in the manifest for the runtime to allocate); 0 where
+    the package runs the reference loop."""
+    if impl != "triton":
+        return {b: 0 for b in buckets}
+    from muse_spark.plugins.triton_ops import markov_workspace_words
+
+    c, mh = draft.cfg, draft.model.markov_head
+    return {b: markov_workspace_words(b, c.block_size, c.draft_vocab_size, vocab, c.markov_rank, mh.head_type,
+                                      torch.device(device), mh.markov_w1.weight.dtype) for b in buckets}
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
@@ -315,7 +333,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
     def compile_with(impl: str) -> list[dict]:
         job_list = graph_jobs(target.cfg, draft.cfg, wspecs, device=device, max_seq=max_seq,
                               cache_slots=max_batch + 1, buckets=buckets, prefill_chunk=chunk, impl=impl,
-                              cache_dtype=cache_dtype, configs=configs, out_dir=out_dir)
+                              cache_dtype=cache_dtype, configs=configs, out_dir=out_dir,
+                              markov_words=markov_workspaces(impl, device, draft, target.cfg.vocab_size, buckets))
         return compile_graphs(job_list, jobs, log)
 
     fallback = None
@@ -343,6 +362,10 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "qkv_epilogue": qkv_epilogue() and linear_path(device, target.dtype) == "triton",
         "graphs": graphs,
         "batch_buckets": buckets,
+        # The fused Markov kernel's kept workspace per bucket: int64 words the runtime zeroes once
+        # (the step_draft package's markov_workspace input; 0: the reference loop, an empty tensor)
+        "markov_workspace_words": {str(b): n for b, n in markov_workspaces(impl, device, draft, target.cfg.vocab_size,
+                                                                         buckets).items()},
         "prefill_chunk": chunk,
         # Caches have one slot more than max_batch: padded batch rows read and write it.
         "cache_slots": max_batch + 1,

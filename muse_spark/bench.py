@@ -273,7 +273,8 @@ class Bench:
     def run(self) -> dict:
         import torch
 
-        from muse_spark.builder.aoti import compile_job, graph_jobs, inductor_configs, int64_indexing, resolve_plugin_impl
+        from muse_spark.builder.aoti import (compile_job, graph_jobs, inductor_configs, int64_indexing,
+                                             markov_workspaces, resolve_plugin_impl)
         from muse_spark.runtime.aoti_graphs import SpecPair, weight_specs
         from muse_spark.runtime.engine import EagerEngine
 
@@ -358,10 +359,11 @@ class Bench:
         if "aoti" not in a.skip:
             out_dir = Path(a.work_dir)
             out_dir.mkdir(parents=True, exist_ok=True)
+            self.markov_words = markov_workspaces(impl, str(dev), eng.draft, tcfg.vocab_size, batches)
             jobs = graph_jobs(tcfg, dcfg, wspecs, device=str(dev), max_seq=max_seq, cache_slots=slots,
                               buckets=batches, prefill_chunk=1, impl=impl, cache_dtype="bfloat16",
                               configs=inductor_configs(str(dev), fast_compile=dev.type == "cpu"),
-                              out_dir=out_dir, with_prefill=False)
+                              out_dir=out_dir, with_prefill=False, markov_words=self.markov_words)
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
@@ -516,8 +518,9 @@ class Bench:
         with torch.inference_mode():
             for b in sorted(batches, reverse=not a.aoti_ascending):
                 fn = load_step(a.work_dir, None, b, eng.target, eng.draft, dev, single_threaded=cuda)
-                runner = (CUDAGraphStep(fn, b, weights, caches, scratch, dev, pool=pool) if cuda
-                          else StaticStep(fn, b, weights, caches, scratch, dev))
+                words = self.markov_words[b]  # the Markov kernel's kept workspace, as the engine keeps it
+                runner = (CUDAGraphStep(fn, b, weights, caches, scratch, dev, pool=pool, markov_words=words) if cuda
+                          else StaticStep(fn, b, weights, caches, scratch, dev, markov_words=words))
                 x = inputs(b)
                 # Same inputs, greedy rows: the compiled step's drafts and verdicts equal the eager step's.
                 xg = x[:4] + (torch.zeros_like(x[4]),)
@@ -544,12 +547,14 @@ class Bench:
                 sec.setdefault("aoti_serving_lists", {})[b] = time_fn(from_lists, dev, a.iters)
                 sec.setdefault("aoti_step_host", {})[b] = time_fn(lambda: runner.step_host(*host), dev, a.iters)
                 sec.setdefault("aoti_step_host_equals_step", {})[b] = runner.step_host(*host) == runner(*x).tolist()
+                if runner.markov_ws.numel():  # after every timed step: no Markov program gave up waiting
+                    sec.setdefault("aoti_markov_error_flag", {})[b] = int(runner.markov_ws[2])
                 self.log(f"aoti B={b}: {sec['aoti'][b]['median_ms']:.2f} ms (greedy step equals eager: {same}); "
                          f"serving form: lists → device tensors → step → .cpu() "
                          f"{sec['aoti_serving_lists'][b]['median_ms']:.2f} ms, step_host "
                          f"{sec['aoti_step_host'][b]['median_ms']:.2f} ms")
                 if a.profile:  # the same packages, called without the graph: the kernels it replays
-                    plain = StaticStep(fn, b, weights, caches, scratch, dev)
+                    plain = StaticStep(fn, b, weights, caches, scratch, dev, markov_words=words)
                     prof = profile_kernels(lambda: plain(*x), dev, keep_all=cuda)
                     self.log(f"aoti B={b} profile: {prof['kernel_ms']:.2f} ms of kernels per step; top: "
                              + "; ".join(f"{r['name'][:60]} {r['ms']:.3f} ms" for r in prof["top"][:5]))
@@ -596,11 +601,24 @@ class Bench:
             args = (U, h, anchor, mh.markov_w1.weight, mh.markov_w2.weight, draft.d2t, seeds, pos, temp,
                     mh.head_type, None, None, 0)
             row = {}
-            for name in impls:
-                label = "reference (eager ops)" if name == "op" else "triton (in a CUDA graph)"
+            # The Triton op twice: with the workspace the engines keep per bucket (zeroed once), as
+            # the step graphs call it, and with none (the op zeroes one per call).
+            runs = [("op", "reference (eager ops)", False)]
+            if "triton" in impls:
+                runs += [("triton", "triton, kept workspace (in a CUDA graph; as the engines call it)", True),
+                         ("triton", "triton, workspace zeroed per call (in a CUDA graph)", False)]
+            for name, label, kept in runs:
                 try:
                     with plugin_impl(name), torch.inference_mode():
-                        fn = lambda: dispatch.markov_sample(*args)  # noqa: E731
+                        ws = None
+                        if kept:
+                            from muse_spark.plugins.triton_ops import markov_workspace_words
+
+                            ws = torch.zeros(markov_workspace_words(b, c.block_size, c.draft_vocab_size, c.vocab_size,
+                                                                    c.markov_rank, mh.head_type, dev,
+                                                                    mh.markov_w1.weight.dtype),
+                                             dtype=torch.int64, device=dev)
+                        fn = lambda: dispatch.markov_sample(*args, workspace=ws)  # noqa: E731
                         if name == "triton":
                             # As in the step's graph: 16 calls captured back to back, so the
                             # graph's own launch is amortized (plugins/markov/bench.py's method).
@@ -608,6 +626,8 @@ class Bench:
 
                             us, how = time_in_graph([fn], reps=16)
                             row[label] = {"median_ms": us / 1e3, "how": how, "calls_per_replay": 16}
+                            if kept:  # the kernel's error flag: no program gave up waiting for the others
+                                row[label]["error_flag"] = int(ws[2])
                         else:
                             row[label] = time_fn(fn, dev, a.iters)
                 except Exception as e:
@@ -752,7 +772,7 @@ def render_markdown(result: dict) -> str:
         out += ["", "## The Markov loop alone (γ sequential steps)", "",
                 "| batch | " + " | ".join(cols) + " |", "|---:|" + "---:|" * len(cols)]
         for b, row in sec["markov"].items():
-            out.append(f"| {b} | " + " | ".join(f"{row[k]['median_ms'] * 1e3:.0f} µs" if "median_ms" in row.get(k, {})
+            out.append(f"| {b} | " + " | ".join(f"{row[k]['median_ms'] * 1e3:.1f} µs" if "median_ms" in row.get(k, {})
                                                  else "failed" for k in cols) + " |")
     if "aoti_graph_replay" in sec and sec["aoti_graph_replay"]:
         out += ["", "aoti graph replay alone (without the runner's input copies): "

@@ -52,7 +52,7 @@ from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residua
 from muse_spark.plugins.linear.triton_kernel import MAX_ROWS, fits, launch_linear, launch_linear_qkv_cache
 from muse_spark.plugins.markov.op import check_markov_inputs
 from muse_spark.plugins.markov.reference import markov_sample_ref
-from muse_spark.plugins.markov.triton_kernel import launch_markov_sample, supported
+from muse_spark.plugins.markov.triton_kernel import launch_markov_sample, supported, workspace_words
 from muse_spark.plugins.triton_math import interpreting
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def _gated_residual_add_op(
     return launch_gated_residual_add(*args, wrap=wrap_triton)
 
 
-@triton_op("muse_spark::markov_sample_triton", mutates_args=())
+@triton_op("muse_spark::markov_sample_triton", mutates_args=("workspace",))
 def _markov_sample_op(
     base_logits: torch.Tensor,
     hidden: torch.Tensor,
@@ -110,7 +110,11 @@ def _markov_sample_op(
     head_w: torch.Tensor | None,
     head_b: torch.Tensor | None,
     topk: int,
+    workspace: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``workspace``: the kernel's int64 words, zeroed once and kept by the caller for calls of one
+    shape (an engine's batch bucket: ``markov_workspace_words``), so no call zeroes one; empty: a
+    zeroed one per call. The reference paths do not use it."""
     check_markov_inputs(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w,
                         head_b)
     if topk > 0:
@@ -126,7 +130,17 @@ def _markov_sample_op(
                   "id packing (< 2^20 target ids)")
         return markov_sample_ref(*args)
     return launch_markov_sample(base_logits, anchor, w1, w2, d2t, seeds, positions, temperature, wrap=wrap_triton,
-                                interpret=interpreting())
+                                interpret=interpreting(), workspace=workspace if workspace.numel() else None)
+
+
+def markov_workspace_words(B: int, gamma: int, Vd: int, vocab: int, rank: int, head_type: str,
+                           device: torch.device, weight_dtype: torch.dtype) -> int:
+    """int64 words of the workspace ``markov_sample_triton`` keeps for calls of batch ``B`` (0 where
+    the op runs the reference loop: not CUDA, not the vanilla head, ids the kernel cannot pack)."""
+    if (torch.device(device).type != "cuda" or (head_type != "vanilla" and rank > 0)
+            or not supported(Vd, vocab)):
+        return 0
+    return workspace_words(B, gamma, Vd, rank, torch.device(device), weight_dtype)
 
 
 def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None) -> None:
@@ -285,7 +299,10 @@ def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, ap
 
 
 def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w,
-                  head_b, topk):
-    """Same signature as ``markov_sample_ref``; runs ``muse_spark::markov_sample_triton``."""
+                  head_b, topk, workspace=None):
+    """``markov_sample_ref``'s signature and the kept workspace (None: zeroed per call); runs
+    ``muse_spark::markov_sample_triton``."""
+    if workspace is None:
+        workspace = torch.empty(0, dtype=torch.int64, device=base_logits.device)
     return torch.ops.muse_spark.markov_sample_triton(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions,
-                                                     temperature, head_type, head_w, head_b, topk)
+                                                     temperature, head_type, head_w, head_b, topk, workspace)

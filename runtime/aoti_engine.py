@@ -165,6 +165,16 @@ def load_prefill(d: str | Path, graphs: dict | None, target, draft, device) -> L
                           _part(d, graphs, "prefill_layer", device), _part(d, graphs, "prefill_finish", device))
 
 
+def markov_words(aoti: dict, bucket: int, where) -> int:
+    """The int64 words of bucket ``bucket``'s kept Markov workspace (the manifest's
+    ``markov_workspace_words``), checked: a count the package was not compiled for is refused."""
+    n = aoti.get("markov_workspace_words", {}).get(str(bucket))
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise EngineError(f"{where}: the manifest's markov_workspace_words has no valid entry for batch bucket "
+                          f"{bucket} (got {n!r}); rebuild the engine")
+    return n
+
+
 # ---- the engine -------------------------------------------------------------------------------
 class AOTIEngine(EagerEngine):
     backend = "aoti"
@@ -202,10 +212,11 @@ class AOTIEngine(EagerEngine):
             older = ("one unrolled graph per step" if a.get("layout") is None
                      else f"the packages' layout {a.get('layout')!r}, this runtime's is {LAYOUT!r}")
             raise EngineError(f"{engine_dir}: this aoti engine was built by another muse-spark ({older}); rebuild it")
-        self.prefill_fn = load_prefill(d, a["graphs"], target, draft, self.device)
         self.buckets = [b for b in a["batch_buckets"] if b <= max_batch] or [min(a["batch_buckets"])]
         if self.buckets[-1] < max_batch:
             self.buckets.append(min(b for b in a["batch_buckets"] if b >= max_batch))
+        words = {b: markov_words(a, b, engine_dir) for b in self.buckets}
+        self.prefill_fn = load_prefill(d, a["graphs"], target, draft, self.device)
         self.runners: dict[int, StaticStep] = {}
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         with torch.inference_mode():
@@ -213,9 +224,10 @@ class AOTIEngine(EagerEngine):
                 fn = load_step(d, a["graphs"], b, target, draft, self.device, single_threaded=self.cuda_graphs)
                 if self.cuda_graphs:
                     self.runners[b] = CUDAGraphStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
-                                                    pool=pool)
+                                                    pool=pool, markov_words=words[b])
                 else:
-                    self.runners[b] = StaticStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device)
+                    self.runners[b] = StaticStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
+                                                 markov_words=words[b])
 
     # ---- construction -----------------------------------------------------------------
     @classmethod

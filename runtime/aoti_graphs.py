@@ -37,7 +37,9 @@ from muse_spark.runtime.sampling import accept, sample_tokens
 EMBED = "target.model.embed_tokens.weight"
 # The packages' calling convention; an engine of another layout is refused ("rebuild it").
 # "layered-2": the layer package takes and returns the normed input (the next norm fused in).
-LAYOUT = "layered-2"
+# "layered-3": step_draft and step_finish take the Markov kernel's kept workspace (``markov_ws``).
+LAYOUT = "layered-3"
+MARKOV_ERROR_WORD = 2  # the Markov kernel's workspace: [counter, epoch, error flag, 0, step words…]
 
 
 class SpecPair(nn.Module):
@@ -63,18 +65,21 @@ class SpecPair(nn.Module):
     # A speculative step is step_draft → layer × L → step_finish; a prompt chunk is
     # (embedding) → layer × L → prefill_finish. Composed, they are EagerEngine.step and
     # EagerEngine.prefill with kv_len = max_seq (the runtime composes them: ``LayeredStep``).
-    def step_draft(self, dk, dv, anchor, anchor_pos, slots, seeds, temperature):
+    def step_draft(self, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature):
         """Draft block + Markov loop, and the target's input stream.
 
         anchor, anchor_pos, slots, seeds [B] int64; temperature [B] fp32; dk/dv: the draft's
         per-layer context caches [slots, max_seq, KV, Dh] (read; the block's K/V are written at
-        its positions, which step_finish overwrites).
+        its positions, which step_finish overwrites); markov_ws: the fused Markov kernel's int64
+        words, zeroed once by the runtime and kept for the bucket (mutated in place; empty where
+        the engine runs the reference loop).
         → (ids [B, γ] int64 target ids, probs [B, γ, Vd] fp32, stream [B, γ+1, D] fp32,
         x [B, γ+1, D] (layer 0's normed input, compute dtype), positions [B, γ+1] int64).
         """
         g = self.draft.cfg.block_size
         dcache = KVCache(list(dk), list(dv))
-        ids, probs, _conf = self.draft.propose(anchor, anchor_pos, slots, dcache, dk[0].shape[1], seeds, temperature)
+        ids, probs, _conf = self.draft.propose(anchor, anchor_pos, slots, dcache, dk[0].shape[1], seeds, temperature,
+                                               markov_ws if markov_ws.numel() else None)
         tokens = torch.cat([anchor[:, None], ids], 1)  # [B, γ+1]
         positions = anchor_pos[:, None] + torch.arange(g + 1, device=anchor.device)
         stream = self.target.embed_stream(tokens)
@@ -89,15 +94,21 @@ class SpecPair(nn.Module):
         return self.target.layer_forward(0, stream, x, positions, slots, k, v, k.shape[1],
                                          next_norm=self.target.model.norm)
 
-    def step_finish(self, dk, dv, h, aux, ids, probs, positions, slots, seeds, temperature):
+    def step_finish(self, dk, dv, markov_ws, h, aux, ids, probs, positions, slots, seeds, temperature):
         """Verify and accept, then store the draft context K/V of the block's tokens.
 
         h: the final norm of the last layer's stream [B, γ+1, D]; aux: the streams after the
-        draft's target layers (list of [B, γ+1, D] fp32).
-        → packed [B, γ+2] int64: γ draft tokens (target ids), n accepted, bonus.
+        draft's target layers (list of [B, γ+1, D] fp32); markov_ws: step_draft's (read: its
+        error flag).
+        → packed [B, γ+2] int64: γ draft tokens (target ids), n accepted, bonus. n is −1 in every
+        row when the fused Markov kernel raised its error flag (a program gave up waiting for the
+        others: they were not all resident at once): the drafts are not valid and the step must
+        run again (``runtime.cuda_graph.StaticStep`` does, on a zeroed workspace).
         """
         anchor_pos = positions[:, 0]
         n, bonus = accept(self.target.logits(h), ids, probs, self.draft.d2t, temperature, seeds, anchor_pos)
+        if markov_ws.numel():  # (the reference loop keeps no workspace: an empty one)
+            n = torch.where(markov_ws[MARKOV_ERROR_WORD] != 0, -1, n)
         self.draft.store_context(self.target.cat_aux(list(aux), h), positions, slots, KVCache(list(dk), list(dv)))
         return torch.cat([ids, n[:, None], bonus[:, None]], 1)
 
@@ -183,11 +194,11 @@ def weight_specs(pair: SpecPair) -> list[list]:
 
 # Each part's flat graph inputs, in order (recorded in the manifest for embedders).
 GRAPH_INPUTS = {
-    "step_draft": ["weights[head]", "draft_k[]", "draft_v[]", "anchor", "anchor_pos", "slots", "seeds",
-                   "temperature"],
+    "step_draft": ["weights[head]", "draft_k[]", "draft_v[]", "markov_workspace", "anchor", "anchor_pos", "slots",
+                   "seeds", "temperature"],
     "layer": ["weights[layer i]", "target_k[i]", "target_v[i]", "stream", "x", "positions", "slots"],
-    "step_finish": ["weights[head]", "draft_k[]", "draft_v[]", "h", "aux[]", "ids", "probs", "positions",
-                    "slots", "seeds", "temperature"],
+    "step_finish": ["weights[head]", "draft_k[]", "draft_v[]", "markov_workspace", "h", "aux[]", "ids", "probs",
+                    "positions", "slots", "seeds", "temperature"],
     "prefill_finish": ["weights[head]", "draft_k[]", "draft_v[]", "h", "aux[]", "positions", "slots", "last",
                        "seeds", "temperature"],
 }
@@ -244,18 +255,19 @@ class _Layered:
 
 class LayeredStep(_Layered):
     """A speculative step from its compiled parts, called as the eager step's graph would be:
-    ``fn(weights, tk, tv, dk, dv, anchor, anchor_pos, slots, seeds, temperature)`` → packed
+    ``fn(weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature)`` → packed
     ``[B, γ+2]``. Under a CUDA graph capture, every part's kernels are captured in order."""
 
     def __init__(self, names, layers, aux_layer_ids, draft_fn, layer_fn, finish_fn):
         super().__init__(names, layers, aux_layer_ids, layer_fn)
         self.draft_fn, self.finish_fn = draft_fn, finish_fn
 
-    def __call__(self, weights, tk, tv, dk, dv, anchor, anchor_pos, slots, seeds, temperature):
+    def __call__(self, weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature):
         head = [weights[j] for j in self.head_idx]
-        ids, probs, stream, x, positions = self.draft_fn(head, dk, dv, anchor, anchor_pos, slots, seeds, temperature)
+        ids, probs, stream, x, positions = self.draft_fn(head, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds,
+                                                         temperature)
         h, aux = self.layers(weights, tk, tv, stream, x, positions, slots)
-        return self.finish_fn(head, dk, dv, h, aux, ids, probs, positions, slots, seeds, temperature)
+        return self.finish_fn(head, dk, dv, markov_ws, h, aux, ids, probs, positions, slots, seeds, temperature)
 
 
 def embed_and_norm(target: MuseSpark1xForCausalLM):

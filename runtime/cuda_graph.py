@@ -31,19 +31,29 @@ from typing import Callable, Sequence
 
 import torch
 
+from muse_spark.runtime.engine import EngineError
+
 Tensor = torch.Tensor
 INPUT_NAMES = ("anchor", "anchor_pos", "slots", "seeds", "temperature")  # the step's per-request inputs
+
+
+class MarkovKernelError(EngineError):
+    """The fused Markov kernel's programs gave up waiting for each other (its error flag)."""
 
 
 class StaticStep:
     """Runs a static-batch step graph for any batch of up to ``bucket`` requests."""
 
     def __init__(self, fn: Callable, bucket: int, weights: Sequence[Tensor], caches: Sequence[Sequence[Tensor]],
-                 scratch_slot: int, device: torch.device):
+                 scratch_slot: int, device: torch.device, markov_words: int = 0):
         self.fn = fn
         self.bucket = bucket
         self.weights = list(weights)
         self.caches = tuple(list(c) for c in caches)  # tk, tv, dk, dv
+        # The fused Markov kernel's words (``markov_words`` int64, from the manifest; 0: the step
+        # runs the reference loop), zeroed once here and kept: every call leaves them ready for
+        # the next, so no step zeroes them (plugins/markov/triton_kernel.py).
+        self.markov_ws = torch.zeros(markov_words, dtype=torch.int64, device=device)
         self.scratch_slot = scratch_slot
         self.device = device
         # The five per-request inputs are rows of one int64 buffer (the temperatures' row read as
@@ -112,18 +122,41 @@ class StaticStep:
         return self.host_out.numpy()[:n].tolist()
 
     def _run(self) -> Tensor:
-        return self.fn(self.weights, *self.caches, *self.static_inputs)
+        return self.fn(self.weights, *self.caches, self.markov_ws, *self.static_inputs)
+
+    _execute = _run  # the step as this runner runs it (CUDAGraphStep: the graph's replay)
 
     def __call__(self, anchor, anchor_pos, slots, seeds, temperature) -> Tensor:
-        """→ packed [n, γ+2] int64 on the device (a fresh tensor, not a view of a static buffer)."""
+        """→ packed [n, γ+2] int64 on the device (a fresh tensor, not a view of a static buffer).
+        n = −1 in every row: the fused Markov kernel failed (see ``step_host``); run it again after
+        ``reset_markov()``."""
         n = self._fill(anchor, anchor_pos, slots, seeds, temperature)
-        return self._run()[:n].clone()
+        return self._execute()[:n].clone()
 
     def step_host(self, anchor, anchor_pos, slots, seeds, temperature) -> list[list[int]]:
         """``__call__`` for host values (sequences of n ints, n floats for the temperatures) → the
-        packed rows as lists of ints, after one device→host copy (the step is finished on return)."""
+        packed rows as lists of ints, after one device→host copy (the step is finished on return).
+
+        Where the fused Markov kernel raised its error flag (a program gave up waiting for the
+        others: not all were resident at once, e.g. another process held SMs), the step's rows
+        say so (n = −1) and its drafts are not valid: the step runs once more on a zeroed
+        workspace. That is exact: the inputs, seeds and cache rows it reads are unchanged, and it
+        writes the same cache positions again. A second failure raises ``MarkovKernelError``."""
         n = self._fill_host(anchor, anchor_pos, slots, seeds, temperature)
-        return self._to_host(self._run(), n)
+        rows = self._to_host(self._execute(), n)
+        if self.markov_ws.numel() and any(r[-2] < 0 for r in rows):
+            self.reset_markov()
+            rows = self._to_host(self._execute(), n)
+            if any(r[-2] < 0 for r in rows):
+                self.reset_markov()
+                raise MarkovKernelError(
+                    f"the fused Markov kernel failed twice in a row at batch bucket {self.bucket}: its programs "
+                    "were not all resident on the GPU at once (is another process using this GPU's SMs?)")
+        return rows
+
+    def reset_markov(self) -> None:
+        """Zero the kept Markov workspace (its error flag too): a zeroed one serves any next call."""
+        self.markov_ws.zero_()
 
 
 class CUDAGraphStep(StaticStep):
@@ -151,7 +184,8 @@ class CUDAGraphStep(StaticStep):
         self.replays = 0
 
     def _pointers(self, weights: bool) -> tuple[int, ...]:
-        ts = list(self.static_inputs) + [t for c in self.caches for t in c] + (self.weights if weights else [])
+        ts = (list(self.static_inputs) + [self.markov_ws] + [t for c in self.caches for t in c]
+              + (self.weights if weights else []))
         return tuple(t.data_ptr() for t in ts)
 
     def check(self, caches: Sequence[Sequence[Tensor]]) -> None:
@@ -172,10 +206,4 @@ class CUDAGraphStep(StaticStep):
         self.replays += 1
         return self.out
 
-    def __call__(self, anchor, anchor_pos, slots, seeds, temperature) -> Tensor:
-        n = self._fill(anchor, anchor_pos, slots, seeds, temperature)
-        return self._replay()[:n].clone()
-
-    def step_host(self, anchor, anchor_pos, slots, seeds, temperature) -> list[list[int]]:
-        n = self._fill_host(anchor, anchor_pos, slots, seeds, temperature)
-        return self._to_host(self._replay(), n)
+    _execute = _replay

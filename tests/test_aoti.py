@@ -67,6 +67,8 @@ def test_build_reports_progress_and_writes_the_manifest(built):
     assert a["linear_kernel"] == "reference"  # F.linear on CPU
     assert a["qkv_epilogue"] is False
     assert a["batch_buckets"] == [MAX_BATCH] and a["cache_slots"] == MAX_BATCH + 1
+    assert a["markov_workspace_words"] == {str(MAX_BATCH): 0}  # the reference loop keeps no workspace
+    assert "markov_workspace" in a["graph_inputs"]["step_draft"]
     assert {g["file"] for g in a["graphs"].values()} == files
     # one layer package for every target layer: it takes one layer's weights
     assert a["graphs"]["step_layer_b3"] == {"file": "step_layer_b3.pt2", "fn": "layer", "batch": 3, "tokens": 6}
@@ -138,10 +140,17 @@ def test_layered_parts_compose_to_the_eager_step_and_prefill(agreeing_pair):
         for anchor_pos, temp in ((8, 0.0), (14, 0.9)):
             x = (torch.tensor([65]), torch.tensor([anchor_pos]), torch.tensor([1]), torch.tensor([9]),
                  torch.tensor([temp]))
-            assert torch.equal(step(weights, *caches_b, *x), a.step(*x, MAX_SEQ))
+            no_ws = torch.empty(0, dtype=torch.int64)  # CPU: the reference Markov loop keeps no workspace
+            assert torch.equal(step(weights, *caches_b, no_ws, *x), a.step(*x, MAX_SEQ))
+        # A workspace whose error flag is up (the fused kernel's; the reference loop ignores the
+        # words): the step's rows say the drafts are not valid, n = −1.
+        flagged = torch.tensor([0, 0, 1, 0, 0, 0], dtype=torch.int64)
+        out = step(weights, *caches_b, flagged, *x)
+        g = b.gamma
+        assert out[:, g].tolist() == [-1] and torch.equal(out[:, :g], a.step(*x, MAX_SEQ)[:, :g])
     for ca, cb in zip((a.target_cache.k, a.target_cache.v, a.draft_cache.k, a.draft_cache.v), caches_b):
         for ta, tb in zip(ca, cb):
-            assert torch.equal(ta, tb)
+            assert torch.equal(ta, tb)  # (the flagged step wrote the positions the eager one did)
 
 
 def test_step_graph_equals_eager_step_and_writes_only_its_slots(engine, eager):
@@ -196,11 +205,12 @@ def test_runner_fills_its_static_inputs_and_padding_rows_alike_from_tensors_and_
 
     seen = []
 
-    def fn(weights, *args):  # the compiled step's signature: weights, 4 caches, 5 per-request inputs
-        seen.append([t.clone() for t in args[4:]])
+    def fn(weights, *args):  # the compiled step's signature: weights, 4 caches, the Markov words, 5 inputs
+        assert args[4].dtype == torch.int64 and args[4].shape == (6,) and not args[4].any()
+        seen.append([t.clone() for t in args[5:]])
         return torch.arange(4 * 9).view(4, 9)
 
-    runner = StaticStep(fn, 4, [], ([], [], [], []), scratch_slot=7, device=torch.device("cpu"))
+    runner = StaticStep(fn, 4, [], ([], [], [], []), scratch_slot=7, device=torch.device("cpu"), markov_words=6)
     full = ([5, 6, 7, 8], [10, 11, 12, 13], [0, 1, 2, 3], [21, 22, 23, 24], [0.5, 1.0, 0.0, 2.0])
     small = ([65, 66], [40, 41], [3, 1], [9, 10], [0.8, 0.0])
     for values in (full, small):
@@ -210,6 +220,7 @@ def test_runner_fills_its_static_inputs_and_padding_rows_alike_from_tensors_and_
         runner(*(torch.tensor(v) for v in values))
         assert all(torch.equal(a, b) for a, b in zip(seen[-1], by_host))
     anchor, pos, slots, seeds, temps = by_host  # the small batch after the full one
+    assert len(seen) == 4  # no step ran twice: the rows' n (column γ) was never −1
     assert anchor.tolist() == [65, 66, 0, 0] and pos.tolist() == [40, 41, 0, 0]
     assert slots.tolist() == [3, 1, 7, 7] and seeds.tolist() == [9, 10, 0, 0]
     assert temps.tolist() == pytest.approx([0.8, 0.0, 0.0, 0.0])
@@ -275,6 +286,21 @@ def test_refuses_an_engine_of_an_older_layout(built, tmp_path, layout):
         load_engine(d)
 
 
+@pytest.mark.parametrize("words", [None, -1, "8", 2.5], ids=["missing", "negative", "string", "float"])
+def test_refuses_a_manifest_without_a_valid_markov_workspace_size(built, tmp_path, words):
+    """The runtime allocates each bucket's kept Markov workspace from the manifest: an entry it
+    cannot use is refused with the bucket named, before any package is loaded."""
+    d = copy_engine(built[0], tmp_path / "e")
+    m = json.loads((d / "manifest.json").read_text())
+    if words is None:
+        del m["aoti"]["markov_workspace_words"]
+    else:
+        m["aoti"]["markov_workspace_words"] = {str(MAX_BATCH): words}
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match=f"markov_workspace_words has no valid entry for batch bucket {MAX_BATCH}"):
+        load_engine(d)
+
+
 def test_refuses_another_compute_capability_or_device_kind(built):
     m = json.loads((built[0] / "manifest.json").read_text())
     cuda_m = dict(m, device={"kind": "cuda", "name": "NVIDIA A100", "compute_capability": [8, 0]})
@@ -333,3 +359,36 @@ def test_auto_plugins_fall_back_to_the_references_when_the_triton_kernels_do_not
     monkeypatch.setattr(aoti, "compile_graphs", always_fails)
     with pytest.raises(RuntimeError, match="compiling prefill failed"):  # an explicit choice never falls back
         aoti.build_aoti(target, draft, tmp_path, device="cpu", max_batch=2, max_seq=64, plugins="inline")
+
+
+def test_runner_runs_a_step_again_when_the_markov_kernel_flags_an_error():
+    """The step's rows carry n = −1 where the fused Markov kernel raised its error flag (its
+    programs were not all resident): ``step_host`` zeroes the kept workspace and runs the step once
+    more (exact: same inputs, same cache positions written); a second failure raises
+    ``MarkovKernelError`` (an ``EngineError``: the serving loop fails that batch's requests)."""
+    from muse_spark.runtime.cuda_graph import MarkovKernelError, StaticStep
+
+    calls = []
+    good = torch.tensor([[5, 6, 1, 9], [7, 8, 2, 3]])  # γ = 2: drafts, n, bonus
+
+    def fn(weights, tk, tv, dk, dv, ws, *inputs):
+        calls.append(ws.clone())
+        failed = bool(ws[2])
+        ws[0] += 1  # the kernel counts its calls; a failing call leaves its flag up
+        return torch.where(torch.tensor([False, False, True, False]), -1, good) if failed else good
+
+    runner = StaticStep(fn, 2, [], ([], [], [], []), scratch_slot=3, device=torch.device("cpu"), markov_words=8)
+    host = ([1, 2], [10, 11], [0, 1], [4, 5], [0.0, 1.0])
+    assert runner.step_host(*host) == good.tolist() and len(calls) == 1
+    runner.markov_ws[2] = 1  # the next call fails
+    assert runner.step_host(*host) == good.tolist()  # run again on a zeroed workspace
+    assert len(calls) == 3 and calls[1][2] == 1 and not calls[2].any()
+
+    def always_failing(weights, tk, tv, dk, dv, ws, *inputs):
+        calls.append(None)
+        return torch.full((2, 4), -1)
+
+    runner.fn = always_failing
+    with pytest.raises(MarkovKernelError, match="failed twice in a row at batch bucket 2"):
+        runner.step_host(*host)
+    assert len(calls) == 5 and not runner.markov_ws.any()

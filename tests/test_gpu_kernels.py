@@ -399,7 +399,7 @@ def test_dispatch_selects_the_triton_ops(tops):
 class _Tiny(torch.nn.Module):
     """A function of both ops, as an engine graph would call them."""
 
-    def forward(self, stream, branch, gate, w, x, wl, U, h, anchor, w1, w2, d2t, seeds, positions, temps):
+    def forward(self, stream, branch, gate, w, x, wl, U, h, anchor, w1, w2, d2t, seeds, positions, temps, ws):
         new, normed = torch.ops.muse_spark.gated_residual_add_triton(stream, branch, gate, w, 1e-6, False, True,
                                                                     torch.bfloat16)
         y = torch.ops.muse_spark.linear_triton(normed, wl, False)
@@ -408,21 +408,27 @@ class _Tiny(torch.nn.Module):
         qk = torch.ops.muse_spark.head_norm_rope_triton(y.view(2, 2, 3, 32), positions[:, None].expand(2, 2), 1e-6,
                                                         5e5, True)
         ids, probs = torch.ops.muse_spark.markov_sample_triton(U, h, anchor, w1, w2, d2t, seeds, positions, temps,
-                                                               "vanilla", None, None, 0)
+                                                               "vanilla", None, None, 0, ws)
         return new, normed, y, act, qk, ids, probs
 
 
-def _tiny_args():
+def _tiny_args(tops):
     g = torch.Generator().manual_seed(5)
     resid = [torch.randn(4, 128, generator=g), torch.randn(4, 128, generator=g).bfloat16(),
              torch.rand(128, generator=g), torch.randn(128, generator=g).bfloat16(),
              torch.randn(8, 128, generator=g).bfloat16(), (0.1 * torch.randn(96, 128, generator=g)).bfloat16()]
-    return [t.to(DEV) for t in resid] + markov_inputs(2, 3, 512, 1024, 32)[:9]
+    markov = markov_inputs(2, 3, 512, 1024, 32)[:9]
+    n_ws = tops.markov_workspace_words(2, 3, 512, 1024, 32, "vanilla", markov[0].device, markov[3].dtype)
+    return [t.to(DEV) for t in resid] + markov + [torch.zeros(n_ws, dtype=torch.int64, device=DEV)]
 
 
 @needs_gpu  # (the interpreter's kernels cannot be traced with fake tensors)
 def test_triton_ops_export_as_ops(tops):
-    args = _tiny_args()
+    """The ops stay ops in an exported graph, and the graph computes what the ops do in eager; the
+    Markov op's kept workspace is mutated in place (the second call, eager, reads the parity the
+    exported one left and gets the same results)."""
+    args = _tiny_args(tops)
+    assert args[-1].numel() > 0
     ep = torch.export.export(_Tiny(), tuple(args))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "muse_spark.gated_residual_add_triton.default" in targets
@@ -431,11 +437,12 @@ def test_triton_ops_export_as_ops(tops):
     assert "muse_spark.head_norm_rope_triton.default" in targets
     for a, b in zip(ep.module()(*args), _Tiny()(*args)):
         assert torch.equal(a, b)
+    assert int(args[-1][0]) > 0 and int(args[-1][2]) == 0  # two calls counted on the kept words; no error flag
 
 
 @needs_gpu
 def test_triton_ops_under_torch_compile(tops):
-    args = _tiny_args()
+    args = _tiny_args(tops)
     eager = _Tiny()(*args)
     compiled = torch.compile(_Tiny(), fullgraph=True)(*args)
     for a, b in zip(compiled, eager):
@@ -445,13 +452,15 @@ def test_triton_ops_under_torch_compile(tops):
 @needs_gpu
 @pytest.mark.slow
 def test_triton_ops_compile_into_an_aoti_package(tops, tmp_path):
-    args = _tiny_args()
+    args = _tiny_args(tops)
     ep = torch.export.export(_Tiny(), tuple(args))
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "tiny.pt2"))
     from muse_spark.runtime.aoti_engine import load_package  # (the runtime's loader: docs/aoti.md)
 
     runner = load_package(path, torch.device(DEV))
-    for a, b in zip(runner(*args), _Tiny()(*args)):
+    got = runner(*args)
+    assert int(args[-1][0]) > 0  # the package counted its call on the caller's workspace, in place
+    for a, b in zip(got, _Tiny()(*args)):
         assert torch.equal(a, b)
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from muse_spark.runtime import EagerEngine, Generator, SamplingParams
+from muse_spark.runtime import EagerEngine, Generator, SamplingParams, load_engine
 
 from conftest import ENGINE_PROMPTS as PROMPTS
 from conftest import cli_generate_ids, run_cli
@@ -25,16 +25,54 @@ def eager(agreeing_pair):
     return EagerEngine.from_checkpoints(*agreeing_pair, device="cuda", max_batch=2, max_seq=MAX_SEQ)
 
 
-def test_engine_with_the_triton_plugin_kernels_equals_eager(agreeing_pair, eager, tmp_path):
-    """The product path: the fused Triton kernels compiled into the packages (no fallback allowed),
-    built by the CLI and run by another process; greedy and sampled output equal the eager engine's."""
-    out = tmp_path / "triton_engine"
+@pytest.fixture(scope="module")
+def built(agreeing_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("triton_engine") / "engine"
     r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
             "--device", "cuda", "--max-batch", 2, "--max-seq", MAX_SEQ, "--plugins", "triton")
     assert r.returncode == 0, r.stderr[-4000:]
+    return out
+
+
+def test_engine_with_the_triton_plugin_kernels_equals_eager(built, eager):
+    """The product path: the fused Triton kernels compiled into the packages (no fallback allowed),
+    built by the CLI and run by another process; greedy and sampled output equal the eager engine's."""
+    out = built
     assert json.loads((out / "manifest.json").read_text())["aoti"]["plugin_impl"] == "triton"
     params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, temperature=0.9, seed=3,
                                                                              ignore_eos=True)]
     for prompt, p in zip(PROMPTS[:2], params):
         ids = cli_generate_ids(out, prompt, 24, temperature=p.temperature, seed=p.seed)
         assert ids == Generator(eager).generate([prompt], [p])[0].output
+
+
+def test_the_markov_workspace_is_kept_per_bucket_and_a_flagged_step_runs_again(built, eager):
+    """Each bucket's runner keeps the Markov kernel's workspace (zeroed once, at load): every step
+    counts its call on it, none zeroes it, and no program gives up. A step whose kernel raised
+    its error flag reports n = −1 and ``step_host`` runs it again on a zeroed workspace: the rows
+    are the ones a clean step gives."""
+    m = json.loads((built / "manifest.json").read_text())["aoti"]
+    engine = load_engine(built)
+    assert set(engine.runners) == {1, 2}
+    for b, runner in engine.runners.items():
+        assert m["markov_workspace_words"][str(b)] == runner.markov_ws.numel() > 0
+        assert int(runner.markov_ws[0]) > 0 and int(runner.markov_ws[2]) == 0  # warm-up calls counted, no flag
+    params = [SamplingParams(max_tokens=16, ignore_eos=True), SamplingParams(max_tokens=16, temperature=0.8, seed=5,
+                                                                             ignore_eos=True)]
+    want = [r.output for r in Generator(eager).generate(PROMPTS[:2], params)]
+    assert [r.output for r in Generator(engine).generate(PROMPTS[:2], params)] == want
+    runner = engine.runners[2]
+    counted = int(runner.markov_ws[0])
+    host = ([65, 66], [40, 41], [0, 1], [9, 10], [0.0, 0.7])
+    kv_len = 41 + engine.gamma + 1
+    clean = engine.step_host(*host, kv_len)
+    assert int(runner.markov_ws[0]) > counted and int(runner.markov_ws[2]) == 0
+    assert all(row[engine.gamma] >= 0 for row in clean)
+    runner.markov_ws[2] = 1  # as a program that gave up would leave it
+    assert engine.step_host(*host, kv_len) == clean  # the flagged step was run again
+    assert int(runner.markov_ws[2]) == 0
+    runner.markov_ws[2] = 1
+    flagged = engine.step(*(torch.tensor(v, device="cuda") for v in host), kv_len)  # the device form reports it
+    assert flagged[:, engine.gamma].tolist() == [-1, -1]
+    runner.reset_markov()
+    assert engine.step_host(*host, kv_len) == clean

@@ -166,13 +166,16 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
         anchor_pos: torch.Tensor,
         seeds: torch.Tensor,
         temperature: torch.Tensor,
+        workspace: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Markov loop → (draft ids in target vocabulary [B, γ], draft probs [B, γ, Vd])."""
+        """The Markov loop → (draft ids in target vocabulary [B, γ], draft probs [B, γ, Vd]).
+        ``workspace``: the fused kernel's kept words for this batch shape (an engine's bucket;
+        ``plugins.dispatch.markov_sample``); None: zeroed per call."""
         mh = self.model.markov_head
         head_w, head_b = mh.head_params()
         return dispatch.markov_sample(
             U, h, anchor, mh.markov_w1.weight, mh.markov_w2.weight, self.d2t, seeds, anchor_pos,
-            temperature, mh.head_type, head_w, head_b, self.cfg.dspark_draft_topk or 0,
+            temperature, mh.head_type, head_w, head_b, self.cfg.dspark_draft_topk or 0, workspace,
         )
 
     def confidence(self, h: torch.Tensor, anchor: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor | None:
@@ -186,7 +189,7 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
             feats = torch.cat([feats, self.model.markov_head.markov_w1.weight[prev].float()], -1)
         return torch.sigmoid(feats @ head.proj.weight.float().T + head.proj.bias.float()).squeeze(-1)
 
-    def propose(self, anchor, anchor_pos, slots, cache, ctx_len, seeds, temperature):
+    def propose(self, anchor, anchor_pos, slots, cache, ctx_len, seeds, temperature, markov_workspace=None):
         h, U = self.block(anchor, anchor_pos, slots, cache, ctx_len)
-        ids, probs = self.markov(h, U, anchor, anchor_pos, seeds, temperature)
+        ids, probs = self.markov(h, U, anchor, anchor_pos, seeds, temperature, markov_workspace)
         return ids, probs, self.confidence(h, anchor, ids)
