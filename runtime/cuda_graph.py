@@ -156,7 +156,8 @@ class StaticStep:
 
     def reset_markov(self) -> None:
         """Zero the kept Markov workspace (its error flag too): a zeroed one serves any next call."""
-        self.markov_ws.zero_()
+        with torch.inference_mode():  # (an engine makes its runners under inference mode)
+            self.markov_ws.zero_()
 
 
 class CUDAGraphStep(StaticStep):

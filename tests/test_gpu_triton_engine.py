@@ -68,10 +68,12 @@ def test_the_markov_workspace_is_kept_per_bucket_and_a_flagged_step_runs_again(b
     clean = engine.step_host(*host, kv_len)
     assert int(runner.markov_ws[0]) > counted and int(runner.markov_ws[2]) == 0
     assert all(row[engine.gamma] >= 0 for row in clean)
-    runner.markov_ws[2] = 1  # as a program that gave up would leave it
+    with torch.inference_mode():  # (the engine's tensors are inference tensors)
+        runner.markov_ws[2] = 1  # as a program that gave up would leave it
     assert engine.step_host(*host, kv_len) == clean  # the flagged step was run again
     assert int(runner.markov_ws[2]) == 0
-    runner.markov_ws[2] = 1
+    with torch.inference_mode():
+        runner.markov_ws[2] = 1
     flagged = engine.step(*(torch.tensor(v, device="cuda") for v in host), kv_len)  # the device form reports it
     assert flagged[:, engine.gamma].tolist() == [-1, -1]
     runner.reset_markov()
