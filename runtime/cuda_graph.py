@@ -64,6 +64,8 @@ class StaticStep:
         self.anchor, self.anchor_pos, self.slots, self.seeds, self.temperature = self.static_inputs
         self.padding = (0, 0, scratch_slot, 0, 0.0)  # padding rows: scratch slot, position 0, greedy
         self.slots.fill_(scratch_slot)
+        self._real_rows = 0  # rows [_real_rows, bucket) hold padding
+        self._views: dict[int, list[Tensor]] = {}  # the inputs' first n rows, by n
         pin = device.type == "cuda"  # a pinned host twin: an asynchronous copy (CUDA only)
         self.host_packed = torch.zeros(self.packed.shape, dtype=torch.int64, pin_memory=pin)
         self.host_arrays = tuple(t.numpy() for t in self._rows(self.host_packed, bucket))  # cheap writes
@@ -82,14 +84,26 @@ class StaticStep:
         n = anchor.shape[0]
         if not 1 <= n <= self.bucket:
             raise ValueError(f"batch of {n} requests does not fit the bucket of {self.bucket}")
-        for name, src, dst in zip(INPUT_NAMES, (anchor, anchor_pos, slots, seeds, temperature), self.static_inputs):
+        srcs = (anchor, anchor_pos, slots, seeds, temperature)
+        for name, src in zip(INPUT_NAMES, srcs):
             if src.shape != (n,):
                 raise ValueError(f"step input {name}: expected shape [{n}], got {list(src.shape)}")
-            dst[:n].copy_(src)  # device→device (or host→device), no sync
-        if n < self.bucket:
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = [t[:n] for t in self.static_inputs]
+        # All five in one call (one multi-tensor launch where dtypes and devices match; per-tensor
+        # copies where they do not), device→device or host→device, no sync: the host work before
+        # the replay is on the step's latency.
+        torch._foreach_copy_(views, srcs)
+        self._pad(n)
+        return n
+
+    def _pad(self, n: int) -> None:
+        """Rows [n, bucket) must be padding: refill the ones an earlier, larger batch wrote."""
+        if n < self._real_rows:
             for dst, fill in zip(self.static_inputs, self.padding):
                 dst[n:].fill_(fill)
-        return n
+        self._real_rows = n
 
     def _fill_host(self, anchor, anchor_pos, slots, seeds, temperature) -> int:
         """Host values (sequences of ints / floats, or CPU tensors) → the static buffers, padding rows
@@ -108,6 +122,7 @@ class StaticStep:
             arr[:n] = values
             arr[n:] = fill
         self.packed.copy_(self.host_packed, non_blocking=True)  # all five inputs, one copy
+        self._real_rows = n  # (the padding rows were written too)
         if self.copied_in is not None:
             self.copied_in.record(torch.cuda.current_stream(self.device))
         return n
@@ -185,9 +200,10 @@ class CUDAGraphStep(StaticStep):
         self.replays = 0
 
     def _pointers(self, weights: bool) -> tuple[int, ...]:
-        ts = (list(self.static_inputs) + [self.markov_ws] + [t for c in self.caches for t in c]
-              + (self.weights if weights else []))
-        return tuple(t.data_ptr() for t in ts)
+        if not hasattr(self, "_watched"):  # what a replay reads and writes, weights last
+            self._watched = list(self.static_inputs) + [self.markov_ws] + [t for c in self.caches for t in c]
+            self._watched_all = self._watched + self.weights
+        return tuple(map(Tensor.data_ptr, self._watched_all if weights else self._watched))
 
     def check(self, caches: Sequence[Sequence[Tensor]]) -> None:
         """Assert that ``caches`` (the engine's) are the ones this graph was captured with."""

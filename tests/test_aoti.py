@@ -224,6 +224,13 @@ def test_runner_fills_its_static_inputs_and_padding_rows_alike_from_tensors_and_
     assert anchor.tolist() == [65, 66, 0, 0] and pos.tolist() == [40, 41, 0, 0]
     assert slots.tolist() == [3, 1, 7, 7] and seeds.tolist() == [9, 10, 0, 0]
     assert temps.tolist() == pytest.approx([0.8, 0.0, 0.0, 0.0])
+    # and through __call__ alone: full, small (its padding rows refilled), small again, one row
+    for values in (full, small, small, ([3], [4], [2], [5], [1.5])):
+        runner(*(torch.tensor(v) for v in values))
+        n = len(values[0])
+        for got, want, pad in zip(seen[-1], values, runner.padding):
+            assert got.tolist() == pytest.approx(list(want) + [pad] * (4 - n))
+    assert len(seen) == 8
     with pytest.raises(ValueError, match="does not fit the bucket of 4"):
         runner.step_host([1] * 5, [1] * 5, [1] * 5, [1] * 5, [0.0] * 5)
 

@@ -1104,6 +1104,29 @@ def test_head_norm_rope_kernel_compiles_for_hopper_with_the_exact_math():
     assert k.asm["cubin"] and "cos.approx" not in k.asm["ptx"]
 
 
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("norm_branch", [False, True], ids=["one_norm", "branch_norm_too"])
+def test_gated_residual_kernel_issues_every_load_before_its_first_reduction(norm_branch):
+    """Compiled for sm_90 (the 8B row, 8 warps): every global load, the norms' weights included, comes
+    before the first rsqrt, so no trip to memory waits on a reduction (the GEMMs between two calls
+    evict the norm weights from L2: each late load was a trip to HBM on the row's critical path)."""
+    import re
+
+    from muse_spark.plugins.gated_residual.triton_kernel import _gated_residual_norm_kernel
+
+    sig = {"stream_ptr": "*fp32", "branch_ptr": "*bf16", "gate_ptr": "*fp32", "weight_ptr": "*bf16",
+           "bweight_ptr": "*bf16", "new_ptr": "*fp32", "out_ptr": "*bf16", "D": "i32"}
+    consts = dict(EPS=1e-6, HAS_WEIGHT=True, ZERO_CENTERED=False, APPLY_NORM=True, BLOCK_D=4096,
+                  NORM_BRANCH=norm_branch, HAS_BRANCH_WEIGHT=norm_branch)
+    ptx = compile_for_hopper(_gated_residual_norm_kernel, sig, consts, 8, multiples_of_16=("D",)).asm["ptx"]
+    lines = ptx.splitlines()
+    loads = [i for i, line in enumerate(lines) if re.search(r"\bld\.global", line)]
+    rsqrts = [i for i, line in enumerate(lines) if "rsqrt" in line and not line.lstrip().startswith("//")]
+    assert len(rsqrts) == (2 if norm_branch else 1)
+    # stream, branch, gate, the norm weight(s): 4-byte rows of 4096 in v4 loads of 8 warps
+    assert len(loads) == (14 if norm_branch else 12) and max(loads) < min(rsqrts)
+
+
 # ---- the skinny linear layer ---------------------------------------------------------------------
 
 LINEAR_SHAPES = {  # (M rows of x, N outputs, K)

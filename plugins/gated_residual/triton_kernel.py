@@ -41,12 +41,12 @@ from muse_spark.plugins.triton_math import add_rn, mul_rn, pdl_enter, to_rne
 
 
 @triton.jit
-def _rms_norm(x, weight_ptr, cols, mask, D, EPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """plugins/norm.rms_norm of one fp32 row (zeros past D) -> fp32, before the cast."""
+def _rms_norm(x, w, D, EPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """plugins/norm.rms_norm of one fp32 row (zeros past D) with its weight row ``w`` (fp32,
+    loaded by the caller) -> fp32, before the cast."""
     ms = tl.sum(x * x, axis=0) / D
     y = x * tl.rsqrt(ms + EPS)
     if HAS_WEIGHT:
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             y = y * (1.0 + w)
         else:
@@ -81,15 +81,25 @@ def _gated_residual_norm_kernel(
     s = tl.load(stream_ptr + base + cols, mask=mask, other=0.0)
     b = tl.load(branch_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + cols, mask=mask, other=0.0)
+    # Every load first: the norms' weights too, so that no memory round trip waits on a reduction
+    # (the GEMMs between two calls evict them from L2; issued after each rsqrt, as the compiler
+    # placed them when the norm loaded its own weight, they were two more trips to HBM per row).
+    if NORM_BRANCH and HAS_BRANCH_WEIGHT:
+        wb = tl.load(bweight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        wb = g  # (unused)
+    if APPLY_NORM and HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        w = g  # (unused)
     if NORM_BRANCH:  # the branch's own norm, rounded to the branch's dtype (reference.py)
-        b = to_rne(_rms_norm(b, bweight_ptr, cols, mask, D, EPS, HAS_BRANCH_WEIGHT, ZERO_CENTERED),
-                   branch_ptr.dtype.element_ty).to(tl.float32)
+        b = to_rne(_rms_norm(b, wb, D, EPS, HAS_BRANCH_WEIGHT, ZERO_CENTERED), branch_ptr.dtype.element_ty).to(tl.float32)
     new = add_rn(s, mul_rn(g, b))  # stream + (g * branch): two roundings, as in torch
     tl.store(new_ptr + base + cols, new, mask=mask)  # write D*4 B
     if APPLY_NORM:
         # The norm reads the stream rounded to the compute dtype (reference.py).
         x = to_rne(new, out_ptr.dtype.element_ty).to(tl.float32)
-        y = _rms_norm(x, weight_ptr, cols, mask, D, EPS, HAS_WEIGHT, ZERO_CENTERED)
+        y = _rms_norm(x, w, D, EPS, HAS_WEIGHT, ZERO_CENTERED)
         tl.store(out_ptr + base + cols, to_rne(y, out_ptr.dtype.element_ty), mask=mask)  # write D*s B
 
 
