@@ -31,10 +31,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from muse_spark.runtime.engine import EngineError
+from muse_spark.runtime.engine import INPUT_NAMES, EngineError, host_step_inputs
 
 Tensor = torch.Tensor
-INPUT_NAMES = ("anchor", "anchor_pos", "slots", "seeds", "temperature")  # the step's per-request inputs
 
 
 class MarkovKernelError(EngineError):
@@ -112,10 +111,7 @@ class StaticStep:
         n = len(anchor)
         if not 1 <= n <= self.bucket:
             raise ValueError(f"batch of {n} requests does not fit the bucket of {self.bucket}")
-        inputs = (anchor, anchor_pos, slots, seeds, temperature)
-        for name, values in zip(INPUT_NAMES, inputs):
-            if len(values) != n:
-                raise ValueError(f"step input {name}: expected {n} values, got {len(values)}")
+        inputs = host_step_inputs(anchor, anchor_pos, slots, seeds, temperature)
         if self.copied_in is not None:
             self.copied_in.synchronize()  # the previous step's copy has read the pinned twin
         for values, arr, fill in zip(inputs, self.host_arrays, self.padding):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -56,6 +57,25 @@ def read_manifest(engine_dir: str | Path) -> dict:
         if key not in m:
             raise EngineError(f"{path}: manifest lacks {key!r}")
     return m
+
+
+INPUT_NAMES = ("anchor", "anchor_pos", "slots", "seeds", "temperature")  # a step's per-request inputs
+
+
+def host_step_inputs(anchor, anchor_pos, slots, seeds, temperature) -> tuple[np.ndarray, ...]:
+    """A step's per-request host values (sequences of n values, or CPU tensors) as arrays, checked:
+    n of each, integers for the four int64 inputs and numbers for the temperatures. A value the
+    int64 rows would truncate or wrap (1.5, 2**70, "3") is refused, not rounded."""
+    arrays = tuple(np.asarray(v) for v in (anchor, anchor_pos, slots, seeds, temperature))
+    n = arrays[0].size
+    for name, values in zip(INPUT_NAMES, arrays):
+        if values.shape != (n,):
+            raise ValueError(f"step input {name}: expected {n} values, got {values.size}")
+        if values.dtype.kind not in ("iuf" if name == "temperature" else "iu") or (
+                values.dtype.kind == "u" and values.size and int(values.max()) >= 2**63):
+            raise ValueError(f"step input {name}: expected {'numbers' if name == 'temperature' else 'integers'}, "
+                             f"got {values.dtype} values")
+    return arrays
 
 
 def verify_files(engine_dir: str | Path, manifest: dict) -> None:
@@ -216,8 +236,9 @@ class EagerEngine:
         """``step`` for host values (sequences of n ints; n floats for the temperatures) → the packed
         rows as lists of ints: the serving loop's form. Two host→device copies, one back."""
         dev = self.device
-        ints = torch.tensor([list(anchor), list(anchor_pos), list(slots), list(seeds)], dtype=torch.int64).to(dev)
-        temps = torch.tensor(list(temperature), dtype=torch.float32).to(dev)
+        *ints, temps = host_step_inputs(anchor, anchor_pos, slots, seeds, temperature)
+        ints = torch.from_numpy(np.stack(ints).astype(np.int64)).to(dev)
+        temps = torch.from_numpy(temps.astype(np.float32)).to(dev)
         return self.step(*ints.unbind(0), temps, kv_len).cpu().tolist()
 
     # ---- target-only decoding (the reference the speculative output must equal) ---------

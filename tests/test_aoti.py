@@ -194,6 +194,12 @@ def test_step_host_gives_the_steps_rows(engine, eager):
         assert eager.step_host(*lists, kv_len) == want
     with pytest.raises(ValueError, match="step input seeds: expected 1 values, got 2"):
         engine.step_host([65], [40], [0], [7, 8], [0.0], 50)
+    # a value the int64 rows would truncate (or wrap) is refused, not rounded
+    for bad, name in (([65.5], "anchor"), ([2**70], "anchor"), ([2**63], "anchor"), (["3"], "anchor")):
+        with pytest.raises(ValueError, match=f"step input {name}: expected integers"):
+            engine.step_host(bad, [40], [0], [7], [0.0], 50)
+    with pytest.raises(ValueError, match="step input temperature: expected numbers"):
+        engine.step_host([65], [40], [0], [7], ["hot"], 50)
 
 
 def test_runner_fills_its_static_inputs_and_padding_rows_alike_from_tensors_and_host_values():

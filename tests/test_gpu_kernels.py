@@ -531,6 +531,28 @@ def test_attention_kernel_reads_cache_rows_in_place(tops, shape):
 
 
 @needs_kernels
+@pytest.mark.parametrize("bad_slot", [-1, 5, 2**40], ids=["negative", "past_the_rows", "huge"])
+def test_attention_slot_outside_the_caches_reads_nothing(tops, bad_slot):
+    """A slot outside the caches' rows (a caller's bug) reads no memory: that request's rows are
+    zeros, as for a query that sees no key, and the other requests' rows are the bits they have
+    with valid slots (no out-of-bounds read takes the GPU down), in both mask forms."""
+    from test_models import attention_case
+
+    B, S, H, KV, dh, T = ATTN_SHAPES["step"]
+    q, k, v, mask = attention_case(torch.bfloat16, DEV, B=B, S=S, H=H, KV=KV, dh=dh, T=T)
+    kc, vc, slots = cache_with_slots(k, v)  # B + 2 rows
+    assert not 0 <= bad_slot < kc.shape[0]
+    bad = slots.clone()
+    bad[1] = bad_slot
+    kb = bounds_of(mask)
+    for m in (mask, kb):
+        want = tops.attention(q, kc, vc, m, slots)
+        got = tops.attention(q, kc, vc, m, bad)
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2:], want[2:])
+
+
+@needs_kernels
 def test_attention_bits_do_not_depend_on_batch_queries_or_masked_tail(tops):
     """A row's output is the same bits whatever else is in the call: other requests, other queries
     (a padded prefill chunk), or masked keys past the last visible one (a longer window). This is
@@ -748,8 +770,8 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
 
     cfg = ak.DEFAULT_CONFIG
     names = ["q_ptr", "k_ptr", "v_ptr", "mask_ptr", "slot_ptr", "po_ptr", "pm_ptr", "pl_ptr", "S", "T", "M", "KV",
-             "NSPLIT", "sq_b", "sq_s", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h", "sm_b", "sm_s"]
-    types = ["*bf16", "*bf16", "*bf16", "*i1", "*i64", "*fp32", "*fp32", "*fp32"] + ["i32"] * 16
+             "NSPLIT", "N_ROWS", "sq_b", "sq_s", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h", "sm_b", "sm_s"]
+    types = ["*bf16", "*bf16", "*bf16", "*i1", "*i64", "*fp32", "*fp32", "*fp32"] + ["i32"] * 17
     partials = [compile_for_hopper(ak._partial_kernel, dict(zip(names, types)), dict(
         SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], SPLIT_T=cfg["SPLIT_T"],
         IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=early), cfg["num_warps"]) for early in (True, False)]
@@ -1291,8 +1313,8 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
     from muse_spark.plugins.linear import triton_kernel as lk
 
     names = ["q_ptr", "k_ptr", "v_ptr", "mask_ptr", "slot_ptr", "po_ptr", "pm_ptr", "pl_ptr", "S", "T", "M", "KV",
-             "NSPLIT", "sq_b", "sq_s", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h", "sm_b", "sm_s"]
-    types = ["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*fp32", "*fp32", "*fp32"] + ["i32"] * 16
+             "NSPLIT", "N_ROWS", "sq_b", "sq_s", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h", "sm_b", "sm_s"]
+    types = ["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*fp32", "*fp32", "*fp32"] + ["i32"] * 17
     cfg = ak.DEFAULT_CONFIG
     attn = dict(SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
                 SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=True, BOUNDS=True)

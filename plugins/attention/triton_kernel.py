@@ -103,7 +103,7 @@ def _partial_kernel(
     # with BOUNDS last [B, S] int64 (key t visible to query (b, s) iff t ≤ last[b, s])
     slot_ptr,  # [B] int64: the row of k/v request b reads (when HAS_SLOTS; else row b)
     po_ptr, pm_ptr, pl_ptr,  # partials: acc [B*KV, NSPLIT, M, Dh] fp32, max and sum [B*KV, NSPLIT, M] fp32
-    S, T, M, KV, NSPLIT,
+    S, T, M, KV, NSPLIT, N_ROWS,  # N_ROWS: k/v's rows (a slot outside [0, N_ROWS) reads nothing)
     sq_b, sq_s, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sm_b, sm_s,
     SCALE: tl.constexpr,  # constexpr: Inductor passes a float argument as fp64, which made the scores fp64
     REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr,
@@ -117,6 +117,8 @@ def _partial_kernel(
     kvh = bk % KV
     if HAS_SLOTS:  # read the cache row in place: no gathered copy of the window
         kv_row = tl.load(slot_ptr + b).to(tl.int64)
+        row_ok = (kv_row >= 0) & (kv_row < N_ROWS)  # a slot outside the caches: no key is read, zeros out
+        kv_row = tl.where(row_ok, kv_row, 0)
     else:
         kv_row = b.to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # row = j·S + s: query head kvh·REP + j, position s
@@ -144,6 +146,8 @@ def _partial_kernel(
                        mask=rmask[:, None] & (ts < t_end)[None, :], other=0) != 0
         split_seen = tl.max(tl.max(seen.to(tl.int32), axis=1), axis=0) > 0
         t_end = tl.where(split_seen, t_end, t_begin)  # nobody sees the split: no tile
+    if HAS_SLOTS:
+        t_end = tl.where(row_ok, t_end, t_begin)
     for t0 in range(t_begin, t_end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < t_end
@@ -223,7 +227,8 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     mask in bounds form: ``mask`` is ``last`` [B, S] int64 and key t < T is visible to query (b, s)
     iff t ≤ last[b, s] (``models.layers.KeyBounds``; the same bits as its dense mask). k/v: [B, ≥ T, KV, Dh], or
     with ``slots`` ([B] int64) whole caches [N, ≥ T, KV, Dh] of which request b reads row
-    ``slots[b]`` in place (the caller keeps slots in range); only the first T positions are read.
+    ``slots[b]`` in place (a slot outside [0, N) reads nothing: that request's rows are zeros, as
+    for a query that sees no key); only the first T positions are read.
     Any strides (the last dim is made contiguous if it is not). Dh a power of two in [16, 256] and
     KV dividing H (``models.layers.triton_attention_fits``). ``wrap`` is
     ``torch.library.wrap_triton`` inside the op; ``config`` overrides ``DEFAULT_CONFIG`` (the
@@ -254,7 +259,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     pm = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
     pl = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
     wrap(_partial_kernel)[(triton.cdiv(M, cfg["BLOCK_M"]), nsplit, B * KV)](
-        q, k, v, m8, slots if slots is not None else m8, po, pm, pl, S, T, M, KV, nsplit,
+        q, k, v, m8, slots if slots is not None else m8, po, pm, pl, S, T, M, KV, nsplit, k.shape[0],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
         SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
