@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Diagnose the fused Markov kernel on a GPU: shapes x launch configurations, each against the reference.
 
-    python scripts/markov_diag.py [--spin-limit 65536] [--calls 3]
+    python scripts/markov_diag.py [--spin-limit 65536] [--calls 3] [--probs] [--poison]
 
 For every case (batch, γ, draft vocab, target vocab, rank) and launch configuration it runs
 ``launch_markov_sample(check=True)`` on exact-arithmetic inputs (``make_inputs(exact=True)``:
@@ -10,6 +10,12 @@ bit for bit), and prints one line: ``ok``, the rows whose tokens differ (with th
 differing step's keys), or the step words that were never written when a program gave up polling. It
 is how the batch-16 defect (docs/benchmarks.md, "The Markov kernel defect") was narrowed down;
 a small ``--spin-limit`` makes a lost word cost milliseconds instead of a minute.
+
+``--probs`` also compares the draft probabilities with the reference's (the tests' tolerance),
+and ``--poison`` fills the kernel's softmax partials and probability buffer with NaN before each
+call: the tenth session saw, once, ids equal to the reference's with 2499 of 15000 probabilities
+off at B=3, Vd=1000 under ``1-request-blocks`` (docs/benchmarks.md), which points at a partial
+read before it was written; poisoned, such a read shows as NaN instead of the last call's value.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 CASES = [  # (B, gamma, Vd, V, r)
     (8, 7, 4096, 8192, 64), (9, 7, 4096, 8192, 64), (12, 7, 4096, 8192, 64), (13, 7, 4096, 8192, 64),
     (16, 7, 4096, 8192, 64), (16, 7, 32768, 131072, 256), (32, 7, 32768, 131072, 256),
+    (3, 5, 1000, 3001, 24), (1, 7, 32768, 131072, 256),  # the tenth session's failure; the batch-1 default
 ]
 CONFIGS = {  # name -> (config overrides, fp32 weights)
     "default": ({}, False),
@@ -31,6 +38,7 @@ CONFIGS = {  # name -> (config overrides, fp32 weights)
     "128-columns": ({"BLOCK_V": 128}, False),
     "512-columns": ({"BLOCK_V": 512}, False),
     "fp32-weights": ({}, True),
+    "1-request-blocks": ({"BLOCK_B": 1, "BLOCK_V": 128, "RESIDENT": False}, False),
 }
 
 
@@ -67,6 +75,8 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=3, help="seeds per case and configuration")
     p.add_argument("--cases", default=None, help="indices into CASES, comma-separated (default: all)")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--probs", action="store_true", help="compare the probabilities too (the tests' tolerance)")
+    p.add_argument("--poison", action="store_true", help="NaN in the partials and probabilities before each call")
     a = p.parse_args()
     from muse_spark.plugins.markov.reference import markov_sample_ref
     from muse_spark.plugins.markov.triton_kernel import launch_markov_sample
@@ -81,12 +91,12 @@ def main() -> int:
             t0, verdicts = time.perf_counter(), []
             for c in range(a.calls):
                 args = inputs(*case, seed=100 + c, device=dev)
-                ref_ids = markov_sample_ref(*args)[0]
+                ref_ids, ref_probs = markov_sample_ref(*args)
                 if fp32:
                     args[3], args[4] = args[3].float(), args[4].float()
                 try:
-                    ids, _ = launch_markov_sample(args[0], *args[2:9], config=over or None, check=True,
-                                                  spin_limit=a.spin_limit, interpret=not cuda)
+                    ids, probs = launch_markov_sample(args[0], *args[2:9], config=over or None, check=True,
+                                                      spin_limit=a.spin_limit, interpret=not cuda, poison=a.poison)
                 except Exception as e:  # the error flag (RuntimeError), or a configuration that does not fit
                     verdicts.append(f"seed {c}: {type(e).__name__}: {e}")
                     continue
@@ -94,6 +104,12 @@ def main() -> int:
                 if bad.any():
                     verdicts.append(f"seed {c}: {int(bad.sum())} of {case[0]} rows differ; "
                                     + first_difference(args, ids, ref_ids))
+                elif a.probs:
+                    off = ~torch.isclose(probs, ref_probs, rtol=1e-5, atol=1e-6)  # tests/tolerances.py "probs"
+                    if off.any():
+                        rows = off.any(-1).nonzero().tolist()
+                        verdicts.append(f"seed {c}: ids equal, {int(off.sum())} probabilities off (NaN: "
+                                        f"{int(probs.isnan().sum())}) in (request, step) {rows[:8]}")
             dt = time.perf_counter() - t0
             print(f"B={case[0]} γ={case[1]} Vd={case[2]} V={case[3]} r={case[4]} {name:>20}: "
                   + ("ok" if not verdicts else " | ".join(verdicts)) + f"  ({dt:.1f}s)", flush=True)

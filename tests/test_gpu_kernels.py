@@ -254,6 +254,23 @@ def test_markov_kept_workspace_gives_the_same_results_call_after_call(kern, B, g
 
 
 @needs_kernels
+@pytest.mark.parametrize("config", [None, dict(BLOCK_B=1, BLOCK_V=128, RESIDENT=False)], ids=str)
+def test_markov_reads_no_partial_before_writing_it(kern, config):
+    """With its softmax partials and probability buffer filled with NaN before the launch
+    (``poison``, the diagnosis of scripts/markov_diag.py --poison), every call gives the same ids and
+    probabilities as the reference: nothing is read before it is written."""
+    B, gamma, Vd, V, r = 3, 5, 1000, 3001, 24
+    for c in range(4 if ON_GPU else 1):
+        args = markov_inputs(B, gamma, Vd, V, r, seed=4033 + c)
+        U, _h, anchor, w1, w2, d2t, seeds, positions, temps = args[:9]
+        ids, probs = kern.launch_markov_sample(U, anchor, w1, w2, d2t, seeds, positions, temps, config=config,
+                                               interpret=INTERPRETED, check=True, poison=True)
+        ref_ids, ref_probs = markov_sample_ref(*args)
+        assert torch.equal(ids, ref_ids) and not probs.isnan().any()
+        torch.testing.assert_close(probs, ref_probs, **TOL["probs"])
+
+
+@needs_kernels
 def test_markov_production_shape_random_weights(tops):
     """Vd = 32768, r = 256, V = 131072 with random bf16 weights: tokens flip only at rounding ties."""
     B, gamma, Vd, V, r = (8, 7, 32768, 131072, 256) if BIG else (4, 3, 2048, 4096, 32)

@@ -492,6 +492,7 @@ def launch_markov_sample(
     check: bool = False,
     spin_limit: int = SPIN_LIMIT,
     workspace: torch.Tensor | None = None,
+    poison: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vanilla-head Markov loop → (ids [B, γ] int64 target vocabulary, probs [B, γ, Vd] fp32).
 
@@ -503,6 +504,9 @@ def launch_markov_sample(
     before a program gives up (diagnosis runs use a small one). ``workspace``: int64
     [≥ ``workspace_words(...)``], zeroed once and then kept by the caller for calls of this one
     shape (an engine's batch bucket), so that no call zeroes it again; None: a zeroed one per call.
+    ``poison`` (diagnosis: ``scripts/markov_diag.py --poison``): fill the softmax partials and the
+    probabilities with NaN (the partials' ints with −7) before the launch, so that a read of any of
+    them before its write shows in the results instead of reading the last call's values.
     """
     B, gamma, Vd = base_logits.shape
     rank = w1.shape[1]
@@ -546,6 +550,10 @@ def launch_markov_sample(
         words = workspace
     pf = torch.empty((2, B, gamma, ns), dtype=torch.float32, device=dev)
     pi = torch.empty((2, B, gamma, ns), dtype=torch.int32, device=dev)
+    if poison:
+        pf.fill_(float("nan"))
+        pi.fill_(-7)
+        probs.fill_(float("nan"))
     rank_p2 = triton.next_power_of_2(max(rank, 2))
     block_r = min(rank_p2, 32) if block_b == 1 else min(max(rank_p2, 16), 64)
     if mma:
