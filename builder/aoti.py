@@ -330,16 +330,16 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
     configs = inductor_configs(device, fast_compile)
     cache_dtype = str(target.dtype).removeprefix("torch.")
 
-    def compile_with(impl: str) -> list[dict]:
+    def compile_with(impl: str) -> tuple[list[dict], dict[int, int]]:
+        words = markov_workspaces(impl, device, draft, target.cfg.vocab_size, buckets)
         job_list = graph_jobs(target.cfg, draft.cfg, wspecs, device=device, max_seq=max_seq,
                               cache_slots=max_batch + 1, buckets=buckets, prefill_chunk=chunk, impl=impl,
-                              cache_dtype=cache_dtype, configs=configs, out_dir=out_dir,
-                              markov_words=markov_workspaces(impl, device, draft, target.cfg.vocab_size, buckets))
-        return compile_graphs(job_list, jobs, log)
+                              cache_dtype=cache_dtype, configs=configs, out_dir=out_dir, markov_words=words)
+        return compile_graphs(job_list, jobs, log), words
 
     fallback = None
     try:
-        results = compile_with(impl)
+        results, words = compile_with(impl)
     except RuntimeError as e:
         if not (plugins == "auto" and impl == "triton"):
             raise
@@ -349,7 +349,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         log(f"the Triton plugin kernels failed to compile into the package ({fallback}); "
             f"rebuilding with the reference plugins (plugin_impl 'inline')")
         impl = "inline"
-        results = compile_with(impl)
+        results, words = compile_with(impl)
     graphs = {r["name"]: {"file": r["file"], "fn": r["fn"], "batch": r["batch"], "tokens": r["tokens"]}
               for r in results}
     return {
@@ -364,8 +364,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "batch_buckets": buckets,
         # The fused Markov kernel's kept workspace per bucket: int64 words the runtime zeroes once
         # (the step_draft package's markov_workspace input; 0: the reference loop, an empty tensor)
-        "markov_workspace_words": {str(b): n for b, n in markov_workspaces(impl, device, draft, target.cfg.vocab_size,
-                                                                         buckets).items()},
+        "markov_workspace_words": {str(b): n for b, n in words.items()},
         "prefill_chunk": chunk,
         # Caches have one slot more than max_batch: padded batch rows read and write it.
         "cache_slots": max_batch + 1,

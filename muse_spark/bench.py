@@ -506,7 +506,7 @@ class Bench:
         import torch
 
         from muse_spark.runtime.aoti_engine import load_step
-        from muse_spark.runtime.aoti_graphs import SpecPair, weight_names, weight_tensors
+        from muse_spark.runtime.aoti_graphs import MARKOV_ERROR_WORD, SpecPair, weight_names, weight_tensors
         from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
 
         a, dev, sec = self.a, self.device, self.result["sections"]
@@ -548,7 +548,7 @@ class Bench:
                 sec.setdefault("aoti_step_host", {})[b] = time_fn(lambda: runner.step_host(*host), dev, a.iters)
                 sec.setdefault("aoti_step_host_equals_step", {})[b] = runner.step_host(*host) == runner(*x).tolist()
                 if runner.markov_ws.numel():  # after every timed step: no Markov program gave up waiting
-                    sec.setdefault("aoti_markov_error_flag", {})[b] = int(runner.markov_ws[2])
+                    sec.setdefault("aoti_markov_error_flag", {})[b] = int(runner.markov_ws[MARKOV_ERROR_WORD])
                 self.log(f"aoti B={b}: {sec['aoti'][b]['median_ms']:.2f} ms (greedy step equals eager: {same}); "
                          f"serving form: lists → device tensors → step → .cpu() "
                          f"{sec['aoti_serving_lists'][b]['median_ms']:.2f} ms, step_host "
@@ -577,6 +577,7 @@ class Bench:
 
         from muse_spark.plugins import dispatch
         from muse_spark.plugins.dispatch import plugin_impl
+        from muse_spark.runtime.aoti_graphs import MARKOV_ERROR_WORD
 
         a, dev, sec = self.a, self.device, self.result["sections"]
         c = draft.cfg
@@ -627,7 +628,7 @@ class Bench:
                             us, how = time_in_graph([fn], reps=16)
                             row[label] = {"median_ms": us / 1e3, "how": how, "calls_per_replay": 16}
                             if kept:  # the kernel's error flag: no program gave up waiting for the others
-                                row[label]["error_flag"] = int(ws[2])
+                                row[label]["error_flag"] = int(ws[MARKOV_ERROR_WORD])
                         else:
                             row[label] = time_fn(fn, dev, a.iters)
                 except Exception as e:

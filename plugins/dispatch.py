@@ -63,7 +63,7 @@ def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, ap
 def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w,
                   head_b, topk, workspace=None):
     """``workspace``: the Triton kernel's kept int64 words (``triton_ops.markov_workspace_words``);
-    None: zeroed per call. The references do not use it."""
+    None or empty: zeroed per call. The references do not use it."""
     impl = _current["impl"]
     args = (base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w, head_b, topk)
     if impl == "inline":

@@ -300,7 +300,7 @@ def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, ap
 
 def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w,
                   head_b, topk, workspace=None):
-    """``markov_sample_ref``'s signature and the kept workspace (None: zeroed per call); runs
+    """``markov_sample_ref``'s signature and the kept workspace (None or empty: zeroed per call); runs
     ``muse_spark::markov_sample_triton``."""
     if workspace is None:
         workspace = torch.empty(0, dtype=torch.int64, device=base_logits.device)

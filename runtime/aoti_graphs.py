@@ -79,7 +79,7 @@ class SpecPair(nn.Module):
         g = self.draft.cfg.block_size
         dcache = KVCache(list(dk), list(dv))
         ids, probs, _conf = self.draft.propose(anchor, anchor_pos, slots, dcache, dk[0].shape[1], seeds, temperature,
-                                               markov_ws if markov_ws.numel() else None)
+                                               markov_ws)
         tokens = torch.cat([anchor[:, None], ids], 1)  # [B, γ+1]
         positions = anchor_pos[:, None] + torch.arange(g + 1, device=anchor.device)
         stream = self.target.embed_stream(tokens)

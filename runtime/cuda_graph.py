@@ -176,6 +176,9 @@ class CUDAGraphStep(StaticStep):
 
     def __init__(self, *args, pool=None, warmup: int = 2, **kw):
         super().__init__(*args, **kw)
+        # What a replay reads and writes (its pointers are checked on every replay), weights last.
+        self._watched = list(self.static_inputs) + [self.markov_ws] + [t for c in self.caches for t in c]
+        self._watched_all = self._watched + self.weights
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         self.graph = torch.cuda.CUDAGraph()
@@ -196,9 +199,6 @@ class CUDAGraphStep(StaticStep):
         self.replays = 0
 
     def _pointers(self, weights: bool) -> tuple[int, ...]:
-        if not hasattr(self, "_watched"):  # what a replay reads and writes, weights last
-            self._watched = list(self.static_inputs) + [self.markov_ws] + [t for c in self.caches for t in c]
-            self._watched_all = self._watched + self.weights
         return tuple(map(Tensor.data_ptr, self._watched_all if weights else self._watched))
 
     def check(self, caches: Sequence[Sequence[Tensor]]) -> None:

@@ -170,7 +170,7 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The Markov loop → (draft ids in target vocabulary [B, γ], draft probs [B, γ, Vd]).
         ``workspace``: the fused kernel's kept words for this batch shape (an engine's bucket;
-        ``plugins.dispatch.markov_sample``); None: zeroed per call."""
+        ``plugins.dispatch.markov_sample``); None or empty: zeroed per call."""
         mh = self.model.markov_head
         head_w, head_b = mh.head_params()
         return dispatch.markov_sample(

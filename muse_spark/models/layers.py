@@ -80,6 +80,10 @@ class CacheKV(NamedTuple):
         rows = self.slots[:, None]
         self.k_cache[rows, self.positions] = k_new
         self.v_cache[rows, self.positions] = v_new
+        return self.attended()
+
+    def attended(self):
+        """What the attention reads once the layer's K/V are in the caches: (keys, values, mask, slots)."""
         return self.k_cache, self.v_cache, self.mask, self.slots
 
 
@@ -408,7 +412,7 @@ class Attention(nn.Module):
         if self.fuses_qkv(x, kv, positions):  # projection, q/k norm, RoPE and cache write: one kernel
             q = torch.ops.muse_spark.linear_qkv_cache_triton(x, self.qkv_proj.weight, positions, kv.slots, kv.k_cache,
                                                              kv.v_cache, c.rms_norm_eps, c.rope_theta, c.use_rope, H)
-            keys, values, mask, slots = kv.k_cache, kv.v_cache, kv.mask, kv.slots
+            keys, values, mask, slots = kv.attended()
         else:
             qkv = linear(x, self.qkv_proj.weight)
             qs, kvs = c.q_size, c.kv_size
@@ -418,7 +422,7 @@ class Attention(nn.Module):
             if self.writes_cache(qk, kv, positions):  # the norm kernel stores k and v into the caches
                 q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, c.rms_norm_eps, c.rope_theta,
                                                                      c.use_rope, kv.k_cache, kv.v_cache, kv.slots)
-                keys, values, mask, slots = kv.k_cache, kv.v_cache, kv.mask, kv.slots
+                keys, values, mask, slots = kv.attended()
             else:
                 qk = self.normalize_heads(qk, positions)
                 keys, values, mask, slots = kv(qk[:, :, H:], v)
