@@ -14,6 +14,9 @@ Importing this module imports Triton and registers
   pass, which ``models.layers.head_norm_rope`` calls in bf16/fp16 on CUDA. Its reference is
   ``models.layers.head_norm_rope_reference``. ``muse_spark::head_norm_rope_cache_triton`` also
   writes the k heads and v into the KV caches (the layer's cache write, in the same kernel);
+* ``muse_spark::attention_cache_triton`` — ``head_norm_rope_cache_triton`` and the attention of its
+  q over the caches in one launch of the attention's partial kernel (the layers' default where
+  both kernels fit and the mask is in bounds form);
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
   which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
   selects SDPA instead). Its reference is ``models.layers.attend_reference``.
@@ -241,6 +244,39 @@ def _head_norm_rope_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.
                                                             slots, wrap=wrap_triton)
 
 
+@triton_op("muse_spark::attention_cache_triton", mutates_args=("k_cache", "v_cache"))
+def _attention_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
+                        use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        last: torch.Tensor, window: int) -> torch.Tensor:
+    """A layer's attention from its raw q and k heads x [B, S, H + KV, Dh] and v [B, S, KV, Dh]:
+    ``head_norm_rope_cache_triton`` (q and k normed and rotated, k and v written into the caches
+    [N, T, KV, Dh] at rows ``slots``, positions ``positions``), then ``attention_bounds_triton``
+    of the normed q over the caches, in one launch of the attention's partial kernel (and its
+    merge) → [B, S, H, Dh]. Its reference is those two references in that order."""
+    if not head_norm_rope_kernel.fits(x):
+        raise ValueError(f"attention_cache: x {list(x.shape)} {x.dtype}: the kernel takes [B, S, heads, Dh] in bf16 or "
+                         "fp16 with Dh a power of two in [2, 512]")
+    B, S, NH, dh = x.shape
+    if v.dim() != 4 or tuple(v.shape[:2]) != (B, S) or v.shape[3] != dh or not 0 < v.shape[2] < NH or v.dtype != x.dtype:
+        raise ValueError(f"attention_cache: v must be {x.dtype} [{B}, {S}, KV < {NH}, {dh}], got {v.dtype} "
+                         f"{list(v.shape)}")
+    kv = v.shape[2]
+    _check_cache_write("attention_cache", B, S, kv, dh, x.dtype, positions, k_cache, v_cache, slots)
+    _check_attention(x[:, :, : NH - kv], k_cache, v_cache, slots)  # (the q heads)
+    if last.dtype != torch.int64 or tuple(last.shape) != (B, S):
+        raise ValueError(f"attention_cache: last must be int64 [B, S] = [{B}, {S}], got {last.dtype} "
+                         f"{list(last.shape)}")
+    if not 0 <= window <= k_cache.shape[1]:
+        raise ValueError(f"attention_cache: the key window {window} must be in [0, {k_cache.shape[1]}] (the cache's "
+                         "length)")
+    if not _runs_kernels(x):
+        q = head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
+        mask = KeyBounds(last, window).dense()
+        return attend_reference(q, *cache_rows(k_cache, v_cache, mask, slots), mask)
+    return launch_attention(x, k_cache, v_cache, last, slots, wrap=wrap_triton, interpret=interpreting(),
+                            window=window, new_kv=(v, positions, eps, theta, use_rope))
+
+
 @triton_op("muse_spark::linear_triton", mutates_args=())
 def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:
     if not fits(x, w):
@@ -284,6 +320,12 @@ def attention(q, k, v, mask, slots=None):
     if isinstance(mask, KeyBounds):
         return torch.ops.muse_spark.attention_bounds_triton(q, k, v, mask.last, mask.width, slots)
     return torch.ops.muse_spark.attention_triton(q, k, v, mask, slots)
+
+
+def attention_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots, bounds):
+    """``muse_spark::attention_cache_triton`` with the mask a ``KeyBounds``."""
+    return torch.ops.muse_spark.attention_cache_triton(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots,
+                                                       bounds.last, bounds.width)
 
 
 def head_norm_rope(x, positions, eps, theta, use_rope):

@@ -799,6 +799,20 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
     for k in partials + [combine]:
         assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
         assert "fma.rn.f32" not in k.asm["ptx"]
+    # With the q/k norm, RoPE and cache write folded in (attention_cache_triton): it compiles and fits.
+    # Its norm is head_norm_rope's (norm_rotate): the rotation is explicitly rounded, the sum of
+    # squares is the norm kernel's own reduction (contracted as there), so not asserted FMA-free.
+    names = ["q_ptr", "k_ptr", "v_ptr", "mask_ptr", "slot_ptr", "po_ptr", "pm_ptr", "pl_ptr", "S", "T", "M", "KV",
+             "NSPLIT", "N_ROWS", "sq_b", "sq_s", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h", "sm_b", "sm_s",
+             "vn_ptr", "pos_ptr", "svn_b", "svn_s", "svn_h", "sp_b", "sp_s", "T_CACHE"]
+    types = (["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*fp32", "*fp32", "*fp32"] + ["i32"] * 17
+             + ["*bf16", "*i64"] + ["i32"] * 6)
+    fused = compile_for_hopper(ak._partial_kernel, dict(zip(names, types)), dict(
+        SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], SPLIT_T=cfg["SPLIT_T"],
+        IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=True, BOUNDS=True, NORM_QK=True, EPS=1e-6, THETA=5e5, ROPE=True),
+        cfg["num_warps"])
+    assert fused.asm["cubin"] and fused.metadata.shared <= 227 * 1024
+    assert "bar.sync" in fused.asm["ptx"]  # the barrier between the cache write and the tiles' loads
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
@@ -988,6 +1002,126 @@ def test_head_norm_rope_cache_op_rejects_bad_inputs(tops):
         op(x, v, positions, 1e-6, 5e5, True, kc, vc, slots.int())
     with pytest.raises(ValueError, match="positions must be int64"):
         op(x, v, positions[:, :1], 1e-6, 5e5, True, kc, vc, slots)
+
+
+# ---- the attention with the q/k norm, RoPE and cache write folded in (attention_cache_triton) ----
+
+# (B, S, H, KV, dh, cache rows, cache length, window, first position of request 0 and 1): one row
+# block and two (H·S/KV > 32), new rows straddling a 128-key split, positions past the window (the
+# last split writes them), the production head_dim.
+ATTN_CACHE_SHAPES = {
+    "straddle": (2, 10, 8, 2, 32, 4, 300, 280, (120, 5)),
+    "row_blocks": (2, 12, 16, 2, 32, 3, 200, 200, (60, 0)),
+    "past_window": (2, 3, 4, 2, 32, 4, 200, 140, (137, 40)),
+    "head128": (1, 8, 32, 8, 128, 2, 1152, 1152, (1024, 0)) if BIG else (1, 8, 8, 2, 128, 2, 300, 300, (200, 0)),
+}
+
+
+def attention_cache_operands(B, S, H, KV, dh, slots_n, T, firsts, seed=11):
+    """A layer's raw q|k heads and v (views of one qkv row, as the model slices it), caches of random
+    values, consecutive new positions from ``firsts`` per request, rows ``slots``, and the bounds of
+    a causal step (a query sees the keys up to its own position)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (3 * torch.randn(B, S, (H + 2 * KV) * dh, generator=g)).to(torch.bfloat16).to(DEV)
+    x = qkv[..., : (H + KV) * dh].reshape(B, S, H + KV, dh)
+    v = qkv[..., (H + KV) * dh :].reshape(B, S, KV, dh)
+    caches = [torch.randn(slots_n, T, KV, dh, generator=g).to(torch.bfloat16).to(DEV) for _ in range(2)]
+    positions = torch.stack([torch.arange(f, f + S) for f in firsts[:B]]).to(DEV)
+    slots = torch.tensor([1, 0][:B]).to(DEV)
+    return x, v, positions, slots, caches, positions.clone()
+
+
+def norm_then_attend(tops, x, v, positions, slots, kc, vc, last, window, rope=True):
+    """The two-kernel path the fused op replaces: head_norm_rope_cache_triton, then the attention."""
+    from muse_spark.models.layers import KeyBounds
+
+    q = torch.ops.muse_spark.head_norm_rope_cache_triton(x, v, positions, 1e-6, 5e5, rope, kc, vc, slots)
+    return tops.attention(q, kc, vc, KeyBounds(last, window), slots)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", list(ATTN_CACHE_SHAPES))
+@pytest.mark.parametrize("rope", [True, False])
+def test_attention_cache_kernel_equals_the_norm_kernel_then_attention(tops, shape, rope):
+    """One launch (the partial kernel norms q and the new keys, writes K/V, then attends) against
+    head_norm_rope_cache_triton followed by attention_bounds_triton on copies of the same caches.
+    The caches: v exactly; k exactly under the interpreter, and on the GPU within one unit of bf16
+    (the sum of squares may be reduced in another order inside the attention kernel's layout),
+    nothing else written. The output: exactly under the interpreter, within bf16 attention
+    tolerance on the GPU. The fp32 spec (the two references) within bf16 tolerance."""
+    from muse_spark.models.layers import KeyBounds, attend_reference, head_norm_rope_cache_reference
+
+    from tolerances import TOL as ATTN_TOL
+
+    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES[shape]
+    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = norm_then_attend(tops, x, v, positions, slots, kc2, vc2, last, window, rope)
+    got = tops.attention_cache(x, v, positions, 1e-6, 5e5, rope, kc, vc, slots, KeyBounds(last, window))
+    assert got.shape == (B, S, H, dh) and torch.isfinite(got).all()
+    assert torch.equal(vc, vc2)
+    if INTERPRETED:
+        assert torch.equal(kc, kc2) and torch.equal(got, want)
+    else:
+        torch.testing.assert_close(kc, kc2, **TOL["normed_bf16"])
+        torch.testing.assert_close(got, want, **ATTN_TOL[torch.bfloat16])
+    # the spec, on the CPU in fp32 from fresh caches
+    rkc, rvc = (c.cpu() for c in attention_cache_operands(B, S, H, KV, dh, n, T, firsts)[4])
+    rq = head_norm_rope_cache_reference(x.cpu(), v.cpu(), positions.cpu(), 1e-6, 5e5, rope, rkc, rvc, slots.cpu())
+    mask = KeyBounds(last.cpu(), window).dense()
+    rows = slots.cpu()
+    ref = attend_reference(rq.float(), rkc[rows, :window].float(), rvc[rows, :window].float(), mask)
+    torch.testing.assert_close(got.float().cpu(), ref, **ATTN_TOL[torch.bfloat16])
+    assert torch.equal(rvc, vc.cpu())
+
+
+@needs_kernels
+def test_attention_cache_kernel_never_writes_outside_the_caches(tops):
+    """A request whose row is outside the caches writes nothing and reads nothing (its output is
+    zeros); a position past the caches' length is not written; the other request is unaffected."""
+    from muse_spark.models.layers import KeyBounds
+
+    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES["past_window"]
+    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, (T - 2, 40))
+    before_k, before_v = kc.clone(), vc.clone()
+    alone = tops.attention_cache(x[:1], v[:1], positions[:1], 1e-6, 5e5, True, kc.clone(), vc.clone(), slots[:1],
+                                 KeyBounds(last[:1], window))  # request 0 without the other
+    bad_slots = slots.clone()
+    bad_slots[1] = n  # one past the last row
+    out = tops.attention_cache(x, v, positions, 1e-6, 5e5, True, kc, vc, bad_slots, KeyBounds(last, window))
+    changed = (kc != before_k).any(-1).any(-1) | (vc != before_v).any(-1).any(-1)  # [N, T]
+    expect = torch.zeros_like(changed)
+    expect[slots[0], T - 2 :] = True  # request 0: positions T-2 and T-1 written (past the window), T not
+    assert torch.equal(changed, expect)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[:1], alone)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the op's module imports it)")
+def test_attention_cache_op_rejects_bad_inputs(tops):
+    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES["straddle"]
+    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
+    op = torch.ops.muse_spark.attention_cache_triton
+    args = [x, v, positions, 1e-6, 5e5, True, kc, vc, slots, last, window]
+
+    def call(**changes):
+        names = ["x", "v", "positions", "eps", "theta", "rope", "kc", "vc", "slots", "last", "window"]
+        return op(*[changes.get(nm, a) for nm, a in zip(names, args)])
+
+    with pytest.raises(ValueError, match="v must be"):
+        call(v=v[:, :2])
+    with pytest.raises(ValueError, match="k_cache must be"):
+        call(kc=kc.float())
+    with pytest.raises(ValueError, match="slots must be int64"):
+        call(slots=slots.int())
+    with pytest.raises(ValueError, match="positions must be int64"):
+        call(positions=positions[:, :1])
+    with pytest.raises(ValueError, match="last must be int64"):
+        call(last=last.int())
+    with pytest.raises(ValueError, match="key window 301 must be in"):
+        call(window=T + 1)
+    with pytest.raises(ValueError, match="the kernel takes"):
+        call(x=x.float())
 
 
 def qkv_operands(B=2, S=3, H=4, KV=2, dh=32, D=64, slots_n=4, T=16, dtype=torch.bfloat16, seed=7):

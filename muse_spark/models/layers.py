@@ -391,6 +391,17 @@ class Attention(nn.Module):
         return (CacheKV.at(kv, positions, qk.dtype) and qk.device.type == "cuda" and _triton_ops_available()
                 and _head_norm_rope_fits(qk))
 
+    def attends_from_cache_write(self, qk: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
+        """Whether one kernel norms and rotates q/k, writes K/V into the caches and attends
+        (``muse_spark::attention_cache_triton``, the attention's partial kernel with
+        ``head_norm_rope_cache``'s work folded in): where ``writes_cache`` holds, the Triton
+        attention kernel is the one chosen and fits, and the mask is in bounds form."""
+        if not (self.writes_cache(qk, kv, positions) and isinstance(kv.mask, KeyBounds)
+                and attention_path(qk.device, qk.dtype) == "triton"):
+            return False
+        q = qk[:, :, : self.cfg.num_attention_heads]
+        return triton_attention_fits(q, kv.k_cache, kv.v_cache)
+
     def fuses_qkv(self, x: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether the qkv projection's skinny GEMM also norms and rotates q/k and writes K/V into the
         caches (``muse_spark::linear_qkv_cache_triton``): where ``linear`` takes the Triton kernel
@@ -413,12 +424,19 @@ class Attention(nn.Module):
             q = torch.ops.muse_spark.linear_qkv_cache_triton(x, self.qkv_proj.weight, positions, kv.slots, kv.k_cache,
                                                              kv.v_cache, c.rms_norm_eps, c.rope_theta, c.use_rope, H)
             keys, values, mask, slots = kv.attended()
+            qkv = None  # (no output gate on this path)
         else:
             qkv = linear(x, self.qkv_proj.weight)
             qs, kvs = c.q_size, c.kv_size
             # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
             qk = qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim)
             v = qkv[..., qs + kvs : qs + 2 * kvs].reshape(B, S, c.num_key_value_heads, c.head_dim)
+            if self.attends_from_cache_write(qk, kv, positions):  # norm, cache write and attention: one kernel
+                from muse_spark.plugins import triton_ops  # (imported by _triton_ops_available)
+
+                out = triton_ops.attention_cache(qk, v, positions, c.rms_norm_eps, c.rope_theta, c.use_rope,
+                                                 kv.k_cache, kv.v_cache, kv.slots, kv.mask)
+                return self._output(out.reshape(B, S, c.q_size), qkv)
             if self.writes_cache(qk, kv, positions):  # the norm kernel stores k and v into the caches
                 q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, c.rms_norm_eps, c.rope_theta,
                                                                      c.use_rope, kv.k_cache, kv.v_cache, kv.slots)
@@ -427,7 +445,12 @@ class Attention(nn.Module):
                 qk = self.normalize_heads(qk, positions)
                 keys, values, mask, slots = kv(qk[:, :, H:], v)
                 q = qk[:, :, :H]
-        out = attend(q, keys, values, mask, slots).reshape(B, S, c.q_size)
+        return self._output(attend(q, keys, values, mask, slots).reshape(B, S, c.q_size), qkv)
+
+    def _output(self, out: torch.Tensor, qkv: torch.Tensor | None) -> torch.Tensor:
+        """The attention's output [B, S, q_size] gated (``attn_output_gate``: the gate rows of ``qkv``)
+        and projected."""
+        c = self.cfg
         if c.attn_output_gate:
             gate = qkv[..., c.q_size + 2 * c.kv_size :]
             out = (out.float() * torch.sigmoid(gate.float())).to(out.dtype)

@@ -56,12 +56,14 @@ import torch
 import triton
 import triton.language as tl
 
+from muse_spark.plugins.head_norm_rope.triton_kernel import norm_rotate
 from muse_spark.plugins.triton_math import add_rn, mul_rn, pdl_enter
 
 BLOCK_T = 64  # keys per tile
 BLOCK_M = 32  # rows (query head × query) per program
 SPLIT_T = 2 * BLOCK_T  # keys per split
 MERGE_CHUNK = 8  # splits the merge loads at once
+NEW_ROWS = 16  # new K/V rows per pass of the fused cache write (NORM_QK)
 # The launch configuration, from scripts/attention_bench.py --sweep on the H200 (one layer,
 # graph-timed, batch 1 / 8 / 32): EARLY_KV 11.1 / 36.3 / 118.8 µs against 11.7 / 36.1 / 116.1
 # (the same bits); a merge of 8 splits by one warp 11.3 / 31.3 / 97.2 against 16 by four warps.
@@ -98,6 +100,35 @@ def _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE: tl.constexpr, BLOCK_M: tl.
 
 
 @triton.jit
+def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok, lo, hi, S, H,
+                  sq_b, sq_s, sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                  EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, KB: tl.constexpr):
+    """The layer's new keys and values of KV head ``kvh`` whose positions fall in [lo, hi) into the
+    caches at row ``kv_row``: key head H + kvh of x [B, S, H + KV, Dh] normed and rotated at its
+    position (``norm_rotate``, as ``head_norm_rope``'s cache kernel does it), v [B, S, KV, Dh] as
+    it is. ``KB`` new rows a pass; a pass with none in range loads nothing but their positions."""
+    HALF: tl.constexpr = DH // 2
+    dh2 = tl.arange(0, HALF)
+    dd = tl.arange(0, DH)
+    for s0 in range(0, S, KB):
+        sr = s0 + tl.arange(0, KB)
+        pos = tl.load(pos_ptr + b * sp_b + sr * sp_s, mask=sr < S, other=-1).to(tl.int64)
+        w = (sr < S) & (pos >= lo) & (pos < hi) & row_ok
+        if tl.max(w.to(tl.int32), axis=0) > 0:
+            src = x_ptr + b * sq_b + sr[:, None] * sq_s + (H + kvh) * sq_h + dh2[None, :]
+            k1 = tl.load(src, mask=w[:, None], other=0.0).to(tl.float32)
+            k2 = tl.load(src + HALF, mask=w[:, None], other=0.0).to(tl.float32)
+            y1, y2 = norm_rotate(k1, k2, pos.to(tl.float32)[:, None], 1, EPS, THETA, DH, ROPE,
+                                 kc_ptr.dtype.element_ty)
+            kd = kc_ptr + kv_row * sk_b + pos[:, None] * sk_t + kvh * sk_h + dh2[None, :]
+            tl.store(kd, y1, mask=w[:, None])
+            tl.store(kd + HALF, y2, mask=w[:, None])
+            val = tl.load(vn_ptr + b * svn_b + sr[:, None] * svn_s + kvh * svn_h + dd[None, :], mask=w[:, None],
+                          other=0.0)
+            tl.store(vc_ptr + kv_row * sv_b + pos[:, None] * sv_t + kvh * sv_h + dd[None, :], val, mask=w[:, None])
+
+
+@triton.jit
 def _partial_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr,  # q [B, S, H, Dh]; k, v [N, >= T, KV, Dh]; mask [B, S, T] bool, or
     # with BOUNDS last [B, S] int64 (key t visible to query (b, s) iff t ≤ last[b, s])
@@ -109,6 +140,13 @@ def _partial_kernel(
     REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr,
     IEEE_DOT: tl.constexpr, HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, PDL: tl.constexpr = 0,
     BOUNDS: tl.constexpr = False,
+    # NORM_QK: q_ptr is the layer's raw q and k heads [B, S, H + KV, Dh]: q is normed and rotated here,
+    # and the new keys (normed, rotated) and values vn [B, S, KV, Dh] at positions pos [B, S] go into
+    # the caches first (``_store_new_kv``; T_CACHE: the caches' length): head_norm_rope's cache kernel
+    # folded in, one launch a layer fewer
+    vn_ptr=None, pos_ptr=None, svn_b=0, svn_s=0, svn_h=0, sp_b=0, sp_s=0, T_CACHE=0,
+    NORM_QK: tl.constexpr = False, EPS: tl.constexpr = 0.0, THETA: tl.constexpr = 0.0, ROPE: tl.constexpr = False,
+    KB: tl.constexpr = NEW_ROWS,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -126,8 +164,27 @@ def _partial_kernel(
     s = rows % S
     head = kvh * REP + rows // S
     d = tl.arange(0, DH)
-    q = tl.load(q_ptr + b * sq_b + s[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=rmask[:, None],
-                other=0.0)
+    if NORM_QK:
+        HALF: tl.constexpr = DH // 2
+        dh2 = tl.arange(0, HALF)
+        qsrc = q_ptr + b * sq_b + s[:, None] * sq_s + head[:, None] * sq_h + dh2[None, :]
+        x1 = tl.load(qsrc, mask=rmask[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(qsrc + HALF, mask=rmask[:, None], other=0.0).to(tl.float32)
+        qpos = tl.load(pos_ptr + b * sp_b + s * sp_s, mask=rmask, other=0).to(tl.float32)[:, None]
+        y1, y2 = norm_rotate(x1, x2, qpos, 1, EPS, THETA, DH, ROPE, q_ptr.dtype.element_ty)
+        q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (BLOCK_M, DH))  # [y1 | y2]
+        # This split's new keys and values into the caches (the last split also takes positions past
+        # the window), then a barrier: the tiles below read them back (every row block of the split
+        # stores the same values, so none reads another's half-written row).
+        lo = split * SPLIT_T
+        hi = tl.where(split == NSPLIT - 1, T_CACHE, lo + SPLIT_T)
+        _store_new_kv(q_ptr, vn_ptr, pos_ptr, k_ptr, v_ptr, b, kvh, kv_row, row_ok, lo, hi, S, REP * KV, sq_b, sq_s,
+                      sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, EPS, THETA, DH, ROPE,
+                      KB)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + b * sq_b + s[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=rmask[:, None],
+                    other=0.0)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DH), tl.float32)
@@ -222,7 +279,7 @@ def _combine_kernel(
 def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      slots: torch.Tensor | None = None, wrap=lambda f: f, interpret: bool = False,
                      config: dict | None = None, pdl: int = 0, launch_pdl: bool = False,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, new_kv: tuple | None = None) -> torch.Tensor:
     """q [B, S, H, Dh], mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. Or with ``window`` = T, the
     mask in bounds form: ``mask`` is ``last`` [B, S] int64 and key t < T is visible to query (b, s)
     iff t ≤ last[b, s] (``models.layers.KeyBounds``; the same bits as its dense mask). k/v: [B, ≥ T, KV, Dh], or
@@ -233,12 +290,25 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     KV dividing H (``models.layers.triton_attention_fits``). ``wrap`` is
     ``torch.library.wrap_triton`` inside the op; ``config`` overrides ``DEFAULT_CONFIG`` (the
     sweep only: SPLIT_T a multiple of BLOCK_T, powers of two). ``pdl``/``launch_pdl``: as
-    ``plugins.linear.triton_kernel.launch_linear``'s."""
+    ``plugins.linear.triton_kernel.launch_linear``'s.
+
+    ``new_kv`` = (v, positions, eps, theta, use_rope), with ``slots``: q is the layer's raw q and k
+    heads [B, S, H + KV, Dh]; the kernel norms and rotates them as ``head_norm_rope`` does and
+    writes the keys and v [B, S, KV, Dh] into the caches k/v at rows ``slots``, positions
+    ``positions`` [B, S] (a row or position outside the caches writes nothing) before it reads
+    them: ``head_norm_rope_cache`` and this attention in one launch of the partial kernel."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if cfg["SPLIT_T"] % cfg["BLOCK_T"]:
         raise ValueError(f"attention config: SPLIT_T {cfg['SPLIT_T']} is not a multiple of BLOCK_T {cfg['BLOCK_T']}")
     B, S, H, dh = q.shape
     T, KV = (mask.shape[-1] if window is None else int(window)), k.shape[2]
+    if new_kv is not None:
+        if slots is None:
+            raise ValueError("attention: writing the new K/V (new_kv) needs the caches' rows (slots)")
+        H -= KV  # q holds the q heads, then the k heads
+        v_new, positions, eps, theta, use_rope = new_kv
+        if v_new.stride(-1) != 1:
+            v_new = v_new.contiguous()
     out = torch.empty((B, S, H, dh), dtype=q.dtype, device=q.device)
     if B == 0 or S == 0:
         return out
@@ -255,6 +325,12 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         m8 = mask if mask.stride(-1) == 1 else mask.contiguous()  # bool: Triton loads its bytes as int1
     else:
         m8 = mask  # last [B, S]: any strides
+    if new_kv is not None:
+        fused = dict(vn_ptr=v_new, pos_ptr=positions, svn_b=v_new.stride(0), svn_s=v_new.stride(1),
+                     svn_h=v_new.stride(2), sp_b=positions.stride(0), sp_s=positions.stride(1), T_CACHE=k.shape[1],
+                     NORM_QK=True, EPS=float(eps), THETA=float(theta), ROPE=bool(use_rope))
+    else:  # every argument passed (the compiled packages' launchers take no defaults on trust)
+        fused = dict(vn_ptr=q, pos_ptr=m8, svn_b=0, svn_s=0, svn_h=0, sp_b=0, sp_s=0, T_CACHE=0, NORM_QK=False)
     po = torch.empty((B * KV, nsplit, M, dh), dtype=torch.float32, device=q.device)
     pm = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
     pl = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
@@ -265,6 +341,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
         SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None, EARLY_KV=cfg["EARLY_KV"],
         PDL=0 if interpret else int(pdl), BOUNDS=window is not None, num_warps=cfg["num_warps"], **launch_opts,
+        **fused,
         **{opt: cfg[opt] for opt in ("num_stages", "maxnreg") if opt in cfg},  # eager launches only (the sweep)
     )
     wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,
