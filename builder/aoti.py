@@ -63,7 +63,7 @@ from typing import Callable, Iterator
 import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
-from muse_spark.models.layers import attention_path, linear_path, qkv_epilogue
+from muse_spark.models.layers import attention_cache_fused, attention_path, linear_path, qkv_epilogue
 from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
@@ -360,6 +360,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "linear_kernel": linear_path(device, target.dtype),
         # MUSE_SPARK_QKV_EPILOGUE=1 (opt-in): the qkv GEMM's epilogue norms q/k and writes the caches
         "qkv_epilogue": qkv_epilogue() and linear_path(device, target.dtype) == "triton",
+        # MUSE_SPARK_ATTENTION_CACHE=1 (opt-in): the attention kernel norms q/k and writes the caches
+        "attention_cache": attention_cache_fused() and attention_path(device, target.dtype) == "triton",
         "graphs": graphs,
         "batch_buckets": buckets,
         # The fused Markov kernel's kept workspace per bucket: int64 words the runtime zeroes once

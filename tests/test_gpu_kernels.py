@@ -778,6 +778,68 @@ def compile_for_hopper(fn, sig: dict, consts: dict, num_warps: int, num_stages: 
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' modules import it)")
+@pytest.mark.parametrize("fused", [False, True], ids=["attention", "attention_cache"])
+def test_the_attention_launcher_passes_every_kernel_argument(fused):
+    """Inductor's mutation analysis of a user-defined kernel (``identify_mutated_tensors``) takes
+    the arguments as passed and fills in no defaults: one left out and it assumes every input is
+    mutated (seen on the H200 with the partial kernel's new arguments). The launcher, both forms,
+    must pass each of its kernels' parameters (checked through ``wrap``, no kernel runs)."""
+    from muse_spark.plugins.attention import triton_kernel as ak
+
+    calls = []
+
+    class Record:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((self.fn, len(args), set(kw)))
+
+    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES["straddle"]
+    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
+    q = x if fused else x[:, :, :H]
+    ak.launch_attention(q, kc, vc, last, slots, wrap=Record, window=window,
+                        new_kv=(v, positions, 1e-6, 5e5, True) if fused else None)
+    assert [c[0] for c in calls] == [ak._partial_kernel, ak._combine_kernel]
+    launch_options = {"num_warps", "num_stages", "maxnreg", "launch_pdl"}
+    for fn, n_positional, names in calls:
+        assert set(fn.arg_names[:n_positional]) | (names - launch_options) == set(fn.arg_names), fn.__name__
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' modules import it)")
+def test_plugin_kernels_survive_inductors_source_re_emission(tmp_path):
+    """AOTInductor compiles a user-defined Triton kernel from source it re-emits: the kernel's own
+    source, the @triton.jit functions it calls and the module constants its body names, nothing
+    else. A module constant used as a parameter's default is not among them: it once made every
+    CUDA engine build fail (NameError in Inductor's autotuning block). Each plugin kernel's
+    re-emitted source must define the kernel again in a fresh namespace (no GPU needed)."""
+    import triton.language as tl
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+
+    from muse_spark.plugins.attention import triton_kernel as attention
+    from muse_spark.plugins.gated_residual import triton_kernel as gated_residual
+    from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope
+    from muse_spark.plugins.linear import triton_kernel as linear
+    from muse_spark.plugins.markov import triton_kernel as markov
+
+    kernels = [attention._partial_kernel, attention._combine_kernel, gated_residual._gated_residual_norm_kernel,
+               head_norm_rope._head_norm_rope_kernel, head_norm_rope._head_norm_rope_cache_kernel,
+               linear._linear_kernel, linear._linear_qkv_kernel, markov._markov_kernel]
+    import importlib.util
+
+    for kernel in kernels:
+        src = user_defined_triton_kernel_transitive_closure_source_code(kernel)
+        path = tmp_path / f"re_emitted{kernel.__name__}.py"  # (a file, as Inductor's: @triton.jit reads it back)
+        path.write_text("import triton\nimport triton.language as tl\n\n@triton.jit\n" + src + "\n")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # a name the source needs and lacks: NameError here
+        again = getattr(module, kernel.__name__)
+        assert isinstance(again, triton.JITFunction) and again.arg_names == kernel.arg_names
+        assert module.tl is tl
+
+
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
 def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
     """Compiled ahead of time for sm_90 (no GPU needed: Triton's LLVM and ptxas): the attention

@@ -199,15 +199,18 @@ def test_attention_kernel_choice(monkeypatch):
         attention_kernel()
 
 
-def test_the_qkv_epilogue_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
-    """``MUSE_SPARK_QKV_EPILOGUE``: off unless 1 (it was slower on the H200); a value other than 0
-    or 1 is refused with the variable's name, not read as off."""
-    from muse_spark.models.layers import qkv_epilogue
+@pytest.mark.parametrize("name", ["MUSE_SPARK_QKV_EPILOGUE", "MUSE_SPARK_ATTENTION_CACHE"])
+def test_the_opt_in_kernel_switches_are_off_by_default_and_refuse_other_values(monkeypatch, name):
+    """``MUSE_SPARK_QKV_EPILOGUE`` (slower on the H200) and ``MUSE_SPARK_ATTENTION_CACHE`` (not yet
+    measured there): off unless 1; a value other than 0 or 1 is refused with the variable's name,
+    not read as off."""
+    from muse_spark.models.layers import attention_cache_fused, qkv_epilogue
 
-    monkeypatch.delenv("MUSE_SPARK_QKV_EPILOGUE", raising=False)
-    assert qkv_epilogue() is False
-    monkeypatch.setenv("MUSE_SPARK_QKV_EPILOGUE", "1")
-    assert qkv_epilogue() is True
-    monkeypatch.setenv("MUSE_SPARK_QKV_EPILOGUE", "on")
-    with pytest.raises(ValueError, match="MUSE_SPARK_QKV_EPILOGUE='on': expected 0 or 1"):
-        qkv_epilogue()
+    switch = {"MUSE_SPARK_QKV_EPILOGUE": qkv_epilogue, "MUSE_SPARK_ATTENTION_CACHE": attention_cache_fused}[name]
+    monkeypatch.delenv(name, raising=False)
+    assert switch() is False
+    monkeypatch.setenv(name, "1")
+    assert switch() is True
+    monkeypatch.setenv(name, "on")
+    with pytest.raises(ValueError, match=f"{name}='on': expected 0 or 1"):
+        switch()

@@ -316,15 +316,28 @@ def linear_path(device, dtype: torch.dtype) -> str:
     return linear_kernel() if fused else "reference"
 
 
+def _switch(name: str) -> bool:
+    """An opt-in kernel switch from the environment: ``1`` on, ``0`` or unset off, else an error."""
+    value = os.environ.get(name, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
 def qkv_epilogue() -> bool:
     """``MUSE_SPARK_QKV_EPILOGUE=1``: where the Triton linear kernel takes the attention's qkv
     projection, its epilogue also does the q/k head norm, RoPE and the K/V cache write
     (``Attention.fuses_qkv``). Off by default (slower on the H200). A build records it in the
     engine's manifest."""
-    value = os.environ.get("MUSE_SPARK_QKV_EPILOGUE", "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"MUSE_SPARK_QKV_EPILOGUE={value!r}: expected 0 or 1")
-    return value == "1"
+    return _switch("MUSE_SPARK_QKV_EPILOGUE")
+
+
+def attention_cache_fused() -> bool:
+    """``MUSE_SPARK_ATTENTION_CACHE=1``: where the q/k norm kernel would write the caches and the
+    Triton attention runs, one kernel does both (``Attention.attends_from_cache_write``). Off by
+    default until measured on the H200 (docs/benchmarks.md, eleventh session). A build records it
+    in the engine's manifest."""
+    return _switch("MUSE_SPARK_ATTENTION_CACHE")
 
 
 def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -394,9 +407,10 @@ class Attention(nn.Module):
     def attends_from_cache_write(self, qk: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether one kernel norms and rotates q/k, writes K/V into the caches and attends
         (``muse_spark::attention_cache_triton``, the attention's partial kernel with
-        ``head_norm_rope_cache``'s work folded in): where ``writes_cache`` holds, the Triton
-        attention kernel is the one chosen and fits, and the mask is in bounds form."""
-        if not (self.writes_cache(qk, kv, positions) and isinstance(kv.mask, KeyBounds)
+        ``head_norm_rope_cache``'s work folded in): opt-in (``MUSE_SPARK_ATTENTION_CACHE=1``), where
+        ``writes_cache`` holds, the Triton attention kernel is the one chosen and fits, and the mask
+        is in bounds form."""
+        if not (attention_cache_fused() and self.writes_cache(qk, kv, positions) and isinstance(kv.mask, KeyBounds)
                 and attention_path(qk.device, qk.dtype) == "triton"):
             return False
         q = qk[:, :, : self.cfg.num_attention_heads]
