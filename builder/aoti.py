@@ -221,10 +221,28 @@ def compile_job(job: dict) -> dict:
     Failures come back as a ``RuntimeError`` carrying the formatted traceback: the
     original exception (a Triton ``CompilationError`` holds frames) may not pickle."""
     try:
-        return _compile_job(job)
+        with job_environment(job.get("env") or {}):
+            return _compile_job(job)
     except Exception as e:
         tb = traceback.format_exc()
         raise RuntimeError(f"{type(e).__name__}: {e}\n{tb[-6000:]}") from None
+
+
+@contextlib.contextmanager
+def job_environment(values: dict):
+    """``values`` set in ``os.environ`` for the block (a job's kernel switches, read when the models
+    trace, e.g. ``MUSE_SPARK_ATTENTION_CACHE``), the previous values restored after: a worker
+    process may compile another job next."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _compile_job(job: dict) -> dict:

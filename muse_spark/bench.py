@@ -45,6 +45,9 @@ PRESETS = {
                  draft_layers=1, draft_vocab=128, rank=16, gamma=3, aux=(0, 1)),
 }
 TAUS = (1.0, 3.7, 6.17)
+# aoti step variants `--attention-cache both` compiles and times beside the default: name -> the kernel
+# switches set in its compile workers and around the eager step it is checked against.
+VARIANTS = {"attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "1"}}
 
 
 def preset_configs(name: str, layers: int | None = None, draft_layers: int | None = None):
@@ -355,6 +358,7 @@ class Bench:
 
         # ---- start the aoti compiles (worker processes) -----------------------------------------
         pool = futures = None
+        vfutures: dict = {}
         compiled_files: dict = {}
         if "aoti" not in a.skip:
             out_dir = Path(a.work_dir)
@@ -367,9 +371,17 @@ class Bench:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            pool = ProcessPoolExecutor(max_workers=len(jobs), mp_context=multiprocessing.get_context("spawn"))
-            threads = max(1, (os.cpu_count() or 1) // (len(jobs) + 1))
+            # Variants: the same packages compiled with a kernel switch set in the worker (VARIANTS).
+            vjobs = {name: [dict(j, env=env, out=str(out_dir / name / Path(j["out"]).name)) for j in jobs]
+                     for name, env in VARIANTS.items() if getattr(a, "attention_cache", "off") == "both"}
+            for name in vjobs:
+                (out_dir / name).mkdir(parents=True, exist_ok=True)
+            n_jobs = len(jobs) + sum(map(len, vjobs.values()))
+            pool = ProcessPoolExecutor(max_workers=n_jobs, mp_context=multiprocessing.get_context("spawn"))
+            threads = max(1, (os.cpu_count() or 1) // (n_jobs + 1))
             futures = [pool.submit(compile_job, dict(j, compile_threads=threads)) for j in jobs]
+            vfutures = {name: [pool.submit(compile_job, dict(j, compile_threads=threads)) for j in js]
+                        for name, js in vjobs.items()}
             self.log(f"aoti: compiling {len(jobs)} step packages (draft, one target layer, finish per batch; "
                      f"{impl} plugins) in worker processes")
 
@@ -452,6 +464,14 @@ class Bench:
                         sec["aoti_errors"].append(f"inline: {type(e).__name__}: {e}"[:3000])
                         self.log(f"aoti compile failed again: {str(e)[:1000]}")
             sec["aoti_plugins"] = aoti_impl
+            for name, fs in vfutures.items():
+                sub = sec.setdefault("variants", {}).setdefault(name, {"env": VARIANTS[name], "compiled": []})
+                for f in fs:
+                    try:
+                        sub["compiled"].append(f.result()["name"])
+                    except Exception as e:
+                        sub.setdefault("aoti_errors", []).append(f"{type(e).__name__}: {e}"[:3000])
+                        self.log(f"aoti {name}: compile failed: {str(e)[:1000]}")
             pool.shutdown()
             sec["aoti_compile_s"] = {k: v["export_s"] + v["compile_s"] for k, v in compiled_files.items()}
             self.log(f"aoti: compiled {sorted(compiled_files)}")
@@ -463,6 +483,15 @@ class Bench:
             except Exception as e:
                 sec["aoti_error"] = f"{type(e).__name__}: {e}"[:3000]
                 self.log(f"aoti section failed: {sec['aoti_error'][:500]}")
+        for name, sub in sec.get("variants", {}).items():  # the same measurements, side by side
+            done = [b for b in batches if all(f"step_{p}_b{b}" in sub["compiled"] for p in ("draft", "layer", "finish"))]
+            if done and aoti_batches:
+                try:
+                    self.aoti_section(eng, caches, done, inputs, kv_len, scratch=slots - 1, sec=sub,
+                                      work_dir=Path(a.work_dir) / name, env=VARIANTS[name], label=f"aoti {name}")
+                except Exception as e:
+                    sub["aoti_error"] = f"{type(e).__name__}: {e}"[:3000]
+                    self.log(f"aoti {name} section failed: {sub['aoti_error'][:500]}")
 
         # ---- the Markov loop alone (seconds; before the long torch.compile recompiles) ------------
         try:
@@ -502,14 +531,22 @@ class Bench:
         print(render_table(self.result))
         return self.result
 
-    def aoti_section(self, eng, caches, batches, inputs, kv_len, scratch: int) -> None:
+    def aoti_section(self, eng, caches, batches, inputs, kv_len, scratch: int, sec: dict | None = None,
+                     work_dir=None, env: dict | None = None, label: str = "aoti") -> None:
+        """The aoti step of each batch: checked against the eager step, timed (runner, replay, the
+        serving forms), profiled. ``sec``/``work_dir``/``env``: a variant's results dict, its
+        packages, and the switches it was compiled with (set around the eager step it is checked
+        against, so both take the same kernel path)."""
         import torch
+
+        from muse_spark.builder.aoti import job_environment
 
         from muse_spark.runtime.aoti_engine import load_step
         from muse_spark.runtime.aoti_graphs import MARKOV_ERROR_WORD, SpecPair, weight_names, weight_tensors
         from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
 
-        a, dev, sec = self.a, self.device, self.result["sections"]
+        a, dev = self.a, self.device
+        sec = self.result["sections"] if sec is None else sec
         pair = SpecPair(eng.target, eng.draft)
         weights = weight_tensors(pair, weight_names(pair))
         cuda = dev.type == "cuda"
@@ -517,14 +554,15 @@ class Bench:
         sec["aoti"], sec["aoti_graph_replay"], sec["aoti_matches_eager"], sec["aoti_emits_as_eager"] = {}, {}, {}, {}
         with torch.inference_mode():
             for b in sorted(batches, reverse=not a.aoti_ascending):
-                fn = load_step(a.work_dir, None, b, eng.target, eng.draft, dev, single_threaded=cuda)
+                fn = load_step(work_dir or a.work_dir, None, b, eng.target, eng.draft, dev, single_threaded=cuda)
                 words = self.markov_words[b]  # the Markov kernel's kept workspace, as the engine keeps it
                 runner = (CUDAGraphStep(fn, b, weights, caches, scratch, dev, pool=pool, markov_words=words) if cuda
                           else StaticStep(fn, b, weights, caches, scratch, dev, markov_words=words))
                 x = inputs(b)
                 # Same inputs, greedy rows: the compiled step's drafts and verdicts equal the eager step's.
                 xg = x[:4] + (torch.zeros_like(x[4]),)
-                got, want = runner(*xg), eng.step(*xg, kv_len)
+                with job_environment(env or {}):
+                    got, want = runner(*xg), eng.step(*xg, kv_len)
                 same = torch.equal(got, want)
                 sec["aoti_matches_eager"][b] = same
                 sec["aoti_emits_as_eager"][b] = emitted_tokens(got) == emitted_tokens(want)
@@ -549,21 +587,21 @@ class Bench:
                 sec.setdefault("aoti_step_host_equals_step", {})[b] = runner.step_host(*host) == runner(*x).tolist()
                 if runner.markov_ws.numel():  # after every timed step: no Markov program gave up waiting
                     sec.setdefault("aoti_markov_error_flag", {})[b] = int(runner.markov_ws[MARKOV_ERROR_WORD])
-                self.log(f"aoti B={b}: {sec['aoti'][b]['median_ms']:.2f} ms (greedy step equals eager: {same}); "
+                self.log(f"{label} B={b}: {sec['aoti'][b]['median_ms']:.2f} ms (greedy step equals eager: {same}); "
                          f"serving form: lists → device tensors → step → .cpu() "
                          f"{sec['aoti_serving_lists'][b]['median_ms']:.2f} ms, step_host "
                          f"{sec['aoti_step_host'][b]['median_ms']:.2f} ms")
                 if a.profile:  # the same packages, called without the graph: the kernels it replays
                     plain = StaticStep(fn, b, weights, caches, scratch, dev, markov_words=words)
                     prof = profile_kernels(lambda: plain(*x), dev, keep_all=cuda)
-                    self.log(f"aoti B={b} profile: {prof['kernel_ms']:.2f} ms of kernels per step; top: "
+                    self.log(f"{label} B={b} profile: {prof['kernel_ms']:.2f} ms of kernels per step; top: "
                              + "; ".join(f"{r['name'][:60]} {r['ms']:.3f} ms" for r in prof["top"][:5]))
                     if cuda:  # the graph's replay too: which kernels run longer inside it
                         rep = profile_kernels(runner.graph.replay, dev, keep_all=True)
                         slower = slower_in_graph(prof, rep)
                         sec.setdefault("aoti_replay_profile", {})[b] = dict(
                             kernel_ms=rep["kernel_ms"], top=rep["top"], slower_in_graph=slower, all=rep["all"])
-                        self.log(f"aoti B={b} replay profile: {rep['kernel_ms']:.2f} ms of kernels per replay; "
+                        self.log(f"{label} B={b} replay profile: {rep['kernel_ms']:.2f} ms of kernels per replay; "
                                  "most slower in the graph: " + "; ".join(
                                      f"{n[:50]} x{k:g} {p:.3f}->{r:.3f} ms" for n, k, p, r in slower[:6]))
                     sec.setdefault("aoti_profile", {})[b] = prof  # with every kernel ("all") on CUDA: a
@@ -796,6 +834,24 @@ def render_markdown(result: dict) -> str:
                        "step-output entries)" + (f"; first differing column per row: {where}." if where else "."))
     if sec.get("torch_compile", {}).get("skipped"):
         out += ["", f"torch.compile not measured for {sec['torch_compile']['skipped']}."]
+    for name, sub in sec.get("variants", {}).items():  # timed in the same run, after the default
+        switches = " ".join(f"{k}={v}" for k, v in sub["env"].items())
+        out += ["", f"### Variant `{name}` ({switches}), beside the default aoti step", "",
+                "| batch | aoti ms | default aoti ms | variant / default | graph replay ms | kernels ms / replay | "
+                "launches / replay | greedy step = eager (same switches) |",
+                "|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for b, t in sub.get("aoti", {}).items():
+            base, ms = _ms(sec, "aoti", b), t["median_ms"]
+            rep = sub.get("aoti_replay_profile", {}).get(b, {})
+            replay = sub.get("aoti_graph_replay", {}).get(b, {}).get("median_ms")
+            launches = sum(n for n, _ in rep["all"].values()) if rep.get("all") else None
+            cells = [f"{ms:.3f}", "—" if base is None else f"{base:.3f}", "—" if base is None else f"{ms / base:.3f}",
+                     "—" if replay is None else f"{replay:.3f}",
+                     "—" if "kernel_ms" not in rep else f"{rep['kernel_ms']:.3f}",
+                     "—" if launches is None else f"{launches:g}", str(sub.get("aoti_matches_eager", {}).get(b))]
+            out.append(f"| {b} | " + " | ".join(cells) + " |")
+        for e in sub.get("aoti_errors", []) + ([sub["aoti_error"]] if "aoti_error" in sub else []):
+            out.append(f"* failed: {str(e).splitlines()[0][:300]}")
     errors = {k: v for k, v in sec.items() if "error" in k}
     errors.update({f"{k}.error": v["error"] for k, v in sec.items() if isinstance(v, dict) and "error" in v})
     if errors:
@@ -838,6 +894,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aoti-ascending", action="store_true",
                    help="capture and time the aoti buckets smallest first (default: largest first); a batch-1 "
                         "step that is faster this way depends on what ran before it (docs/benchmarks.md)")
+    p.add_argument("--attention-cache", choices=["off", "both"], default="off",
+                   help="both: also compile and time the aoti step with the attention kernel doing the q/k norm "
+                        "and cache write (MUSE_SPARK_ATTENTION_CACHE=1), beside the default")
     p.add_argument("--work-dir", default="/tmp/muse_spark_bench", help="where the aoti packages are compiled")
     p.add_argument("--json", default="docs/benchmarks.json")
     p.add_argument("--markdown", default="docs/benchmarks.md")
