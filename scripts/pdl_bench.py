@@ -17,7 +17,10 @@ every weight streams from HBM), captured in one CUDA graph and replayed:
 * ``pdl``: every kernel launched with the PDL attribute (a programmatic edge in the graph), each
   first triggering its dependents' launch, then waiting;
 * ``pdl-wait-only``: the same, but the kernels only wait (the dependents launch as programs exit);
-* ``pdl+prefetchN``: and each linear program first prefetches N KB of its weight rows into L2.
+* ``pdl+prefetchN``: and each linear program first prefetches N KB of its weight rows into L2;
+* ``triton-coresident`` / ``pdl-coresident``: the linear kernels' stages cut to <= 100 KB of shared
+  memory (``coresident_config``), so a GEMM's programs fit beside the running kernel's under PDL;
+  ``+preload``: each linear program loads its first weight tiles into registers before its wait.
 
 Prints µs per layer stack, the ratio to the ``cublas`` variant and to the roofline (the weights'
 bytes over the device-to-device copy bandwidth measured in the same run), and whether each
@@ -40,7 +43,7 @@ from muse_spark.bench import copy_bandwidth, time_fn  # noqa: E402
 from muse_spark.plugins.attention.triton_kernel import launch_attention  # noqa: E402
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add  # noqa: E402
 from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope  # noqa: E402
-from muse_spark.plugins.linear.triton_kernel import launch_linear  # noqa: E402
+from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear  # noqa: E402
 
 H, KV, DH, D, FFN, ROWS = 32, 8, 128, 4096, 14336, 8
 
@@ -56,7 +59,25 @@ def make_layers(n: int, dev) -> list[dict]:
             for _ in range(n)]
 
 
-def stack(layers, cache, mask, positions, stream, x, linear: str, pdl: bool, launch_pdl: bool, prefetch: int):
+def coresident_config(M: int, N: int, K: int, silu_mul: bool, budget: int = 100 * 1024) -> dict:
+    """The linear kernel's default configuration, its chunk then its stages cut until the stages
+    take at most ``budget`` bytes of shared memory: two programs (the kernel before's and the next
+    one's, under PDL) fit one SM (227 KB). The default configurations take 110–160 KB."""
+    cfg = default_config(M, N, K, silu_mul)
+    block_m = max(16, 1 << (M - 1).bit_length())
+    stage = lambda c: ((2 if silu_mul else 1) * c["BLOCK_N"] + block_m) * c["BLOCK_K"] * 2  # noqa: E731
+    while cfg["num_stages"] * stage(cfg) > budget:
+        if cfg["BLOCK_K"] > 128:
+            cfg["BLOCK_K"] //= 2
+        elif cfg["num_stages"] > 2:
+            cfg["num_stages"] -= 1
+        else:
+            break
+    return cfg
+
+
+def stack(layers, cache, mask, positions, stream, x, linear: str, pdl: bool, launch_pdl: bool, prefetch: int,
+          coresident: bool = False, preload: bool = False):
     """One pass over the layers; returns (stream, x)."""
     kw = dict(pdl=pdl, launch_pdl=launch_pdl)
 
@@ -67,7 +88,9 @@ def stack(layers, cache, mask, positions, stream, x, linear: str, pdl: bool, lau
                 g, u = y.chunk(2, dim=-1)
                 y = F.silu(g) * u
             return y
-        return launch_linear(a, wt, silu_mul=silu, prefetch=prefetch, **kw)
+        n = wt.shape[0] // 2 if silu else wt.shape[0]
+        config = coresident_config(a.numel() // a.shape[-1], n, a.shape[-1], silu) if coresident else None
+        return launch_linear(a, wt, silu_mul=silu, prefetch=prefetch, config=config, preload=preload, **kw)
 
     kc, vc = cache
     for L in layers:
@@ -90,6 +113,7 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--window", type=int, default=2048, help="the cache window the attention masks (static)")
     p.add_argument("--prefetch-kb", default="16,64", help="comma-separated L2 prefetch sizes per program (KB)")
+    p.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -114,10 +138,23 @@ def main() -> int:
                 ("triton+wait", dict(linear="triton", pdl=1, launch_pdl=False, prefetch=0)),
                 ("pdl", dict(linear="triton", pdl=1, launch_pdl=True, prefetch=0)),
                 ("pdl-wait-only", dict(linear="triton", pdl=2, launch_pdl=True, prefetch=0))]
+    # Co-residency (eleventh session's hypothesis): the engine GEMMs take 110-160 KB of shared memory
+    # a program, so under PDL the next GEMM's programs cannot start beside the running ones. With
+    # the stages cut to <= 100 KB they can; "preload" also loads each program's first weight tiles
+    # into registers before its wait (the weights do not depend on the kernel before).
+    variants += [("triton-coresident", dict(linear="triton", pdl=False, launch_pdl=False, prefetch=0, coresident=True)),
+                 ("pdl-coresident", dict(linear="triton", pdl=1, launch_pdl=True, prefetch=0, coresident=True)),
+                 ("pdl-coresident+preload", dict(linear="triton", pdl=1, launch_pdl=True, prefetch=0, coresident=True,
+                                                 preload=True)),
+                 ("pdl+preload", dict(linear="triton", pdl=1, launch_pdl=True, prefetch=0, preload=True)),
+                 ("pdl-wait-only+preload", dict(linear="triton", pdl=2, launch_pdl=True, prefetch=0, preload=True))]
     for kb in [int(v) for v in args.prefetch_kb.split(",") if v]:
         variants.append((f"pdl+prefetch{kb}", dict(linear="triton", pdl=1, launch_pdl=True, prefetch=kb << 10)))
         variants.append((f"pdl-wait-only+prefetch{kb}", dict(linear="triton", pdl=2, launch_pdl=True,
                                                              prefetch=kb << 10)))
+    if args.only:  # the triton variant always runs: the others' bits are checked against it
+        keep = set(args.only.split(",")) | {"triton", "cublas"}
+        variants = [(n, v) for n, v in variants if n in keep]
     results, ref = {}, None
     for name, v in variants:
         out = {}

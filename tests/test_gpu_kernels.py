@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -1565,3 +1566,61 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
             assert "griddepcontrol" not in plain
             if name == "linear":  # the same vectorized, pipelined weight loads
                 assert plain.count("cp.async.cg.shared.global") == ptx.count("cp.async.cg.shared.global")
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+def test_linear_preload_issues_only_weight_loads_before_the_wait(silu_mul):
+    """``PRELOAD`` (scripts/pdl_bench.py's variants) with the PDL wait, compiled for sm_90: before
+    ``griddepcontrol.wait`` the program issues plain global loads (its first weight tiles) and
+    nothing that reads upstream data asynchronously or writes (no cp.async, store or atomic)."""
+    from muse_spark.plugins.linear import triton_kernel as lk
+
+    names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
+    cfg = lk.default_config(8, 4096, 4096, silu_mul)
+    consts = dict(BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=True, EVEN_K=True,
+                  SILU_MUL=silu_mul, IEEE_DOT=False, PDL=2, PRELOAD=True)
+    ptx = compile_for_hopper(lk._linear_kernel, dict(zip(names, ["*bf16"] * 3 + ["i32"] * 5)), consts,
+                             cfg["num_warps"], cfg["num_stages"],
+                             multiples_of_16=("N", "K", "stride_xm", "stride_ym")).asm["ptx"]
+    waits, before = _global_accesses_before_the_wait(ptx)
+    import re
+
+    assert waits and before and all(re.sub(r"^@!?%p\d+\s+", "", a).startswith("ld.global") for a in before), before
+
+
+@needs_kernels
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("K", [512, 700], ids=["even_k", "ragged_k"])
+def test_linear_preload_gives_the_same_bits(tops, silu_mul, K):
+    """The first K chunk's tiles loaded ahead (``preload``) and the rest streamed: the same sums in
+    the same order as the plain kernel, bit for bit."""
+    from muse_spark.plugins.linear.triton_kernel import launch_linear
+    from muse_spark.plugins.triton_math import interpreting
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, K, generator=g).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(2 * 96 if silu_mul else 96, K, generator=g) / K**0.5).to(torch.bfloat16).to(DEV)
+    cfg = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=2)
+    plain = launch_linear(x, w, silu_mul, interpret=interpreting(), config=cfg)
+    assert torch.equal(launch_linear(x, w, silu_mul, interpret=interpreting(), config=cfg, preload=True), plain)
+
+
+def test_pdl_bench_coresident_configs_fit_two_programs_an_sm():
+    """scripts/pdl_bench.py's co-resident configurations take at most 100 KB of shared memory for
+    the pipeline's stages at every batch-1 shape (two programs fit the 227 KB of an SM), and change
+    only the chunk and the stages of the defaults."""
+    import importlib.util
+
+    from muse_spark.plugins.linear.triton_kernel import default_config
+
+    spec = importlib.util.spec_from_file_location("pdl_bench", Path(__file__).resolve().parents[1] / "scripts" /
+                                                  "pdl_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for N, K, silu in [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True), (4096, 14336, False)]:
+        cfg, base = bench.coresident_config(8, N, K, silu), default_config(8, N, K, silu)
+        stage = ((2 if silu else 1) * cfg["BLOCK_N"] + 16) * cfg["BLOCK_K"] * 2
+        assert cfg["num_stages"] * stage <= 100 * 1024 and cfg["num_stages"] >= 2
+        assert {k: v for k, v in cfg.items() if k not in ("BLOCK_K", "num_stages")} == \
+            {k: v for k, v in base.items() if k not in ("BLOCK_K", "num_stages")}

@@ -91,18 +91,48 @@ def _silu_mul(g, u, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _first_tiles(w_ptr, rn, ru, nmask, K, BLOCK_K: tl.constexpr, TWO: tl.constexpr):
+    """The weight tiles of K chunk 0 (W[rn], and W[ru] with TWO), loaded ahead (``PRELOAD``)."""
+    rk = tl.arange(0, BLOCK_K)
+    kmask = nmask[:, None] & (rk < K)[None, :]
+    w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=kmask, other=0.0)
+    wu = w
+    if TWO:
+        wu = tl.load(w_ptr + ru.to(tl.int64)[:, None] * K + rk[None, :], mask=kmask, other=0.0)
+    return w, wu
+
+
+@triton.jit
 def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TWO: tl.constexpr,
-                  IEEE_DOT: tl.constexpr):
+                  IEEE_DOT: tl.constexpr, FIRST: tl.constexpr = False, w_first=None, u_first=None):
     """The weight stream: fp32 sums W[rn]·xᵀ over the whole of K, [BLOCK_N, BLOCK_M]; with TWO also
-    W[ru]·xᵀ (the second tile: the up half, or a head's second half), else zeros."""
+    W[ru]·xᵀ (the second tile: the up half, or a head's second half), else zeros. ``FIRST``: K chunk
+    0's weight tiles are ``w_first``/``u_first`` (``_first_tiles``, loaded before the PDL wait),
+    the loop starts at chunk 1; the same sums in the same order."""
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
     u_ptrs = w_ptr + ru.to(tl.int64)[:, None] * K + rk[None, :]
     x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]  # [BLOCK_K, BLOCK_M]: xᵀ
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if FIRST:
+        xt = tl.load(x_ptrs, mask=mmask[None, :] & (rk < K)[:, None], other=0.0)
+        if IEEE_DOT:
+            acc = tl.dot(w_first.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w_first, xt, acc)
+        if TWO:
+            if IEEE_DOT:
+                acc_u = tl.dot(u_first.to(tl.float32), xt.to(tl.float32), acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(u_first, xt, acc_u)
+        w_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=mmask[None, :], other=0.0)
             if EVEN_N:
@@ -143,10 +173,19 @@ def _linear_kernel(
     M, N, K, stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, IEEE_DOT: tl.constexpr,
-    PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, PRELOAD: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
-    if PREFETCH > 0:
+    w_first = None
+    u_first = None
+    if PRELOAD:
+        # K chunk 0's weight tiles into registers before the wait: with PDL they arrive while the
+        # kernel before still runs (the weights are constants), and the wait is ordered after them.
+        rn0 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_first, u_first = _first_tiles(w_ptr, rn0, rn0 + N, rn0 < N, K, BLOCK_K, SILU_MUL)
+        dep = tl.sum(tl.sum(w_first.to(tl.float32), axis=1), axis=0).to(tl.int32, bitcast=True)
+        z = pdl_enter_after(PDL, dep)
+    elif PREFETCH > 0:
         # The first PREFETCH bytes of this program's weight rows into L2 before the wait: the weights
         # are constants, so with PDL their stream starts while the kernel before still runs.
         n0 = pid_n * BLOCK_N
@@ -164,7 +203,7 @@ def _linear_kernel(
     nmask = rn < N
     mmask = rm < M
     acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + N, rm, nmask, mmask, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
-                               EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT)  # u: the up half (SILU_MUL)
+                               EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT, PRELOAD, w_first, u_first)  # u: the up half
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]  # [BLOCK_N, BLOCK_M]: yᵀ
     if SILU_MUL:
         out = _silu_mul(acc, acc_u, y_ptr.dtype.element_ty)
@@ -239,13 +278,14 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap=lambda f: f,
                   interpret: bool = False, config: dict | None = None, pdl: int = 0, prefetch: int = 0,
-                  launch_pdl: bool = False) -> torch.Tensor:
+                  launch_pdl: bool = False, preload: bool = False) -> torch.Tensor:
     """x [..., K] @ W[N_w, K]ᵀ → [..., N_w] in x's dtype; with ``silu_mul`` (N_w = 2·I) → [..., I]:
     silu(x @ W[:I]ᵀ) · (x @ W[I:]ᵀ). ``wrap`` is ``torch.library.wrap_triton`` inside the op;
     ``config`` overrides the launch configuration (the sweep). ``pdl``: compile the PDL wait in
     (``triton_math.pdl_enter``), with ``prefetch`` bytes of each program's weight rows prefetched
     into L2 before it (a multiple of 2048); ``launch_pdl``: launch with the PDL attribute (eager
-    launches only; scripts/pdl_bench.py, docs/pdl-research.md). The engines use neither yet."""
+    launches only; scripts/pdl_bench.py, docs/pdl-research.md); ``preload``: the first K chunk's
+    weight tiles loaded into registers before the wait (the same bits). The engines use none yet."""
     K = x.shape[-1]
     n_w = w.shape[0]
     if w.dim() != 2 or w.shape[1] != K:
@@ -266,7 +306,7 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
             x2, w, y, M, N, K, x2.stride(0), y.stride(0),
             BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=N % cfg["BLOCK_N"] == 0,
             EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=interpret,
-            PDL=0 if interpret else int(pdl), PREFETCH=prefetch if pdl and not interpret else 0,
+            PDL=0 if interpret else int(pdl), PREFETCH=prefetch if pdl and not interpret else 0, PRELOAD=bool(preload),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
         )
     return y.reshape(*x.shape[:-1], N)
