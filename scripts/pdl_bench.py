@@ -59,21 +59,11 @@ def make_layers(n: int, dev) -> list[dict]:
             for _ in range(n)]
 
 
-def coresident_config(M: int, N: int, K: int, silu_mul: bool, budget: int = 100 * 1024) -> dict:
-    """The linear kernel's default configuration, its chunk then its stages cut until the stages
-    take at most ``budget`` bytes of shared memory: two programs (the kernel before's and the next
-    one's, under PDL) fit one SM (227 KB). The default configurations take 110–160 KB."""
-    cfg = default_config(M, N, K, silu_mul)
-    block_m = max(16, 1 << (M - 1).bit_length())
-    stage = lambda c: ((2 if silu_mul else 1) * c["BLOCK_N"] + block_m) * c["BLOCK_K"] * 2  # noqa: E731
-    while cfg["num_stages"] * stage(cfg) > budget:
-        if cfg["BLOCK_K"] > 128:
-            cfg["BLOCK_K"] //= 2
-        elif cfg["num_stages"] > 2:
-            cfg["num_stages"] -= 1
-        else:
-            break
-    return cfg
+def coresident_config(M: int, N: int, K: int, silu_mul: bool) -> dict:
+    """The linear kernel's default configuration with its stages fitted into 100 KB of shared memory
+    (the chunk, then the stages cut): two programs (the kernel before's and the next one's, under
+    PDL) fit one SM (227 KB). The default configurations take 110-160 KB."""
+    return default_config(M, N, K, silu_mul, budget=100 * 1024)
 
 
 def stack(layers, cache, mask, positions, stream, x, linear: str, pdl: bool, launch_pdl: bool, prefetch: int,

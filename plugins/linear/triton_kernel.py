@@ -47,7 +47,8 @@ PREFETCH_CHUNKS = tl.constexpr(128)  # one bulk L2 prefetch per thread (4 warps)
 SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may take (227 KB per SM)
 
 
-def default_config(M: int, N: int, K: int, silu_mul: bool, block_n: int | None = None) -> dict:
+def default_config(M: int, N: int, K: int, silu_mul: bool, block_n: int | None = None,
+                   budget: int = SHARED_BUDGET) -> dict:
     """Launch configuration, chosen by scripts/linear_bench.py --sweep on the H200 (8 rows, each
     shape's weight streamed from HBM), then timed (``--batches 1,8``): 64-row tiles over 256-column
     chunks, 4 stages (qkv 15.4 µs, o 12.1, lm_head 245.3, against cuBLAS's 16.2 / 13.3 / 255.6);
@@ -55,8 +56,8 @@ def default_config(M: int, N: int, K: int, silu_mul: bool, block_n: int | None =
     for cuBLAS + silu); a long K (the down projection, the draft's fc) 16-row tiles over 512
     columns, 2 warps (down 31.9 µs against 32.8).
     More rows of x take more shared memory per stage: the chunk, then the stages, shrink
-    until the stages fit ``SHARED_BUDGET``. ``block_n``: the tile's rows, where the caller fixes them
-    (the qkv kernel: half a head)."""
+    until the stages fit ``budget`` bytes (``SHARED_BUDGET``). ``block_n``: the tile's rows, where the
+    caller fixes them (the qkv kernel: half a head)."""
     if silu_mul:
         cfg = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     elif K >= 8192:
@@ -70,7 +71,7 @@ def default_config(M: int, N: int, K: int, silu_mul: bool, block_n: int | None =
     def stage_bytes():
         return ((2 if silu_mul else 1) * cfg["BLOCK_N"] + block_m) * cfg["BLOCK_K"] * 2
 
-    while cfg["num_stages"] * stage_bytes() > SHARED_BUDGET:
+    while cfg["num_stages"] * stage_bytes() > budget:
         if cfg["BLOCK_K"] > 128:
             cfg["BLOCK_K"] //= 2
         elif cfg["num_stages"] > 2:
@@ -88,6 +89,17 @@ def _silu_mul(g, u, DTYPE: tl.constexpr):
     uf = to_rne(u, DTYPE).to(tl.float32)
     s = to_rne(div_rn(gf, add_rn(1.0, exp_exact(-gf))), DTYPE).to(tl.float32)
     return to_rne(mul_rn(s, uf), DTYPE)
+
+
+@triton.jit
+def _mma(w, xt, acc, IEEE_DOT: tl.constexpr):
+    """acc + w·xt, fp32 accumulation; IEEE_DOT (the CPU interpreter, whose bf16 dot is broken): exact
+    fp32 products."""
+    if IEEE_DOT:
+        acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, xt, acc)
+    return acc
 
 
 @triton.jit
@@ -119,15 +131,9 @@ def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M:
     k_start = 0
     if FIRST:
         xt = tl.load(x_ptrs, mask=mmask[None, :] & (rk < K)[:, None], other=0.0)
-        if IEEE_DOT:
-            acc = tl.dot(w_first.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w_first, xt, acc)
+        acc = _mma(w_first, xt, acc, IEEE_DOT)
         if TWO:
-            if IEEE_DOT:
-                acc_u = tl.dot(u_first.to(tl.float32), xt.to(tl.float32), acc_u, input_precision="ieee")
-            else:
-                acc_u = tl.dot(u_first, xt, acc_u)
+            acc_u = _mma(u_first, xt, acc_u, IEEE_DOT)
         w_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -143,10 +149,7 @@ def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M:
             kmask = (k0 + rk) < K
             xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if IEEE_DOT:  # the CPU interpreter (its bf16 dot is broken): exact fp32 products
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc)
+        acc = _mma(w, xt, acc, IEEE_DOT)
         if TWO:
             if EVEN_K:
                 if EVEN_N:
@@ -155,10 +158,7 @@ def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M:
                     wu = tl.load(u_ptrs, mask=nmask[:, None], other=0.0)
             else:
                 wu = tl.load(u_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if IEEE_DOT:
-                acc_u = tl.dot(wu.to(tl.float32), xt.to(tl.float32), acc_u, input_precision="ieee")
-            else:
-                acc_u = tl.dot(wu, xt, acc_u)
+            acc_u = _mma(wu, xt, acc_u, IEEE_DOT)
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
