@@ -1624,3 +1624,134 @@ def test_pdl_bench_coresident_configs_fit_two_programs_an_sm():
         assert cfg["num_stages"] * stage <= 100 * 1024 and cfg["num_stages"] >= 2
         assert {k: v for k, v in cfg.items() if k not in ("BLOCK_K", "num_stages")} == \
             {k: v for k, v in base.items() if k not in ("BLOCK_K", "num_stages")}
+
+
+# ---- the GEMM chain experiment (plugins/linear/chain_kernel.py, scripts/chain_bench.py) ---------
+
+
+def chain_case(seed=0, M=8, D=256, F=512, A=256):
+    """A small layer chain as scripts/chain_bench.py lays it out: qkv → o (its input a fixed
+    stand-in) → gate/up with silu·mul → down, its weights in one flat buffer, its activations in
+    one buffer of regions. → (weights by name, flat weights, activations, regions, phases)."""
+    g = torch.Generator().manual_seed(seed)
+    ws = {"qkv": (384, D), "o": (D, A), "gu": (2 * F, D), "down": (D, F)}
+    ws = {k: (torch.randn(*s, generator=g) / s[1] ** 0.5).to(torch.bfloat16).to(DEV) for k, s in ws.items()}
+    offs, n = {}, 0
+    for k, v in ws.items():
+        offs[k], n = n, n + v.numel()
+    flat = torch.cat([v.flatten() for v in ws.values()])
+    regions, n = {}, 0
+    for k, width in [("x", D), ("attn", A), ("qkv", 384), ("o", D), ("gu", F), ("down", D)]:
+        regions[k], n = n, n + M * width
+    act = torch.zeros(n, dtype=torch.bfloat16, device=DEV)
+    act[regions["x"]: regions["x"] + M * D] = torch.randn(M * D, generator=g).to(torch.bfloat16).to(DEV)
+    act[regions["attn"]: regions["attn"] + M * A] = torch.randn(M * A, generator=g).to(torch.bfloat16).to(DEV)
+    phases = [dict(w_offset=offs["qkv"], N=384, K=D, in_offset=regions["x"], out_offset=regions["qkv"], silu=0),
+              dict(w_offset=offs["o"], N=D, K=A, in_offset=regions["attn"], out_offset=regions["o"], silu=0),
+              dict(w_offset=offs["gu"], N=F, K=D, in_offset=regions["o"], out_offset=regions["gu"], silu=1),
+              dict(w_offset=offs["down"], N=D, K=F, in_offset=regions["gu"], out_offset=regions["down"], silu=0)]
+    return ws, flat, act, regions, phases
+
+
+CHAIN_CONFIG = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2)
+
+
+@needs_kernels
+def test_chain_kernel_one_launch_per_gemm_equals_the_engine_kernel():
+    """The chain experiment's GEMMs, one launch each (its work split: 16-row tiles dealt round the
+    programs), give the engine kernel's bits for the same chunking, GEMM by GEMM."""
+    from muse_spark.plugins.linear.chain_kernel import chain_table, launch_chain
+    from muse_spark.plugins.linear.triton_kernel import launch_linear
+    from muse_spark.plugins.triton_math import interpreting
+
+    ws, flat, act, regions, phases = chain_case()
+    M = 8
+    ctl = torch.zeros(3, dtype=torch.int64, device=DEV)
+    launch_chain(flat, act, chain_table(phases, M, flat, act, CHAIN_CONFIG), ctl, M, grid_sync=False,
+                 config=CHAIN_CONFIG, interpret=interpreting(), programs=3)
+
+    def lin(name, x, silu=False):
+        return launch_linear(x, ws[name], silu, interpret=interpreting(), config=CHAIN_CONFIG)
+
+    def region(name, width):
+        return act[regions[name]: regions[name] + M * width].view(M, width)
+
+    q = lin("qkv", region("x", 256))
+    o = lin("o", region("attn", 256))
+    gu = lin("gu", o, True)
+    down = lin("down", gu)
+    for name, want in [("qkv", q), ("o", o), ("gu", gu), ("down", down)]:
+        assert torch.equal(region(name, want.shape[1]), want), name
+
+
+@needs_gpu
+@pytest.mark.parametrize("preload", [False, True], ids=["barrier", "barrier+preload"])
+@pytest.mark.parametrize("per_launch", [0, 2], ids=["one_launch", "two_phases_a_launch"])
+def test_chain_kernel_grid_barriers_change_no_bit(preload, per_launch):
+    """On the GPU: the whole chain in one launch (or two phases a launch), its phases separated by
+    grid barriers, with or without the next weight chunk loaded before each wait: the same bits
+    as one launch per GEMM, twice in a row on the kept counter, and no program gave up waiting."""
+    from muse_spark.plugins.linear.chain_kernel import chain_table, launch_chain
+
+    _, flat, act, regions, phases = chain_case(seed=1)
+    table = chain_table(phases, 8, flat, act, CHAIN_CONFIG)
+    want = act.clone()
+    launch_chain(flat, want, table, torch.zeros(3, dtype=torch.int64, device=DEV), 8, grid_sync=False,
+                 config=CHAIN_CONFIG)
+    ctl = torch.zeros(3, dtype=torch.int64, device=DEV)
+    for _ in range(2):
+        got = act.clone()
+        launch_chain(flat, got, table, ctl, 8, grid_sync=True, preload=preload, phases_per_launch=per_launch,
+                     config=CHAIN_CONFIG)
+        assert torch.equal(got, want) and int(ctl[2]) == 0
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("preload", [False, True], ids=["barrier", "barrier+preload"])
+def test_chain_kernel_compiles_for_hopper_with_pipelined_weight_loads(preload):
+    """The chain kernel with grid barriers at scripts/chain_bench.py's default configuration,
+    compiled for sm_90 without a GPU: it fits shared memory, its weight loads are staged by
+    cp.async (the table's sizes are declared multiples of the tiles, as the engine kernel's are
+    specialized), and the barrier's atomics are there."""
+    from muse_spark.plugins.linear import chain_kernel as ck
+
+    cfg = ck.DEFAULT_CONFIG
+    sig = dict(w_ptr="*bf16", act_ptr="*bf16", table_ptr="*i64", ctl_ptr="*i64", M="i32", lo="i32", hi="i32")
+    k = compile_for_hopper(ck._chain_kernel, sig, dict(BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                                                       GRID_SYNC=True, PRELOAD=preload, SPIN=1 << 22, IEEE_DOT=False),
+                           cfg["num_warps"], cfg["num_stages"])
+    ptx = k.asm["ptx"]
+    assert k.metadata.shared <= 227 * 1024 and "cp.async.cg.shared.global" in ptx and "atom." in ptx
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernel's module imports it)")
+def test_chain_table_refuses_what_the_kernel_cannot_take():
+    from muse_spark.plugins.linear.chain_kernel import chain_table
+
+    _, flat, act, _, phases = chain_case()
+    with pytest.raises(ValueError, match="multiples of 16 elements"):
+        chain_table([dict(phases[0], w_offset=8)], 8, flat, act, CHAIN_CONFIG)
+    with pytest.raises(ValueError, match="multiples of BLOCK_N 16 and BLOCK_K 128"):
+        chain_table([dict(phases[0], K=200)], 8, flat, act, CHAIN_CONFIG)
+    with pytest.raises(ValueError, match="reaches past"):
+        chain_table([dict(phases[3], w_offset=flat.numel())], 8, flat, act, CHAIN_CONFIG)
+    assert chain_table(phases, 8, flat, act, CHAIN_CONFIG).shape == (4, 6)
+
+
+@needs_kernels
+def test_linear_launcher_writes_a_given_output_in_place():
+    """``launch_linear(out=...)`` (the chain bench writes each GEMM into its activation region):
+    the same bits as a fresh output, written into ``out``; a wrong ``out`` is refused."""
+    from muse_spark.plugins.linear.triton_kernel import launch_linear
+    from muse_spark.plugins.triton_math import interpreting
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(8, 256, generator=g).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(2 * 64, 256, generator=g) / 16).to(torch.bfloat16).to(DEV)
+    for silu in (False, True):
+        want = launch_linear(x, w, silu, interpret=interpreting())
+        out = torch.full_like(want, float("nan"))
+        got = launch_linear(x, w, silu, interpret=interpreting(), out=out)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        launch_linear(x, w, interpret=interpreting(), out=torch.empty(8, 64, dtype=torch.bfloat16, device=DEV))

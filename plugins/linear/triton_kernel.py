@@ -278,14 +278,15 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap=lambda f: f,
                   interpret: bool = False, config: dict | None = None, pdl: int = 0, prefetch: int = 0,
-                  launch_pdl: bool = False, preload: bool = False) -> torch.Tensor:
+                  launch_pdl: bool = False, preload: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W[N_w, K]ᵀ → [..., N_w] in x's dtype; with ``silu_mul`` (N_w = 2·I) → [..., I]:
     silu(x @ W[:I]ᵀ) · (x @ W[I:]ᵀ). ``wrap`` is ``torch.library.wrap_triton`` inside the op;
     ``config`` overrides the launch configuration (the sweep). ``pdl``: compile the PDL wait in
     (``triton_math.pdl_enter``), with ``prefetch`` bytes of each program's weight rows prefetched
     into L2 before it (a multiple of 2048); ``launch_pdl``: launch with the PDL attribute (eager
     launches only; scripts/pdl_bench.py, docs/pdl-research.md); ``preload``: the first K chunk's
-    weight tiles loaded into registers before the wait (the same bits). The engines use none yet."""
+    weight tiles loaded into registers before the wait (the same bits). The engines use none yet.
+    ``out``: a contiguous [M, N] tensor of x's dtype to write instead of a new one (benches)."""
     K = x.shape[-1]
     n_w = w.shape[0]
     if w.dim() != 2 or w.shape[1] != K:
@@ -297,7 +298,9 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"linear: out must be a contiguous {x.dtype} [{M}, {N}], got {out.dtype} {list(out.shape)}")
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     if M > 0 and N > 0:
         cfg = dict(default_config(M, N, K, silu_mul), **(config or {}))
         block_m = max(16, triton.next_power_of_2(M))

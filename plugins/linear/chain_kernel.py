@@ -1,0 +1,158 @@
+"""An experiment (scripts/chain_bench.py), not used by the engines: a chain of dependent skinny
+GEMMs in one persistent launch, phases separated by grid barriers instead of kernel boundaries.
+
+Why: fitted to the H200's isolated GEMM timings, each GEMM launch of a batch-1 step costs ~5 µs
+of launch, ramp and tail on top of streaming its weight (docs/benchmarks.md, eleventh session).
+That is 151 launches and ~0.7 ms a step. This kernel measures what a grid barrier costs instead.
+It also measures the barrier with the next phase's first weight chunk already loaded
+(``PRELOAD``). The weights do not depend on the phase before, so a program can fetch them while
+it waits for the others.
+
+The chain: phase p computes out_p = in_p @ W_pᵀ (``silu`` phases: silu(g)·u of W_p's two halves,
+as ``plugins/linear``'s silu·mul) for the same few rows. Each phase's input and output are regions
+of one activation buffer, described by a table of int64 rows
+``(w_offset, N, K, in_offset, out_offset, silu)``: the bench chains qkv → o → gate/up → down per
+layer, each reading the one before.
+
+Work split: each phase's N output rows are cut into ``BLOCK_N``-row tiles, and tile t goes to
+program t mod P. At 16-row tiles every batch-1 shape splits within 3 % of even over 132
+programs. Each tile is one program's fp32 dot over the whole of K (``_stream_tiles``, the engine
+kernel's weight stream), so the bits do not depend on the grid. They can differ from the engine
+kernel's where its chunk (``BLOCK_K``) differs.
+
+``GRID_SYNC``: one launch runs phases [lo, hi) with ``_count_barrier`` (the Markov kernel's:
+a counter that only grows, kept between calls) between them. Every program must be resident (the
+launcher sizes the grid to the SMs; a program that gives up waiting raises ctl[2]). Without it,
+the launcher runs one launch per phase: the same arithmetic, for the CPU interpreter and as the
+bench's baseline.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from muse_spark.plugins.linear.triton_kernel import _first_tiles, _silu_mul, _stream_tiles
+from muse_spark.plugins.markov.triton_kernel import _count_barrier
+from muse_spark.plugins.triton_math import to_rne
+
+TABLE_COLS = 6  # w_offset, N, K, in_offset, out_offset, silu
+DEFAULT_CONFIG = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _phase_row(table_ptr, p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Phase p's table row. Offsets are multiples of 16 elements and N, K of the tiles
+    (``chain_table`` checks): said to the compiler, so the weight loads are vectorized and
+    pipelined as the engine kernel's are (whose sizes are specialized arguments)."""
+    row = table_ptr + p * 6
+    return (tl.multiple_of(tl.load(row), 16), tl.multiple_of(tl.load(row + 1), BLOCK_N),
+            tl.multiple_of(tl.load(row + 2), BLOCK_K), tl.multiple_of(tl.load(row + 3), 16),
+            tl.multiple_of(tl.load(row + 4), 16), tl.load(row + 5))
+
+
+@triton.jit
+def _tile(w_ptr, act_ptr, M, t, w_off, N, K, in_off, out_off, silu, rm, mmask, w_first, u_first,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FIRST: tl.constexpr,
+          IEEE_DOT: tl.constexpr):
+    """Output rows [t·BLOCK_N, (t+1)·BLOCK_N) of one phase for the M rows of its input."""
+    DT = act_ptr.dtype.element_ty
+    rn = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    wp = w_ptr + w_off
+    xp = act_ptr + in_off
+    yp = act_ptr + out_off + rm[None, :] * N + rn[:, None]  # [BLOCK_N, BLOCK_M]: yᵀ, rows of N
+    if silu != 0:
+        acc, acc_u = _stream_tiles(xp, wp, rn, rn + N, rm, nmask, mmask, K, K, BLOCK_M, BLOCK_N, BLOCK_K, True, True,
+                                   True, IEEE_DOT, FIRST, w_first, u_first)
+        tl.store(yp, _silu_mul(acc, acc_u, DT), mask=nmask[:, None] & mmask[None, :])
+    else:
+        acc, acc_u = _stream_tiles(xp, wp, rn, rn, rm, nmask, mmask, K, K, BLOCK_M, BLOCK_N, BLOCK_K, True, True,
+                                   False, IEEE_DOT, FIRST, w_first, u_first)
+        tl.store(yp, to_rne(acc, DT), mask=nmask[:, None] & mmask[None, :])
+
+
+@triton.jit
+def _chain_kernel(
+    w_ptr,  # every phase's weight, flat (bf16/fp16)
+    act_ptr,  # the activations, flat: phase inputs and outputs [M, K] / [M, N] row-major at their offsets
+    table_ptr,  # [phases, 6] int64
+    ctl_ptr,  # int64 [3]: the barrier's counter (kept, only grows), -, the error flag
+    M, lo, hi,  # rows; the phases this launch runs
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GRID_SYNC: tl.constexpr,
+    PRELOAD: tl.constexpr, SPIN: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    rm = tl.arange(0, BLOCK_M)
+    mmask = rm < M
+    w_first = tl.zeros((BLOCK_N, BLOCK_K), dtype=w_ptr.dtype.element_ty)
+    u_first = w_first
+    for p in range(lo, hi):
+        w_off, N, K, in_off, out_off, silu = _phase_row(table_ptr, p, BLOCK_N, BLOCK_K)
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        first = pid
+        if PRELOAD:
+            if p > lo:  # this program's first tile: its first K chunk was loaded before the barrier
+                if pid < n_tiles:
+                    _tile(w_ptr, act_ptr, M, pid, w_off, N, K, in_off, out_off, silu, rm, mmask, w_first, u_first,
+                          BLOCK_M, BLOCK_N, BLOCK_K, True, IEEE_DOT)
+                first = pid + n_prog
+        for t in range(first, n_tiles, n_prog):
+            _tile(w_ptr, act_ptr, M, t, w_off, N, K, in_off, out_off, silu, rm, mmask, w_first, u_first,
+                  BLOCK_M, BLOCK_N, BLOCK_K, False, IEEE_DOT)
+        if GRID_SYNC and p + 1 < hi:
+            if PRELOAD:  # the next phase's first K chunk of this program's first tile, before the wait
+                nw_off, nN, nK, _i, _o, nsilu = _phase_row(table_ptr, p + 1, BLOCK_N, BLOCK_K)
+                rn0 = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+                w_first, u_first = _first_tiles(w_ptr + nw_off, rn0, rn0 + nN, rn0 < nN, nK, BLOCK_K, True)
+            _count_barrier(ctl_ptr, n_prog, SPIN)
+
+
+def chain_table(phases: list[dict], M: int, w: torch.Tensor, act: torch.Tensor,
+                config: dict | None = None) -> torch.Tensor:
+    """[phases, 6] int64 on ``act``'s device from dicts with w_offset, N, K, in_offset, out_offset,
+    silu, checked against the buffers and the configuration's tiles (here, on the host: a launch
+    inside a CUDA graph capture cannot read the table back)."""
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    keys = ("w_offset", "N", "K", "in_offset", "out_offset", "silu")
+    rows = [[int(ph[k]) for k in keys] for ph in phases]
+    for w_off, N, K, i_off, o_off, silu in rows:
+        if w_off % 16 or i_off % 16 or o_off % 16:
+            raise ValueError(f"chain: offsets {w_off}, {i_off}, {o_off} must be multiples of 16 elements")
+        if K % cfg["BLOCK_K"] or N % cfg["BLOCK_N"]:
+            raise ValueError(f"chain: phase N {N}, K {K} must be multiples of BLOCK_N {cfg['BLOCK_N']} and "
+                             f"BLOCK_K {cfg['BLOCK_K']}")
+        if w_off + (2 if silu else 1) * N * K > w.numel() or max(i_off + M * K, o_off + M * N) > act.numel():
+            raise ValueError("chain: a phase reaches past the weight or activation buffer")
+    return torch.tensor(rows, dtype=torch.int64, device=act.device)
+
+
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_chain(w: torch.Tensor, act: torch.Tensor, table: torch.Tensor, ctl: torch.Tensor, M: int,
+                 grid_sync: bool, preload: bool = False, programs: int | None = None, phases_per_launch: int = 0,
+                 config: dict | None = None, interpret: bool = False, spin: int = 1 << 22) -> None:
+    """Runs the chain of ``table`` (``chain_table``, made with the same ``config``) over ``act`` in
+    place. ``grid_sync``: phases share launches (``phases_per_launch`` each, 0: all in one),
+    separated by grid barriers; ``programs`` defaults to the SM count (all resident). Otherwise
+    one launch per phase, with the same default grid, so the work split is the same. ``ctl``: int64
+    [3], zeroed once and kept (ctl[2] != 0: a program gave up waiting)."""
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    n_phases = table.shape[0]
+    if grid_sync and interpret:
+        raise ValueError("chain: the grid barrier needs every program resident (not the CPU interpreter)")
+    if programs is None:
+        programs = 4 if interpret else sm_count(act.device)
+    if grid_sync and not interpret and programs > sm_count(act.device):
+        raise ValueError(f"chain: {programs} programs cannot all be resident on {sm_count(act.device)} SMs")
+    block_m = max(16, triton.next_power_of_2(M))
+    step = (phases_per_launch or n_phases) if grid_sync else 1
+    for lo in range(0, n_phases, step):
+        _chain_kernel[(programs,)](
+            w, act, table, ctl, M, lo, min(lo + step, n_phases), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"], GRID_SYNC=grid_sync, PRELOAD=preload and grid_sync, SPIN=spin,
+            IEEE_DOT=interpret, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
