@@ -8,6 +8,8 @@
 #   scripts/gpu_check.sh markov  # the Markov kernel over shapes x launch configurations (scripts/markov_diag.py)
 #   scripts/gpu_check.sh triton-build  # the tiny CUDA engine with the Triton plugins: build (timed), generate
 #   scripts/gpu_check.sh attention     # the attention kernels: their tests, then scripts/attention_bench.py
+#   scripts/gpu_check.sh boundaries    # what a GEMM boundary costs: scripts/chain_bench.py, then pdl_bench.py's
+#                                      # co-resident and preload variants (docs/benchmarks.md, eleventh session)
 #
 # MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default triton).
 # ATTENTION_ARGS=--sweep adds the Triton kernel's launch configurations to the attention mode.
@@ -55,6 +57,12 @@ attention)
     timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rfEs -k "attention" tests/test_gpu_kernels.py \
         tests/test_gpu_eager.py 2>&1 | tee "$OUT/attention-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
     timeout "${ATTENTION_TIMEOUT:-240}" python3 scripts/attention_bench.py ${ATTENTION_ARGS:-} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention-bench.log"
+    ;;
+boundaries)
+    timeout "${CHAIN_TIMEOUT:-240}" python3 scripts/chain_bench.py --json "$OUT/chain-bench.json" 2>&1 | tee "$OUT/chain-bench.log"
+    timeout "${PDL_TIMEOUT:-240}" python3 scripts/pdl_bench.py --prefetch-kb "" \
+        --only triton-coresident,pdl-coresident,pdl-coresident+preload,pdl+preload,pdl-wait-only,pdl-wait-only+preload \
+        --json "$OUT/pdl-bench-coresident.json" 2>&1 | tee "$OUT/pdl-bench.log"
     ;;
 markov)
     timeout "${MARKOV_TIMEOUT:-300}" python3 scripts/markov_diag.py 2>&1 | tee "$OUT/markov-diag.log"
