@@ -106,7 +106,8 @@ def _chain_kernel(
             if PRELOAD:  # the next phase's first K chunk of this program's first tile, before the wait
                 nw_off, nN, nK, _i, _o, nsilu = _phase_row(table_ptr, p + 1, BLOCK_N, BLOCK_K)
                 rn0 = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-                w_first, u_first = _first_tiles(w_ptr + nw_off, rn0, rn0 + nN, rn0 < nN, nK, BLOCK_K, True)
+                w_first, u_first = _first_tiles(w_ptr + nw_off, rn0, rn0 + nN, rn0 < nN, nK, BLOCK_K, True,
+                                                nsilu != 0)  # (no up half: nothing read past the weight)
             _count_barrier(ctl_ptr, n_prog, SPIN)
 
 

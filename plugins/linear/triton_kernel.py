@@ -103,14 +103,15 @@ def _mma(w, xt, acc, IEEE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _first_tiles(w_ptr, rn, ru, nmask, K, BLOCK_K: tl.constexpr, TWO: tl.constexpr):
-    """The weight tiles of K chunk 0 (W[rn], and W[ru] with TWO), loaded ahead (``PRELOAD``)."""
+def _first_tiles(w_ptr, rn, ru, nmask, K, BLOCK_K: tl.constexpr, TWO: tl.constexpr, u_ok=True):
+    """The weight tiles of K chunk 0 (W[rn], and W[ru] with TWO where ``u_ok``: the GEMM chain
+    decides per phase), loaded ahead (``PRELOAD``)."""
     rk = tl.arange(0, BLOCK_K)
     kmask = nmask[:, None] & (rk < K)[None, :]
     w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :], mask=kmask, other=0.0)
     wu = w
     if TWO:
-        wu = tl.load(w_ptr + ru.to(tl.int64)[:, None] * K + rk[None, :], mask=kmask, other=0.0)
+        wu = tl.load(w_ptr + ru.to(tl.int64)[:, None] * K + rk[None, :], mask=kmask & u_ok, other=0.0)
     return w, wu
 
 
