@@ -373,7 +373,7 @@ class Bench:
 
             # Variants: the same packages compiled with a kernel switch set in the worker (VARIANTS).
             vjobs = {name: [dict(j, env=env, out=str(out_dir / name / Path(j["out"]).name)) for j in jobs]
-                     for name, env in VARIANTS.items() if getattr(a, "attention_cache", "off") == "both"}
+                     for name, env in VARIANTS.items() if a.attention_cache == "both"}
             for name in vjobs:
                 (out_dir / name).mkdir(parents=True, exist_ok=True)
             n_jobs = len(jobs) + sum(map(len, vjobs.values()))

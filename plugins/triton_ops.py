@@ -15,8 +15,9 @@ Importing this module imports Triton and registers
   ``models.layers.head_norm_rope_reference``. ``muse_spark::head_norm_rope_cache_triton`` also
   writes the k heads and v into the KV caches (the layer's cache write, in the same kernel);
 * ``muse_spark::attention_cache_triton`` — ``head_norm_rope_cache_triton`` and the attention of its
-  q over the caches in one launch of the attention's partial kernel (the layers' default where
-  both kernels fit and the mask is in bounds form);
+  q over the caches in one launch of the attention's partial kernel (opt-in,
+  ``MUSE_SPARK_ATTENTION_CACHE=1``: the layers call it where both kernels fit and the mask is in
+  bounds form);
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
   which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
   selects SDPA instead). Its reference is ``models.layers.attend_reference``.
@@ -172,6 +173,21 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return launch_attention(q, k, v, mask, slots, wrap=wrap_triton, interpret=interpreting())
 
 
+def _check_bounds(op: str, last: torch.Tensor, B: int, S: int, window: int, length: int) -> None:
+    """The bounds form of a mask (``models.layers.KeyBounds``): last [B, S] int64 and a key window
+    within the caches' ``length``."""
+    if last.dtype != torch.int64 or tuple(last.shape) != (B, S):
+        raise ValueError(f"{op}: last must be int64 [B, S] = [{B}, {S}], got {last.dtype} {list(last.shape)}")
+    if not 0 <= window <= length:
+        raise ValueError(f"{op}: the key window {window} must be in [0, {length}] (the cache's length)")
+
+
+def _attend_bounds_reference(q, k, v, last, window, slots):
+    """The bounds-form attention's reference: its dense mask, the rows of the caches, the fp32 einsums."""
+    mask = KeyBounds(last, window).dense()
+    return attend_reference(q, *cache_rows(k, v, mask, slots), mask)
+
+
 @triton_op("muse_spark::attention_bounds_triton", mutates_args=())
 def _attention_bounds_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor, window: int,
                          slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,24 +195,34 @@ def _attention_bounds_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last
     ``window`` is visible to query (b, s) iff t ≤ last[b, s]. The same attention as the dense mask,
     within rounding: on the H200 the bits differ at head_dim 128 (docs/benchmarks.md, eighth
     session); its own bits do not depend on batch, queries or window, as the dense form's."""
-    B, S = q.shape[:2]
-    if last.dtype != torch.int64 or tuple(last.shape) != (B, S):
-        raise ValueError(f"attention: last must be int64 [B, S] = [{B}, {S}], got {last.dtype} {list(last.shape)}")
-    if not 0 <= window <= k.shape[1]:
-        raise ValueError(f"attention: the key window {window} must be in [0, {k.shape[1]}] (the cache's length)")
+    _check_bounds("attention", last, *q.shape[:2], window, k.shape[1])
     _check_attention(q, k, v, slots)
     if not _runs_kernels(q):
-        mask = KeyBounds(last, window).dense()
-        return attend_reference(q, *cache_rows(k, v, mask, slots), mask)
+        return _attend_bounds_reference(q, k, v, last, window, slots)
     return launch_attention(q, k, v, last, slots, wrap=wrap_triton, interpret=interpreting(), window=window)
+
+
+def _check_heads(op: str, x: torch.Tensor) -> None:
+    if not head_norm_rope_kernel.fits(x):
+        raise ValueError(f"{op}: x {list(x.shape)} {x.dtype}: the kernel takes [B, S, heads, Dh] in bf16 or fp16 with "
+                         "Dh a power of two in [2, 512]")
+
+
+def _check_new_v(op: str, x: torch.Tensor, v: torch.Tensor, q_heads: bool) -> None:
+    """v [B, S, KV, Dh] beside x's heads [B, S, NH, Dh], in x's dtype; ``q_heads``: x must also hold
+    query heads (KV < NH), else KV ≤ NH."""
+    B, S, NH, dh = x.shape
+    kv = v.shape[2] if v.dim() == 4 else 0
+    if (v.dim() != 4 or tuple(v.shape[:2]) != (B, S) or v.shape[3] != dh or v.dtype != x.dtype
+            or not 0 < kv <= NH - int(q_heads)):
+        raise ValueError(f"{op}: v must be {x.dtype} [{B}, {S}, KV {'<' if q_heads else '≤'} {NH}, {dh}], got "
+                         f"{v.dtype} {list(v.shape)}")
 
 
 @triton_op("muse_spark::head_norm_rope_triton", mutates_args=())
 def _head_norm_rope_op(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                        use_rope: bool) -> torch.Tensor:
-    if not head_norm_rope_kernel.fits(x):
-        raise ValueError(f"head_norm_rope: x {list(x.shape)} {x.dtype}: the kernel takes [B, S, heads, Dh] in bf16 or "
-                         "fp16 with Dh a power of two in [2, 512]")
+    _check_heads("head_norm_rope", x)
     if positions.dtype != torch.int64 or tuple(positions.shape) != tuple(x.shape[:2]):
         raise ValueError(f"head_norm_rope: positions must be int64 {list(x.shape[:2])}, got {positions.dtype} "
                          f"{list(positions.shape)}")
@@ -230,13 +256,9 @@ def _head_norm_rope_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.
     ``positions`` [B, S] (the layers' ``k_cache[slots[:, None], positions] = k``): one kernel
     instead of the norm and two index_put kernels. → the normed q [B, S, H, Dh]. Its reference is
     ``models.layers.head_norm_rope_cache_reference``."""
-    if not head_norm_rope_kernel.fits(x):
-        raise ValueError(f"head_norm_rope: x {list(x.shape)} {x.dtype}: the kernel takes [B, S, heads, Dh] in bf16 or "
-                         "fp16 with Dh a power of two in [2, 512]")
-    B, S, NH, dh = x.shape
-    if v.dim() != 4 or tuple(v.shape[:2]) != (B, S) or v.shape[3] != dh or not 0 < v.shape[2] <= NH or v.dtype != x.dtype:
-        raise ValueError(f"head_norm_rope: v must be {x.dtype} [{B}, {S}, KV ≤ {NH}, {dh}], got {v.dtype} "
-                         f"{list(v.shape)}")
+    _check_heads("head_norm_rope", x)
+    _check_new_v("head_norm_rope", x, v, q_heads=False)
+    B, S, _, dh = x.shape
     _check_cache_write("head_norm_rope", B, S, v.shape[2], dh, x.dtype, positions, k_cache, v_cache, slots)
     if not _runs_kernels(x):
         return head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
@@ -253,26 +275,16 @@ def _attention_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tenso
     [N, T, KV, Dh] at rows ``slots``, positions ``positions``), then ``attention_bounds_triton``
     of the normed q over the caches, in one launch of the attention's partial kernel (and its
     merge) → [B, S, H, Dh]. Its reference is those two references in that order."""
-    if not head_norm_rope_kernel.fits(x):
-        raise ValueError(f"attention_cache: x {list(x.shape)} {x.dtype}: the kernel takes [B, S, heads, Dh] in bf16 or "
-                         "fp16 with Dh a power of two in [2, 512]")
+    _check_heads("attention_cache", x)
+    _check_new_v("attention_cache", x, v, q_heads=True)
     B, S, NH, dh = x.shape
-    if v.dim() != 4 or tuple(v.shape[:2]) != (B, S) or v.shape[3] != dh or not 0 < v.shape[2] < NH or v.dtype != x.dtype:
-        raise ValueError(f"attention_cache: v must be {x.dtype} [{B}, {S}, KV < {NH}, {dh}], got {v.dtype} "
-                         f"{list(v.shape)}")
     kv = v.shape[2]
     _check_cache_write("attention_cache", B, S, kv, dh, x.dtype, positions, k_cache, v_cache, slots)
     _check_attention(x[:, :, : NH - kv], k_cache, v_cache, slots)  # (the q heads)
-    if last.dtype != torch.int64 or tuple(last.shape) != (B, S):
-        raise ValueError(f"attention_cache: last must be int64 [B, S] = [{B}, {S}], got {last.dtype} "
-                         f"{list(last.shape)}")
-    if not 0 <= window <= k_cache.shape[1]:
-        raise ValueError(f"attention_cache: the key window {window} must be in [0, {k_cache.shape[1]}] (the cache's "
-                         "length)")
+    _check_bounds("attention_cache", last, B, S, window, k_cache.shape[1])
     if not _runs_kernels(x):
         q = head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
-        mask = KeyBounds(last, window).dense()
-        return attend_reference(q, *cache_rows(k_cache, v_cache, mask, slots), mask)
+        return _attend_bounds_reference(q, k_cache, v_cache, last, window, slots)
     return launch_attention(x, k_cache, v_cache, last, slots, wrap=wrap_triton, interpret=interpreting(),
                             window=window, new_kv=(v, positions, eps, theta, use_rope))
 
