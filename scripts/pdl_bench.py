@@ -107,22 +107,6 @@ def main() -> int:
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    layers = make_layers(args.layers, dev)
-    kc = torch.randn(1, args.window, KV, DH, device=dev).to(torch.bfloat16)
-    vc = torch.randn(1, args.window, KV, DH, device=dev).to(torch.bfloat16)
-    positions = torch.arange(args.context, args.context + ROWS, device=dev).view(1, ROWS)
-    keys = torch.arange(args.window, device=dev)
-    mask = (keys[None, None, :] <= positions[:, :, None])  # [1, S, T]: causal over the window
-    stream0 = torch.randn(ROWS, D, device=dev)
-    x0 = torch.randn(ROWS, D, device=dev).to(torch.bfloat16)
-    wbytes = sum(t.numel() * t.element_size() for L in layers for t in L.values())
-    bw = copy_bandwidth(dev)
-    roof_us = wbytes / (bw["GBps"] * 1e3)
-    print(f"{args.layers} layers, {wbytes / 1e9:.2f} GB of weights; copy bandwidth {bw['GBps']:.0f} GB/s; "
-          f"roofline {roof_us:.0f} us", flush=True)
-
     variants = [("cublas", dict(linear="cublas", pdl=False, launch_pdl=False, prefetch=0)),
                 ("triton", dict(linear="triton", pdl=False, launch_pdl=False, prefetch=0)),
                 ("triton+wait", dict(linear="triton", pdl=1, launch_pdl=False, prefetch=0)),
@@ -143,8 +127,27 @@ def main() -> int:
         variants.append((f"pdl-wait-only+prefetch{kb}", dict(linear="triton", pdl=2, launch_pdl=True,
                                                              prefetch=kb << 10)))
     if args.only:  # the triton variant always runs: the others' bits are checked against it
+        unknown = set(args.only.split(",")) - {n for n, _ in variants}
+        if unknown:
+            p.error(f"--only: no variant {sorted(unknown)}; the variants: {[n for n, _ in variants]}")
         keep = set(args.only.split(",")) | {"triton", "cublas"}
         variants = [(n, v) for n, v in variants if n in keep]
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    layers = make_layers(args.layers, dev)
+    kc = torch.randn(1, args.window, KV, DH, device=dev).to(torch.bfloat16)
+    vc = torch.randn(1, args.window, KV, DH, device=dev).to(torch.bfloat16)
+    positions = torch.arange(args.context, args.context + ROWS, device=dev).view(1, ROWS)
+    keys = torch.arange(args.window, device=dev)
+    mask = (keys[None, None, :] <= positions[:, :, None])  # [1, S, T]: causal over the window
+    stream0 = torch.randn(ROWS, D, device=dev)
+    x0 = torch.randn(ROWS, D, device=dev).to(torch.bfloat16)
+    wbytes = sum(t.numel() * t.element_size() for L in layers for t in L.values())
+    bw = copy_bandwidth(dev)
+    roof_us = wbytes / (bw["GBps"] * 1e3)
+    print(f"{args.layers} layers, {wbytes / 1e9:.2f} GB of weights; copy bandwidth {bw['GBps']:.0f} GB/s; "
+          f"roofline {roof_us:.0f} us", flush=True)
+
     results, ref = {}, None
     for name, v in variants:
         out = {}
