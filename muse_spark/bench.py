@@ -45,9 +45,10 @@ PRESETS = {
                  draft_layers=1, draft_vocab=128, rank=16, gamma=3, aux=(0, 1)),
 }
 TAUS = (1.0, 3.7, 6.17)
-# aoti step variants `--attention-cache both` compiles and times beside the default: name -> the kernel
-# switches set in its compile workers and around the eager step it is checked against.
-VARIANTS = {"attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "1"}}
+# aoti step variants `--attention-cache both` / `--pdl both` compile and time beside the default: name -> the
+# kernel switches set in its compile workers and around the eager step it is checked against. The pdl
+# variant's graphs also get their programmatic edges (runtime.cuda_graph.make_programmatic).
+VARIANTS = {"attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "1"}, "pdl": {"MUSE_SPARK_PDL": "1"}}
 
 
 def preset_configs(name: str, layers: int | None = None, draft_layers: int | None = None):
@@ -373,7 +374,7 @@ class Bench:
 
             # Variants: the same packages compiled with a kernel switch set in the worker (VARIANTS).
             vjobs = {name: [dict(j, env=env, out=str(out_dir / name / Path(j["out"]).name)) for j in jobs]
-                     for name, env in VARIANTS.items() if a.attention_cache == "both"}
+                     for name, env in VARIANTS.items() if getattr(a, name) == "both"}
             for name in vjobs:
                 (out_dir / name).mkdir(parents=True, exist_ok=True)
             n_jobs = len(jobs) + sum(map(len, vjobs.values()))
@@ -543,9 +544,12 @@ class Bench:
 
         from muse_spark.runtime.aoti_engine import load_step
         from muse_spark.runtime.aoti_graphs import MARKOV_ERROR_WORD, SpecPair, weight_names, weight_tensors
+        from muse_spark.models.layers import PDL_KERNELS
         from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
 
         a, dev = self.a, self.device
+        pdl = (env or {}).get("MUSE_SPARK_PDL") == "1"
+        programmatic = PDL_KERNELS if pdl and dev.type == "cuda" else ()
         sec = self.result["sections"] if sec is None else sec
         pair = SpecPair(eng.target, eng.draft)
         weights = weight_tensors(pair, weight_names(pair))
@@ -556,7 +560,8 @@ class Bench:
             for b in sorted(batches, reverse=not a.aoti_ascending):
                 fn = load_step(work_dir or a.work_dir, None, b, eng.target, eng.draft, dev, single_threaded=cuda)
                 words = self.markov_words[b]  # the Markov kernel's kept workspace, as the engine keeps it
-                runner = (CUDAGraphStep(fn, b, weights, caches, scratch, dev, pool=pool, markov_words=words) if cuda
+                runner = (CUDAGraphStep(fn, b, weights, caches, scratch, dev, pool=pool, markov_words=words,
+                                        programmatic=programmatic) if cuda
                           else StaticStep(fn, b, weights, caches, scratch, dev, markov_words=words))
                 x = inputs(b)
                 # Same inputs, greedy rows: the compiled step's drafts and verdicts equal the eager step's.
@@ -574,6 +579,9 @@ class Bench:
                 sec["aoti"][b] = time_fn(lambda: runner(*x), dev, a.iters)
                 if cuda:
                     sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
+                if programmatic:  # the same packages: the edges' other port, and plain edges (the waits' cost)
+                    sec.setdefault("aoti_pdl", {})[b] = self.pdl_replays(runner, fn, b, weights, caches, scratch,
+                                                                         words, pool, x, label)
                 # The serving loop's form, host values in and rows out: as the generator did it before
                 # (tensors built on the device from lists, the step, .cpu()) and through step_host.
                 host = [t.tolist() for t in x]
@@ -607,6 +615,29 @@ class Bench:
                     sec.setdefault("aoti_profile", {})[b] = prof  # with every kernel ("all") on CUDA: a
                     # kernel below the top's cutoff must not look absent when two runs are compared
         self.save()
+
+    def pdl_replays(self, runner, fn, b, weights, caches, scratch, words, pool, x, label) -> dict:
+        """A PDL variant's step graph (``runner``, edges rewritten through the programmatic port)
+        beside the same packages captured with the launch-order port and with plain edges: each
+        graph's replay time, rewritten edges, and whether its step equals ``runner``'s."""
+        import torch
+
+        from muse_spark.models.layers import PDL_KERNELS
+        from muse_spark.runtime.cuda_graph import CUDAGraphStep
+
+        a, dev = self.a, self.device
+        want = runner(*x)
+        res = {"programmatic": {"edges": runner.programmatic_edges, "kernels": runner.graph_kernels,
+                                "replay": time_fn(runner.graph.replay, dev, a.iters)}}
+        for name, kw in (("launch_order", dict(programmatic=PDL_KERNELS, pdl_port="launch_order")),
+                         ("plain_edges", dict(programmatic=()))):
+            other = CUDAGraphStep(fn, b, weights, caches, scratch, dev, pool=pool, markov_words=words, **kw)
+            res[name] = {"edges": other.programmatic_edges, "equals": bool(torch.equal(other(*x), want)),
+                         "replay": time_fn(other.graph.replay, dev, a.iters)}
+        self.log(f"{label} B={b}: {res['programmatic']['edges']} of the graph's edges into its "
+                 f"{res['programmatic']['kernels']} kernels programmatic; replay " + ", ".join(
+                     f"{k} {v['replay']['median_ms']:.3f} ms" for k, v in res.items()))
+        return res
 
     def markov_section(self, draft, batches, impl) -> None:
         """The Markov loop alone: the reference (eager ops; it cannot be graph-captured, its
@@ -850,6 +881,12 @@ def render_markdown(result: dict) -> str:
                      "—" if "kernel_ms" not in rep else f"{rep['kernel_ms']:.3f}",
                      "—" if launches is None else f"{launches:g}", str(sub.get("aoti_matches_eager", {}).get(b))]
             out.append(f"| {b} | " + " | ".join(cells) + " |")
+        for b, r in sub.get("aoti_pdl", {}).items():  # the PDL variant's graphs: the edges' two ports, plain edges
+            p_, lo, pe = r["programmatic"], r["launch_order"], r["plain_edges"]
+            out.append(f"* B={b}: {p_['edges']} edges programmatic (graph of {p_['kernels']} kernels). Replay: "
+                       f"programmatic port {p_['replay']['median_ms']:.3f} ms; launch-order port "
+                       f"{lo['replay']['median_ms']:.3f} ms (step equal: {lo['equals']}); the same kernels with plain "
+                       f"edges {pe['replay']['median_ms']:.3f} ms (step equal: {pe['equals']}).")
         for e in sub.get("aoti_errors", []) + ([sub["aoti_error"]] if "aoti_error" in sub else []):
             out.append(f"* failed: {str(e).splitlines()[0][:300]}")
     errors = {k: v for k, v in sec.items() if "error" in k}
@@ -897,6 +934,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-cache", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step with the attention kernel doing the q/k norm "
                         "and cache write (MUSE_SPARK_ATTENTION_CACHE=1), beside the default")
+    p.add_argument("--pdl", choices=["off", "both"], default="off",
+                   help="both: also compile and time the aoti step with the plugin kernels waiting first and "
+                        "their graph edges programmatic (MUSE_SPARK_PDL=1), beside the default; its replay is also "
+                        "timed with the edges' launch-order port and with plain edges")
     p.add_argument("--work-dir", default="/tmp/muse_spark_bench", help="where the aoti packages are compiled")
     p.add_argument("--json", default="docs/benchmarks.json")
     p.add_argument("--markdown", default="docs/benchmarks.md")

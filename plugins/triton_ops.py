@@ -46,7 +46,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
-                                      head_norm_rope_reference, linear_reference, qkv_cache_reference,
+                                      head_norm_rope_reference, linear_reference, pdl_waits, qkv_cache_reference,
                                       triton_attention_fits)
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
@@ -78,6 +78,12 @@ def _runs_kernels(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or interpreting()
 
 
+def _pdl() -> int:
+    """The ``PDL`` mode the ops compile ``models.layers.PDL_KERNELS`` with: 2 (wait only) under
+    ``MUSE_SPARK_PDL=1``, else 0; 0 under the interpreter (no inline asm)."""
+    return 2 if pdl_waits() and not interpreting() else 0
+
+
 @triton_op("muse_spark::gated_residual_add_triton", mutates_args=())
 def _gated_residual_add_op(
     stream: torch.Tensor,
@@ -96,7 +102,7 @@ def _gated_residual_add_op(
             norm_branch)
     if not _runs_kernels(stream):
         return gated_residual_add_ref(*args)
-    return launch_gated_residual_add(*args, wrap=wrap_triton)
+    return launch_gated_residual_add(*args, wrap=wrap_triton, pdl=_pdl())
 
 
 @triton_op("muse_spark::markov_sample_triton", mutates_args=("workspace",))
@@ -170,7 +176,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     _check_attention(q, k, v, slots)
     if not _runs_kernels(q):
         return attend_reference(q, *cache_rows(k, v, mask, slots), mask)
-    return launch_attention(q, k, v, mask, slots, wrap=wrap_triton, interpret=interpreting())
+    return launch_attention(q, k, v, mask, slots, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl())
 
 
 def _check_bounds(op: str, last: torch.Tensor, B: int, S: int, window: int, length: int) -> None:
@@ -199,7 +205,8 @@ def _attention_bounds_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last
     _check_attention(q, k, v, slots)
     if not _runs_kernels(q):
         return _attend_bounds_reference(q, k, v, last, window, slots)
-    return launch_attention(q, k, v, last, slots, wrap=wrap_triton, interpret=interpreting(), window=window)
+    return launch_attention(q, k, v, last, slots, wrap=wrap_triton, interpret=interpreting(), window=window,
+                            pdl=_pdl())
 
 
 def _check_heads(op: str, x: torch.Tensor) -> None:
@@ -228,7 +235,8 @@ def _head_norm_rope_op(x: torch.Tensor, positions: torch.Tensor, eps: float, the
                          f"{list(positions.shape)}")
     if not _runs_kernels(x):
         return head_norm_rope_reference(x, positions, eps, theta, use_rope)
-    return head_norm_rope_kernel.launch_head_norm_rope(x, positions, eps, theta, use_rope, wrap=wrap_triton)
+    return head_norm_rope_kernel.launch_head_norm_rope(x, positions, eps, theta, use_rope, wrap=wrap_triton,
+                                                      pdl=_pdl())
 
 
 def _check_cache_write(op: str, B: int, S: int, kv: int, dh: int, dtype: torch.dtype, positions: torch.Tensor,
@@ -263,7 +271,7 @@ def _head_norm_rope_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.
     if not _runs_kernels(x):
         return head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
     return head_norm_rope_kernel.launch_head_norm_rope_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache,
-                                                            slots, wrap=wrap_triton)
+                                                            slots, wrap=wrap_triton, pdl=_pdl())
 
 
 @triton_op("muse_spark::attention_cache_triton", mutates_args=("k_cache", "v_cache"))
@@ -286,7 +294,7 @@ def _attention_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tenso
         q = head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
         return _attend_bounds_reference(q, k_cache, v_cache, last, window, slots)
     return launch_attention(x, k_cache, v_cache, last, slots, wrap=wrap_triton, interpret=interpreting(),
-                            window=window, new_kv=(v, positions, eps, theta, use_rope))
+                            window=window, new_kv=(v, positions, eps, theta, use_rope), pdl=_pdl())
 
 
 @triton_op("muse_spark::linear_triton", mutates_args=())
@@ -298,7 +306,7 @@ def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor
         raise ValueError(f"linear: silu_mul needs an even number of weight rows (gate | up), got {w.shape[0]}")
     if not _runs_kernels(x):
         return linear_reference(x, w, silu_mul)
-    return launch_linear(x, w, silu_mul, wrap=wrap_triton, interpret=interpreting())
+    return launch_linear(x, w, silu_mul, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl())
 
 
 @triton_op("muse_spark::linear_qkv_cache_triton", mutates_args=("k_cache", "v_cache"))

@@ -38,6 +38,8 @@ from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
 from muse_spark.runtime.engine import (EagerEngine, EngineError, build_modules, check_plugins, configs_from_manifest,
                                        read_manifest, verify_files)
 
+log = logging.getLogger(__name__)
+
 
 # ---- compatibility ----------------------------------------------------------------------------
 def machine_info(device: torch.device) -> dict:
@@ -77,6 +79,22 @@ def check_compatibility(manifest: dict, here: dict, where: str = "engine") -> No
 
 
 # ---- loading packages -------------------------------------------------------------------------
+def programmatic_kernels(aoti: dict) -> tuple[str, ...]:
+    """The kernels whose incoming edges the step graphs make programmatic: the manifest's
+    ``pdl_kernels`` (an engine built with ``MUSE_SPARK_PDL=1``), or none, with a warning, where
+    cuda-bindings (the CUDA driver's Python API, which edits the graphs) is missing: the step is
+    then the same, only launched without PDL."""
+    names = tuple(aoti.get("pdl_kernels") or ())
+    if names:
+        try:
+            import cuda.bindings.driver  # noqa: F401
+        except ImportError as e:
+            log.warning("this engine was built for PDL step graphs, but cuda-bindings does not import (%s): "
+                        "its steps run without PDL (pip install cuda-bindings for them)", e)
+            return ()
+    return names
+
+
 class _ScalarCPUPackageNotice(logging.Filter):
     """CPU engines compiled with ``fast_compile`` are scalar code on purpose; the loader's
     "Device information mismatch for AOTI_CPU_ISA: … vs INVALID_VEC_ISA" warning is noise."""
@@ -219,12 +237,13 @@ class AOTIEngine(EagerEngine):
         self.prefill_fn = load_prefill(d, a["graphs"], target, draft, self.device)
         self.runners: dict[int, StaticStep] = {}
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.pdl_kernels = programmatic_kernels(a) if self.cuda_graphs else ()
         with torch.inference_mode():
             for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
                 fn = load_step(d, a["graphs"], b, target, draft, self.device, single_threaded=self.cuda_graphs)
                 if self.cuda_graphs:
                     self.runners[b] = CUDAGraphStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
-                                                    pool=pool, markov_words=words[b])
+                                                    pool=pool, markov_words=words[b], programmatic=self.pdl_kernels)
                 else:
                     self.runners[b] = StaticStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
                                                  markov_words=words[b])

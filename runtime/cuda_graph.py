@@ -27,7 +27,7 @@ result comes back in one device→host copy into a pinned buffer.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 
@@ -171,17 +171,83 @@ class StaticStep:
             self.markov_ws.zero_()
 
 
-class CUDAGraphStep(StaticStep):
-    """A ``StaticStep`` captured once in a CUDA graph and replayed every step."""
+# The outgoing port of a rewritten edge (``make_programmatic``): "programmatic", the dependent launches
+# as the kernel before triggers or its programs exit (the kernels trigger nothing, so: as they exit);
+# "launch_order", as soon as all of its programs have started.
+PDL_PORTS = ("programmatic", "launch_order")
 
-    def __init__(self, *args, pool=None, warmup: int = 2, **kw):
+
+def make_programmatic(graph: int, waiting: Collection[str], port: str = "programmatic") -> tuple[int, int]:
+    """Turn each edge kernel → kernel of the captured CUDA graph ``graph`` (a ``cudaGraph_t``, e.g.
+    ``torch.cuda.CUDAGraph(keep_graph=True).raw_cuda_graph()``, before it is instantiated) whose
+    downstream kernel's name is in ``waiting`` into a programmatic edge (PDL, docs/pdl-research.md):
+    that kernel may launch before the one before it has finished, which its ``griddepcontrol.wait``
+    makes safe. A kernel that does not wait before it touches memory must never be in ``waiting``.
+    Edges from or to other nodes (copies, memsets) stay. → (edges rewritten, kernel nodes)."""
+    if port not in PDL_PORTS:
+        raise ValueError(f"PDL port {port!r}: expected one of {PDL_PORTS}")
+    from cuda.bindings import driver as cu  # (torch's CUDA 13 wheels depend on cuda-bindings)
+
+    def check(result, what: str):
+        err, *rest = result
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise EngineError(f"making the step graph's edges programmatic: {what} failed: {err!r}")
+        return rest
+
+    h = cu.CUgraph(graph)
+    n = check(cu.cuGraphGetEdges(h, 0), "cuGraphGetEdges")[3]
+    frm, to, data, _ = check(cu.cuGraphGetEdges(h, n), "cuGraphGetEdges")
+    names: dict[int, str | None] = {}
+
+    def kernel_name(node) -> str | None:
+        """The node's kernel's name; "" for a kernel whose name is unknown; None: not a kernel."""
+        key = int(node)
+        if key not in names:
+            kind = check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType")[0]
+            name = None
+            if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+                params = check(cu.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")[0]
+                name = ""
+                if int(params.func):
+                    err, raw = cu.cuFuncGetName(params.func)
+                    if err == cu.CUresult.CUDA_SUCCESS and raw:
+                        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            names[key] = name
+        return names[key]
+
+    waiting = frozenset(waiting)
+    # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC; CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC / _LAUNCH_ORDER
+    pdl_type, out_port = 1, {"programmatic": 1, "launch_order": 2}[port]
+    rewritten = 0
+    for a, b, e in zip(frm, to, data):
+        if int(e.type) != 0 or kernel_name(a) is None or kernel_name(b) not in waiting:
+            continue
+        pe = cu.CUgraphEdgeData()
+        pe.type = pdl_type
+        pe.from_port = out_port
+        check(cu.cuGraphRemoveDependencies(h, [a], [b], [e], 1), "cuGraphRemoveDependencies")
+        check(cu.cuGraphAddDependencies(h, [a], [b], [pe], 1), "cuGraphAddDependencies")
+        rewritten += 1
+    return rewritten, sum(1 for v in names.values() if v is not None)
+
+
+class CUDAGraphStep(StaticStep):
+    """A ``StaticStep`` captured once in a CUDA graph and replayed every step.
+
+    ``programmatic``: the names of the kernels in the step that wait before any memory access (an
+    engine built with ``MUSE_SPARK_PDL=1``: its manifest's ``aoti.pdl_kernels``); the edges into
+    them become programmatic (``make_programmatic``, through ``pdl_port``) before the graph is
+    instantiated. ``programmatic_edges``: how many did."""
+
+    def __init__(self, *args, pool=None, warmup: int = 2, programmatic: Collection[str] = (),
+                 pdl_port: str = "programmatic", **kw):
         super().__init__(*args, **kw)
         # What a replay reads and writes (its pointers are checked on every replay), weights last.
         self._watched = list(self.static_inputs) + [self.markov_ws] + [t for c in self.caches for t in c]
         self._watched_all = self._watched + self.weights
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph = torch.cuda.CUDAGraph(keep_graph=bool(programmatic))
         # Warm up on a side stream (kernel modules load on first run; capture
         # must not be the first run). All rows are padding: only the scratch
         # slot is written.
@@ -194,6 +260,11 @@ class CUDAGraphStep(StaticStep):
         torch.cuda.synchronize(self.device)
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = self._run()
+        self.programmatic_edges = self.graph_kernels = 0
+        if programmatic:
+            self.programmatic_edges, self.graph_kernels = make_programmatic(self.graph.raw_cuda_graph(),
+                                                                            programmatic, pdl_port)
+            self.graph.instantiate()
         torch.cuda.synchronize(self.device)
         self._captured = self._pointers(weights=True)
         self.replays = 0

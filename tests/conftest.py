@@ -78,13 +78,14 @@ def small_engine(seed=0, max_batch=8, max_seq=64, **cfg_kw) -> EagerEngine:
 ENGINE_PROMPTS = [[1, 2, 3], [72, 101, 108, 108, 111] * 30, [200], [40, 41, 42, 43, 44, 45, 46, 47]]
 
 
-def run_cli(*args, timeout: int = 900, cwd=None):
-    """Run ``muse-spark ARGS…`` in a fresh process, as a user would."""
+def run_cli(*args, timeout: int = 900, cwd=None, env: dict | None = None):
+    """Run ``muse-spark ARGS…`` in a fresh process, as a user would (``env``: added to the environment)."""
+    import os
     import subprocess
     import sys
 
     return subprocess.run([sys.executable, "-m", "muse_spark.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd)
+                          text=True, timeout=timeout, cwd=cwd, env=None if env is None else {**os.environ, **env})
 
 
 def cli_generate_ids(engine, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0) -> list[int]:

@@ -94,27 +94,30 @@ def test_slower_in_graph_ranks_kernels_by_their_growth():
     assert rows == [["norm", 8, 0.1, 0.4], ["new", 2, 0.0, 0.2]]
 
 
-def test_the_attention_cache_variant_is_compiled_and_timed_beside_the_default(tmp_path):
-    """``--attention-cache both``: a second set of step packages compiled with
-    MUSE_SPARK_ATTENTION_CACHE=1 in the workers (its own folder), checked against the eager step
-    under the same switch and timed after the default; its table in the markdown. (On CPU both
-    take the reference attention: this checks the plumbing; the H200 run gives the figures.)"""
+def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
+    """``--attention-cache both --pdl both``: per variant a second set of step packages compiled with
+    its switch (MUSE_SPARK_ATTENTION_CACHE=1, MUSE_SPARK_PDL=1) in the workers (its own folder),
+    checked against the eager step under the same switch and timed after the default; its table in
+    the markdown. (On CPU every variant takes the reference kernels and no graph: this checks the
+    plumbing; the H200 run gives the figures.)"""
     js, md, work = tmp_path / "b.json", tmp_path / "b.md", tmp_path / "work"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--preset", "tiny", "--device", "cpu",
            "--batches", "1", "--context", "16", "--iters", "2", "--skip", "compile", "--attention-cache", "both",
-           "--work-dir", str(work), "--json", str(js), "--markdown", str(md)]
+           "--pdl", "both", "--work-dir", str(work), "--json", str(js), "--markdown", str(md)]
     subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     sec = json.loads(js.read_text())["sections"]
-    sub = sec["variants"]["attention_cache"]
-    assert sub["env"] == {"MUSE_SPARK_ATTENTION_CACHE": "1"}
-    assert sorted(sub["compiled"]) == ["step_draft_b1", "step_finish_b1", "step_layer_b1"]
-    assert {p.name for p in (work / "attention_cache").glob("*.pt2")} == {f"{n}.pt2" for n in sub["compiled"]}
-    assert sub["aoti"]["1"]["median_ms"] > 0 and sub["aoti_matches_eager"]["1"] is True
     assert sec["aoti"]["1"]["median_ms"] > 0 and sec["aoti_matches_eager"]["1"] is True  # the default's own
     text = md.read_text()
-    assert "### Variant `attention_cache` (MUSE_SPARK_ATTENTION_CACHE=1), beside the default aoti step" in text
-    row = next(line for line in text.splitlines() if line.startswith("| 1 | ") and line.endswith("| True |"))
-    assert len(row.split("|")) == 10
+    for name, var in (("attention_cache", "MUSE_SPARK_ATTENTION_CACHE"), ("pdl", "MUSE_SPARK_PDL")):
+        sub = sec["variants"][name]
+        assert sub["env"] == {var: "1"}
+        assert sorted(sub["compiled"]) == ["step_draft_b1", "step_finish_b1", "step_layer_b1"]
+        assert {p.name for p in (work / name).glob("*.pt2")} == {f"{n}.pt2" for n in sub["compiled"]}
+        assert sub["aoti"]["1"]["median_ms"] > 0 and sub["aoti_matches_eager"]["1"] is True
+        assert "aoti_pdl" not in sub  # graph edges: CUDA only
+        assert f"### Variant `{name}` ({var}=1), beside the default aoti step" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 1 | ") and line.endswith("| True |")]
+    assert len(rows) == 2 and all(len(row.split("|")) == 10 for row in rows)
 
 
 def test_a_jobs_switches_are_set_for_it_and_restored_after(monkeypatch):

@@ -1550,11 +1550,20 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
             ["x_ptr", "pos_ptr", "out_ptr", "S", "NH", "sx_b", "sx_s", "sx_h", "sp_b", "sp_s"],
             ["*bf16", "*i64", "*bf16"] + ["i32"] * 7)), dict(EPS=1e-6, THETA=5e5, DH=128, BLOCK_H=16, ROPE=True), 4,
             None, ()),
+        "head_norm_rope_cache": (hk._head_norm_rope_cache_kernel, dict(zip(
+            ["x_ptr", "v_ptr", "pos_ptr", "slot_ptr", "out_ptr", "kc_ptr", "vc_ptr", "S", "NH", "H", "KVH", "N_SLOTS",
+             "T", "sx_b", "sx_s", "sx_h", "sp_b", "sp_s", "sv_b", "sv_s", "sv_h", "skc_n", "skc_t", "skc_h", "svc_n",
+             "svc_t", "svc_h"], ["*bf16", "*bf16", "*i64", "*i64", "*bf16", "*bf16", "*bf16"] + ["i32"] * 20)),
+            dict(EPS=1e-6, THETA=5e5, DH=128, BLOCK_H=16, ROPE=True, BLOCK_KV=8), 4, None, ()),
         "linear": (lk._linear_kernel, dict(zip(lin_names, ["*bf16"] * 3 + ["i32"] * 5)), lin, 4, 4,
                    ("N", "K", "stride_xm", "stride_ym")),
         "linear_prefetch": (lk._linear_kernel, dict(zip(lin_names, ["*bf16"] * 3 + ["i32"] * 5)),
                             dict(lin, PREFETCH=64 << 10), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
     }
+    from muse_spark.models.layers import PDL_KERNELS
+
+    # Every kernel an engine built with MUSE_SPARK_PDL=1 launches as a programmatic dependent is checked here.
+    assert set(PDL_KERNELS) <= {case[0].fn.__name__ for case in cases.values()}
     for name, (fn, sig, consts, warps, stages, m16) in cases.items():
         ptx = compile_for_hopper(fn, sig, dict(consts, PDL=mode), warps, stages, multiples_of_16=m16).asm["ptx"]
         waits, before = _global_accesses_before_the_wait(ptx)
@@ -1755,3 +1764,47 @@ def test_linear_launcher_writes_a_given_output_in_place():
         assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
     with pytest.raises(ValueError, match="out must be a contiguous"):
         launch_linear(x, w, interpret=interpreting(), out=torch.empty(8, 64, dtype=torch.bfloat16, device=DEV))
+
+
+@needs_gpu
+@pytest.mark.parametrize("port", ["programmatic", "launch_order"])
+def test_programmatic_edges_into_a_waiting_kernel_change_no_result(port):
+    """``runtime.cuda_graph.make_programmatic`` on a captured graph: a 64 MB elementwise producer,
+    then the q/k norm kernel compiled with the PDL wait reading the producer's last rows. Only the
+    edge into the named kernel becomes programmatic (one of the graph's edges), and every replay
+    with new producer input gives the unfused result bit for bit: the consumer launched early
+    reads nothing before its wait. A graph whose kernels are not named keeps its edges."""
+    from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope
+    from muse_spark.runtime.cuda_graph import make_programmatic
+
+    B, S, NH, DH = 2, 8, 12, 128
+    n = B * S * NH * DH
+    src = torch.randn(1 << 25, device=DEV, dtype=torch.bfloat16)
+    buf = torch.empty_like(src)
+    pos = torch.arange(B * S, device=DEV).view(B, S) + 100
+
+    def step(pdl):
+        torch.mul(src, 2.0, out=buf)  # the producer: every element, its last rows read next
+        return launch_head_norm_rope(buf[-n:].view(B, S, NH, DH), pos, 1e-6, 5e5, True, pdl=pdl)
+
+    def capture(names):
+        step(2)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(g):
+            out = step(2)
+        counts = make_programmatic(g.raw_cuda_graph(), names, port)
+        g.instantiate()
+        return g, out, counts
+
+    g, out, counts = capture({"_head_norm_rope_kernel"})
+    assert counts == (1, 2)
+    for i in range(10):
+        src.copy_(torch.randn(src.shape, device=DEV, generator=torch.Generator(DEV).manual_seed(i)))
+        g.replay()
+        want = launch_head_norm_rope((src[-n:] * 2.0).view(B, S, NH, DH), pos, 1e-6, 5e5, True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), i
+    assert capture({"_some_other_kernel"})[2] == (0, 2)
+    with pytest.raises(ValueError, match="PDL port"):
+        make_programmatic(g.raw_cuda_graph(), {"_head_norm_rope_kernel"}, "early")

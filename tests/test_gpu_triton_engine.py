@@ -78,3 +78,33 @@ def test_the_markov_workspace_is_kept_per_bucket_and_a_flagged_step_runs_again(b
     assert flagged[:, engine.gamma].tolist() == [-1, -1]
     runner.reset_markov()
     assert engine.step_host(*host, kv_len) == clean
+
+
+@pytest.fixture(scope="module")
+def built_pdl(agreeing_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("triton_engine_pdl") / "engine"
+    r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
+            "--device", "cuda", "--max-batch", 2, "--max-seq", MAX_SEQ, "--plugins", "triton",
+            env={"MUSE_SPARK_PDL": "1"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out
+
+
+def test_a_pdl_engine_launches_its_plugin_kernels_as_programmatic_dependents_and_equals_eager(built_pdl, eager):
+    """Built with ``MUSE_SPARK_PDL=1``: the manifest names the kernels compiled with the wait first,
+    each bucket's step graph has the edges into them programmatic (not into its other kernels), and greedy and sampled output equal the eager engine's (built without
+    the switch), in this process and in a fresh one."""
+    from muse_spark.models.layers import PDL_KERNELS
+
+    m = json.loads((built_pdl / "manifest.json").read_text())["aoti"]
+    assert m["pdl_kernels"] == list(PDL_KERNELS)
+    engine = load_engine(built_pdl)
+    assert set(engine.runners) == {1, 2}
+    for runner in engine.runners.values():
+        assert 0 < runner.programmatic_edges < runner.graph_kernels, (runner.programmatic_edges, runner.graph_kernels)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, temperature=0.9, seed=3,
+                                                                             ignore_eos=True)]
+    want = [r.output for r in Generator(eager).generate(PROMPTS[:2], params)]
+    assert [r.output for r in Generator(engine).generate(PROMPTS[:2], params)] == want
+    for prompt, p, w in zip(PROMPTS[:2], params, want):
+        assert cli_generate_ids(built_pdl, prompt, 24, temperature=p.temperature, seed=p.seed) == w

@@ -199,14 +199,15 @@ def test_attention_kernel_choice(monkeypatch):
         attention_kernel()
 
 
-@pytest.mark.parametrize("name", ["MUSE_SPARK_QKV_EPILOGUE", "MUSE_SPARK_ATTENTION_CACHE"])
+@pytest.mark.parametrize("name", ["MUSE_SPARK_QKV_EPILOGUE", "MUSE_SPARK_ATTENTION_CACHE", "MUSE_SPARK_PDL"])
 def test_the_opt_in_kernel_switches_are_off_by_default_and_refuse_other_values(monkeypatch, name):
-    """``MUSE_SPARK_QKV_EPILOGUE`` (slower on the H200) and ``MUSE_SPARK_ATTENTION_CACHE`` (not yet
-    measured there): off unless 1; a value other than 0 or 1 is refused with the variable's name,
+    """``MUSE_SPARK_QKV_EPILOGUE`` and ``MUSE_SPARK_ATTENTION_CACHE`` (slower on the H200) and
+    ``MUSE_SPARK_PDL``: off unless 1; a value other than 0 or 1 is refused with the variable's name,
     not read as off."""
-    from muse_spark.models.layers import attention_cache_fused, qkv_epilogue
+    from muse_spark.models.layers import attention_cache_fused, pdl_waits, qkv_epilogue
 
-    switch = {"MUSE_SPARK_QKV_EPILOGUE": qkv_epilogue, "MUSE_SPARK_ATTENTION_CACHE": attention_cache_fused}[name]
+    switch = {"MUSE_SPARK_QKV_EPILOGUE": qkv_epilogue, "MUSE_SPARK_ATTENTION_CACHE": attention_cache_fused,
+              "MUSE_SPARK_PDL": pdl_waits}[name]
     monkeypatch.delenv(name, raising=False)
     assert switch() is False
     monkeypatch.setenv(name, "1")

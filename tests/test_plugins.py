@@ -1,5 +1,7 @@
 """Reference plugin ops: the spec that every fast kernel must match."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from scipy import stats
@@ -259,3 +261,24 @@ def test_uniforms_never_reach_one_or_zero():
     assert bool((u > 0).all() and (u < 1).all())
     assert float(-torch.log(-torch.log(u[-1]))) < float("inf")
     assert len(set(u.tolist())) == 4  # 23 bits of resolution: values 512 apart are distinct
+
+
+def test_every_op_launch_of_a_pdl_kernel_compiles_it_with_the_pdl_mode():
+    """An engine built with MUSE_SPARK_PDL=1 makes the graph edges into ``PDL_KERNELS``
+    programmatic, which is only safe where every launch of those kernels compiled the wait in. So
+    every launcher call in plugins/triton_ops.py that reaches one passes ``pdl=_pdl()``."""
+    import ast
+
+    from muse_spark.models.layers import PDL_KERNELS
+
+    launchers = {"launch_linear": "_linear_kernel", "launch_gated_residual_add": "_gated_residual_norm_kernel",
+                 "launch_head_norm_rope": "_head_norm_rope_kernel",
+                 "launch_head_norm_rope_cache": "_head_norm_rope_cache_kernel", "launch_attention": "_partial_kernel"}
+    assert set(PDL_KERNELS) == set(launchers.values()) | {"_combine_kernel"}  # (launch_attention launches both)
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "plugins" / "triton_ops.py").read_text())
+    calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)
+             and (getattr(c.func, "id", None) or getattr(c.func, "attr", None)) in launchers]
+    assert {getattr(c.func, "id", None) or c.func.attr for c in calls} == set(launchers)
+    for c in calls:
+        pdl = [k.value for k in c.keywords if k.arg == "pdl"]
+        assert pdl and isinstance(pdl[0], ast.Call) and pdl[0].func.id == "_pdl", ast.unparse(c)

@@ -340,6 +340,24 @@ def attention_cache_fused() -> bool:
     return _switch("MUSE_SPARK_ATTENTION_CACHE")
 
 
+# The plugin kernels that, compiled under ``MUSE_SPARK_PDL=1``, execute ``griddepcontrol.wait`` before
+# any global load or store (``plugins.triton_math.pdl_enter``; tests/test_gpu_kernels.py checks their
+# sm_90 code). A build records them in its manifest; the runtime turns the edges into these kernels
+# in its captured step graphs into programmatic ones (``runtime.cuda_graph.make_programmatic``).
+# Only a kernel that waits may have one: it could otherwise read its predecessor's output early.
+PDL_KERNELS = ("_linear_kernel", "_gated_residual_norm_kernel", "_head_norm_rope_kernel",
+               "_head_norm_rope_cache_kernel", "_partial_kernel", "_combine_kernel")
+
+
+def pdl_waits() -> bool:
+    """``MUSE_SPARK_PDL=1``: the plugin ops compile their kernels (``PDL_KERNELS``) with the PDL wait
+    first, and the engine's step graphs launch each of them as a programmatic dependent of the kernel
+    before (it starts as that kernel's programs exit, and waits for its writes on the GPU instead of
+    in the launch path). Off by default until measured faster on the H200 (docs/benchmarks.md,
+    twelfth session). A build records it in the engine's manifest (``aoti.pdl_kernels``)."""
+    return _switch("MUSE_SPARK_PDL")
+
+
 def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     if linear_path(x.device, x.dtype) != "triton" or not _triton_ops_available():  # (imports Triton)
         return False

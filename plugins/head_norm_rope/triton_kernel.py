@@ -128,13 +128,13 @@ def _head_norm_rope_cache_kernel(
     S, NH, H, KVH, N_SLOTS, T,
     sx_b, sx_s, sx_h, sp_b, sp_s, sv_b, sv_s, sv_h, skc_n, skc_t, skc_h, svc_n, svc_t, svc_h,
     EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_KV: tl.constexpr,
+    BLOCK_KV: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """``_head_norm_rope_kernel`` whose heads from H on are keys, stored into the K cache at row
     slots[b], position pos[b, s] instead of the output; the last column of programs copies v's
     heads into the V cache there. A row or position outside the caches writes nothing."""
     HALF: tl.constexpr = DH // 2
-    row = tl.program_id(0)
+    row = tl.program_id(0) + pdl_enter(PDL)  # every load and store is addressed after the PDL wait
     b = row // S
     s = row % S
     slot = tl.load(slot_ptr + b).to(tl.int64)
@@ -191,13 +191,14 @@ def launch_head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, 
 
 def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                                 use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                                wrap=lambda f: f) -> torch.Tensor:
+                                wrap=lambda f: f, pdl: int = 0) -> torch.Tensor:
     """``launch_head_norm_rope`` of x [B, S, H + KV, Dh] (q and k side by side) with the key heads and
     v [B, S, KV, Dh] written into the caches [N, T, KV, Dh] (last dim contiguous) at row
     ``slots[b]``, position ``positions[b, s]`` (as ``k_cache[slots[:, None], positions] = k``) →
     the normed q [B, S, H, Dh] contiguous. One launch: the cache write is the kernel's store. A
     row or position out of the caches' range writes nothing (callers keep them in range; the
-    engines check positions against the window before a step)."""
+    engines check positions against the window before a step). ``pdl``: as
+    ``plugins.linear.triton_kernel.launch_linear``'s."""
     B, S, NH, dh = x.shape
     KV = v.shape[2]
     H = NH - KV
@@ -214,6 +215,6 @@ def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: tor
         x.stride(0), x.stride(1), x.stride(2), positions.stride(0), positions.stride(1), v.stride(0), v.stride(1),
         v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), EPS=float(eps), THETA=float(theta), DH=dh, BLOCK_H=block_h, ROPE=bool(use_rope),
-        BLOCK_KV=triton.next_power_of_2(KV), num_warps=4 if block_h * dh >= 1024 else 1,
+        BLOCK_KV=triton.next_power_of_2(KV), PDL=int(pdl), num_warps=4 if block_h * dh >= 1024 else 1,
     )
     return out
