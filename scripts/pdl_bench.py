@@ -43,7 +43,7 @@ from muse_spark.bench import copy_bandwidth, time_fn  # noqa: E402
 from muse_spark.plugins.attention.triton_kernel import launch_attention  # noqa: E402
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add  # noqa: E402
 from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope  # noqa: E402
-from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear  # noqa: E402
+from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear, launch_prefetch_rows  # noqa: E402
 
 H, KV, DH, D, FFN, ROWS = 32, 8, 128, 4096, 14336, 8
 
@@ -66,10 +66,36 @@ def coresident_config(M: int, N: int, K: int, silu_mul: bool) -> dict:
     return default_config(M, N, K, silu_mul, budget=100 * 1024)
 
 
+_SIDE: dict = {}  # the side stream and sink of the side-prefetch variants (made on first use)
+
+
+def side_prefetch(w, nbytes: int):
+    """Fork: ``nbytes`` of W's rows' leading bytes into L2 on a side stream, from this point of the
+    main stream (``launch_prefetch_rows``); → the event the GEMM that reads W waits on (join)."""
+    if not _SIDE:
+        _SIDE.update(stream=torch.cuda.Stream(), sink=torch.zeros(1 << 12, dtype=torch.int32, device=w.device))
+    fork = torch.cuda.Event()
+    fork.record()
+    _SIDE["stream"].wait_event(fork)
+    with torch.cuda.stream(_SIDE["stream"]):
+        launch_prefetch_rows(w, nbytes, _SIDE["sink"])
+        done = torch.cuda.Event()
+        done.record()
+    return done
+
+
 def stack(layers, cache, mask, positions, stream, x, linear: str, pdl: bool, launch_pdl: bool, prefetch: int,
-          coresident: bool = False, preload: bool = False):
-    """One pass over the layers; returns (stream, x)."""
+          coresident: bool = False, preload: bool = False, side: int = 0):
+    """One pass over the layers; returns (stream, x). ``side``: bytes of the next GEMM's weights
+    prefetched into L2 on a side stream while the small kernels before it run (the o projection's
+    during the q/k norm and attention, gate/up's and the next layer's qkv during the gated
+    residuals)."""
     kw = dict(pdl=pdl, launch_pdl=launch_pdl)
+    main = torch.cuda.current_stream()
+
+    def join(ev):
+        if ev is not None:
+            main.wait_event(ev)
 
     def lin(a, wt, silu=False):
         if linear == "cublas":
@@ -83,17 +109,25 @@ def stack(layers, cache, mask, positions, stream, x, linear: str, pdl: bool, lau
         return launch_linear(a, wt, silu_mul=silu, prefetch=prefetch, config=config, preload=preload, **kw)
 
     kc, vc = cache
-    for L in layers:
+    ev_qkv = None
+    for i, L in enumerate(layers):
+        join(ev_qkv)
         qkv = lin(x, L["qkv"]).view(1, ROWS, H + 2 * KV, DH)
+        ev_o = side_prefetch(L["o"], side) if side else None
         qk = launch_head_norm_rope(qkv[:, :, :H + KV], positions, 1e-6, 5e5, True, **kw)
         attn = launch_attention(qk[:, :, :H], kc, vc, mask, **kw)
+        join(ev_o)
         o = lin(attn.view(ROWS, H * DH), L["o"])
+        ev_gu = side_prefetch(L["gate_up"], side) if side else None
         stream, x = launch_gated_residual_add(stream, o, L["g1"], L["n2"], 1e-6, False, True, torch.bfloat16,
                                               L["b1"], True, **kw)
+        join(ev_gu)
         hdn = lin(x, L["gate_up"], silu=True)
         d = lin(hdn, L["down"])
+        ev_qkv = side_prefetch(layers[i + 1]["qkv"], side) if side and i + 1 < len(layers) else None
         stream, x = launch_gated_residual_add(stream, d, L["g2"], L["n1"], 1e-6, False, True, torch.bfloat16,
                                               L["b2"], True, **kw)
+    join(ev_qkv)
     return stream, x
 
 
@@ -103,6 +137,9 @@ def main() -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--window", type=int, default=2048, help="the cache window the attention masks (static)")
     p.add_argument("--prefetch-kb", default="16,64", help="comma-separated L2 prefetch sizes per program (KB)")
+    p.add_argument("--side-prefetch-mb", default="4,8,16",
+                   help="comma-separated MB of each GEMM's weights prefetched into L2 on a side stream during the "
+                        "small kernels before it (variants triton+sideN MB)")
     p.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--json", default=None)
@@ -122,6 +159,9 @@ def main() -> int:
                                                  preload=True)),
                  ("pdl+preload", dict(linear="triton", pdl=1, launch_pdl=True, prefetch=0, preload=True)),
                  ("pdl-wait-only+preload", dict(linear="triton", pdl=2, launch_pdl=True, prefetch=0, preload=True))]
+    for mb in [int(v) for v in args.side_prefetch_mb.split(",") if v]:
+        variants.append((f"triton+side{mb}MB", dict(linear="triton", pdl=False, launch_pdl=False, prefetch=0,
+                                                   side=mb << 20)))
     for kb in [int(v) for v in args.prefetch_kb.split(",") if v]:
         variants.append((f"pdl+prefetch{kb}", dict(linear="triton", pdl=1, launch_pdl=True, prefetch=kb << 10)))
         variants.append((f"pdl-wait-only+prefetch{kb}", dict(linear="triton", pdl=2, launch_pdl=True,

@@ -1808,3 +1808,29 @@ def test_programmatic_edges_into_a_waiting_kernel_change_no_result(port):
     assert capture({"_some_other_kernel"})[2] == (0, 2)
     with pytest.raises(ValueError, match="PDL port"):
         make_programmatic(g.raw_cuda_graph(), {"_head_norm_rope_kernel"}, "early")
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+def test_the_side_prefetch_kernel_only_prefetches():
+    """scripts/pdl_bench.py's side-prefetch experiment: compiled for sm_90, the kernel issues one bulk
+    L2 prefetch a row and reads nothing (its one store is the sink that keeps the prefetches alive)."""
+    from muse_spark.plugins.linear import triton_kernel as lk
+
+    ptx = compile_for_hopper(lk._prefetch_rows_kernel, {"w_ptr": "*bf16", "sink_ptr": "*i32", "row_bytes": "i32",
+                                                        "prefix_bytes": "i32"}, dict(ROWS=64), 2).asm["ptx"]
+    assert ptx.count("cp.async.bulk.prefetch.L2.global") >= 1
+    assert "ld.global" not in ptx and ptx.count("st.global") == 1
+
+
+@needs_gpu
+def test_the_side_prefetch_launcher_refuses_what_it_cannot_take():
+    from muse_spark.plugins.linear.triton_kernel import launch_prefetch_rows
+
+    w = torch.zeros(128, 256, device=DEV, dtype=torch.bfloat16)
+    sink = torch.zeros(2, dtype=torch.int32, device=DEV)
+    assert launch_prefetch_rows(w, 1 << 20, sink) == 512  # at most a whole row
+    assert launch_prefetch_rows(w, 4096, sink) == 32
+    with pytest.raises(ValueError, match="multiple of 64"):
+        launch_prefetch_rows(w[:100], 4096, sink)
+    with pytest.raises(ValueError, match="sink has 1 elements"):
+        launch_prefetch_rows(w, 4096, sink[:1])

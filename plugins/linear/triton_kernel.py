@@ -347,3 +347,35 @@ def launch_linear_qkv_cache(x: torch.Tensor, w: torch.Tensor, positions: torch.T
         num_stages=cfg["num_stages"],
     )
     return q
+
+
+@triton.jit
+def _prefetch_rows_kernel(w_ptr, sink_ptr, row_bytes, prefix_bytes, ROWS: tl.constexpr):
+    """The first ``prefix_bytes`` of each of ``ROWS`` rows of W (``row_bytes`` apart) from row
+    pid·ROWS on into L2 (one bulk prefetch a row: fire-and-forget); the zero it returns is stored
+    to ``sink_ptr[pid]`` so the prefetches are not dead code."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    ptrs = w_ptr.to(tl.pointer_type(tl.int8)) + rows * row_bytes
+    z = tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                  [ptrs, tl.full([ROWS], 0, tl.int32) + prefix_bytes], dtype=tl.int32,
+                                  is_pure=True, pack=1)
+    tl.store(sink_ptr + pid, tl.max(z, axis=0))
+
+
+def launch_prefetch_rows(w: torch.Tensor, nbytes: int, sink: torch.Tensor, rows_per_program: int = 64) -> int:
+    """Experiment (scripts/pdl_bench.py ``--side-prefetch-mb``): about ``nbytes`` of the weight W [N, K]
+    into L2 as the same leading fraction of every row (each GEMM program's first K chunks, so every
+    program of the GEMM after starts from L2), run on a side stream while small kernels leave HBM
+    idle. ``sink``: int32, at least N / ``rows_per_program`` elements. → the bytes per row."""
+    n, k = w.shape
+    if n % rows_per_program or not w.is_contiguous():
+        raise ValueError(f"prefetch_rows: W {list(w.shape)} must be contiguous with rows a multiple of "
+                         f"{rows_per_program}")
+    row_bytes = k * w.element_size()
+    prefix = min(row_bytes, max(16, nbytes // n // 16 * 16))
+    grid = n // rows_per_program
+    if sink.numel() < grid:
+        raise ValueError(f"prefetch_rows: sink has {sink.numel()} elements, needs {grid}")
+    _prefetch_rows_kernel[(grid,)](w, sink, row_bytes, prefix, ROWS=rows_per_program, num_warps=2)
+    return prefix
