@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Where the fused attention + cache write (``MUSE_SPARK_ATTENTION_CACHE=1``) loses its time, on one GPU:
+
+    python scripts/attention_cache_bench.py [--batch 1] [--layers 32] [--json out.json]
+    ncu --clock-control none --profile-from-start off ... python scripts/attention_cache_bench.py --ncu
+
+The twelfth session's step profile (docs/benchmarks.md) had the fused partial kernel at 22 µs a
+layer against 6.8 µs for the plain partial kernel plus 4.6 µs for the q/k norm + cache kernel it
+replaces. Each variant below runs the step's attention shape (γ + 1 = 8 queries, 32/8 heads × 128,
+the mask in bounds form over a 1152-key window, context 1024) for ``--layers`` layers with their
+own caches, captured in a CUDA graph and timed by its replays; variants leave one stage of the
+fused kernel out, so differences place its time (timing only: ``no_rope`` changes the result):
+
+* ``norm_cache+attention``: the default path (``head_norm_rope_cache`` then the attention);
+* ``norm_cache`` / ``attention``: each alone;
+* ``fused``: ``launch_attention(new_kv=...)``, the fused path;
+* ``fused_no_rope``: the same without the rotation (no cos/sin/pow);
+* ``fused_no_store``: positions past the caches, so no program stores new keys (the barrier stays).
+
+``--ncu``: each kernel once, between cudaProfilerStart/Stop, for Nsight Compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+H, KV, DH, S = 32, 8, 128, 8
+EPS, THETA = 1e-6, 5e5
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--window", type=int, default=1152)
+    p.add_argument("--replays", type=int, default=30)
+    p.add_argument("--ncu", action="store_true", help="run each kernel once inside a profiler range (for ncu)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    from muse_spark.bench import time_fn
+    from muse_spark.plugins.attention.triton_kernel import launch_attention
+    from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope_cache
+
+    dev = torch.device("cuda")
+    B, T = a.batch, a.window
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(B, S, H + KV, DH, device=dev, generator=g).bfloat16()  # the layer's raw q and k heads
+    v = torch.randn(B, S, KV, DH, device=dev, generator=g).bfloat16()
+    slots = torch.arange(B, device=dev)
+    pos = (a.context + torch.arange(S, device=dev)).expand(B, S).contiguous()
+    past = pos + 4 * T  # outside the caches: nothing is stored
+    caches = [(torch.randn(B + 1, T, KV, DH, device=dev, generator=g).bfloat16(),
+               torch.randn(B + 1, T, KV, DH, device=dev, generator=g).bfloat16()) for _ in range(a.layers)]
+
+    def norm_cache(kc, vc, positions=pos):
+        return launch_head_norm_rope_cache(x, v, positions, EPS, THETA, True, kc, vc, slots)
+
+    def attention(q, kc, vc):
+        return launch_attention(q, kc, vc, pos, slots, window=T)
+
+    def fused(kc, vc, rope=True, positions=pos):
+        return launch_attention(x, kc, vc, pos, slots, window=T, new_kv=(v, positions, EPS, THETA, rope))
+
+    q0 = norm_cache(*caches[0])
+    variants = {
+        "norm_cache+attention": lambda kc, vc: attention(norm_cache(kc, vc), kc, vc),
+        "norm_cache": lambda kc, vc: norm_cache(kc, vc),
+        "attention": lambda kc, vc: attention(q0, kc, vc),
+        "fused": lambda kc, vc: fused(kc, vc),
+        "fused_no_rope": lambda kc, vc: fused(kc, vc, rope=False),
+        "fused_no_store": lambda kc, vc: fused(kc, vc, positions=past),
+    }
+    same = torch.equal(fused(*caches[0]), attention(norm_cache(*caches[0]), *caches[0]))
+    print(f"B={B}: fused output = norm_cache then attention, bit for bit: {same}", flush=True)
+    if a.ncu:
+        for fn in variants.values():  # compiled and warm before the profiled range
+            fn(*caches[0])
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        for name in ("norm_cache", "attention", "fused", "fused_no_rope", "fused_no_store"):
+            variants[name](*caches[1])
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return 0
+    results = {}
+    for name, fn in variants.items():
+        def run(fn=fn):
+            for kc, vc in caches:
+                fn(kc, vc)
+
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        t = time_fn(graph.replay, dev, a.replays)
+        results[name] = t["median_ms"] * 1e3 / a.layers
+        print(f"{name:22} {results[name]:7.2f} us a layer", flush=True)
+        del graph
+    base = results["norm_cache+attention"]
+    print("\nvariant                 us/layer  vs default path")
+    for name, us in results.items():
+        print(f"{name:22} {us:9.2f} {us / base:8.3f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(args=vars(a), fused_equals_default=same, us_per_layer=results),
+                                           indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
