@@ -135,3 +135,18 @@ def test_a_jobs_switches_are_set_for_it_and_restored_after(monkeypatch):
     with pytest.raises(RuntimeError), job_environment({"MUSE_SPARK_ATTENTION_CACHE": "1"}):
         raise RuntimeError("a failed compile")
     assert "MUSE_SPARK_ATTENTION_CACHE" not in os.environ
+
+
+def test_the_h200_pdl_run_renders_with_its_pdl_lines_and_a_clear_markov_flag_is_no_failure():
+    """The twelfth session's H200 run (docs/benchmarks-b1-twelfth-pdl.json) renders: the PDL
+    variant's table and its edge/port line; the Markov kernel's error flag 0 is not listed as a
+    failure (it was), a set flag is."""
+    from muse_spark.bench import render_markdown
+
+    result = json.loads((ROOT / "docs" / "benchmarks-b1-twelfth-pdl.json").read_text())
+    text = render_markdown(result)
+    assert "### Variant `pdl` (MUSE_SPARK_PDL=1), beside the default aoti step" in text
+    assert "* B=1: 346 edges programmatic (graph of 393 kernels). Replay: programmatic port 5.656 ms" in text
+    assert "Failures in this run" not in text
+    result["sections"]["aoti_markov_error_flag"] = {"1": 1}
+    assert "* `aoti_markov_error_flag`: {'1': 1}" in render_markdown(result)
