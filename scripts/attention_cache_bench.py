@@ -12,7 +12,7 @@ own caches, captured in a CUDA graph and timed by its replays; variants leave on
 fused kernel out, so differences place its time (timing only: ``no_rope`` changes the result):
 
 * ``norm_cache+attention``: the default path (``head_norm_rope_cache`` then the attention);
-* ``norm_cache`` / ``attention``: each alone;
+* ``norm_cache`` / ``attention``: each alone; ``norm_cache_no_rope``: the norm kernel without the rotation;
 * ``fused``: ``launch_attention(new_kv=...)``, the fused path;
 * ``fused_no_rope``: the same without the rotation (no cos/sin/pow);
 * ``fused_no_store``: positions past the caches, so no program stores new keys (the barrier stays).
@@ -60,8 +60,8 @@ def main() -> int:
     caches = [(torch.randn(B + 1, T, KV, DH, device=dev, generator=g).bfloat16(),
                torch.randn(B + 1, T, KV, DH, device=dev, generator=g).bfloat16()) for _ in range(a.layers)]
 
-    def norm_cache(kc, vc, positions=pos):
-        return launch_head_norm_rope_cache(x, v, positions, EPS, THETA, True, kc, vc, slots)
+    def norm_cache(kc, vc, positions=pos, rope=True):
+        return launch_head_norm_rope_cache(x, v, positions, EPS, THETA, rope, kc, vc, slots)
 
     def attention(q, kc, vc):
         return launch_attention(q, kc, vc, pos, slots, window=T)
@@ -73,6 +73,7 @@ def main() -> int:
     variants = {
         "norm_cache+attention": lambda kc, vc: attention(norm_cache(kc, vc), kc, vc),
         "norm_cache": lambda kc, vc: norm_cache(kc, vc),
+        "norm_cache_no_rope": lambda kc, vc: norm_cache(kc, vc, rope=False),
         "attention": lambda kc, vc: attention(q0, kc, vc),
         "fused": lambda kc, vc: fused(kc, vc),
         "fused_no_rope": lambda kc, vc: fused(kc, vc, rope=False),
