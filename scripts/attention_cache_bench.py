@@ -13,6 +13,8 @@ fused kernel out, so differences place its time (timing only: ``no_rope`` change
 
 * ``norm_cache+attention``: the default path (``head_norm_rope_cache`` then the attention);
 * ``norm_cache`` / ``attention``: each alone; ``norm_cache_no_rope``: the norm kernel without the rotation;
+* ``norm_cache_table`` (``+attention``): the norm kernel reading the step's RoPE table
+  (``launch_rope_table``, computed once a pass over the layers, its time shared by them);
 * ``fused``: ``launch_attention(new_kv=...)``, the fused path;
 * ``fused_no_rope``: the same without the rotation (no cos/sin/pow);
 * ``fused_no_store``: positions past the caches, so no program stores new keys (the barrier stays).
@@ -47,7 +49,7 @@ def main() -> int:
     a = p.parse_args()
     from muse_spark.bench import time_fn
     from muse_spark.plugins.attention.triton_kernel import launch_attention
-    from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope_cache
+    from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope_cache, launch_rope_table
 
     dev = torch.device("cuda")
     B, T = a.batch, a.window
@@ -60,8 +62,10 @@ def main() -> int:
     caches = [(torch.randn(B + 1, T, KV, DH, device=dev, generator=g).bfloat16(),
                torch.randn(B + 1, T, KV, DH, device=dev, generator=g).bfloat16()) for _ in range(a.layers)]
 
-    def norm_cache(kc, vc, positions=pos, rope=True):
-        return launch_head_norm_rope_cache(x, v, positions, EPS, THETA, rope, kc, vc, slots)
+    step = {}  # per pass over the layers: the RoPE table of the *_table variants
+
+    def norm_cache(kc, vc, positions=pos, rope=True, table=None):
+        return launch_head_norm_rope_cache(x, v, positions, EPS, THETA, rope, kc, vc, slots, table=table)
 
     def attention(q, kc, vc):
         return launch_attention(q, kc, vc, pos, slots, window=T)
@@ -74,6 +78,8 @@ def main() -> int:
         "norm_cache+attention": lambda kc, vc: attention(norm_cache(kc, vc), kc, vc),
         "norm_cache": lambda kc, vc: norm_cache(kc, vc),
         "norm_cache_no_rope": lambda kc, vc: norm_cache(kc, vc, rope=False),
+        "norm_cache_table": lambda kc, vc: norm_cache(kc, vc, table=step["table"]),
+        "norm_cache_table+attention": lambda kc, vc: attention(norm_cache(kc, vc, table=step["table"]), kc, vc),
         "attention": lambda kc, vc: attention(q0, kc, vc),
         "fused": lambda kc, vc: fused(kc, vc),
         "fused_no_rope": lambda kc, vc: fused(kc, vc, rope=False),
@@ -81,6 +87,9 @@ def main() -> int:
     }
     same = torch.equal(fused(*caches[0]), attention(norm_cache(*caches[0]), *caches[0]))
     print(f"B={B}: fused output = norm_cache then attention, bit for bit: {same}", flush=True)
+    step["table"] = launch_rope_table(pos, THETA, DH)
+    table_same = torch.equal(norm_cache(*caches[0], table=step["table"]), norm_cache(*caches[0]))
+    print(f"B={B}: norm_cache with the step's RoPE table = without, bit for bit: {table_same}", flush=True)
     if a.ncu:
         for fn in variants.values():  # compiled and warm before the profiled range
             fn(*caches[0])
@@ -93,7 +102,9 @@ def main() -> int:
         return 0
     results = {}
     for name, fn in variants.items():
-        def run(fn=fn):
+        def run(fn=fn, name=name):
+            if name.startswith("norm_cache_table"):  # one table a step, for every layer
+                step["table"] = launch_rope_table(pos, THETA, DH)
             for kc, vc in caches:
                 fn(kc, vc)
 
@@ -111,7 +122,8 @@ def main() -> int:
     for name, us in results.items():
         print(f"{name:22} {us:9.2f} {us / base:8.3f}")
     if a.json:
-        Path(a.json).write_text(json.dumps(dict(args=vars(a), fused_equals_default=same, us_per_layer=results),
+        Path(a.json).write_text(json.dumps(dict(args=vars(a), fused_equals_default=same,
+                                                table_equals_in_place=table_same, us_per_layer=results),
                                            indent=1))
     return 0
 

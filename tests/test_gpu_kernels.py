@@ -1334,11 +1334,16 @@ def test_head_norm_rope_kernel_compiles_for_hopper_with_the_exact_math():
 
     names = [n for n, prm in inspect.signature(hk._head_norm_rope_cache_kernel.fn).parameters.items()
              if "constexpr" not in str(prm.annotation)]
-    sig = dict(zip(names, ["*bf16", "*bf16", "*i64", "*i64", "*bf16", "*bf16", "*bf16"] + ["i32"] * 20))
-    assert len(sig) == len(names) == 27
-    k = compile_for_hopper(hk._head_norm_rope_cache_kernel, sig, dict(EPS=1e-6, THETA=5e5, DH=128,
-                                                                   BLOCK_H=hk.BLOCK_H, ROPE=True, BLOCK_KV=8), 4)
+    sig = dict(zip(names, ["*bf16", "*bf16", "*i64", "*i64", "*bf16", "*bf16", "*bf16"] + ["i32"] * 20
+                   + ["*fp32", "*fp32"]))  # (cos_ptr, sin_ptr: the table, read with TABLE)
+    assert len(sig) == len(names) == 29
+    consts = dict(EPS=1e-6, THETA=5e5, DH=128, BLOCK_H=hk.BLOCK_H, ROPE=True, BLOCK_KV=8)
+    k = compile_for_hopper(hk._head_norm_rope_cache_kernel, sig, consts, 4)
     assert k.asm["cubin"] and "cos.approx" not in k.asm["ptx"]
+    # reading the step's table (launch_rope_table) instead: no angle computed, none of the library's
+    # trigonometry (its large-argument reduction keeps an array in local memory)
+    t = compile_for_hopper(hk._head_norm_rope_cache_kernel, sig, dict(consts, TABLE=True), 4).asm["ptx"]
+    assert "ld.local" in k.asm["ptx"] and "ld.local" not in t and len(t.splitlines()) < len(ptx.splitlines()) / 2
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
@@ -1834,3 +1839,21 @@ def test_the_side_prefetch_launcher_refuses_what_it_cannot_take():
         launch_prefetch_rows(w[:100], 4096, sink)
     with pytest.raises(ValueError, match="sink has 1 elements"):
         launch_prefetch_rows(w, 4096, sink[:1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("rope", [True, False])
+def test_the_rope_table_gives_the_norm_kernel_its_own_bits(rope):
+    """``launch_rope_table``: the step's RoPE cos/sin computed once (the angles' chain of libdevice
+    calls costs 2.7 of the norm kernel's 4.2 µs a layer on the H200, docs/benchmarks.md twelfth
+    session). The norm + cache kernel reading it gives the bits it computes in place: q and the
+    caches equal (without RoPE the table is not read)."""
+    from muse_spark.plugins.head_norm_rope import triton_kernel as hk
+
+    x, v, positions, slots, (kc, vc) = cache_write_operands()
+    kc2, vc2 = kc.clone(), vc.clone()
+    table = hk.launch_rope_table(positions, 5e5, x.shape[3])
+    assert table[0].shape == (positions.numel(), x.shape[3] // 2) and table[0].dtype == torch.float32
+    q = hk.launch_head_norm_rope_cache(x, v, positions, 1e-6, 5e5, rope, kc, vc, slots)
+    qt = hk.launch_head_norm_rope_cache(x, v, positions, 1e-6, 5e5, rope, kc2, vc2, slots, table=table)
+    assert torch.equal(q, qt) and torch.equal(kc, kc2) and torch.equal(vc, vc2)

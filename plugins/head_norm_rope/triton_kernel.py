@@ -45,27 +45,38 @@ BLOCK_H = 16  # heads per program
 
 
 @triton.jit
+def rope_angles(pos, AXIS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr):
+    """cos and sin of the RoPE angles ``pos · inv_freq`` (fp32; the dims along ``AXIS`` of a 2-D
+    block, ``pos`` a scalar or one per position along the other axis): the reference's ``inv_freq``,
+    angle, cos and sin step for step (module docstring). A chain of dependent libdevice calls whose
+    latency every kernel that rotates pays (docs/benchmarks.md, twelfth session), hence also
+    ``_rope_table_kernel``: the same values once per step."""
+    HALF: tl.constexpr = DH // 2
+    d = tl.arange(0, HALF)
+    expo = div_rn((2 * d).to(tl.float32), tl.full((HALF,), DH, tl.float32))
+    inv = tl.expand_dims(div_rn(tl.full((HALF,), 1.0, tl.float32),
+                                pow_exact(tl.full((HALF,), THETA, tl.float32), expo)), 1 - AXIS)
+    f = mul_rn(inv, tl.zeros_like(inv) + pos)  # the angle, one per (dim, position)
+    return cos_exact(f), sin_exact(f)
+
+
+@triton.jit
 def norm_rotate(x1, x2, pos, AXIS: tl.constexpr, EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr,
-                ROPE: tl.constexpr, DTYPE: tl.constexpr):
+                ROPE: tl.constexpr, DTYPE: tl.constexpr, TABLE: tl.constexpr = False, c=0.0, sn=0.0):
     """Heads whose two halves are ``x1``, ``x2`` (fp32, the head's dims along ``AXIS`` of a 2-D
     block): ``head_rms_norm``, rounded to DTYPE as it rounds, then (ROPE) rotated at position
     ``pos`` (fp32, broadcastable to the block: a scalar, or one per head along the other axis) →
     the two halves rounded to DTYPE. The arithmetic of ``head_norm_rope_reference`` step for step
     (module docstring); shared by this module's kernels and the qkv GEMM's epilogue
-    (``plugins/linear``)."""
-    HALF: tl.constexpr = DH // 2
+    (``plugins/linear``). ``TABLE``: the angles' cos and sin are given (``c``, ``sn``, from
+    ``_rope_table_kernel``: the same bits), ``pos`` is not read."""
     ms = (tl.sum(x1 * x1, axis=AXIS) + tl.sum(x2 * x2, axis=AXIS)) / DH
     r = tl.expand_dims(tl.rsqrt(ms + EPS), AXIS)
     n1 = to_rne(x1 * r, DTYPE).to(tl.float32)
     n2 = to_rne(x2 * r, DTYPE).to(tl.float32)
     if ROPE:
-        d = tl.arange(0, HALF)
-        expo = div_rn((2 * d).to(tl.float32), tl.full((HALF,), DH, tl.float32))
-        inv = tl.expand_dims(div_rn(tl.full((HALF,), 1.0, tl.float32),
-                                    pow_exact(tl.full((HALF,), THETA, tl.float32), expo)), 1 - AXIS)
-        f = mul_rn(inv, tl.zeros_like(inv) + pos)  # the angle, one per (dim, position)
-        c = cos_exact(f)
-        sn = sin_exact(f)
+        if not TABLE:
+            c, sn = rope_angles(pos, AXIS, THETA, DH)
         y1 = add_rn(mul_rn(n1, c), mul_rn(-n2, sn))
         y2 = add_rn(mul_rn(n2, c), mul_rn(n1, sn))
     else:
@@ -76,18 +87,39 @@ def norm_rotate(x1, x2, pos, AXIS: tl.constexpr, EPS: tl.constexpr, THETA: tl.co
 
 @triton.jit
 def _norm_rope_heads(x_ptr, pos_ptr, b, s, heads, hm, sx_b, sx_s, sx_h, sp_b, sp_s, EPS: tl.constexpr,
-                     THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, DTYPE: tl.constexpr):
-    """The two halves of heads ``heads`` of x[b, s], normed and rotated (``norm_rotate``)."""
+                     THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, DTYPE: tl.constexpr,
+                     TABLE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, row=0):
+    """The two halves of heads ``heads`` of x[b, s], normed and rotated (``norm_rotate``); with
+    ``TABLE`` the angles' cos and sin are row ``row`` of the tables (``_rope_table_kernel``)."""
     HALF: tl.constexpr = DH // 2
     d = tl.arange(0, HALF)
     src = x_ptr + b.to(tl.int64) * sx_b + s.to(tl.int64) * sx_s + heads[:, None].to(tl.int64) * sx_h + d[None, :]
     x1 = tl.load(src, mask=hm, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=hm, other=0.0).to(tl.float32)
+    if ROPE and TABLE:
+        at = row.to(tl.int64) * HALF + d[None, :]
+        return norm_rotate(x1, x2, 0.0, 1, EPS, THETA, DH, ROPE, DTYPE, True, tl.load(cos_ptr + at),
+                           tl.load(sin_ptr + at))
     if ROPE:
         pos = tl.load(pos_ptr + b.to(tl.int64) * sp_b + s.to(tl.int64) * sp_s).to(tl.float32)
     else:
         pos = 0.0
     return norm_rotate(x1, x2, pos, 1, EPS, THETA, DH, ROPE, DTYPE)
+
+
+@triton.jit
+def _rope_table_kernel(pos_ptr, cos_ptr, sin_ptr, N, THETA: tl.constexpr, DH: tl.constexpr,
+                       BLOCK_R: tl.constexpr, PDL: tl.constexpr = 0):
+    """cos and sin [N, Dh/2] fp32 of the RoPE angles of positions [N] (int64): ``rope_angles``, so
+    the bits of the rotation that computes them in place."""
+    HALF: tl.constexpr = DH // 2
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R) + pdl_enter(PDL)
+    rm = rows < N
+    pos = tl.load(pos_ptr + rows, mask=rm, other=0).to(tl.float32)[:, None]
+    c, sn = rope_angles(pos, 1, THETA, DH)
+    at = rows.to(tl.int64)[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    tl.store(cos_ptr + at, c, mask=rm[:, None])
+    tl.store(sin_ptr + at, sn, mask=rm[:, None])
 
 
 @triton.jit
@@ -129,6 +161,7 @@ def _head_norm_rope_cache_kernel(
     sx_b, sx_s, sx_h, sp_b, sp_s, sv_b, sv_s, sv_h, skc_n, skc_t, skc_h, svc_n, svc_t, svc_h,
     EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_KV: tl.constexpr, PDL: tl.constexpr = 0,
+    cos_ptr=None, sin_ptr=None, TABLE: tl.constexpr = False,  # TABLE: the angles' cos/sin [B·S, Dh/2] given
 ):
     """``_head_norm_rope_kernel`` whose heads from H on are keys, stored into the K cache at row
     slots[b], position pos[b, s] instead of the output; the last column of programs copies v's
@@ -151,7 +184,7 @@ def _head_norm_rope_cache_kernel(
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = (heads < NH)[:, None]
         y1, y2 = _norm_rope_heads(x_ptr, pos_ptr, b, s, heads, hm, sx_b, sx_s, sx_h, sp_b, sp_s, EPS, THETA, DH,
-                                  ROPE, out_ptr.dtype.element_ty)
+                                  ROPE, out_ptr.dtype.element_ty, TABLE, cos_ptr, sin_ptr, row)
         d = tl.arange(0, HALF)[None, :]
         qm = hm & (heads < H)[:, None]
         dst = out_ptr + (row.to(tl.int64) * H + heads[:, None]) * DH + d
@@ -189,16 +222,37 @@ def launch_head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, 
     return out
 
 
+def launch_rope_table(positions: torch.Tensor, theta: float, dh: int, wrap=lambda f: f,
+                      pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, S] int64 → the RoPE angles' (cos, sin), each [B·S, Dh/2] fp32, computed as the
+    norm kernels compute them in place (the same bits): a step's table, for every layer's
+    ``launch_head_norm_rope_cache(table=...)``."""
+    pos = positions.reshape(-1)
+    if pos.stride(0) != 1:
+        pos = pos.contiguous()
+    n = pos.numel()
+    cos = torch.empty((n, dh // 2), dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if n:
+        block_r = min(16, triton.next_power_of_2(n))
+        wrap(_rope_table_kernel)[(triton.cdiv(n, block_r),)](pos, cos, sin, n, THETA=float(theta), DH=dh,
+                                                            BLOCK_R=block_r, PDL=int(pdl), num_warps=4)
+    return cos, sin
+
+
 def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                                 use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                                wrap=lambda f: f, pdl: int = 0) -> torch.Tensor:
+                                wrap=lambda f: f, pdl: int = 0,
+                                table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``launch_head_norm_rope`` of x [B, S, H + KV, Dh] (q and k side by side) with the key heads and
     v [B, S, KV, Dh] written into the caches [N, T, KV, Dh] (last dim contiguous) at row
     ``slots[b]``, position ``positions[b, s]`` (as ``k_cache[slots[:, None], positions] = k``) →
     the normed q [B, S, H, Dh] contiguous. One launch: the cache write is the kernel's store. A
     row or position out of the caches' range writes nothing (callers keep them in range; the
     engines check positions against the window before a step). ``pdl``: as
-    ``plugins.linear.triton_kernel.launch_linear``'s."""
+    ``plugins.linear.triton_kernel.launch_linear``'s. ``table``: the step's (cos, sin) from
+    ``launch_rope_table(positions)``, read instead of computing the angles (the same bits; not yet
+    used by the engines: docs/benchmarks.md, twelfth session)."""
     B, S, NH, dh = x.shape
     KV = v.shape[2]
     H = NH - KV
@@ -216,5 +270,8 @@ def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: tor
         v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), EPS=float(eps), THETA=float(theta), DH=dh, BLOCK_H=block_h, ROPE=bool(use_rope),
         BLOCK_KV=triton.next_power_of_2(KV), PDL=int(pdl), num_warps=4 if block_h * dh >= 1024 else 1,
+        # every argument passed (Inductor's mutation analysis fills in no defaults); no table: dummies
+        cos_ptr=x if table is None else table[0], sin_ptr=x if table is None else table[1],
+        TABLE=table is not None and bool(use_rope),
     )
     return out
