@@ -45,10 +45,11 @@ PRESETS = {
                  draft_layers=1, draft_vocab=128, rank=16, gamma=3, aux=(0, 1)),
 }
 TAUS = (1.0, 3.7, 6.17)
-# aoti step variants `--attention-cache both` / `--pdl both` compile and time beside the default: name -> the
+# aoti step variants `--attention-cache both` / `--pdl both` / `--rope-table both` compile and time beside the default: name -> the
 # kernel switches set in its compile workers and around the eager step it is checked against. The pdl
 # variant's graphs also get their programmatic edges (runtime.cuda_graph.make_programmatic).
-VARIANTS = {"attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "1"}, "pdl": {"MUSE_SPARK_PDL": "1"}}
+VARIANTS = {"attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "1"}, "pdl": {"MUSE_SPARK_PDL": "1"},
+            "rope_table": {"MUSE_SPARK_ROPE_TABLE": "1"}}
 
 
 def preset_configs(name: str, layers: int | None = None, draft_layers: int | None = None):
@@ -939,6 +940,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="both: also compile and time the aoti step with the plugin kernels waiting first and "
                         "their graph edges programmatic (MUSE_SPARK_PDL=1), beside the default; its replay is also "
                         "timed with the edges' launch-order port and with plain edges")
+    p.add_argument("--rope-table", choices=["off", "both"], default="off",
+                   help="both: also compile and time the aoti step with the qkv GEMM's launch writing the RoPE table "
+                        "the q/k norm kernel reads (MUSE_SPARK_ROPE_TABLE=1), beside the default")
     p.add_argument("--work-dir", default="/tmp/muse_spark_bench", help="where the aoti packages are compiled")
     p.add_argument("--json", default="docs/benchmarks.json")
     p.add_argument("--markdown", default="docs/benchmarks.md")

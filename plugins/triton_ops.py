@@ -5,6 +5,8 @@ Importing this module imports Triton and registers
 * ``muse_spark::gated_residual_add_triton`` — gated FP32 residual add fused with the branch's own
   output norm before it and the next RMSNorm after it;
 * ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop;
+* ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program,
+  the step's RoPE table for ``head_norm_rope_cache_triton`` (opt-in, ``MUSE_SPARK_ROPE_TABLE=1``);
 * ``muse_spark::linear_qkv_cache_triton`` — the attention's qkv projection through the skinny GEMM
   with the q/k head norm, RoPE and the K/V cache write in its epilogue (one launch a layer);
 * ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
@@ -47,13 +49,14 @@ from torch.library import triton_op, wrap_triton
 
 from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
                                       head_norm_rope_reference, linear_reference, pdl_waits, qkv_cache_reference,
-                                      triton_attention_fits)
+                                      rope_table_reference, triton_attention_fits)
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
-from muse_spark.plugins.linear.triton_kernel import MAX_ROWS, fits, launch_linear, launch_linear_qkv_cache
+from muse_spark.plugins.linear.triton_kernel import (MAX_ROWS, fits, launch_linear, launch_linear_qkv_cache,
+                                                    launch_linear_rope_table)
 from muse_spark.plugins.markov.op import check_markov_inputs
 from muse_spark.plugins.markov.reference import markov_sample_ref
 from muse_spark.plugins.markov.triton_kernel import launch_markov_sample, supported, workspace_words
@@ -258,20 +261,63 @@ def _check_cache_write(op: str, B: int, S: int, kv: int, dh: int, dtype: torch.d
 @triton_op("muse_spark::head_norm_rope_cache_triton", mutates_args=("k_cache", "v_cache"))
 def _head_norm_rope_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                              use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             slots: torch.Tensor) -> torch.Tensor:
+                             slots: torch.Tensor, rope_cos: torch.Tensor | None = None,
+                             rope_sin: torch.Tensor | None = None) -> torch.Tensor:
     """``head_norm_rope_triton`` of x [B, S, H + KV, Dh] (q and k heads) whose k heads, and v [B, S,
     KV, Dh], go straight into the caches [N, T, KV, Dh] at rows ``slots`` [B], positions
     ``positions`` [B, S] (the layers' ``k_cache[slots[:, None], positions] = k``): one kernel
     instead of the norm and two index_put kernels. → the normed q [B, S, H, Dh]. Its reference is
-    ``models.layers.head_norm_rope_cache_reference``."""
+    ``models.layers.head_norm_rope_cache_reference``. ``rope_cos``/``rope_sin``: the step's RoPE
+    table of ``positions`` ([B·S, Dh/2] fp32, ``linear_rope_table_triton``), read instead of
+    computing the angles (the same bits)."""
     _check_heads("head_norm_rope", x)
     _check_new_v("head_norm_rope", x, v, q_heads=False)
     B, S, _, dh = x.shape
     _check_cache_write("head_norm_rope", B, S, v.shape[2], dh, x.dtype, positions, k_cache, v_cache, slots)
+    table = _check_rope_table("head_norm_rope", rope_cos, rope_sin, B * S, dh, x.device)
     if not _runs_kernels(x):
         return head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
     return head_norm_rope_kernel.launch_head_norm_rope_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache,
-                                                            slots, wrap=wrap_triton, pdl=_pdl())
+                                                            slots, wrap=wrap_triton, pdl=_pdl(), table=table)
+
+
+def _check_rope_table(op: str, cos, sin, rows: int, dh: int, device) -> tuple | None:
+    """A RoPE table given to ``op``: both halves or neither, each [rows, dh/2] fp32 contiguous on
+    ``device`` → (cos, sin) or None."""
+    if cos is None and sin is None:
+        return None
+    want = (rows, dh // 2)
+    for name, t in (("rope_cos", cos), ("rope_sin", sin)):
+        if t is None or tuple(t.shape) != want or t.dtype != torch.float32 or not t.is_contiguous() \
+                or t.device != device:
+            got = "none" if t is None else f"{t.dtype} {list(t.shape)} on {t.device}"
+            raise ValueError(f"{op}: {name} must be a contiguous float32 {list(want)} on {device} "
+                             f"(the RoPE table of the B·S positions), got {got}")
+    return cos, sin
+
+
+@triton_op("muse_spark::linear_rope_table_triton", mutates_args=())
+def _linear_rope_table_op(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, theta: float,
+                          head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``linear_triton(x, w)`` (the attention's qkv projection) and the RoPE table of ``positions``
+    (one per row of x) from one more program of the same launch → (y, cos, sin), the table [rows,
+    head_dim/2] fp32 as the norm kernels compute the angles in place (the same bits), for
+    ``head_norm_rope_cache_triton(rope_cos=, rope_sin=)``. Its reference: ``F.linear`` and
+    ``models.layers.rope_table_reference``."""
+    if not fits(x, w):
+        raise ValueError(f"linear: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the kernel takes "
+                         f"at most {MAX_ROWS} rows of x [..., K] and a contiguous weight [N, K], both bf16 or fp16")
+    rows = x.numel() // x.shape[-1]
+    if positions.dtype != torch.int64 or positions.numel() != rows:
+        raise ValueError(f"linear_rope_table: positions must be int64, one per row of x ({rows}), got "
+                         f"{positions.dtype} {list(positions.shape)}")
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"linear_rope_table: head_dim {head_dim} must be a power of two")
+    if not _runs_kernels(x):
+        cos, sin = rope_table_reference(positions, theta, head_dim)
+        return linear_reference(x, w), cos, sin
+    return launch_linear_rope_table(x, w, positions, theta, head_dim, wrap=wrap_triton, interpret=interpreting(),
+                                    pdl=_pdl())
 
 
 @triton_op("muse_spark::attention_cache_triton", mutates_args=("k_cache", "v_cache"))

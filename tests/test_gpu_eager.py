@@ -62,3 +62,28 @@ def test_cuda_greedy_speculative_equals_target_only_with_the_triton_attention(ag
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for r in Generator(engine).generate(PROMPTS, params):
         assert r.output == generate_target_only(engine, r.prompt, params)
+
+
+def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypatch):
+    """``MUSE_SPARK_ROPE_TABLE=1`` (the qkv GEMM's launch writes the RoPE table the q/k norm kernel
+    reads): the same greedy and sampled tokens, and the same KV caches bit for bit, as without it;
+    and the layers do take that path (the op is called)."""
+    from muse_spark.models.layers import Attention
+
+    params = [SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=20, temperature=0.9, seed=4,
+                                                                             ignore_eos=True)]
+    runs = []
+    for switch in ("0", "1"):
+        monkeypatch.setenv("MUSE_SPARK_ROPE_TABLE", switch)
+        engine = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=2, max_seq=128)
+        taken = []
+        original = Attention.takes_rope_table
+        monkeypatch.setattr(Attention, "takes_rope_table",
+                            lambda self, *a: taken.append(original(self, *a)) or taken[-1])
+        out = [r.output for r in Generator(engine).generate(PROMPTS[:2], params)]
+        monkeypatch.setattr(Attention, "takes_rope_table", original)
+        caches = engine.target_cache.k + engine.target_cache.v
+        runs.append((out, [t.clone() for t in caches], any(taken)))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert runs[0][2] is False and runs[1][2] is True

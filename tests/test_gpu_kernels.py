@@ -1857,3 +1857,52 @@ def test_the_rope_table_gives_the_norm_kernel_its_own_bits(rope):
     q = hk.launch_head_norm_rope_cache(x, v, positions, 1e-6, 5e5, rope, kc, vc, slots)
     qt = hk.launch_head_norm_rope_cache(x, v, positions, 1e-6, 5e5, rope, kc2, vc2, slots, table=table)
     assert torch.equal(q, qt) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_the_qkv_projection_writes_the_rope_table_the_norm_kernel_reads(tops, rows):
+    """``linear_rope_table_triton`` (``MUSE_SPARK_ROPE_TABLE=1``): y is ``linear_triton``'s bit for
+    bit (the extra program writes only the table); the table is ``launch_rope_table``'s (the same
+    angles' code) and close to the torch spec (``rope_table_reference``); the norm + cache op fed
+    the table gives its own bits."""
+    from muse_spark.models.layers import rope_table_reference
+    from muse_spark.plugins.head_norm_rope.triton_kernel import launch_rope_table
+
+    g = torch.Generator().manual_seed(rows)
+    dh, K, N = 32, 256, 3 * 64 + 32  # a ragged last weight tile
+    x = torch.randn(1, rows, K, generator=g).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).to(torch.bfloat16).to(DEV)
+    positions = (1000 + torch.arange(rows)).view(1, rows).to(DEV)
+    y, cos, sin = torch.ops.muse_spark.linear_rope_table_triton(x, w, positions, 5e5, dh)
+    assert torch.equal(y, torch.ops.muse_spark.linear_triton(x, w, False))
+    want = launch_rope_table(positions, 5e5, dh)
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1]) and cos.shape == (rows, dh // 2)
+    spec = rope_table_reference(positions.cpu(), 5e5, dh)
+    torch.testing.assert_close(cos.cpu(), spec[0], rtol=0, atol=1e-3)  # angles ~1e3 rad: an fp32 ulp moves them
+    torch.testing.assert_close(sin.cpu(), spec[1], rtol=0, atol=1e-3)
+    # the norm + cache op reading the table: its own bits
+    x4, v, pos, slots, (kc, vc) = cache_write_operands(B=2, S=3)
+    table = launch_rope_table(pos, 5e5, x4.shape[3])
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = torch.ops.muse_spark.head_norm_rope_cache_triton(x4, v, pos, 1e-6, 5e5, True, kc, vc, slots)
+    qt = torch.ops.muse_spark.head_norm_rope_cache_triton(x4, v, pos, 1e-6, 5e5, True, kc2, vc2, slots, *table)
+    assert torch.equal(q, qt) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@needs_kernels
+def test_the_rope_table_ops_refuse_what_they_cannot_take(tops):
+    x4, v, pos, slots, (kc, vc) = cache_write_operands(B=2, S=3)
+    cos, sin = torch.zeros(6, x4.shape[3] // 2, device=DEV), torch.zeros(6, x4.shape[3] // 2, device=DEV)
+    op = torch.ops.muse_spark.head_norm_rope_cache_triton
+    with pytest.raises(ValueError, match=r"rope_sin must be a contiguous float32 \[6, 16\].*got none"):
+        op(x4, v, pos, 1e-6, 5e5, True, kc, vc, slots, cos, None)
+    with pytest.raises(ValueError, match=r"rope_cos must be a contiguous float32 \[6, 16\]"):
+        op(x4, v, pos, 1e-6, 5e5, True, kc, vc, slots, cos[:5], sin)
+    x = torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=DEV)
+    w = torch.zeros(64, 64, dtype=torch.bfloat16, device=DEV)
+    lrt = torch.ops.muse_spark.linear_rope_table_triton
+    with pytest.raises(ValueError, match="one per row of x"):
+        lrt(x, w, torch.zeros(1, 3, dtype=torch.int64, device=DEV), 5e5, 16)
+    with pytest.raises(ValueError, match="head_dim 12 must be a power of two"):
+        lrt(x, w, torch.zeros(1, 4, dtype=torch.int64, device=DEV), 5e5, 12)

@@ -108,3 +108,20 @@ def test_a_pdl_engine_launches_its_plugin_kernels_as_programmatic_dependents_and
     assert [r.output for r in Generator(engine).generate(PROMPTS[:2], params)] == want
     for prompt, p, w in zip(PROMPTS[:2], params, want):
         assert cli_generate_ids(built_pdl, prompt, 24, temperature=p.temperature, seed=p.seed) == w
+
+
+def test_a_rope_table_engine_equals_eager(agreeing_pair, eager, tmp_path):
+    """Built with ``MUSE_SPARK_ROPE_TABLE=1`` (the qkv GEMM's launch writes the RoPE table the q/k
+    norm kernel reads, in every layer package): recorded in the manifest, and greedy and sampled
+    output equal the eager engine's (built without the switch: the same bits), in a fresh process."""
+    out = tmp_path / "engine"
+    r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
+            "--device", "cuda", "--max-batch", 2, "--max-seq", MAX_SEQ, "--plugins", "triton",
+            env={"MUSE_SPARK_ROPE_TABLE": "1"})
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert json.loads((out / "manifest.json").read_text())["aoti"]["rope_table"] is True
+    params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, temperature=0.9, seed=3,
+                                                                             ignore_eos=True)]
+    for prompt, p in zip(PROMPTS[:2], params):
+        assert cli_generate_ids(out, prompt, 24, temperature=p.temperature, seed=p.seed) == \
+            Generator(eager).generate([prompt], [p])[0].output

@@ -271,7 +271,8 @@ def test_every_op_launch_of_a_pdl_kernel_compiles_it_with_the_pdl_mode():
 
     from muse_spark.models.layers import PDL_KERNELS
 
-    launchers = {"launch_linear": "_linear_kernel", "launch_gated_residual_add": "_gated_residual_norm_kernel",
+    launchers = {"launch_linear": "_linear_kernel", "launch_linear_rope_table": "_linear_kernel",
+                 "launch_gated_residual_add": "_gated_residual_norm_kernel",
                  "launch_head_norm_rope": "_head_norm_rope_kernel",
                  "launch_head_norm_rope_cache": "_head_norm_rope_cache_kernel", "launch_attention": "_partial_kernel"}
     assert set(PDL_KERNELS) == set(launchers.values()) | {"_combine_kernel"}  # (launch_attention launches both)

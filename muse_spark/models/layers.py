@@ -120,6 +120,14 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
+def rope_table_reference(positions: torch.Tensor, theta: float, dh: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope``'s cos and sin of positions [B, S] (or [N]) → each [B·S, Dh/2] fp32: the spec of the
+    RoPE table ``muse_spark::linear_rope_table_triton`` writes."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dh, 2, device=positions.device, dtype=torch.float32) / dh))
+    freqs = positions.reshape(-1, 1).to(torch.float32) * inv_freq
+    return freqs.cos(), freqs.sin()
+
+
 def head_norm_rope_reference(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                              use_rope: bool) -> torch.Tensor:
     """``head_rms_norm``, then ``rope`` at ``positions`` when ``use_rope``: the spec of
@@ -340,6 +348,16 @@ def attention_cache_fused() -> bool:
     return _switch("MUSE_SPARK_ATTENTION_CACHE")
 
 
+def rope_table() -> bool:
+    """``MUSE_SPARK_ROPE_TABLE=1``: where the Triton linear kernel takes the attention's qkv projection
+    and the q/k norm kernel writes the caches, one more program of the projection's launch computes
+    the step's RoPE cos/sin table and the norm kernel reads it (``Attention.takes_rope_table``): the
+    angles' chain of libdevice calls (2.7 of the norm kernel's 4.2 µs a layer on the H200) then runs
+    beside the weight stream. The same bits. Off by default until measured in a step
+    (docs/benchmarks.md, twelfth session). A build records it in the engine's manifest."""
+    return _switch("MUSE_SPARK_ROPE_TABLE")
+
+
 # The plugin kernels that, compiled under ``MUSE_SPARK_PDL=1``, execute ``griddepcontrol.wait`` before
 # any global load or store (``plugins.triton_math.pdl_enter``; tests/test_gpu_kernels.py checks their
 # sm_90 code). A build records them in its manifest; the runtime turns the edges into these kernels
@@ -434,6 +452,16 @@ class Attention(nn.Module):
         q = qk[:, :, : self.cfg.num_attention_heads]
         return triton_attention_fits(q, kv.k_cache, kv.v_cache)
 
+    def takes_rope_table(self, x: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
+        """Whether the qkv projection also writes the step's RoPE table for the q/k norm kernel
+        (``muse_spark::linear_rope_table_triton``): opt-in (``MUSE_SPARK_ROPE_TABLE=1``), with RoPE,
+        where ``linear`` takes the Triton kernel and the norm kernel will write the caches (a
+        ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim)."""
+        c = self.cfg
+        return (rope_table() and c.use_rope and x.dim() == 3 and x.device.type == "cuda"
+                and 2 <= c.head_dim <= 512 and c.head_dim & (c.head_dim - 1) == 0
+                and CacheKV.at(kv, positions, x.dtype) and _triton_linear_fits(x, self.qkv_proj.weight))
+
     def fuses_qkv(self, x: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether the qkv projection's skinny GEMM also norms and rotates q/k and writes K/V into the
         caches (``muse_spark::linear_qkv_cache_triton``): where ``linear`` takes the Triton kernel
@@ -458,7 +486,12 @@ class Attention(nn.Module):
             keys, values, mask, slots = kv.attended()
             qkv = None  # (no output gate on this path)
         else:
-            qkv = linear(x, self.qkv_proj.weight)
+            table = {}
+            if self.takes_rope_table(x, kv, positions):  # the projection's launch also writes the RoPE table
+                qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_rope_table_triton(
+                    x, self.qkv_proj.weight, positions, c.rope_theta, c.head_dim)
+            else:
+                qkv = linear(x, self.qkv_proj.weight)
             qs, kvs = c.q_size, c.kv_size
             # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
             qk = qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim)
@@ -471,7 +504,8 @@ class Attention(nn.Module):
                 return self._output(out.reshape(B, S, c.q_size), qkv)
             if self.writes_cache(qk, kv, positions):  # the norm kernel stores k and v into the caches
                 q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, c.rms_norm_eps, c.rope_theta,
-                                                                     c.use_rope, kv.k_cache, kv.v_cache, kv.slots)
+                                                                     c.use_rope, kv.k_cache, kv.v_cache, kv.slots,
+                                                                     **table)
                 keys, values, mask, slots = kv.attended()
             else:
                 qk = self.normalize_heads(qk, positions)

@@ -108,18 +108,26 @@ def _norm_rope_heads(x_ptr, pos_ptr, b, s, heads, hm, sx_b, sx_s, sx_h, sp_b, sp
 
 
 @triton.jit
-def _rope_table_kernel(pos_ptr, cos_ptr, sin_ptr, N, THETA: tl.constexpr, DH: tl.constexpr,
-                       BLOCK_R: tl.constexpr, PDL: tl.constexpr = 0):
-    """cos and sin [N, Dh/2] fp32 of the RoPE angles of positions [N] (int64): ``rope_angles``, so
-    the bits of the rotation that computes them in place."""
+def rope_table_rows(pos_ptr, cos_ptr, sin_ptr, N, first, THETA: tl.constexpr, DH: tl.constexpr,
+                    BLOCK_R: tl.constexpr, PDL: tl.constexpr = 0):
+    """Rows [first, first + BLOCK_R) of the RoPE table: cos and sin [N, Dh/2] fp32 of the angles of
+    positions [N] (int64), by ``rope_angles``, so the bits of the rotation that computes them in
+    place. (``_rope_table_kernel``, and the qkv GEMM's extra program: ``plugins/linear``.)"""
     HALF: tl.constexpr = DH // 2
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R) + pdl_enter(PDL)
+    rows = first + tl.arange(0, BLOCK_R) + pdl_enter(PDL)
     rm = rows < N
     pos = tl.load(pos_ptr + rows, mask=rm, other=0).to(tl.float32)[:, None]
     c, sn = rope_angles(pos, 1, THETA, DH)
     at = rows.to(tl.int64)[:, None] * HALF + tl.arange(0, HALF)[None, :]
     tl.store(cos_ptr + at, c, mask=rm[:, None])
     tl.store(sin_ptr + at, sn, mask=rm[:, None])
+
+
+@triton.jit
+def _rope_table_kernel(pos_ptr, cos_ptr, sin_ptr, N, THETA: tl.constexpr, DH: tl.constexpr,
+                       BLOCK_R: tl.constexpr, PDL: tl.constexpr = 0):
+    """The RoPE table of N positions, BLOCK_R rows a program (``rope_table_rows``)."""
+    rope_table_rows(pos_ptr, cos_ptr, sin_ptr, N, tl.program_id(0) * BLOCK_R, THETA, DH, BLOCK_R, PDL)
 
 
 @triton.jit

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muse_spark.plugins.head_norm_rope.triton_kernel import norm_rotate
+from muse_spark.plugins.head_norm_rope.triton_kernel import norm_rotate, rope_table_rows
 from muse_spark.plugins.triton_math import (add_rn, div_rn, exp_exact, mul_rn, pdl_enter, pdl_enter_after,
                                             prefetch_l2, to_rne)
 
@@ -175,8 +175,17 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, IEEE_DOT: tl.constexpr,
     PDL: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, PRELOAD: tl.constexpr = False,
+    # ROPE_TABLE: one program more than the weight tiles (the last) writes the step's RoPE table of
+    # the N_POS positions at pos_ptr into cos_ptr/sin_ptr [N_POS, DH_ROPE/2] fp32 (the qkv projection:
+    # the angles' latency-bound chain then runs beside the weight stream, not in every norm kernel)
+    pos_ptr=None, cos_ptr=None, sin_ptr=None, N_POS=0, ROPE_TABLE: tl.constexpr = False,
+    THETA: tl.constexpr = 0.0, DH_ROPE: tl.constexpr = 2, BLOCK_POS: tl.constexpr = 16,
 ):
     pid_n = tl.program_id(0)
+    if ROPE_TABLE:
+        if pid_n == tl.num_programs(0) - 1:
+            rope_table_rows(pos_ptr, cos_ptr, sin_ptr, N_POS, 0, THETA, DH_ROPE, BLOCK_POS, PDL)
+            return
     w_first = None
     u_first = None
     if PRELOAD:
@@ -269,6 +278,43 @@ def _linear_qkv_kernel(
                   skc_n, skc_t, skc_h, svc_n, svc_t, svc_h, EPS, THETA, ROPE, BLOCK_N)
 
 
+def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, theta: float, dh: int,
+                             wrap=lambda f: f, interpret: bool = False,
+                             pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``launch_linear(x, w)`` and, from one more program of the same launch, the RoPE table of
+    ``positions`` (``head_norm_rope.launch_rope_table``'s (cos, sin), the same bits): → (y, cos, sin).
+    For the attention's qkv projection, whose norm + cache kernel then reads the table
+    (``MUSE_SPARK_ROPE_TABLE=1``; docs/benchmarks.md, twelfth session)."""
+    K = x.shape[-1]
+    if w.dim() != 2 or w.shape[1] != K:
+        raise ValueError(f"linear: x {list(x.shape)} and weight {list(w.shape)}: expected weight [N, {K}]")
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, N = x2.shape[0], w.shape[0]
+    pos = positions.reshape(-1)
+    if pos.numel() != M or M > MAX_ROWS:
+        raise ValueError(f"linear_rope_table: {pos.numel()} positions for {M} rows of x (at most {MAX_ROWS})")
+    if pos.stride(0) != 1:
+        pos = pos.contiguous()
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    cos = torch.empty((M, dh // 2), dtype=torch.float32, device=x.device)
+    sin = torch.empty_like(cos)
+    if M > 0 and N > 0:
+        cfg = default_config(M, N, K, False)
+        block_m = max(16, triton.next_power_of_2(M))
+        grid = (triton.cdiv(N, cfg["BLOCK_N"]) + 1, 1)  # the last program: the table
+        wrap(_linear_kernel)[grid](
+            x2, w, y, M, N, K, x2.stride(0), y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=N % cfg["BLOCK_N"] == 0,
+            EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=False, IEEE_DOT=interpret, PDL=0 if interpret else int(pdl),
+            PREFETCH=0, PRELOAD=False, pos_ptr=pos, cos_ptr=cos, sin_ptr=sin, N_POS=M, ROPE_TABLE=True,
+            THETA=float(theta), DH_ROPE=dh, BLOCK_POS=block_m, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
+    return y.reshape(*x.shape[:-1], N), cos, sin
+
+
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """What the kernel takes: x [..., K] with at most ``MAX_ROWS`` rows, W [N, K] contiguous, both
     bf16 or both fp16."""
@@ -311,6 +357,8 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
             BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=N % cfg["BLOCK_N"] == 0,
             EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=interpret,
             PDL=0 if interpret else int(pdl), PREFETCH=prefetch if pdl and not interpret else 0, PRELOAD=bool(preload),
+            # every argument passed (Inductor's mutation analysis fills in no defaults); no table: dummies
+            pos_ptr=x2, cos_ptr=x2, sin_ptr=x2, N_POS=0, ROPE_TABLE=False, THETA=0.0, DH_ROPE=2, BLOCK_POS=16,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
         )
     return y.reshape(*x.shape[:-1], N)
