@@ -459,6 +459,7 @@ class Attention(nn.Module):
         ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim)."""
         c = self.cfg
         return (rope_table() and c.use_rope and x.dim() == 3 and x.device.type == "cuda"
+                and positions.numel() == x.shape[0] * x.shape[1]
                 and 2 <= c.head_dim <= 512 and c.head_dim & (c.head_dim - 1) == 0
                 and CacheKV.at(kv, positions, x.dtype) and _triton_linear_fits(x, self.qkv_proj.weight))
 
