@@ -808,6 +808,53 @@ def test_the_attention_launcher_passes_every_kernel_argument(fused):
         assert set(fn.arg_names[:n_positional]) | (names - launch_options) == set(fn.arg_names), fn.__name__
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' modules import it)")
+@pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "norm_cache", "norm_cache_table",
+                                  "norm", "rope_table", "gated_residual"])
+def test_the_other_launchers_pass_every_kernel_argument(form):
+    """``test_the_attention_launcher_passes_every_kernel_argument`` for the launchers the engines'
+    ops call: each passes every parameter of its kernel, the arguments a form does not use included
+    (the RoPE table's, PDL's), so Inductor's mutation analysis sees what the kernel writes."""
+    from muse_spark.plugins.gated_residual import triton_kernel as gk
+    from muse_spark.plugins.head_norm_rope import triton_kernel as hk
+    from muse_spark.plugins.linear import triton_kernel as lk
+
+    calls = []
+
+    class Record:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((self.fn, len(args), set(kw)))
+
+    x4, v, positions, slots, (kc, vc) = cache_write_operands(B=2, S=3)
+    x = torch.zeros(1, 6, 64, dtype=torch.bfloat16, device=DEV)
+    w = torch.zeros(128, 64, dtype=torch.bfloat16, device=DEV)
+    table = (torch.zeros(6, x4.shape[3] // 2, device=DEV), torch.zeros(6, x4.shape[3] // 2, device=DEV))
+    run = {
+        "linear": lambda: lk.launch_linear(x, w, wrap=Record),
+        "linear_silu_mul": lambda: lk.launch_linear(x, w, True, wrap=Record),
+        "linear_rope_table": lambda: lk.launch_linear_rope_table(x, w, positions, 5e5, 32, wrap=Record),
+        "norm_cache": lambda: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc, slots,
+                                                             wrap=Record),
+        "norm_cache_table": lambda: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc, slots,
+                                                                   wrap=Record, table=table),
+        "norm": lambda: hk.launch_head_norm_rope(x4, positions, 1e-6, 5e5, True, wrap=Record),
+        "rope_table": lambda: hk.launch_rope_table(positions, 5e5, 32, wrap=Record),
+        "gated_residual": lambda: gk.launch_gated_residual_add(
+            torch.zeros(6, 64, device=DEV), torch.zeros(6, 64, dtype=torch.bfloat16, device=DEV),
+            torch.zeros(64, device=DEV), torch.ones(64, dtype=torch.bfloat16, device=DEV), 1e-6, False, True,
+            torch.bfloat16, wrap=Record),
+    }
+    run[form]()
+    assert len(calls) == 1
+    launch_options = {"num_warps", "num_stages", "maxnreg", "launch_pdl"}
+    fn, n_positional, names = calls[0]
+    assert set(fn.arg_names[:n_positional]) | (names - launch_options) == set(fn.arg_names), \
+        (fn.__name__, set(fn.arg_names) - set(fn.arg_names[:n_positional]) - names)
+
+
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED,
                     reason="needs Triton's JIT functions (the interpreter's have no source to re-emit)")
 def test_plugin_kernels_survive_inductors_source_re_emission(tmp_path):
