@@ -302,8 +302,9 @@ class Bench:
         self.result["config"]["attention"] = attention_path(dev, target.dtype)  # MUSE_SPARK_ATTENTION
         self.result["config"]["linear"] = linear_path(dev, target.dtype)  # MUSE_SPARK_LINEAR
         eng = EagerEngine(target, draft, max_batch=slots, max_seq=max_seq, device=dev)
+        fill = torch.Generator(device=dev).manual_seed(1)  # seeded: every run checks the same step
         for t in eng.target_cache.k + eng.target_cache.v + eng.draft_cache.k + eng.draft_cache.v:
-            t.normal_()
+            t.normal_(generator=fill)
         caches = (eng.target_cache.k, eng.target_cache.v, eng.draft_cache.k, eng.draft_cache.v)
         wspecs = weight_specs(SpecPair(target, draft))
 
