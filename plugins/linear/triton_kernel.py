@@ -285,12 +285,7 @@ def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.
     ``positions`` (``head_norm_rope.launch_rope_table``'s (cos, sin), the same bits): → (y, cos, sin).
     For the attention's qkv projection, whose norm + cache kernel then reads the table
     (``MUSE_SPARK_ROPE_TABLE=1``; docs/benchmarks.md, twelfth session)."""
-    K = x.shape[-1]
-    if w.dim() != 2 or w.shape[1] != K:
-        raise ValueError(f"linear: x {list(x.shape)} and weight {list(w.shape)}: expected weight [N, {K}]")
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x, w)
     M, N = x2.shape[0], w.shape[0]
     pos = positions.reshape(-1)
     if pos.numel() != M or M > MAX_ROWS:
@@ -300,19 +295,39 @@ def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     cos = torch.empty((M, dh // 2), dtype=torch.float32, device=x.device)
     sin = torch.empty_like(cos)
-    if M > 0 and N > 0:
-        cfg = default_config(M, N, K, False)
-        block_m = max(16, triton.next_power_of_2(M))
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]) + 1, 1)  # the last program: the table
-        wrap(_linear_kernel)[grid](
-            x2, w, y, M, N, K, x2.stride(0), y.stride(0),
-            BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=N % cfg["BLOCK_N"] == 0,
-            EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=False, IEEE_DOT=interpret, PDL=0 if interpret else int(pdl),
-            PREFETCH=0, PRELOAD=False, pos_ptr=pos, cos_ptr=cos, sin_ptr=sin, N_POS=M, ROPE_TABLE=True,
-            THETA=float(theta), DH_ROPE=dh, BLOCK_POS=block_m, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-        )
+    if M > 0:  # (with no weight rows the launch is the table's program alone)
+        _launch(x2, w, y, False, wrap, interpret, None, pdl, 0, False, False, table=(pos, cos, sin, theta, dh))
     return y.reshape(*x.shape[:-1], N), cos, sin
+
+
+def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the kernel's rows [M, K] (last dim contiguous), after checking W is [N, K]."""
+    K = x.shape[-1]
+    if w.dim() != 2 or w.shape[1] != K:
+        raise ValueError(f"linear: x {list(x.shape)} and weight {list(w.shape)}: expected weight [N, {K}]")
+    x2 = x.reshape(-1, K)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None, pdl: int, prefetch: int,
+            launch_pdl: bool, preload: bool, table: tuple | None = None) -> None:
+    """``_linear_kernel`` over rows x2 [M, K] into y [M, N]; ``table`` = (positions, cos, sin, theta,
+    dh): one more program writes the RoPE table (``ROPE_TABLE``). Every kernel argument is passed,
+    the table's as dummies without one (Inductor's mutation analysis fills in no defaults)."""
+    (M, K), N = x2.shape, y.shape[1]
+    cfg = dict(default_config(M, N, K, silu_mul), **(config or {}))
+    block_m = max(16, triton.next_power_of_2(M))
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]) + (table is not None), triton.cdiv(M, block_m))  # (the last: the table)
+    pos, cos, sin, theta, dh = table if table is not None else (x2, x2, x2, 0.0, 2)
+    wrap(_linear_kernel)[grid](
+        x2, w, y, M, N, K, x2.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=N % cfg["BLOCK_N"] == 0,
+        EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=interpret,
+        PDL=0 if interpret else int(pdl), PREFETCH=prefetch if pdl and not interpret else 0, PRELOAD=bool(preload),
+        pos_ptr=pos, cos_ptr=cos, sin_ptr=sin, N_POS=M if table is not None else 0, ROPE_TABLE=table is not None,
+        THETA=float(theta), DH_ROPE=dh, BLOCK_POS=block_m if table is not None else 16,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
+    )
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -334,33 +349,17 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     launches only; scripts/pdl_bench.py, docs/pdl-research.md); ``preload``: the first K chunk's
     weight tiles loaded into registers before the wait (the same bits). The engines use none yet.
     ``out``: a contiguous [M, N] tensor of x's dtype to write instead of a new one (benches)."""
-    K = x.shape[-1]
+    x2 = _rows(x, w)
     n_w = w.shape[0]
-    if w.dim() != 2 or w.shape[1] != K:
-        raise ValueError(f"linear: x {list(x.shape)} and weight {list(w.shape)}: expected weight [N, {K}]")
     if silu_mul and n_w % 2:
         raise ValueError(f"linear: silu_mul needs an even number of weight rows (gate | up), got {n_w}")
     N = n_w // 2 if silu_mul else n_w
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     M = x2.shape[0]
     if out is not None and (tuple(out.shape) != (M, N) or out.dtype != x.dtype or not out.is_contiguous()):
         raise ValueError(f"linear: out must be a contiguous {x.dtype} [{M}, {N}], got {out.dtype} {list(out.shape)}")
     y = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     if M > 0 and N > 0:
-        cfg = dict(default_config(M, N, K, silu_mul), **(config or {}))
-        block_m = max(16, triton.next_power_of_2(M))
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, block_m))
-        wrap(_linear_kernel)[grid](
-            x2, w, y, M, N, K, x2.stride(0), y.stride(0),
-            BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=N % cfg["BLOCK_N"] == 0,
-            EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=interpret,
-            PDL=0 if interpret else int(pdl), PREFETCH=prefetch if pdl and not interpret else 0, PRELOAD=bool(preload),
-            # every argument passed (Inductor's mutation analysis fills in no defaults); no table: dummies
-            pos_ptr=x2, cos_ptr=x2, sin_ptr=x2, N_POS=0, ROPE_TABLE=False, THETA=0.0, DH_ROPE=2, BLOCK_POS=16,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
-        )
+        _launch(x2, w, y, silu_mul, wrap, interpret, config, pdl, prefetch, launch_pdl, preload)
     return y.reshape(*x.shape[:-1], N)
 
 
