@@ -180,6 +180,12 @@ def _head_norm_rope_fits(x: torch.Tensor) -> bool:
     return fits(x)
 
 
+def _head_norm_rope_fits_heads(dtype: torch.dtype, head_dim: int) -> bool:
+    from muse_spark.plugins.head_norm_rope.triton_kernel import fits_heads  # (imports Triton, as above)
+
+    return fits_heads(dtype, head_dim)
+
+
 ATTENTION_KERNELS = ("triton", "sdpa")
 DEFAULT_ATTENTION_KERNEL = "triton"  # 6x SDPA per layer on the H200 (docs/benchmarks.md)
 _log = logging.getLogger(__name__)
@@ -458,10 +464,9 @@ class Attention(nn.Module):
         where ``linear`` takes the Triton kernel and the norm kernel will write the caches (a
         ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim)."""
         c = self.cfg
-        return (rope_table() and c.use_rope and x.dim() == 3 and x.device.type == "cuda"
-                and positions.numel() == x.shape[0] * x.shape[1]
-                and 2 <= c.head_dim <= 512 and c.head_dim & (c.head_dim - 1) == 0
-                and CacheKV.at(kv, positions, x.dtype) and _triton_linear_fits(x, self.qkv_proj.weight))
+        return (rope_table() and c.use_rope and x.dim() == 3 and positions.numel() == x.shape[0] * x.shape[1]
+                and CacheKV.at(kv, positions, x.dtype) and _triton_linear_fits(x, self.qkv_proj.weight)
+                and _head_norm_rope_fits_heads(x.dtype, c.head_dim))
 
     def fuses_qkv(self, x: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether the qkv projection's skinny GEMM also norms and rotates q/k and writes K/V into the

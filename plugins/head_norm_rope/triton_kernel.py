@@ -206,8 +206,13 @@ def _head_norm_rope_cache_kernel(
 
 def fits(x: torch.Tensor) -> bool:
     """What the kernel takes: x [B, S, NH, Dh] in bf16/fp16, Dh a power of two in [2, 512]."""
-    dh = x.shape[-1] if x.dim() == 4 else 0
-    return x.dtype in (torch.bfloat16, torch.float16) and 2 <= dh <= 512 and dh & (dh - 1) == 0
+    return x.dim() == 4 and fits_heads(x.dtype, x.shape[-1])
+
+
+def fits_heads(dtype: torch.dtype, dh: int) -> bool:
+    """``fits`` for heads of ``dtype`` and size ``dh`` (before they exist: the qkv projection that
+    writes the RoPE table decides it)."""
+    return dtype in (torch.bfloat16, torch.float16) and 2 <= dh <= 512 and dh & (dh - 1) == 0
 
 
 def launch_head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float, use_rope: bool,
@@ -258,9 +263,9 @@ def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: tor
     the normed q [B, S, H, Dh] contiguous. One launch: the cache write is the kernel's store. A
     row or position out of the caches' range writes nothing (callers keep them in range; the
     engines check positions against the window before a step). ``pdl``: as
-    ``plugins.linear.triton_kernel.launch_linear``'s. ``table``: the step's (cos, sin) from
-    ``launch_rope_table(positions)``, read instead of computing the angles (the same bits; not yet
-    used by the engines: docs/benchmarks.md, twelfth session)."""
+    ``plugins.linear.triton_kernel.launch_linear``'s. ``table``: the step's (cos, sin), as
+    ``launch_rope_table(positions)`` writes them, read instead of computing the angles (the same
+    bits; the engines under ``MUSE_SPARK_ROPE_TABLE=1``, from the qkv projection's launch)."""
     B, S, NH, dh = x.shape
     KV = v.shape[2]
     H = NH - KV
