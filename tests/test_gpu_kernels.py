@@ -788,6 +788,19 @@ def test_the_attention_launcher_passes_every_kernel_argument(fused):
     must pass each of its kernels' parameters (checked through ``wrap``, no kernel runs)."""
     from muse_spark.plugins.attention import triton_kernel as ak
 
+    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES["straddle"]
+    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
+    q = x if fused else x[:, :, :H]
+    calls = launches(lambda wrap: ak.launch_attention(q, kc, vc, last, slots, wrap=wrap, window=window,
+                                                      new_kv=(v, positions, 1e-6, 5e5, True) if fused else None))
+    assert [c[0] for c in calls] == [ak._partial_kernel, ak._combine_kernel]
+    for fn, passed in calls:
+        assert passed == set(fn.arg_names), fn.__name__
+
+
+def launches(run) -> list:
+    """The kernel launches ``run(wrap)`` makes through ``wrap`` (no kernel runs): (kernel, the names
+    of the parameters it was passed, positionally or by name; launch options left out)."""
     calls = []
 
     class Record:
@@ -795,17 +808,14 @@ def test_the_attention_launcher_passes_every_kernel_argument(fused):
             self.fn = fn
 
         def __getitem__(self, grid):
-            return lambda *args, **kw: calls.append((self.fn, len(args), set(kw)))
+            return lambda *args, **kw: calls.append(
+                (self.fn, set(self.fn.arg_names[:len(args)]) | (set(kw) - LAUNCH_OPTIONS)))
 
-    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES["straddle"]
-    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
-    q = x if fused else x[:, :, :H]
-    ak.launch_attention(q, kc, vc, last, slots, wrap=Record, window=window,
-                        new_kv=(v, positions, 1e-6, 5e5, True) if fused else None)
-    assert [c[0] for c in calls] == [ak._partial_kernel, ak._combine_kernel]
-    launch_options = {"num_warps", "num_stages", "maxnreg", "launch_pdl"}
-    for fn, n_positional, names in calls:
-        assert set(fn.arg_names[:n_positional]) | (names - launch_options) == set(fn.arg_names), fn.__name__
+    run(Record)
+    return calls
+
+
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg", "launch_pdl"}
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' modules import it)")
@@ -819,40 +829,29 @@ def test_the_other_launchers_pass_every_kernel_argument(form):
     from muse_spark.plugins.head_norm_rope import triton_kernel as hk
     from muse_spark.plugins.linear import triton_kernel as lk
 
-    calls = []
-
-    class Record:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: calls.append((self.fn, len(args), set(kw)))
-
     x4, v, positions, slots, (kc, vc) = cache_write_operands(B=2, S=3)
     x = torch.zeros(1, 6, 64, dtype=torch.bfloat16, device=DEV)
     w = torch.zeros(128, 64, dtype=torch.bfloat16, device=DEV)
     table = (torch.zeros(6, x4.shape[3] // 2, device=DEV), torch.zeros(6, x4.shape[3] // 2, device=DEV))
     run = {
-        "linear": lambda: lk.launch_linear(x, w, wrap=Record),
-        "linear_silu_mul": lambda: lk.launch_linear(x, w, True, wrap=Record),
-        "linear_rope_table": lambda: lk.launch_linear_rope_table(x, w, positions, 5e5, 32, wrap=Record),
-        "norm_cache": lambda: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc, slots,
-                                                             wrap=Record),
-        "norm_cache_table": lambda: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc, slots,
-                                                                   wrap=Record, table=table),
-        "norm": lambda: hk.launch_head_norm_rope(x4, positions, 1e-6, 5e5, True, wrap=Record),
-        "rope_table": lambda: hk.launch_rope_table(positions, 5e5, 32, wrap=Record),
-        "gated_residual": lambda: gk.launch_gated_residual_add(
+        "linear": lambda wrap: lk.launch_linear(x, w, wrap=wrap),
+        "linear_silu_mul": lambda wrap: lk.launch_linear(x, w, True, wrap=wrap),
+        "linear_rope_table": lambda wrap: lk.launch_linear_rope_table(x, w, positions, 5e5, 32, wrap=wrap),
+        "norm_cache": lambda wrap: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc,
+                                                                  slots, wrap=wrap),
+        "norm_cache_table": lambda wrap: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc,
+                                                                        slots, wrap=wrap, table=table),
+        "norm": lambda wrap: hk.launch_head_norm_rope(x4, positions, 1e-6, 5e5, True, wrap=wrap),
+        "rope_table": lambda wrap: hk.launch_rope_table(positions, 5e5, 32, wrap=wrap),
+        "gated_residual": lambda wrap: gk.launch_gated_residual_add(
             torch.zeros(6, 64, device=DEV), torch.zeros(6, 64, dtype=torch.bfloat16, device=DEV),
             torch.zeros(64, device=DEV), torch.ones(64, dtype=torch.bfloat16, device=DEV), 1e-6, False, True,
-            torch.bfloat16, wrap=Record),
+            torch.bfloat16, wrap=wrap),
     }
-    run[form]()
+    calls = launches(run[form])
     assert len(calls) == 1
-    launch_options = {"num_warps", "num_stages", "maxnreg", "launch_pdl"}
-    fn, n_positional, names = calls[0]
-    assert set(fn.arg_names[:n_positional]) | (names - launch_options) == set(fn.arg_names), \
-        (fn.__name__, set(fn.arg_names) - set(fn.arg_names[:n_positional]) - names)
+    fn, passed = calls[0]
+    assert passed == set(fn.arg_names), (fn.__name__, set(fn.arg_names) - passed)
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED,
