@@ -158,7 +158,28 @@ def profile_kernels(fn, device, calls: int = 3, top: int = 15, keep_all: bool = 
                     "share": v[1] / calls / 1e3 / total if total else 0.0} for k, v in rows]}
     if keep_all:
         out["all"] = {k[:120]: [v[0] / calls, v[1] / calls / 1e3] for k, v in per.items()}
+    if cuda:
+        out.update(device_gaps([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                if e.device_type == torch.autograd.DeviceType.CUDA], calls, top))
     return out
+
+
+def device_gaps(spans: list, calls: int, top: int = 15) -> dict:
+    """Where the device sits idle between kernels: ``spans`` ([name, start us, end us] of every
+    device event of ``calls`` back-to-back calls) -> ``idle_ms``, the time between one event's end
+    and the next one's start summed, per call (the holes between two calls are in it: a step
+    replayed back to back pays them too), and ``gaps``: the ``top`` (previous event, next event)
+    pairs by their idle ms per call, with how often the pair occurs per call."""
+    spans = sorted(spans, key=lambda s: s[1])
+    pairs: dict[tuple, list] = {}
+    for (pn, _, pe), (nn, ns, _) in zip(spans, spans[1:]):
+        acc = pairs.setdefault((pn[:60], nn[:60]), [0, 0.0])
+        acc[0] += 1
+        acc[1] += max(ns - pe, 0.0)
+    idle = sum(v[1] for v in pairs.values()) / calls / 1e3
+    rows = sorted(pairs.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"idle_ms": idle, "gaps": [{"after": a, "before": b, "count": v[0] / calls, "ms": v[1] / calls / 1e3}
+                                      for (a, b), v in rows]}
 
 
 def slower_in_graph(plain: dict, replay: dict, top: int = 10) -> list:
@@ -262,6 +283,7 @@ class Bench:
         self.device = torch.device(args.device)
         self.result: dict = {"command": args.command, "preset": args.preset, "sections": {}}
         self.t0 = time.perf_counter()
+        self.replays: dict = {}  # batch -> {label: CUDA-graph step}, for interleaved_replays
 
     def log(self, msg: str) -> None:
         print(f"[bench {time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
@@ -496,6 +518,8 @@ class Bench:
                     sub["aoti_error"] = f"{type(e).__name__}: {e}"[:3000]
                     self.log(f"aoti {name} section failed: {sub['aoti_error'][:500]}")
 
+        self.interleaved_replays(sec)
+
         # ---- the Markov loop alone (seconds; before the long torch.compile recompiles) ------------
         try:
             self.markov_section(draft, batches, impl)
@@ -581,6 +605,7 @@ class Bench:
                 sec["aoti"][b] = time_fn(lambda: runner(*x), dev, a.iters)
                 if cuda:
                     sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
+                    self.replays.setdefault(b, {})[label] = runner  # kept for interleaved_replays
                 if programmatic:  # the same packages: the edges' other port, and plain edges (the waits' cost)
                     sec.setdefault("aoti_pdl", {})[b] = self.pdl_replays(runner, fn, b, weights, caches, scratch,
                                                                          words, pool, x, label)
@@ -610,13 +635,37 @@ class Bench:
                         rep = profile_kernels(runner.graph.replay, dev, keep_all=True)
                         slower = slower_in_graph(prof, rep)
                         sec.setdefault("aoti_replay_profile", {})[b] = dict(
-                            kernel_ms=rep["kernel_ms"], top=rep["top"], slower_in_graph=slower, all=rep["all"])
+                            kernel_ms=rep["kernel_ms"], top=rep["top"], slower_in_graph=slower, all=rep["all"],
+                            idle_ms=rep["idle_ms"], gaps=rep["gaps"])
                         self.log(f"{label} B={b} replay profile: {rep['kernel_ms']:.2f} ms of kernels per replay; "
                                  "most slower in the graph: " + "; ".join(
                                      f"{n[:50]} x{k:g} {p:.3f}->{r:.3f} ms" for n, k, p, r in slower[:6]))
+                        self.log(f"{label} B={b} replay idle: {rep['idle_ms']:.3f} ms per replay between kernels; "
+                                 "largest: " + "; ".join(f"{g['after'][:40]} -> {g['before'][:40]} x{g['count']:g} "
+                                                         f"{g['ms']:.3f} ms" for g in rep["gaps"][:5]))
                     sec.setdefault("aoti_profile", {})[b] = prof  # with every kernel ("all") on CUDA: a
                     # kernel below the top's cutoff must not look absent when two runs are compared
         self.save()
+
+    def interleaved_replays(self, sec: dict, rounds: int = 7) -> None:
+        """The default step graph and each variant's, timed in turns (``rounds`` rounds of
+        ``--iters`` replays each): a difference of a percent between two sections timed minutes
+        apart can be the GPU's clocks; one taken in turns cannot. -> ``aoti_interleaved_replay``
+        {batch: {label: median of the rounds' medians, ms}}; the graphs are released after."""
+        replays, self.replays = self.replays, {}
+        for b, runners in sorted(replays.items()):
+            if len(runners) < 2:
+                continue
+            rounds_ms: dict[str, list] = {label: [] for label in runners}
+            for _ in range(rounds):
+                for label, runner in runners.items():
+                    rounds_ms[label].append(time_fn(runner.graph.replay, self.device, self.a.iters)["median_ms"])
+            got = {label: statistics.median(v) for label, v in rounds_ms.items()}
+            sec.setdefault("aoti_interleaved_replay", {})[b] = got
+            base = got.get("aoti")
+            self.log(f"B={b} step graphs replayed in turns ({rounds} rounds): " + ", ".join(
+                f"{label} {ms:.3f} ms" + (f" ({ms / base:.3f}×)" if base and label != "aoti" else "")
+                for label, ms in got.items()))
 
     def pdl_replays(self, runner, fn, b, weights, caches, scratch, words, pool, x, label) -> dict:
         """A PDL variant's step graph (``runner``, edges rewritten through the programmatic port)
@@ -891,6 +940,16 @@ def render_markdown(result: dict) -> str:
                        f"edges {pe['replay']['median_ms']:.3f} ms (step equal: {pe['equals']}).")
         for e in sub.get("aoti_errors", []) + ([sub["aoti_error"]] if "aoti_error" in sub else []):
             out.append(f"* failed: {str(e).splitlines()[0][:300]}")
+    for b, got in sec.get("aoti_interleaved_replay", {}).items():  # the graphs timed in turns
+        base = got.get("aoti")
+        out += ["", f"Step graphs replayed in turns, batch {b} (median of the rounds' medians): " + ", ".join(
+            f"`{label}` {ms:.3f} ms" + (f" ({ms / base:.3f}×)" if base and label != "aoti" else "")
+            for label, ms in got.items()) + "."]
+    idle = [f"`{label}` B={b} {r['idle_ms']:.3f} ms"
+            for label, sub in [("aoti", sec)] + [(f"aoti {n}", v) for n, v in sec.get("variants", {}).items()]
+            for b, r in sub.get("aoti_replay_profile", {}).items() if "idle_ms" in r]
+    if idle:
+        out += ["", "Device idle between the events of a replay (torch.profiler): " + ", ".join(idle) + "."]
     # (the Markov kernel's error flag per batch is a failure only where it is set)
     errors = {k: v for k, v in sec.items() if "error" in k and not (k.endswith("error_flag") and not any(v.values()))}
     errors.update({f"{k}.error": v["error"] for k, v in sec.items() if isinstance(v, dict) and "error" in v})

@@ -94,6 +94,36 @@ def test_slower_in_graph_ranks_kernels_by_their_growth():
     assert rows == [["norm", 8, 0.1, 0.4], ["new", 2, 0.0, 0.2]]
 
 
+def test_device_gaps_sums_the_holes_between_events_per_pair_and_per_call():
+    """Two calls of a three-kernel step (us): the holes between a kernel's end and the next
+    one's start, per call, ranked by (previous, next) pair; overlapping events count no hole."""
+    from muse_spark.bench import device_gaps
+
+    spans = [["gemm", 0, 10], ["norm", 12, 13], ["attn", 13, 20],  # holes 2, 0
+             ["gemm", 24, 34], ["norm", 40, 41], ["attn", 40.5, 45]]  # hole 4 after call 1; 6, then overlap
+    got = device_gaps(list(reversed(spans)), calls=2, top=2)
+    assert got["idle_ms"] == pytest.approx((2 + 0 + 4 + 6 + 0) / 2 / 1e3)
+    assert got["gaps"] == [{"after": "gemm", "before": "norm", "count": 1.0, "ms": pytest.approx(0.004)},
+                           {"after": "attn", "before": "gemm", "count": 0.5, "ms": pytest.approx(0.002)}]
+
+
+def test_the_interleaved_replays_and_the_idle_time_render():
+    """The step graphs timed in turns and each replay's idle time, in the markdown."""
+    from muse_spark.bench import render_markdown
+
+    result = json.loads((ROOT / "docs" / "benchmarks-b1-twelfth-pdl.json").read_text())  # a run's other fields
+    sec = result["sections"]
+    sec["aoti_interleaved_replay"] = {"1": {"aoti": 5.6, "aoti rope_table": 5.46}}
+    sec["aoti_replay_profile"]["1"]["idle_ms"] = 0.121
+    sec["variants"] = {"rope_table": {"env": {"MUSE_SPARK_ROPE_TABLE": "1"}, "compiled": [],
+                                      "aoti_replay_profile": {"1": {"idle_ms": 0.25}}}}
+    text = render_markdown(result)
+    assert ("Step graphs replayed in turns, batch 1 (median of the rounds' medians): `aoti` 5.600 ms, "
+            "`aoti rope_table` 5.460 ms (0.975×).") in text
+    assert "Device idle between the events of a replay (torch.profiler): `aoti` B=1 0.121 ms, " \
+           "`aoti rope_table` B=1 0.250 ms." in text
+
+
 def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
     """``--attention-cache both --pdl both --rope-table both``: per variant a second set of step
     packages compiled with its switch (MUSE_SPARK_ATTENTION_CACHE=1, MUSE_SPARK_PDL=1,
