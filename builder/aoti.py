@@ -381,7 +381,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "qkv_epilogue": qkv_epilogue() and linear_path(device, target.dtype) == "triton",
         # MUSE_SPARK_ATTENTION_CACHE=1 (opt-in): the attention kernel norms q/k and writes the caches
         "attention_cache": attention_cache_fused() and attention_path(device, target.dtype) == "triton",
-        # MUSE_SPARK_ROPE_TABLE=1 (opt-in): the qkv GEMM's launch writes the RoPE table the norm kernel reads
+        # MUSE_SPARK_ROPE_TABLE (on unless 0): the qkv GEMM's launch writes the RoPE table the norm kernel reads
         "rope_table": rope_table() and linear_path(device, target.dtype) == "triton",
         # MUSE_SPARK_PDL=1 (opt-in): these kernels wait first; the step graphs launch them as PDL dependents
         "pdl_kernels": list(PDL_KERNELS) if pdl_waits() and impl == "triton" and torch.device(device).type == "cuda"

@@ -6,7 +6,7 @@ Importing this module imports Triton and registers
   output norm before it and the next RMSNorm after it;
 * ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop;
 * ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program,
-  the step's RoPE table for ``head_norm_rope_cache_triton`` (opt-in, ``MUSE_SPARK_ROPE_TABLE=1``);
+  the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; ``MUSE_SPARK_ROPE_TABLE=0`` off);
 * ``muse_spark::linear_qkv_cache_triton`` — the attention's qkv projection through the skinny GEMM
   with the q/k head norm, RoPE and the K/V cache write in its epilogue (one launch a layer);
 * ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,

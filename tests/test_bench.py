@@ -113,21 +113,21 @@ def test_the_interleaved_replays_and_the_idle_time_render():
 
     result = json.loads((ROOT / "docs" / "benchmarks-b1-twelfth-pdl.json").read_text())  # a run's other fields
     sec = result["sections"]
-    sec["aoti_interleaved_replay"] = {"1": {"aoti": 5.6, "aoti rope_table": 5.46}}
+    sec["aoti_interleaved_replay"] = {"1": {"aoti": 5.6, "aoti no_rope_table": 5.46}}
     sec["aoti_replay_profile"]["1"]["idle_ms"] = 0.121
-    sec["variants"] = {"rope_table": {"env": {"MUSE_SPARK_ROPE_TABLE": "1"}, "compiled": [],
+    sec["variants"] = {"no_rope_table": {"env": {"MUSE_SPARK_ROPE_TABLE": "0"}, "compiled": [],
                                       "aoti_replay_profile": {"1": {"idle_ms": 0.25}}}}
     text = render_markdown(result)
     assert ("Step graphs replayed in turns, batch 1 (median of the rounds' medians): `aoti` 5.600 ms, "
-            "`aoti rope_table` 5.460 ms (0.975×).") in text
+            "`aoti no_rope_table` 5.460 ms (0.975×).") in text
     assert "Device idle between the events of a replay (torch.profiler): `aoti` B=1 0.121 ms, " \
-           "`aoti rope_table` B=1 0.250 ms." in text
+           "`aoti no_rope_table` B=1 0.250 ms." in text
 
 
 def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
     """``--attention-cache both --pdl both --rope-table both``: per variant a second set of step
-    packages compiled with its switch (MUSE_SPARK_ATTENTION_CACHE=1, MUSE_SPARK_PDL=1,
-    MUSE_SPARK_ROPE_TABLE=1) in the workers (its own folder),
+    packages compiled with its switch (MUSE_SPARK_ATTENTION_CACHE=1, MUSE_SPARK_PDL=1, and
+    MUSE_SPARK_ROPE_TABLE=0: the table is the default) in the workers (its own folder),
     checked against the eager step under the same switch and timed after the default; its table in
     the markdown. (On CPU every variant takes the reference kernels and no graph: this checks the
     plumbing; the H200 run gives the figures.)"""
@@ -139,15 +139,15 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
     sec = json.loads(js.read_text())["sections"]
     assert sec["aoti"]["1"]["median_ms"] > 0 and sec["aoti_matches_eager"]["1"] is True  # the default's own
     text = md.read_text()
-    for name, var in (("attention_cache", "MUSE_SPARK_ATTENTION_CACHE"), ("pdl", "MUSE_SPARK_PDL"),
-                      ("rope_table", "MUSE_SPARK_ROPE_TABLE")):
+    for name, var, value in (("attention_cache", "MUSE_SPARK_ATTENTION_CACHE", "1"), ("pdl", "MUSE_SPARK_PDL", "1"),
+                             ("no_rope_table", "MUSE_SPARK_ROPE_TABLE", "0")):
         sub = sec["variants"][name]
-        assert sub["env"] == {var: "1"}
+        assert sub["env"] == {var: value}
         assert sorted(sub["compiled"]) == ["step_draft_b1", "step_finish_b1", "step_layer_b1"]
         assert {p.name for p in (work / name).glob("*.pt2")} == {f"{n}.pt2" for n in sub["compiled"]}
         assert sub["aoti"]["1"]["median_ms"] > 0 and sub["aoti_matches_eager"]["1"] is True
         assert "aoti_pdl" not in sub  # graph edges: CUDA only
-        assert f"### Variant `{name}` ({var}=1), beside the default aoti step" in text
+        assert f"### Variant `{name}` ({var}={value}), beside the default aoti step" in text
     rows = [line for line in text.splitlines() if line.startswith("| 1 | ") and line.endswith("| True |")]
     assert len(rows) == 3 and all(len(row.split("|")) == 10 for row in rows)
 

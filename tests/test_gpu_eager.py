@@ -65,16 +65,20 @@ def test_cuda_greedy_speculative_equals_target_only_with_the_triton_attention(ag
 
 
 def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypatch):
-    """``MUSE_SPARK_ROPE_TABLE=1`` (the qkv GEMM's launch writes the RoPE table the q/k norm kernel
-    reads): the same greedy and sampled tokens, and the same KV caches bit for bit, as without it;
-    and the layers do take that path (the op is called)."""
+    """The RoPE table (the qkv GEMM's launch writes it for the q/k norm kernel; the default,
+    ``MUSE_SPARK_ROPE_TABLE=0`` turns it off): the same greedy and sampled tokens, and the same KV
+    caches bit for bit, as without it; and the layers do take that path (the op is called), unset
+    as with 1."""
     from muse_spark.models.layers import Attention
 
     params = [SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=20, temperature=0.9, seed=4,
                                                                              ignore_eos=True)]
     runs = []
-    for switch in ("0", "1"):
-        monkeypatch.setenv("MUSE_SPARK_ROPE_TABLE", switch)
+    for switch in ("0", "1", None):
+        if switch is None:
+            monkeypatch.delenv("MUSE_SPARK_ROPE_TABLE", raising=False)
+        else:
+            monkeypatch.setenv("MUSE_SPARK_ROPE_TABLE", switch)
         engine = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=2, max_seq=128)
         taken = []
         original = Attention.takes_rope_table
@@ -84,6 +88,6 @@ def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypa
         monkeypatch.setattr(Attention, "takes_rope_table", original)
         caches = engine.target_cache.k + engine.target_cache.v
         runs.append((out, [t.clone() for t in caches], any(taken)))
-    assert runs[0][0] == runs[1][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
-    assert runs[0][2] is False and runs[1][2] is True
+    assert runs[0][0] == runs[1][0] == runs[2][0]
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(runs[0][1], runs[1][1], runs[2][1]))
+    assert [r[2] for r in runs] == [False, True, True]

@@ -36,9 +36,11 @@ def built(agreeing_pair, tmp_path_factory):
 
 def test_engine_with_the_triton_plugin_kernels_equals_eager(built, eager):
     """The product path: the fused Triton kernels compiled into the packages (no fallback allowed),
-    built by the CLI and run by another process; greedy and sampled output equal the eager engine's."""
+    built by the CLI and run by another process; greedy and sampled output equal the eager engine's.
+    The RoPE table is on by default (the qkv GEMM's launch writes it for the q/k norm kernel)."""
     out = built
-    assert json.loads((out / "manifest.json").read_text())["aoti"]["plugin_impl"] == "triton"
+    a = json.loads((out / "manifest.json").read_text())["aoti"]
+    assert a["plugin_impl"] == "triton" and a["rope_table"] is True
     params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, temperature=0.9, seed=3,
                                                                              ignore_eos=True)]
     for prompt, p in zip(PROMPTS[:2], params):
@@ -110,16 +112,16 @@ def test_a_pdl_engine_launches_its_plugin_kernels_as_programmatic_dependents_and
         assert cli_generate_ids(built_pdl, prompt, 24, temperature=p.temperature, seed=p.seed) == w
 
 
-def test_a_rope_table_engine_equals_eager(agreeing_pair, eager, tmp_path):
-    """Built with ``MUSE_SPARK_ROPE_TABLE=1`` (the qkv GEMM's launch writes the RoPE table the q/k
-    norm kernel reads, in every layer package): recorded in the manifest, and greedy and sampled
-    output equal the eager engine's (built without the switch: the same bits), in a fresh process."""
+def test_an_engine_without_the_rope_table_equals_eager(agreeing_pair, eager, tmp_path):
+    """Built with ``MUSE_SPARK_ROPE_TABLE=0`` (the q/k norm kernel computes the angles itself, as
+    before the thirteenth session): recorded in the manifest, and greedy and sampled output equal
+    the eager engine's (built with the table, the default: the same bits), in a fresh process."""
     out = tmp_path / "engine"
     r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
             "--device", "cuda", "--max-batch", 2, "--max-seq", MAX_SEQ, "--plugins", "triton",
-            env={"MUSE_SPARK_ROPE_TABLE": "1"})
+            env={"MUSE_SPARK_ROPE_TABLE": "0"})
     assert r.returncode == 0, r.stderr[-4000:]
-    assert json.loads((out / "manifest.json").read_text())["aoti"]["rope_table"] is True
+    assert json.loads((out / "manifest.json").read_text())["aoti"]["rope_table"] is False
     params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, temperature=0.9, seed=3,
                                                                              ignore_eos=True)]
     for prompt, p in zip(PROMPTS[:2], params):

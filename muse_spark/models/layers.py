@@ -330,9 +330,9 @@ def linear_path(device, dtype: torch.dtype) -> str:
     return linear_kernel() if fused else "reference"
 
 
-def _switch(name: str) -> bool:
-    """An opt-in kernel switch from the environment: ``1`` on, ``0`` or unset off, else an error."""
-    value = os.environ.get(name, "0").strip()
+def _switch(name: str, default: str = "0") -> bool:
+    """A kernel switch from the environment: ``1`` on, ``0`` off, unset ``default``, else an error."""
+    value = os.environ.get(name, default).strip()
     if value not in ("0", "1"):
         raise ValueError(f"{name}={value!r}: expected 0 or 1")
     return value == "1"
@@ -355,13 +355,14 @@ def attention_cache_fused() -> bool:
 
 
 def rope_table() -> bool:
-    """``MUSE_SPARK_ROPE_TABLE=1``: where the Triton linear kernel takes the attention's qkv projection
-    and the q/k norm kernel writes the caches, one more program of the projection's launch computes
-    the step's RoPE cos/sin table and the norm kernel reads it (``Attention.takes_rope_table``): the
-    angles' chain of libdevice calls (2.7 of the norm kernel's 4.2 µs a layer on the H200) then runs
-    beside the weight stream. The same bits. Off by default until measured in a step
-    (docs/benchmarks.md, twelfth session). A build records it in the engine's manifest."""
-    return _switch("MUSE_SPARK_ROPE_TABLE")
+    """``MUSE_SPARK_ROPE_TABLE`` (on unless ``0``): where the Triton linear kernel takes the
+    attention's qkv projection and the q/k norm kernel writes the caches, one more program of the
+    projection's launch computes the step's RoPE cos/sin table and the norm kernel reads it
+    (``Attention.takes_rope_table``): the angles' chain of libdevice calls (2.7 of the norm kernel's
+    4.2 µs a layer on the H200) then runs beside the weight stream. The same bits. The default since
+    the thirteenth session: the batch-1 step graph 1 % faster on the H200, timed in turns with the
+    one without (docs/benchmarks.md). A build records it in the engine's manifest."""
+    return _switch("MUSE_SPARK_ROPE_TABLE", default="1")
 
 
 # The plugin kernels that, compiled under ``MUSE_SPARK_PDL=1``, execute ``griddepcontrol.wait`` before
@@ -460,11 +461,12 @@ class Attention(nn.Module):
 
     def takes_rope_table(self, x: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether the qkv projection also writes the step's RoPE table for the q/k norm kernel
-        (``muse_spark::linear_rope_table_triton``): opt-in (``MUSE_SPARK_ROPE_TABLE=1``), with RoPE,
+        (``muse_spark::linear_rope_table_triton``): unless ``MUSE_SPARK_ROPE_TABLE=0``, with RoPE,
         where ``linear`` takes the Triton kernel and the norm kernel will write the caches (a
-        ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim)."""
+        ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim; not
+        under ``MUSE_SPARK_ATTENTION_CACHE=1``, whose kernel computes its own angles)."""
         c = self.cfg
-        return (rope_table() and c.use_rope and x.dim() == 3 and positions.numel() == x.shape[0] * x.shape[1]
+        return (rope_table() and not attention_cache_fused() and c.use_rope and x.dim() == 3 and positions.numel() == x.shape[0] * x.shape[1]
                 and CacheKV.at(kv, positions, x.dtype) and _triton_linear_fits(x, self.qkv_proj.weight)
                 and _head_norm_rope_fits_heads(x.dtype, c.head_dim))
 
