@@ -769,11 +769,12 @@ def compile_for_hopper(fn, sig: dict, consts: dict, num_warps: int, num_stages: 
     from triton.compiler import ASTSource
 
     consts = dict(consts)  # constexprs left out take their defaults, as a launch does
-    for name, prm in inspect.signature(fn.fn).parameters.items():
+    params = inspect.signature(fn.fn).parameters
+    for name, prm in params.items():
         if name not in consts and name not in sig and prm.default is not inspect.Parameter.empty:
             consts[name] = prm.default
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
-             if sig[n].startswith("*") or n in multiples_of_16}
+    at = list(params)  # an attribute names its argument by its place among the kernel's parameters
+    attrs = {(at.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*") or n in multiples_of_16}
     src = ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}), constexprs=consts, attrs=attrs)
     options = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -1610,6 +1611,18 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
                    ("N", "K", "stride_xm", "stride_ym")),
         "linear_prefetch": (lk._linear_kernel, dict(zip(lin_names, ["*bf16"] * 3 + ["i32"] * 5)),
                             dict(lin, PREFETCH=64 << 10), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
+        # the RoPE table (the default since the thirteenth session): the qkv GEMM's extra program
+        # that writes it, and the norm kernel reading it
+        "linear_rope_table": (lk._linear_kernel, dict(zip(lin_names + ["pos_ptr", "cos_ptr", "sin_ptr", "N_POS"],
+                                                          ["*bf16"] * 3 + ["i32"] * 5 + ["*i64", "*fp32", "*fp32", "i32"])),
+                              dict(lin, ROPE_TABLE=True, THETA=5e5, DH_ROPE=128, BLOCK_POS=16), 4, 4,
+                              ("N", "K", "stride_xm", "stride_ym")),
+        "head_norm_rope_cache_table": (hk._head_norm_rope_cache_kernel, dict(zip(
+            ["x_ptr", "v_ptr", "pos_ptr", "slot_ptr", "out_ptr", "kc_ptr", "vc_ptr", "S", "NH", "H", "KVH", "N_SLOTS",
+             "T", "sx_b", "sx_s", "sx_h", "sp_b", "sp_s", "sv_b", "sv_s", "sv_h", "skc_n", "skc_t", "skc_h", "svc_n",
+             "svc_t", "svc_h", "cos_ptr", "sin_ptr"],
+            ["*bf16", "*bf16", "*i64", "*i64", "*bf16", "*bf16", "*bf16"] + ["i32"] * 20 + ["*fp32", "*fp32"])),
+            dict(EPS=1e-6, THETA=5e5, DH=128, BLOCK_H=16, ROPE=True, BLOCK_KV=8, TABLE=True), 4, None, ()),
     }
     from muse_spark.models.layers import PDL_KERNELS
 
