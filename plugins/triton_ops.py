@@ -323,12 +323,14 @@ def _linear_rope_table_op(x: torch.Tensor, w: torch.Tensor, positions: torch.Ten
 @triton_op("muse_spark::attention_cache_triton", mutates_args=("k_cache", "v_cache"))
 def _attention_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                         use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                        last: torch.Tensor, window: int) -> torch.Tensor:
+                        last: torch.Tensor, window: int, rope_cos: torch.Tensor | None = None,
+                        rope_sin: torch.Tensor | None = None) -> torch.Tensor:
     """A layer's attention from its raw q and k heads x [B, S, H + KV, Dh] and v [B, S, KV, Dh]:
     ``head_norm_rope_cache_triton`` (q and k normed and rotated, k and v written into the caches
     [N, T, KV, Dh] at rows ``slots``, positions ``positions``), then ``attention_bounds_triton``
     of the normed q over the caches, in one launch of the attention's partial kernel (and its
-    merge) → [B, S, H, Dh]. Its reference is those two references in that order."""
+    merge) → [B, S, H, Dh]. Its reference is those two references in that order.
+    ``rope_cos``/``rope_sin``: the step's RoPE table, as ``head_norm_rope_cache_triton`` takes it."""
     _check_heads("attention_cache", x)
     _check_new_v("attention_cache", x, v, q_heads=True)
     B, S, NH, dh = x.shape
@@ -336,11 +338,12 @@ def _attention_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tenso
     _check_cache_write("attention_cache", B, S, kv, dh, x.dtype, positions, k_cache, v_cache, slots)
     _check_attention(x[:, :, : NH - kv], k_cache, v_cache, slots)  # (the q heads)
     _check_bounds("attention_cache", last, B, S, window, k_cache.shape[1])
+    table = _check_rope_table("attention_cache", rope_cos, rope_sin, B * S, dh, x.device)
     if not _runs_kernels(x):
         q = head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
         return _attend_bounds_reference(q, k_cache, v_cache, last, window, slots)
     return launch_attention(x, k_cache, v_cache, last, slots, wrap=wrap_triton, interpret=interpreting(),
-                            window=window, new_kv=(v, positions, eps, theta, use_rope), pdl=_pdl())
+                            window=window, new_kv=(v, positions, eps, theta, use_rope), pdl=_pdl(), table=table)
 
 
 @triton_op("muse_spark::linear_triton", mutates_args=())
@@ -388,10 +391,12 @@ def attention(q, k, v, mask, slots=None):
     return torch.ops.muse_spark.attention_triton(q, k, v, mask, slots)
 
 
-def attention_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots, bounds):
-    """``muse_spark::attention_cache_triton`` with the mask a ``KeyBounds``."""
+def attention_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots, bounds, rope_cos=None,
+                    rope_sin=None):
+    """``muse_spark::attention_cache_triton`` with the mask a ``KeyBounds`` (and the step's RoPE
+    table, where the qkv projection wrote it)."""
     return torch.ops.muse_spark.attention_cache_triton(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots,
-                                                       bounds.last, bounds.width)
+                                                       bounds.last, bounds.width, rope_cos, rope_sin)
 
 
 def head_norm_rope(x, positions, eps, theta, use_rope):

@@ -16,6 +16,7 @@ fused kernel out, so differences place its time (timing only: ``no_rope`` change
 * ``norm_cache_table`` (``+attention``): the norm kernel reading the step's RoPE table
   (``launch_rope_table``, computed once a pass over the layers, its time shared by them);
 * ``fused``: ``launch_attention(new_kv=...)``, the fused path;
+* ``fused_table``: the fused path reading the step's RoPE table (thirteenth session);
 * ``fused_no_rope``: the same without the rotation (no cos/sin/pow);
 * ``fused_no_store``: positions past the caches, so no program stores new keys (the barrier stays).
 
@@ -70,8 +71,8 @@ def main() -> int:
     def attention(q, kc, vc):
         return launch_attention(q, kc, vc, pos, slots, window=T)
 
-    def fused(kc, vc, rope=True, positions=pos):
-        return launch_attention(x, kc, vc, pos, slots, window=T, new_kv=(v, positions, EPS, THETA, rope))
+    def fused(kc, vc, rope=True, positions=pos, table=None):
+        return launch_attention(x, kc, vc, pos, slots, window=T, new_kv=(v, positions, EPS, THETA, rope), table=table)
 
     q0 = norm_cache(*caches[0])
     variants = {
@@ -82,6 +83,7 @@ def main() -> int:
         "norm_cache_table+attention": lambda kc, vc: attention(norm_cache(kc, vc, table=step["table"]), kc, vc),
         "attention": lambda kc, vc: attention(q0, kc, vc),
         "fused": lambda kc, vc: fused(kc, vc),
+        "fused_table": lambda kc, vc: fused(kc, vc, table=step["table"]),
         "fused_no_rope": lambda kc, vc: fused(kc, vc, rope=False),
         "fused_no_store": lambda kc, vc: fused(kc, vc, positions=past),
     }
@@ -90,6 +92,8 @@ def main() -> int:
     step["table"] = launch_rope_table(pos, THETA, DH)
     table_same = torch.equal(norm_cache(*caches[0], table=step["table"]), norm_cache(*caches[0]))
     print(f"B={B}: norm_cache with the step's RoPE table = without, bit for bit: {table_same}", flush=True)
+    fused_table_same = torch.equal(fused(*caches[0], table=step["table"]), fused(*caches[0]))
+    print(f"B={B}: fused with the step's RoPE table = without, bit for bit: {fused_table_same}", flush=True)
     if a.ncu:
         for fn in variants.values():  # compiled and warm before the profiled range
             fn(*caches[0])
@@ -103,7 +107,7 @@ def main() -> int:
     results = {}
     for name, fn in variants.items():
         def run(fn=fn, name=name):
-            if name.startswith("norm_cache_table"):  # one table a step, for every layer
+            if "table" in name:  # one table a step, for every layer
                 step["table"] = launch_rope_table(pos, THETA, DH)
             for kc, vc in caches:
                 fn(kc, vc)
@@ -123,7 +127,8 @@ def main() -> int:
         print(f"{name:22} {us:9.2f} {us / base:8.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(args=vars(a), fused_equals_default=same,
-                                                table_equals_in_place=table_same, us_per_layer=results),
+                                                table_equals_in_place=table_same,
+                                                fused_table_equals_in_place=fused_table_same, us_per_layer=results),
                                            indent=1))
     return 0
 

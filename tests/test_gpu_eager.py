@@ -64,12 +64,15 @@ def test_cuda_greedy_speculative_equals_target_only_with_the_triton_attention(ag
         assert r.output == generate_target_only(engine, r.prompt, params)
 
 
-def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypatch):
-    """The RoPE table (the qkv GEMM's launch writes it for the q/k norm kernel; the default,
-    ``MUSE_SPARK_ROPE_TABLE=0`` turns it off): the same greedy and sampled tokens, and the same KV
-    caches bit for bit, as without it; and the layers do take that path (the op is called), unset
-    as with 1."""
+@pytest.mark.parametrize("attention_cache", ["0", "1"], ids=["norm_kernel", "fused_attention"])
+def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypatch, attention_cache):
+    """The RoPE table (the qkv GEMM's launch writes it for the q/k norm kernel, or under
+    ``MUSE_SPARK_ATTENTION_CACHE=1`` for the fused attention; the default, ``MUSE_SPARK_ROPE_TABLE=0``
+    turns it off): the same greedy and sampled tokens, and the same KV caches bit for bit, as
+    without it; and the layers do take that path (the op is called), unset as with 1."""
     from muse_spark.models.layers import Attention
+
+    monkeypatch.setenv("MUSE_SPARK_ATTENTION_CACHE", attention_cache)
 
     params = [SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=20, temperature=0.9, seed=4,
                                                                              ignore_eos=True)]
@@ -84,8 +87,14 @@ def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypa
         original = Attention.takes_rope_table
         monkeypatch.setattr(Attention, "takes_rope_table",
                             lambda self, *a: taken.append(original(self, *a)) or taken[-1])
+        fused = []
+        original_fused = Attention.attends_from_cache_write
+        monkeypatch.setattr(Attention, "attends_from_cache_write",
+                            lambda self, *a: fused.append(original_fused(self, *a)) or fused[-1])
         out = [r.output for r in Generator(engine).generate(PROMPTS[:2], params)]
         monkeypatch.setattr(Attention, "takes_rope_table", original)
+        monkeypatch.setattr(Attention, "attends_from_cache_write", original_fused)
+        assert any(fused) == (attention_cache == "1")
         caches = engine.target_cache.k + engine.target_cache.v
         runs.append((out, [t.clone() for t in caches], any(taken)))
     assert runs[0][0] == runs[1][0] == runs[2][0]

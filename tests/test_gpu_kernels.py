@@ -781,7 +781,7 @@ def compile_for_hopper(fn, sig: dict, consts: dict, num_warps: int, num_stages: 
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' modules import it)")
-@pytest.mark.parametrize("fused", [False, True], ids=["attention", "attention_cache"])
+@pytest.mark.parametrize("fused", [False, True, "table"], ids=["attention", "attention_cache", "attention_cache_table"])
 def test_the_attention_launcher_passes_every_kernel_argument(fused):
     """Inductor's mutation analysis of a user-defined kernel (``identify_mutated_tensors``) takes
     the arguments as passed and fills in no defaults: one left out and it assumes every input is
@@ -792,8 +792,10 @@ def test_the_attention_launcher_passes_every_kernel_argument(fused):
     B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES["straddle"]
     x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
     q = x if fused else x[:, :, :H]
+    table = (torch.zeros(B * S, dh // 2), torch.zeros(B * S, dh // 2)) if fused == "table" else None
     calls = launches(lambda wrap: ak.launch_attention(q, kc, vc, last, slots, wrap=wrap, window=window,
-                                                      new_kv=(v, positions, 1e-6, 5e5, True) if fused else None))
+                                                      new_kv=(v, positions, 1e-6, 5e5, True) if fused else None,
+                                                      table=table))
     assert [c[0] for c in calls] == [ak._partial_kernel, ak._combine_kernel]
     for fn, passed in calls:
         assert passed == set(fn.arg_names), fn.__name__
@@ -924,6 +926,14 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
         cfg["num_warps"])
     assert fused.asm["cubin"] and fused.metadata.shared <= 227 * 1024
     assert "bar.sync" in fused.asm["ptx"]  # the barrier between the cache write and the tiles' loads
+    # reading the step's RoPE table (TABLE): none of the library's trigonometry (its large-argument
+    # reduction keeps an array in local memory), still fits
+    table = compile_for_hopper(ak._partial_kernel, dict(zip(names + ["cos_ptr", "sin_ptr"], types + ["*fp32"] * 2)),
+                               dict(SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
+                                    SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=True, BOUNDS=True,
+                                    NORM_QK=True, EPS=1e-6, THETA=5e5, ROPE=True, TABLE=True), cfg["num_warps"])
+    assert table.asm["cubin"] and table.metadata.shared <= 227 * 1024
+    assert "ld.local" in fused.asm["ptx"] and "ld.local" not in table.asm["ptx"]
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
@@ -1208,6 +1218,24 @@ def test_attention_cache_kernel_never_writes_outside_the_caches(tops):
     assert torch.equal(out[:1], alone)
 
 
+@needs_kernels
+@pytest.mark.parametrize("shape", ["straddle", "past_window", "head128"])
+def test_the_rope_table_gives_the_attention_cache_kernel_its_own_bits(tops, shape):
+    """The fused attention (``attention_cache_triton``) reading the step's RoPE table, as the layers
+    give it the qkv projection's table: its output and both caches bit for bit as when it computes
+    the angles itself."""
+    from muse_spark.models.layers import KeyBounds
+    from muse_spark.plugins.head_norm_rope.triton_kernel import launch_rope_table
+
+    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES[shape]
+    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
+    kc2, vc2 = kc.clone(), vc.clone()
+    table = launch_rope_table(positions, 5e5, dh)
+    got = tops.attention_cache(x, v, positions, 1e-6, 5e5, True, kc, vc, slots, KeyBounds(last, window))
+    got_t = tops.attention_cache(x, v, positions, 1e-6, 5e5, True, kc2, vc2, slots, KeyBounds(last, window), *table)
+    assert torch.equal(got, got_t) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the op's module imports it)")
 def test_attention_cache_op_rejects_bad_inputs(tops):
     B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES["straddle"]
@@ -1233,6 +1261,11 @@ def test_attention_cache_op_rejects_bad_inputs(tops):
         call(window=T + 1)
     with pytest.raises(ValueError, match="the kernel takes"):
         call(x=x.float())
+    half = torch.zeros(B * S, dh // 2, device=x.device)  # the RoPE table: both halves, [B·S, Dh/2] fp32
+    with pytest.raises(ValueError, match=r"attention_cache: rope_sin must be a contiguous float32 \[20, 16\]"):
+        op(*args, half, None)
+    with pytest.raises(ValueError, match=r"attention_cache: rope_cos must be a contiguous float32"):
+        op(*args, half[:-1], half)
 
 
 def qkv_operands(B=2, S=3, H=4, KV=2, dh=32, D=64, slots_n=4, T=16, dtype=torch.bfloat16, seed=7):
@@ -1617,6 +1650,10 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
                                                           ["*bf16"] * 3 + ["i32"] * 5 + ["*i64", "*fp32", "*fp32", "i32"])),
                               dict(lin, ROPE_TABLE=True, THETA=5e5, DH_ROPE=128, BLOCK_POS=16), 4, 4,
                               ("N", "K", "stride_xm", "stride_ym")),
+        "attention_cache_table": (ak._partial_kernel, dict(zip(
+            names + ["vn_ptr", "pos_ptr", "svn_b", "svn_s", "svn_h", "sp_b", "sp_s", "T_CACHE", "cos_ptr", "sin_ptr"],
+            types + ["*bf16", "*i64"] + ["i32"] * 6 + ["*fp32", "*fp32"])),
+            dict(attn, NORM_QK=True, EPS=1e-6, THETA=5e5, ROPE=True, TABLE=True), 4, None, ()),
         "head_norm_rope_cache_table": (hk._head_norm_rope_cache_kernel, dict(zip(
             ["x_ptr", "v_ptr", "pos_ptr", "slot_ptr", "out_ptr", "kc_ptr", "vc_ptr", "S", "NH", "H", "KVH", "N_SLOTS",
              "T", "sx_b", "sx_s", "sx_h", "sp_b", "sp_s", "sv_b", "sv_s", "sv_h", "skc_n", "skc_t", "skc_h", "svc_n",

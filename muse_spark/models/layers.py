@@ -463,10 +463,10 @@ class Attention(nn.Module):
         """Whether the qkv projection also writes the step's RoPE table for the q/k norm kernel
         (``muse_spark::linear_rope_table_triton``): unless ``MUSE_SPARK_ROPE_TABLE=0``, with RoPE,
         where ``linear`` takes the Triton kernel and the norm kernel will write the caches (a
-        ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim; not
-        under ``MUSE_SPARK_ATTENTION_CACHE=1``, whose kernel computes its own angles)."""
+        ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim). Under
+        ``MUSE_SPARK_ATTENTION_CACHE=1`` the fused attention kernel reads it instead."""
         c = self.cfg
-        return (rope_table() and not attention_cache_fused() and c.use_rope and x.dim() == 3 and positions.numel() == x.shape[0] * x.shape[1]
+        return (rope_table() and c.use_rope and x.dim() == 3 and positions.numel() == x.shape[0] * x.shape[1]
                 and CacheKV.at(kv, positions, x.dtype) and _triton_linear_fits(x, self.qkv_proj.weight)
                 and _head_norm_rope_fits_heads(x.dtype, c.head_dim))
 
@@ -508,7 +508,7 @@ class Attention(nn.Module):
                 from muse_spark.plugins import triton_ops  # (imported by _triton_ops_available)
 
                 out = triton_ops.attention_cache(qk, v, positions, c.rms_norm_eps, c.rope_theta, c.use_rope,
-                                                 kv.k_cache, kv.v_cache, kv.slots, kv.mask)
+                                                 kv.k_cache, kv.v_cache, kv.slots, kv.mask, **table)
                 return self._output(out.reshape(B, S, c.q_size), qkv)
             if self.writes_cache(qk, kv, positions):  # the norm kernel stores k and v into the caches
                 q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, c.rms_norm_eps, c.rope_theta,

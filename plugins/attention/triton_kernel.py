@@ -102,11 +102,13 @@ def _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE: tl.constexpr, BLOCK_M: tl.
 @triton.jit
 def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok, lo, hi, S, H,
                   sq_b, sq_s, sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-                  EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, KB: tl.constexpr):
+                  EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, KB: tl.constexpr,
+                  TABLE: tl.constexpr = False, cos_ptr=None, sin_ptr=None):
     """The layer's new keys and values of KV head ``kvh`` whose positions fall in [lo, hi) into the
     caches at row ``kv_row``: key head H + kvh of x [B, S, H + KV, Dh] normed and rotated at its
     position (``norm_rotate``, as ``head_norm_rope``'s cache kernel does it), v [B, S, KV, Dh] as
-    it is. ``KB`` new rows a pass; a pass with none in range loads nothing but their positions."""
+    it is. ``KB`` new rows a pass; a pass with none in range loads nothing but their positions.
+    ``TABLE``: the angles' cos and sin are rows b·S + s of the step's RoPE table [B·S, Dh/2]."""
     HALF: tl.constexpr = DH // 2
     dh2 = tl.arange(0, HALF)
     dd = tl.arange(0, DH)
@@ -118,8 +120,14 @@ def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok
             src = x_ptr + b * sq_b + sr[:, None] * sq_s + (H + kvh) * sq_h + dh2[None, :]
             k1 = tl.load(src, mask=w[:, None], other=0.0).to(tl.float32)
             k2 = tl.load(src + HALF, mask=w[:, None], other=0.0).to(tl.float32)
-            y1, y2 = norm_rotate(k1, k2, pos.to(tl.float32)[:, None], 1, EPS, THETA, DH, ROPE,
-                                 kc_ptr.dtype.element_ty)
+            if TABLE:
+                at = (b * S + sr).to(tl.int64)[:, None] * HALF + dh2[None, :]
+                y1, y2 = norm_rotate(k1, k2, 0.0, 1, EPS, THETA, DH, ROPE, kc_ptr.dtype.element_ty, True,
+                                     tl.load(cos_ptr + at, mask=w[:, None], other=0.0),
+                                     tl.load(sin_ptr + at, mask=w[:, None], other=0.0))
+            else:
+                y1, y2 = norm_rotate(k1, k2, pos.to(tl.float32)[:, None], 1, EPS, THETA, DH, ROPE,
+                                     kc_ptr.dtype.element_ty)
             kd = kc_ptr + kv_row * sk_b + pos[:, None] * sk_t + kvh * sk_h + dh2[None, :]
             tl.store(kd, y1, mask=w[:, None])
             tl.store(kd + HALF, y2, mask=w[:, None])
@@ -147,6 +155,9 @@ def _partial_kernel(
     vn_ptr=None, pos_ptr=None, svn_b=0, svn_s=0, svn_h=0, sp_b=0, sp_s=0, T_CACHE=0,
     NORM_QK: tl.constexpr = False, EPS: tl.constexpr = 0.0, THETA: tl.constexpr = 0.0, ROPE: tl.constexpr = False,
     KB: tl.constexpr = 16,  # (a literal: Inductor re-emits the kernel source without this module's globals)
+    # TABLE (with NORM_QK and ROPE): the angles' cos and sin are rows b·S + s of the step's RoPE
+    # table [B·S, Dh/2] fp32 (the qkv GEMM's launch writes it), not computed here: the same bits
+    cos_ptr=None, sin_ptr=None, TABLE: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -170,8 +181,14 @@ def _partial_kernel(
         qsrc = q_ptr + b * sq_b + s[:, None] * sq_s + head[:, None] * sq_h + dh2[None, :]
         x1 = tl.load(qsrc, mask=rmask[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(qsrc + HALF, mask=rmask[:, None], other=0.0).to(tl.float32)
-        qpos = tl.load(pos_ptr + b * sp_b + s * sp_s, mask=rmask, other=0).to(tl.float32)[:, None]
-        y1, y2 = norm_rotate(x1, x2, qpos, 1, EPS, THETA, DH, ROPE, q_ptr.dtype.element_ty)
+        if TABLE:
+            at = (b * S + s).to(tl.int64)[:, None] * HALF + dh2[None, :]
+            y1, y2 = norm_rotate(x1, x2, 0.0, 1, EPS, THETA, DH, ROPE, q_ptr.dtype.element_ty, True,
+                                 tl.load(cos_ptr + at, mask=rmask[:, None], other=0.0),
+                                 tl.load(sin_ptr + at, mask=rmask[:, None], other=0.0))
+        else:
+            qpos = tl.load(pos_ptr + b * sp_b + s * sp_s, mask=rmask, other=0).to(tl.float32)[:, None]
+            y1, y2 = norm_rotate(x1, x2, qpos, 1, EPS, THETA, DH, ROPE, q_ptr.dtype.element_ty)
         q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (BLOCK_M, DH))  # [y1 | y2]
         # This split's new keys and values into the caches (the last split also takes positions past
         # the window), then a barrier: the tiles below read them back (every row block of the split
@@ -180,7 +197,7 @@ def _partial_kernel(
         hi = tl.where(split == NSPLIT - 1, T_CACHE, lo + SPLIT_T)
         _store_new_kv(q_ptr, vn_ptr, pos_ptr, k_ptr, v_ptr, b, kvh, kv_row, row_ok, lo, hi, S, REP * KV, sq_b, sq_s,
                       sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, EPS, THETA, DH, ROPE,
-                      KB)
+                      KB, TABLE, cos_ptr, sin_ptr)
         tl.debug_barrier()
     else:
         q = tl.load(q_ptr + b * sq_b + s[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=rmask[:, None],
@@ -279,7 +296,8 @@ def _combine_kernel(
 def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      slots: torch.Tensor | None = None, wrap=lambda f: f, interpret: bool = False,
                      config: dict | None = None, pdl: int = 0, launch_pdl: bool = False,
-                     window: int | None = None, new_kv: tuple | None = None) -> torch.Tensor:
+                     window: int | None = None, new_kv: tuple | None = None,
+                     table: tuple | None = None) -> torch.Tensor:
     """q [B, S, H, Dh], mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. Or with ``window`` = T, the
     mask in bounds form: ``mask`` is ``last`` [B, S] int64 and key t < T is visible to query (b, s)
     iff t ≤ last[b, s] (``models.layers.KeyBounds``; the same bits as its dense mask). k/v: [B, ≥ T, KV, Dh], or
@@ -296,7 +314,10 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     heads [B, S, H + KV, Dh]; the kernel norms and rotates them as ``head_norm_rope`` does and
     writes the keys and v [B, S, KV, Dh] into the caches k/v at rows ``slots``, positions
     ``positions`` [B, S] (a row or position outside the caches writes nothing) before it reads
-    them: ``head_norm_rope_cache`` and this attention in one launch of the partial kernel."""
+    them: ``head_norm_rope_cache`` and this attention in one launch of the partial kernel.
+    ``table`` (with ``new_kv``): the step's RoPE (cos, sin) [B·S, Dh/2] fp32 of ``positions``
+    (``head_norm_rope.launch_rope_table``, or the qkv projection's launch), read instead of
+    computing the angles: the same bits."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if cfg["SPLIT_T"] % cfg["BLOCK_T"]:
         raise ValueError(f"attention config: SPLIT_T {cfg['SPLIT_T']} is not a multiple of BLOCK_T {cfg['BLOCK_T']}")
@@ -328,10 +349,14 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if new_kv is not None:
         fused = dict(vn_ptr=v_new, pos_ptr=positions, svn_b=v_new.stride(0), svn_s=v_new.stride(1),
                      svn_h=v_new.stride(2), sp_b=positions.stride(0), sp_s=positions.stride(1), T_CACHE=k.shape[1],
-                     NORM_QK=True, EPS=float(eps), THETA=float(theta), ROPE=bool(use_rope), KB=NEW_ROWS)
+                     NORM_QK=True, EPS=float(eps), THETA=float(theta), ROPE=bool(use_rope), KB=NEW_ROWS,
+                     cos_ptr=q if table is None else table[0], sin_ptr=q if table is None else table[1],
+                     TABLE=table is not None and bool(use_rope))
     else:  # every argument passed: Inductor's mutation analysis of a user kernel fills in no defaults
+        if table is not None:
+            raise ValueError("attention: a RoPE table is read only where the kernel writes the new K/V (new_kv)")
         fused = dict(vn_ptr=q, pos_ptr=m8, svn_b=0, svn_s=0, svn_h=0, sp_b=0, sp_s=0, T_CACHE=0, NORM_QK=False,
-                     EPS=0.0, THETA=0.0, ROPE=False, KB=NEW_ROWS)
+                     EPS=0.0, THETA=0.0, ROPE=False, KB=NEW_ROWS, cos_ptr=q, sin_ptr=q, TABLE=False)
     po = torch.empty((B * KV, nsplit, M, dh), dtype=torch.float32, device=q.device)
     pm = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
     pl = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
