@@ -127,6 +127,23 @@ def time_fn(fn, device, iters: int, warmup: int = 3) -> dict:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "iters": iters}
 
 
+def host_issue_us(fn, device, iters: int, warmup: int = 3) -> float:
+    """Median microseconds the host spends in ``fn()`` before it returns (the device's work it
+    issued not awaited; synchronized between calls, so each starts on an idle device)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize(device)
+    return statistics.median(times)
+
+
 def profile_kernels(fn, device, calls: int = 3, top: int = 15, keep_all: bool = False) -> dict:
     """Where a call's device time goes: torch.profiler over ``calls`` calls of ``fn`` -> the kernel
     time per call and the ``top`` kernels (name, launches per call, ms per call, share);
@@ -608,6 +625,12 @@ class Bench:
                 if cuda:
                     sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
                     self.replays.setdefault(b, {})[label] = runner  # kept for interleaved_replays
+                    # What the host spends issuing a step (the runner's input copies, pointer check,
+                    # graph launch, output clone) and the replay alone: the runner's step costs
+                    # more than the replay by up to these, where the GPU waits for the host.
+                    sec.setdefault("aoti_host_issue_us", {})[b] = {
+                        "step": host_issue_us(lambda: runner(*x), dev, a.iters),
+                        "replay": host_issue_us(runner.graph.replay, dev, a.iters)}
                 if programmatic:  # the same packages: the edges' other port, and plain edges (the waits' cost)
                     sec.setdefault("aoti_pdl", {})[b] = self.pdl_replays(runner, fn, b, weights, caches, scratch,
                                                                          words, pool, x, label)
@@ -624,10 +647,13 @@ class Bench:
                 sec.setdefault("aoti_step_host_equals_step", {})[b] = runner.step_host(*host) == runner(*x).tolist()
                 if runner.markov_ws.numel():  # after every timed step: no Markov program gave up waiting
                     sec.setdefault("aoti_markov_error_flag", {})[b] = int(runner.markov_ws[MARKOV_ERROR_WORD])
+                issue = sec.get("aoti_host_issue_us", {}).get(b)
                 self.log(f"{label} B={b}: {sec['aoti'][b]['median_ms']:.2f} ms (greedy step equals eager: {same}); "
                          f"serving form: lists → device tensors → step → .cpu() "
                          f"{sec['aoti_serving_lists'][b]['median_ms']:.2f} ms, step_host "
-                         f"{sec['aoti_step_host'][b]['median_ms']:.2f} ms")
+                         f"{sec['aoti_step_host'][b]['median_ms']:.2f} ms"
+                         + (f"; host time to issue: step {issue['step']:.0f} µs, replay {issue['replay']:.0f} µs"
+                            if issue else ""))
                 if a.profile:  # the same packages, called without the graph: the kernels it replays
                     plain = StaticStep(fn, b, weights, caches, scratch, dev, markov_words=words)
                     prof = profile_kernels(lambda: plain(*x), dev, keep_all=cuda)
@@ -900,6 +926,10 @@ def render_markdown(result: dict) -> str:
     if "aoti_graph_replay" in sec and sec["aoti_graph_replay"]:
         out += ["", "aoti graph replay alone (without the runner's input copies): "
                 + ", ".join(f"B={b}: {v['median_ms']:.2f} ms" for b, v in sec["aoti_graph_replay"].items()) + "."]
+    if sec.get("aoti_host_issue_us"):
+        out += ["", "Host time to issue (median, the device idle at the call): "
+                + ", ".join(f"B={b}: the runner's step {v['step']:.0f} µs, the replay alone {v['replay']:.0f} µs"
+                            for b, v in sec["aoti_host_issue_us"].items()) + "."]
     for b, prof in sec.get("aoti_profile", {}).items():
         out += ["", f"### Where the aoti step's device time goes, batch {b} (torch.profiler, packages called "
                 f"without the CUDA graph: {prof['kernel_ms']:.2f} ms of kernels per step)", "",

@@ -108,18 +108,22 @@ def test_device_gaps_sums_the_holes_between_events_per_pair_and_per_call():
 
 
 def test_the_interleaved_replays_and_the_idle_time_render():
-    """The step graphs timed in turns and each replay's idle time, in the markdown."""
+    """The step graphs timed in turns, each replay's idle time and the host's time to issue a
+    step, in the markdown."""
     from muse_spark.bench import render_markdown
 
     result = json.loads((ROOT / "docs" / "benchmarks-b1-twelfth-pdl.json").read_text())  # a run's other fields
     sec = result["sections"]
     sec["aoti_interleaved_replay"] = {"1": {"aoti": 5.6, "aoti no_rope_table": 5.46}}
+    sec["aoti_host_issue_us"] = {"1": {"step": 61.4, "replay": 18.2}}
     sec["aoti_replay_profile"]["1"]["idle_ms"] = 0.121
     sec["variants"] = {"no_rope_table": {"env": {"MUSE_SPARK_ROPE_TABLE": "0"}, "compiled": [],
                                       "aoti_replay_profile": {"1": {"idle_ms": 0.25}}}}
     text = render_markdown(result)
     assert ("Step graphs replayed in turns, batch 1 (median of the rounds' medians): `aoti` 5.600 ms, "
             "`aoti no_rope_table` 5.460 ms (0.975×).") in text
+    assert ("Host time to issue (median, the device idle at the call): B=1: the runner's step 61 µs, "
+            "the replay alone 18 µs.") in text
     assert "Device idle between the events of a replay (torch.profiler): `aoti` B=1 0.121 ms, " \
            "`aoti no_rope_table` B=1 0.250 ms." in text
 
