@@ -671,6 +671,17 @@ class Bench:
                         self.log(f"{label} B={b} replay idle: {rep['idle_ms']:.3f} ms per replay between kernels; "
                                  "largest: " + "; ".join(f"{g['after'][:40]} -> {g['before'][:40]} x{g['count']:g} "
                                                          f"{g['ms']:.3f} ms" for g in rep["gaps"][:5]))
+                        # the runner's whole step (input copies, replay, output clone): what it adds
+                        call = profile_kernels(lambda: runner(*x), dev, keep_all=True)
+                        in_replay = {k: rep["all"].get(k, [0, 0.0]) for k in call["all"]}
+                        sec.setdefault("aoti_runner_profile", {})[b] = dict(
+                            kernel_ms=call["kernel_ms"], idle_ms=call["idle_ms"], gaps=call["gaps"],
+                            beyond_replay={k: [n - in_replay[k][0], ms - in_replay[k][1]]
+                                           for k, (n, ms) in call["all"].items() if n > in_replay[k][0]})
+                        self.log(f"{label} B={b} runner step: {call['kernel_ms']:.2f} ms of device events, "
+                                 f"{call['idle_ms']:.3f} ms idle; events beyond the replay's: "
+                                 + "; ".join(f"{k[:40]} x{n:g} {ms * 1e3:.1f} µs" for k, (n, ms) in
+                                             sec["aoti_runner_profile"][b]["beyond_replay"].items()))
                     sec.setdefault("aoti_profile", {})[b] = prof  # with every kernel ("all") on CUDA: a
                     # kernel below the top's cutoff must not look absent when two runs are compared
         self.save()
@@ -926,6 +937,11 @@ def render_markdown(result: dict) -> str:
     if "aoti_graph_replay" in sec and sec["aoti_graph_replay"]:
         out += ["", "aoti graph replay alone (without the runner's input copies): "
                 + ", ".join(f"B={b}: {v['median_ms']:.2f} ms" for b, v in sec["aoti_graph_replay"].items()) + "."]
+    for b, r in sec.get("aoti_runner_profile", {}).items():
+        out += ["", f"The runner's step, batch {b} (torch.profiler, 3 calls back to back): {r['kernel_ms']:.3f} ms of "
+                f"device events and {r['idle_ms']:.3f} ms idle a call; events beyond the bare replay's: "
+                + (", ".join(f"`{k[:60]}` ×{n:g} {ms * 1e3:.1f} µs" for k, (n, ms) in r["beyond_replay"].items())
+                   or "none") + "."]
     if sec.get("aoti_host_issue_us"):
         out += ["", "Host time to issue (median, the device idle at the call): "
                 + ", ".join(f"B={b}: the runner's step {v['step']:.0f} µs, the replay alone {v['replay']:.0f} µs"

@@ -116,12 +116,17 @@ def test_the_interleaved_replays_and_the_idle_time_render():
     sec = result["sections"]
     sec["aoti_interleaved_replay"] = {"1": {"aoti": 5.6, "aoti no_rope_table": 5.46}}
     sec["aoti_host_issue_us"] = {"1": {"step": 61.4, "replay": 18.2}}
+    sec["aoti_runner_profile"] = {"1": {"kernel_ms": 5.41, "idle_ms": 0.25, "gaps": [],
+                                        "beyond_replay": {"Memcpy DtoD (Device -> Device)": [5.0, 0.0061]}}}
     sec["aoti_replay_profile"]["1"]["idle_ms"] = 0.121
     sec["variants"] = {"no_rope_table": {"env": {"MUSE_SPARK_ROPE_TABLE": "0"}, "compiled": [],
                                       "aoti_replay_profile": {"1": {"idle_ms": 0.25}}}}
     text = render_markdown(result)
     assert ("Step graphs replayed in turns, batch 1 (median of the rounds' medians): `aoti` 5.600 ms, "
             "`aoti no_rope_table` 5.460 ms (0.975×).") in text
+    assert ("The runner's step, batch 1 (torch.profiler, 3 calls back to back): 5.410 ms of device events and "
+            "0.250 ms idle a call; events beyond the bare replay's: `Memcpy DtoD (Device -> Device)` ×5 6.1 µs.") \
+        in text
     assert ("Host time to issue (median, the device idle at the call): B=1: the runner's step 61 µs, "
             "the replay alone 18 µs.") in text
     assert "Device idle between the events of a replay (torch.profiler): `aoti` B=1 0.121 ms, " \

@@ -1646,8 +1646,9 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
                             dict(lin, PREFETCH=64 << 10), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
         # the RoPE table (the default since the thirteenth session): the qkv GEMM's extra program
         # that writes it, and the norm kernel reading it
-        "linear_rope_table": (lk._linear_kernel, dict(zip(lin_names + ["pos_ptr", "cos_ptr", "sin_ptr", "N_POS"],
-                                                          ["*bf16"] * 3 + ["i32"] * 5 + ["*i64", "*fp32", "*fp32", "i32"])),
+        "linear_rope_table": (lk._linear_kernel, dict(zip(
+            lin_names + ["pos_ptr", "cos_ptr", "sin_ptr", "N_POS"],
+            ["*bf16"] * 3 + ["i32"] * 5 + ["*i64", "*fp32", "*fp32", "i32"])),
                               dict(lin, ROPE_TABLE=True, THETA=5e5, DH_ROPE=128, BLOCK_POS=16), 4, 4,
                               ("N", "K", "stride_xm", "stride_ym")),
         "attention_cache_table": (ak._partial_kernel, dict(zip(
