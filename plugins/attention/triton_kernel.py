@@ -100,6 +100,21 @@ def _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE: tl.constexpr, BLOCK_M: tl.
 
 
 @triton.jit
+def _norm_rotate_rows(x1, x2, pos, row, ok, cos_ptr, sin_ptr, EPS: tl.constexpr, THETA: tl.constexpr,
+                      DH: tl.constexpr, ROPE: tl.constexpr, DTYPE: tl.constexpr, TABLE: tl.constexpr):
+    """``norm_rotate`` of heads [rows, Dh/2] (halves ``x1``, ``x2``; rows where ``ok``) at positions
+    ``pos`` (fp32 [rows, 1]), or with ``TABLE`` at the angles of rows ``row`` of the step's RoPE
+    table [B·S, Dh/2] (``pos`` not read): the same bits."""
+    if TABLE:
+        HALF: tl.constexpr = DH // 2
+        at = row.to(tl.int64)[:, None] * HALF + tl.arange(0, HALF)[None, :]
+        c = tl.load(cos_ptr + at, mask=ok[:, None], other=0.0)
+        sn = tl.load(sin_ptr + at, mask=ok[:, None], other=0.0)
+        return norm_rotate(x1, x2, 0.0, 1, EPS, THETA, DH, ROPE, DTYPE, True, c, sn)
+    return norm_rotate(x1, x2, pos, 1, EPS, THETA, DH, ROPE, DTYPE)
+
+
+@triton.jit
 def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok, lo, hi, S, H,
                   sq_b, sq_s, sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                   EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, KB: tl.constexpr,
@@ -120,14 +135,8 @@ def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok
             src = x_ptr + b * sq_b + sr[:, None] * sq_s + (H + kvh) * sq_h + dh2[None, :]
             k1 = tl.load(src, mask=w[:, None], other=0.0).to(tl.float32)
             k2 = tl.load(src + HALF, mask=w[:, None], other=0.0).to(tl.float32)
-            if TABLE:
-                at = (b * S + sr).to(tl.int64)[:, None] * HALF + dh2[None, :]
-                y1, y2 = norm_rotate(k1, k2, 0.0, 1, EPS, THETA, DH, ROPE, kc_ptr.dtype.element_ty, True,
-                                     tl.load(cos_ptr + at, mask=w[:, None], other=0.0),
-                                     tl.load(sin_ptr + at, mask=w[:, None], other=0.0))
-            else:
-                y1, y2 = norm_rotate(k1, k2, pos.to(tl.float32)[:, None], 1, EPS, THETA, DH, ROPE,
-                                     kc_ptr.dtype.element_ty)
+            y1, y2 = _norm_rotate_rows(k1, k2, pos.to(tl.float32)[:, None], b * S + sr, w, cos_ptr, sin_ptr, EPS,
+                                       THETA, DH, ROPE, kc_ptr.dtype.element_ty, TABLE)
             kd = kc_ptr + kv_row * sk_b + pos[:, None] * sk_t + kvh * sk_h + dh2[None, :]
             tl.store(kd, y1, mask=w[:, None])
             tl.store(kd + HALF, y2, mask=w[:, None])
@@ -182,13 +191,11 @@ def _partial_kernel(
         x1 = tl.load(qsrc, mask=rmask[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(qsrc + HALF, mask=rmask[:, None], other=0.0).to(tl.float32)
         if TABLE:
-            at = (b * S + s).to(tl.int64)[:, None] * HALF + dh2[None, :]
-            y1, y2 = norm_rotate(x1, x2, 0.0, 1, EPS, THETA, DH, ROPE, q_ptr.dtype.element_ty, True,
-                                 tl.load(cos_ptr + at, mask=rmask[:, None], other=0.0),
-                                 tl.load(sin_ptr + at, mask=rmask[:, None], other=0.0))
+            qpos = 0.0  # (not read)
         else:
             qpos = tl.load(pos_ptr + b * sp_b + s * sp_s, mask=rmask, other=0).to(tl.float32)[:, None]
-            y1, y2 = norm_rotate(x1, x2, qpos, 1, EPS, THETA, DH, ROPE, q_ptr.dtype.element_ty)
+        y1, y2 = _norm_rotate_rows(x1, x2, qpos, b * S + s, rmask, cos_ptr, sin_ptr, EPS, THETA, DH, ROPE,
+                                   q_ptr.dtype.element_ty, TABLE)
         q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (BLOCK_M, DH))  # [y1 | y2]
         # This split's new keys and values into the caches (the last split also takes positions past
         # the window), then a barrier: the tiles below read them back (every row block of the split
