@@ -10,8 +10,9 @@
 #   scripts/gpu_check.sh attention     # the attention kernels: their tests, then scripts/attention_bench.py
 #   scripts/gpu_check.sh boundaries    # what a GEMM boundary costs: scripts/chain_bench.py, then pdl_bench.py's
 #                                      # co-resident and preload variants (docs/benchmarks.md, eleventh session)
-#   scripts/gpu_check.sh rope          # the RoPE table's GPU tests, then scripts/attention_cache_bench.py
-#                                      # (the q/k norm and attention stage by stage; twelfth session)
+#   scripts/gpu_check.sh rope          # the RoPE table's GPU tests (kernels, eager, an engine without it),
+#                                      # then scripts/attention_cache_bench.py (the q/k norm and attention
+#                                      # stage by stage, the fused attention with the table too)
 #
 # MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default triton).
 # ATTENTION_ARGS=--sweep adds the Triton kernel's launch configurations to the attention mode.
@@ -70,7 +71,8 @@ markov)
     timeout "${MARKOV_TIMEOUT:-300}" python3 scripts/markov_diag.py 2>&1 | tee "$OUT/markov-diag.log"
     ;;
 rope)
-    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfEs -k "rope_table" tests/test_gpu_kernels.py \
+    # (the engine test alone builds an engine: ~220 s on the H200)
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfEs -k "rope_table" tests/test_gpu_kernels.py \
         tests/test_gpu_eager.py tests/test_gpu_triton_engine.py 2>&1 | tee "$OUT/rope-tests.log" |
         grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
     timeout "${ROPE_TIMEOUT:-120}" python3 scripts/attention_cache_bench.py --json "$OUT/attention-cache.json" 2>&1 |
