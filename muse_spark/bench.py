@@ -45,10 +45,11 @@ PRESETS = {
                  draft_layers=1, draft_vocab=128, rank=16, gamma=3, aux=(0, 1)),
 }
 TAUS = (1.0, 3.7, 6.17)
-# aoti step variants `--attention-cache both` / `--pdl both` / `--rope-table both` compile and time beside the default: name -> the
-# kernel switches set in its compile workers and around the eager step it is checked against. The pdl
-# variant's graphs also get their programmatic edges (runtime.cuda_graph.make_programmatic). The RoPE
-# table is the default (thirteenth session): its variant is the step without it.
+# aoti step variants `--attention-cache both` / `--pdl both` / `--rope-table both` compile and time
+# beside the default: name -> the kernel switches set in its compile workers and around the eager
+# step it is checked against. The pdl variant's graphs also get their programmatic edges
+# (runtime.cuda_graph.make_programmatic). The RoPE table is the default (thirteenth session): its
+# variant is the step without it.
 VARIANTS = {"attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "1"}, "pdl": {"MUSE_SPARK_PDL": "1"},
             "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}}
 VARIANT_OPTION = {"no_rope_table": "rope_table"}  # the variant's --option, where its name is not the option's
@@ -676,6 +677,7 @@ class Bench:
                         in_replay = {k: rep["all"].get(k, [0, 0.0]) for k in call["all"]}
                         sec.setdefault("aoti_runner_profile", {})[b] = dict(
                             kernel_ms=call["kernel_ms"], idle_ms=call["idle_ms"], gaps=call["gaps"],
+                            calls=call["calls"],
                             beyond_replay={k: [n - in_replay[k][0], ms - in_replay[k][1]]
                                            for k, (n, ms) in call["all"].items() if n > in_replay[k][0]})
                         self.log(f"{label} B={b} runner step: {call['kernel_ms']:.2f} ms of device events, "
@@ -938,8 +940,8 @@ def render_markdown(result: dict) -> str:
         out += ["", "aoti graph replay alone (without the runner's input copies): "
                 + ", ".join(f"B={b}: {v['median_ms']:.2f} ms" for b, v in sec["aoti_graph_replay"].items()) + "."]
     for b, r in sec.get("aoti_runner_profile", {}).items():
-        out += ["", f"The runner's step, batch {b} (torch.profiler, 3 calls back to back): {r['kernel_ms']:.3f} ms of "
-                f"device events and {r['idle_ms']:.3f} ms idle a call; events beyond the bare replay's: "
+        out += ["", f"The runner's step, batch {b} (torch.profiler, {r['calls']} calls back to back): "
+                f"{r['kernel_ms']:.3f} ms of device events and {r['idle_ms']:.3f} ms idle a call; events beyond the bare replay's: "
                 + (", ".join(f"`{k[:60]}` ×{n:g} {ms * 1e3:.1f} µs" for k, (n, ms) in r["beyond_replay"].items())
                    or "none") + "."]
     if sec.get("aoti_host_issue_us"):

@@ -296,6 +296,13 @@ def _check_rope_table(op: str, cos, sin, rows: int, dh: int, device) -> tuple | 
     return cos, sin
 
 
+def _check_linear(x: torch.Tensor, w: torch.Tensor) -> None:
+    """What the skinny linear kernel takes (``plugins.linear.triton_kernel.fits``), or a clear error."""
+    if not fits(x, w):
+        raise ValueError(f"linear: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the kernel takes "
+                         f"at most {MAX_ROWS} rows of x [..., K] and a contiguous weight [N, K], both bf16 or fp16")
+
+
 @triton_op("muse_spark::linear_rope_table_triton", mutates_args=())
 def _linear_rope_table_op(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, theta: float,
                           head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -304,9 +311,7 @@ def _linear_rope_table_op(x: torch.Tensor, w: torch.Tensor, positions: torch.Ten
     head_dim/2] fp32 as the norm kernels compute the angles in place (the same bits), for
     ``head_norm_rope_cache_triton(rope_cos=, rope_sin=)``. Its reference: ``F.linear`` and
     ``models.layers.rope_table_reference``."""
-    if not fits(x, w):
-        raise ValueError(f"linear: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the kernel takes "
-                         f"at most {MAX_ROWS} rows of x [..., K] and a contiguous weight [N, K], both bf16 or fp16")
+    _check_linear(x, w)
     rows = x.numel() // x.shape[-1]
     if positions.dtype != torch.int64 or positions.numel() != rows:
         raise ValueError(f"linear_rope_table: positions must be int64, one per row of x ({rows}), got "
@@ -348,9 +353,7 @@ def _attention_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tenso
 
 @triton_op("muse_spark::linear_triton", mutates_args=())
 def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-    if not fits(x, w):
-        raise ValueError(f"linear: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the kernel takes "
-                         f"at most {MAX_ROWS} rows of x [..., K] and a contiguous weight [N, K], both bf16 or fp16")
+    _check_linear(x, w)
     if silu_mul and w.shape[0] % 2:
         raise ValueError(f"linear: silu_mul needs an even number of weight rows (gate | up), got {w.shape[0]}")
     if not _runs_kernels(x):

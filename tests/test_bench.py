@@ -116,7 +116,7 @@ def test_the_interleaved_replays_and_the_idle_time_render():
     sec = result["sections"]
     sec["aoti_interleaved_replay"] = {"1": {"aoti": 5.6, "aoti no_rope_table": 5.46}}
     sec["aoti_host_issue_us"] = {"1": {"step": 61.4, "replay": 18.2}}
-    sec["aoti_runner_profile"] = {"1": {"kernel_ms": 5.41, "idle_ms": 0.25, "gaps": [],
+    sec["aoti_runner_profile"] = {"1": {"kernel_ms": 5.41, "idle_ms": 0.25, "gaps": [], "calls": 3,
                                         "beyond_replay": {"Memcpy DtoD (Device -> Device)": [5.0, 0.0061]}}}
     sec["aoti_replay_profile"]["1"]["idle_ms"] = 0.121
     sec["variants"] = {"no_rope_table": {"env": {"MUSE_SPARK_ROPE_TABLE": "0"}, "compiled": [],

@@ -1959,7 +1959,7 @@ def test_the_rope_table_gives_the_norm_kernel_its_own_bits(rope):
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 8, 16])
 def test_the_qkv_projection_writes_the_rope_table_the_norm_kernel_reads(tops, rows):
-    """``linear_rope_table_triton`` (``MUSE_SPARK_ROPE_TABLE=1``): y is ``linear_triton``'s bit for
+    """``linear_rope_table_triton`` (the layers' default, ``MUSE_SPARK_ROPE_TABLE``): y is ``linear_triton``'s bit for
     bit (the extra program writes only the table); the table is ``launch_rope_table``'s (the same
     angles' code) and close to the torch spec (``rope_table_reference``); the norm + cache op fed
     the table gives its own bits."""

@@ -283,8 +283,8 @@ def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.
                              pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``launch_linear(x, w)`` and, from one more program of the same launch, the RoPE table of
     ``positions`` (``head_norm_rope.launch_rope_table``'s (cos, sin), the same bits): → (y, cos, sin).
-    For the attention's qkv projection, whose norm + cache kernel then reads the table
-    (``MUSE_SPARK_ROPE_TABLE=1``; docs/benchmarks.md, twelfth session)."""
+    For the attention's qkv projection, whose norm + cache kernel then reads the table (the
+    default, ``MUSE_SPARK_ROPE_TABLE=0`` off; docs/benchmarks.md, twelfth and thirteenth sessions)."""
     x2 = _rows(x, w)
     M, N = x2.shape[0], w.shape[0]
     pos = positions.reshape(-1)
