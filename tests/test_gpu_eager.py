@@ -64,6 +64,13 @@ def test_cuda_greedy_speculative_equals_target_only_with_the_triton_attention(ag
         assert r.output == generate_target_only(engine, r.prompt, params)
 
 
+def answers(monkeypatch, cls, name: str) -> list:
+    """The values method ``cls.name`` returns from now on, appended to the list returned."""
+    got, original = [], getattr(cls, name)
+    monkeypatch.setattr(cls, name, lambda self, *a: got.append(original(self, *a)) or got[-1])
+    return got
+
+
 @pytest.mark.parametrize("attention_cache", ["0", "1"], ids=["norm_kernel", "fused_attention"])
 def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypatch, attention_cache):
     """The RoPE table (the qkv GEMM's launch writes it for the q/k norm kernel, or under
@@ -83,17 +90,9 @@ def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypa
         else:
             monkeypatch.setenv("MUSE_SPARK_ROPE_TABLE", switch)
         engine = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=2, max_seq=128)
-        taken = []
-        original = Attention.takes_rope_table
-        monkeypatch.setattr(Attention, "takes_rope_table",
-                            lambda self, *a: taken.append(original(self, *a)) or taken[-1])
-        fused = []
-        original_fused = Attention.attends_from_cache_write
-        monkeypatch.setattr(Attention, "attends_from_cache_write",
-                            lambda self, *a: fused.append(original_fused(self, *a)) or fused[-1])
-        out = [r.output for r in Generator(engine).generate(PROMPTS[:2], params)]
-        monkeypatch.setattr(Attention, "takes_rope_table", original)
-        monkeypatch.setattr(Attention, "attends_from_cache_write", original_fused)
+        with monkeypatch.context() as m:  # each decision of the layers, recorded
+            taken, fused = (answers(m, Attention, name) for name in ("takes_rope_table", "attends_from_cache_write"))
+            out = [r.output for r in Generator(engine).generate(PROMPTS[:2], params)]
         assert any(fused) == (attention_cache == "1")
         caches = engine.target_cache.k + engine.target_cache.v
         runs.append((out, [t.clone() for t in caches], any(taken)))

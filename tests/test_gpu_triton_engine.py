@@ -18,6 +18,26 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 MAX_SEQ = 256
 cli = run_cli
+# greedy, and sampled with a seed: what each engine's output is compared with the eager engine's on
+PARAMS = [SamplingParams(max_tokens=24, ignore_eos=True),
+          SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True)]
+
+
+def build(agreeing_pair, out, env: dict | None = None):
+    """The pair built by the CLI as a 2-bucket CUDA engine with the Triton plugins (``env``: the
+    kernel switches of the build) → ``out``."""
+    r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
+            "--device", "cuda", "--max-batch", 2, "--max-seq", MAX_SEQ, "--plugins", "triton", env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out
+
+
+def assert_cli_equals_eager(out, eager) -> None:
+    """The engine at ``out``, run by the CLI in a fresh process, emits the eager engine's tokens for
+    the first two prompts, greedy and sampled (``PARAMS``)."""
+    for prompt, p in zip(PROMPTS[:2], PARAMS):
+        assert cli_generate_ids(out, prompt, 24, temperature=p.temperature, seed=p.seed) == \
+            Generator(eager).generate([prompt], [p])[0].output
 
 
 @pytest.fixture(scope="module")
@@ -27,25 +47,16 @@ def eager(agreeing_pair):
 
 @pytest.fixture(scope="module")
 def built(agreeing_pair, tmp_path_factory):
-    out = tmp_path_factory.mktemp("triton_engine") / "engine"
-    r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
-            "--device", "cuda", "--max-batch", 2, "--max-seq", MAX_SEQ, "--plugins", "triton")
-    assert r.returncode == 0, r.stderr[-4000:]
-    return out
+    return build(agreeing_pair, tmp_path_factory.mktemp("triton_engine") / "engine")
 
 
 def test_engine_with_the_triton_plugin_kernels_equals_eager(built, eager):
     """The product path: the fused Triton kernels compiled into the packages (no fallback allowed),
     built by the CLI and run by another process; greedy and sampled output equal the eager engine's.
     The RoPE table is on by default (the qkv GEMM's launch writes it for the q/k norm kernel)."""
-    out = built
-    a = json.loads((out / "manifest.json").read_text())["aoti"]
+    a = json.loads((built / "manifest.json").read_text())["aoti"]
     assert a["plugin_impl"] == "triton" and a["rope_table"] is True
-    params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, temperature=0.9, seed=3,
-                                                                             ignore_eos=True)]
-    for prompt, p in zip(PROMPTS[:2], params):
-        ids = cli_generate_ids(out, prompt, 24, temperature=p.temperature, seed=p.seed)
-        assert ids == Generator(eager).generate([prompt], [p])[0].output
+    assert_cli_equals_eager(built, eager)
 
 
 def test_the_markov_workspace_is_kept_per_bucket_and_a_flagged_step_runs_again(built, eager):
@@ -84,12 +95,7 @@ def test_the_markov_workspace_is_kept_per_bucket_and_a_flagged_step_runs_again(b
 
 @pytest.fixture(scope="module")
 def built_pdl(agreeing_pair, tmp_path_factory):
-    out = tmp_path_factory.mktemp("triton_engine_pdl") / "engine"
-    r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
-            "--device", "cuda", "--max-batch", 2, "--max-seq", MAX_SEQ, "--plugins", "triton",
-            env={"MUSE_SPARK_PDL": "1"})
-    assert r.returncode == 0, r.stderr[-4000:]
-    return out
+    return build(agreeing_pair, tmp_path_factory.mktemp("triton_engine_pdl") / "engine", env={"MUSE_SPARK_PDL": "1"})
 
 
 def test_a_pdl_engine_launches_its_plugin_kernels_as_programmatic_dependents_and_equals_eager(built_pdl, eager):
@@ -104,26 +110,15 @@ def test_a_pdl_engine_launches_its_plugin_kernels_as_programmatic_dependents_and
     assert set(engine.runners) == {1, 2}
     for runner in engine.runners.values():
         assert 0 < runner.programmatic_edges < runner.graph_kernels, (runner.programmatic_edges, runner.graph_kernels)
-    params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, temperature=0.9, seed=3,
-                                                                             ignore_eos=True)]
-    want = [r.output for r in Generator(eager).generate(PROMPTS[:2], params)]
-    assert [r.output for r in Generator(engine).generate(PROMPTS[:2], params)] == want
-    for prompt, p, w in zip(PROMPTS[:2], params, want):
-        assert cli_generate_ids(built_pdl, prompt, 24, temperature=p.temperature, seed=p.seed) == w
+    want = [r.output for r in Generator(eager).generate(PROMPTS[:2], PARAMS)]
+    assert [r.output for r in Generator(engine).generate(PROMPTS[:2], PARAMS)] == want
+    assert_cli_equals_eager(built_pdl, eager)
 
 
 def test_an_engine_without_the_rope_table_equals_eager(agreeing_pair, eager, tmp_path):
     """Built with ``MUSE_SPARK_ROPE_TABLE=0`` (the q/k norm kernel computes the angles itself, as
     before the thirteenth session): recorded in the manifest, and greedy and sampled output equal
     the eager engine's (built with the table, the default: the same bits), in a fresh process."""
-    out = tmp_path / "engine"
-    r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
-            "--device", "cuda", "--max-batch", 2, "--max-seq", MAX_SEQ, "--plugins", "triton",
-            env={"MUSE_SPARK_ROPE_TABLE": "0"})
-    assert r.returncode == 0, r.stderr[-4000:]
+    out = build(agreeing_pair, tmp_path / "engine", env={"MUSE_SPARK_ROPE_TABLE": "0"})
     assert json.loads((out / "manifest.json").read_text())["aoti"]["rope_table"] is False
-    params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(max_tokens=24, temperature=0.9, seed=3,
-                                                                             ignore_eos=True)]
-    for prompt, p in zip(PROMPTS[:2], params):
-        assert cli_generate_ids(out, prompt, 24, temperature=p.temperature, seed=p.seed) == \
-            Generator(eager).generate([prompt], [p])[0].output
+    assert_cli_equals_eager(out, eager)
