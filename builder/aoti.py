@@ -379,7 +379,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "linear_kernel": linear_path(device, target.dtype),
         # MUSE_SPARK_QKV_EPILOGUE=1 (opt-in): the qkv GEMM's epilogue norms q/k and writes the caches
         "qkv_epilogue": qkv_epilogue() and linear_path(device, target.dtype) == "triton",
-        # MUSE_SPARK_ATTENTION_CACHE=1 (opt-in): the attention kernel norms q/k and writes the caches
+        # MUSE_SPARK_ATTENTION_CACHE (on unless 0): the attention kernel norms q/k and writes the caches
         "attention_cache": attention_cache_fused() and attention_path(device, target.dtype) == "triton",
         # MUSE_SPARK_ROPE_TABLE (on unless 0): the qkv GEMM's launch writes the RoPE table the norm kernel reads
         "rope_table": rope_table() and linear_path(device, target.dtype) == "triton",

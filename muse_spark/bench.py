@@ -48,11 +48,12 @@ TAUS = (1.0, 3.7, 6.17)
 # aoti step variants `--attention-cache both` / `--pdl both` / `--rope-table both` compile and time
 # beside the default: name -> the kernel switches set in its compile workers and around the eager
 # step it is checked against. The pdl variant's graphs also get their programmatic edges
-# (runtime.cuda_graph.make_programmatic). The RoPE table is the default (thirteenth session): its
-# variant is the step without it.
-VARIANTS = {"attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "1"}, "pdl": {"MUSE_SPARK_PDL": "1"},
+# (runtime.cuda_graph.make_programmatic). The RoPE table (thirteenth session) and the fused attention
+# (fourteenth) are the defaults: their variants are the step without them.
+VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "pdl": {"MUSE_SPARK_PDL": "1"},
             "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}}
-VARIANT_OPTION = {"no_rope_table": "rope_table"}  # the variant's --option, where its name is not the option's
+# the variant's --option, where its name is not the option's
+VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache"}
 
 
 def preset_configs(name: str, layers: int | None = None, draft_layers: int | None = None):
@@ -1044,8 +1045,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="capture and time the aoti buckets smallest first (default: largest first); a batch-1 "
                         "step that is faster this way depends on what ran before it (docs/benchmarks.md)")
     p.add_argument("--attention-cache", choices=["off", "both"], default="off",
-                   help="both: also compile and time the aoti step with the attention kernel doing the q/k norm "
-                        "and cache write (MUSE_SPARK_ATTENTION_CACHE=1), beside the default")
+                   help="both: also compile and time the aoti step without the attention kernel doing the q/k norm "
+                        "and cache write (MUSE_SPARK_ATTENTION_CACHE=0: the norm kernel, then the attention), "
+                        "beside the default (fused)")
     p.add_argument("--pdl", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step with the plugin kernels waiting first and "
                         "their graph edges programmatic (MUSE_SPARK_PDL=1), beside the default; its replay is also "

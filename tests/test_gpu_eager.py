@@ -73,9 +73,9 @@ def answers(monkeypatch, cls, name: str) -> list:
 
 @pytest.mark.parametrize("attention_cache", ["0", "1"], ids=["norm_kernel", "fused_attention"])
 def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypatch, attention_cache):
-    """The RoPE table (the qkv GEMM's launch writes it for the q/k norm kernel, or under
-    ``MUSE_SPARK_ATTENTION_CACHE=1`` for the fused attention; the default, ``MUSE_SPARK_ROPE_TABLE=0``
-    turns it off): the same greedy and sampled tokens, and the same KV caches bit for bit, as
+    """The RoPE table (the qkv GEMM's launch writes it for the fused attention, the default, or under
+    ``MUSE_SPARK_ATTENTION_CACHE=0`` for the q/k norm kernel; ``MUSE_SPARK_ROPE_TABLE=0`` turns it
+    off): the same greedy and sampled tokens, and the same KV caches bit for bit, as
     without it; and the layers do take that path (the op is called), unset as with 1."""
     from muse_spark.models.layers import Attention
 

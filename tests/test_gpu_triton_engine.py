@@ -53,9 +53,10 @@ def built(agreeing_pair, tmp_path_factory):
 def test_engine_with_the_triton_plugin_kernels_equals_eager(built, eager):
     """The product path: the fused Triton kernels compiled into the packages (no fallback allowed),
     built by the CLI and run by another process; greedy and sampled output equal the eager engine's.
-    The RoPE table is on by default (the qkv GEMM's launch writes it for the q/k norm kernel)."""
+    The RoPE table (the qkv GEMM's launch writes it) and the fused attention (it norms q/k, writes
+    the caches and attends, reading the table) are on by default."""
     a = json.loads((built / "manifest.json").read_text())["aoti"]
-    assert a["plugin_impl"] == "triton" and a["rope_table"] is True
+    assert a["plugin_impl"] == "triton" and a["rope_table"] is True and a["attention_cache"] is True
     assert_cli_equals_eager(built, eager)
 
 
@@ -115,10 +116,12 @@ def test_a_pdl_engine_launches_its_plugin_kernels_as_programmatic_dependents_and
     assert_cli_equals_eager(built_pdl, eager)
 
 
-def test_an_engine_without_the_rope_table_equals_eager(agreeing_pair, eager, tmp_path):
-    """Built with ``MUSE_SPARK_ROPE_TABLE=0`` (the q/k norm kernel computes the angles itself, as
-    before the thirteenth session): recorded in the manifest, and greedy and sampled output equal
-    the eager engine's (built with the table, the default: the same bits), in a fresh process."""
-    out = build(agreeing_pair, tmp_path / "engine", env={"MUSE_SPARK_ROPE_TABLE": "0"})
-    assert json.loads((out / "manifest.json").read_text())["aoti"]["rope_table"] is False
+def test_an_engine_without_the_rope_table_and_the_fused_attention_equals_eager(agreeing_pair, eager, tmp_path):
+    """Built with ``MUSE_SPARK_ROPE_TABLE=0 MUSE_SPARK_ATTENTION_CACHE=0`` (the q/k norm kernel
+    computes the angles and writes the caches, then the attention: the path before the thirteenth
+    session): recorded in the manifest, and greedy and sampled output equal the eager engine's
+    (built with both, the defaults: the same bits), in a fresh process."""
+    out = build(agreeing_pair, tmp_path / "engine", env={"MUSE_SPARK_ROPE_TABLE": "0", "MUSE_SPARK_ATTENTION_CACHE": "0"})
+    a = json.loads((out / "manifest.json").read_text())["aoti"]
+    assert a["rope_table"] is False and a["attention_cache"] is False
     assert_cli_equals_eager(out, eager)

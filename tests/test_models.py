@@ -202,16 +202,16 @@ def test_attention_kernel_choice(monkeypatch):
 @pytest.mark.parametrize("name", ["MUSE_SPARK_QKV_EPILOGUE", "MUSE_SPARK_ATTENTION_CACHE", "MUSE_SPARK_PDL",
                                   "MUSE_SPARK_ROPE_TABLE"])
 def test_the_kernel_switches_default_as_documented_and_refuse_other_values(monkeypatch, name):
-    """``MUSE_SPARK_QKV_EPILOGUE`` and ``MUSE_SPARK_ATTENTION_CACHE`` (slower on the H200) and
-    ``MUSE_SPARK_PDL``: off unless 1; ``MUSE_SPARK_ROPE_TABLE``: on unless 0 (the default since
-    the thirteenth session); a value other than 0 or 1 is refused with the variable's name, not
+    """``MUSE_SPARK_QKV_EPILOGUE`` (slower on the H200) and ``MUSE_SPARK_PDL``: off unless 1;
+    ``MUSE_SPARK_ROPE_TABLE`` and ``MUSE_SPARK_ATTENTION_CACHE``: on unless 0 (the defaults since
+    the thirteenth and fourteenth sessions); a value other than 0 or 1 is refused with the variable's name, not
     read as either."""
     from muse_spark.models.layers import attention_cache_fused, pdl_waits, qkv_epilogue, rope_table
 
     switch = {"MUSE_SPARK_QKV_EPILOGUE": qkv_epilogue, "MUSE_SPARK_ATTENTION_CACHE": attention_cache_fused,
               "MUSE_SPARK_PDL": pdl_waits, "MUSE_SPARK_ROPE_TABLE": rope_table}[name]
     monkeypatch.delenv(name, raising=False)
-    assert switch() is (name == "MUSE_SPARK_ROPE_TABLE")
+    assert switch() is (name in ("MUSE_SPARK_ROPE_TABLE", "MUSE_SPARK_ATTENTION_CACHE"))
     monkeypatch.setenv(name, "1")
     assert switch() is True
     monkeypatch.setenv(name, "0")

@@ -347,11 +347,14 @@ def qkv_epilogue() -> bool:
 
 
 def attention_cache_fused() -> bool:
-    """``MUSE_SPARK_ATTENTION_CACHE=1``: where the q/k norm kernel would write the caches and the
-    Triton attention runs, one kernel does both (``Attention.attends_from_cache_write``). Off by
-    default until measured on the H200 (docs/benchmarks.md, eleventh session). A build records it
-    in the engine's manifest."""
-    return _switch("MUSE_SPARK_ATTENTION_CACHE")
+    """``MUSE_SPARK_ATTENTION_CACHE`` (on unless ``0``): where the q/k norm kernel would write the
+    caches and the Triton attention runs, one kernel does both (``Attention.attends_from_cache_write``);
+    with the RoPE table (the default) it reads the table. The default since the fourteenth session:
+    11.5 against 12.3 µs a layer and the batch-1 step graph 0.8 % faster on the H200, timed in turns
+    with the two-kernel path (docs/benchmarks.md). Without the table (``MUSE_SPARK_ROPE_TABLE=0``)
+    the fused kernel computes the angles itself and is slower than the two kernels (18.2 against
+    13.8 µs): set both to 0 for the old path. A build records it in the engine's manifest."""
+    return _switch("MUSE_SPARK_ATTENTION_CACHE", default="1")
 
 
 def rope_table() -> bool:
@@ -450,7 +453,7 @@ class Attention(nn.Module):
     def attends_from_cache_write(self, qk: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether one kernel norms and rotates q/k, writes K/V into the caches and attends
         (``muse_spark::attention_cache_triton``, the attention's partial kernel with
-        ``head_norm_rope_cache``'s work folded in): opt-in (``MUSE_SPARK_ATTENTION_CACHE=1``), where
+        ``head_norm_rope_cache``'s work folded in): unless ``MUSE_SPARK_ATTENTION_CACHE=0``, where
         ``writes_cache`` holds, the Triton attention kernel is the one chosen and fits, and the mask
         is in bounds form."""
         if not (attention_cache_fused() and self.writes_cache(qk, kv, positions) and isinstance(kv.mask, KeyBounds)
@@ -463,8 +466,8 @@ class Attention(nn.Module):
         """Whether the qkv projection also writes the step's RoPE table for the q/k norm kernel
         (``muse_spark::linear_rope_table_triton``): unless ``MUSE_SPARK_ROPE_TABLE=0``, with RoPE,
         where ``linear`` takes the Triton kernel and the norm kernel will write the caches (a
-        ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim). Under
-        ``MUSE_SPARK_ATTENTION_CACHE=1`` the fused attention kernel reads it instead."""
+        ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim). Where the
+        fused attention kernel takes the layer (the default, ``attends_from_cache_write``) it reads it instead."""
         c = self.cfg
         return (rope_table() and c.use_rope and x.dim() == 3 and positions.numel() == x.shape[0] * x.shape[1]
                 and CacheKV.at(kv, positions, x.dtype) and _triton_linear_fits(x, self.qkv_proj.weight)
