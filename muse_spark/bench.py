@@ -45,13 +45,13 @@ PRESETS = {
                  draft_layers=1, draft_vocab=128, rank=16, gamma=3, aux=(0, 1)),
 }
 TAUS = (1.0, 3.7, 6.17)
-# aoti step variants `--attention-cache both` / `--pdl both` / `--rope-table both` compile and time
-# beside the default: name -> the kernel switches set in its compile workers and around the eager
+# aoti step variants `--attention-cache both` / `--pdl both` / `--rope-table both` / `--linear-residual both`
+# compile and time beside the default: name -> the kernel switches set in its compile workers and around the eager
 # step it is checked against. The pdl variant's graphs also get their programmatic edges
 # (runtime.cuda_graph.make_programmatic). The RoPE table (thirteenth session) and the fused attention
 # (fourteenth) are the defaults: their variants are the step without them.
 VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "pdl": {"MUSE_SPARK_PDL": "1"},
-            "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}}
+            "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}, "linear_residual": {"MUSE_SPARK_LINEAR_RESIDUAL": "1"}}
 # the variant's --option, where its name is not the option's
 VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache"}
 
@@ -1055,6 +1055,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rope-table", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step without the RoPE table the qkv GEMM's launch "
                         "writes for the q/k norm kernel (MUSE_SPARK_ROPE_TABLE=0), beside the default (with it)")
+    p.add_argument("--linear-residual", choices=["off", "both"], default="off",
+                   help="both: also compile and time the aoti step with the o and down projections' launches doing "
+                        "the gated residual after them (MUSE_SPARK_LINEAR_RESIDUAL=1), beside the default")
     p.add_argument("--work-dir", default="/tmp/muse_spark_bench", help="where the aoti packages are compiled")
     p.add_argument("--json", default="docs/benchmarks.json")
     p.add_argument("--markdown", default="docs/benchmarks.md")

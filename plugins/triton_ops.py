@@ -9,6 +9,9 @@ Importing this module imports Triton and registers
   the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; ``MUSE_SPARK_ROPE_TABLE=0`` off);
 * ``muse_spark::linear_qkv_cache_triton`` — the attention's qkv projection through the skinny GEMM
   with the q/k head norm, RoPE and the K/V cache write in its epilogue (one launch a layer);
+* ``muse_spark::linear_residual_triton`` — the skinny linear layer (a layer's output or down
+  projection) and the gated residual after it in one launch: the projection's last programs do the
+  rows (opt-in, ``MUSE_SPARK_LINEAR_RESIDUAL=1``);
 * ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
   which ``models.layers.linear`` calls in bf16/fp16 on CUDA for at most 16 rows (the default;
   ``MUSE_SPARK_LINEAR=cublas`` selects ``F.linear``);
@@ -17,8 +20,8 @@ Importing this module imports Triton and registers
   ``models.layers.head_norm_rope_reference``. ``muse_spark::head_norm_rope_cache_triton`` also
   writes the k heads and v into the KV caches (the layer's cache write, in the same kernel);
 * ``muse_spark::attention_cache_triton`` — ``head_norm_rope_cache_triton`` and the attention of its
-  q over the caches in one launch of the attention's partial kernel (opt-in,
-  ``MUSE_SPARK_ATTENTION_CACHE=1``: the layers call it where both kernels fit and the mask is in
+  q over the caches in one launch of the attention's partial kernel (the default,
+  ``MUSE_SPARK_ATTENTION_CACHE=0`` off: the layers call it where both kernels fit and the mask is in
   bounds form);
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
   which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
@@ -56,7 +59,7 @@ from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
 from muse_spark.plugins.linear.triton_kernel import (MAX_ROWS, fits, launch_linear, launch_linear_qkv_cache,
-                                                    launch_linear_rope_table)
+                                                    launch_linear_residual, launch_linear_rope_table)
 from muse_spark.plugins.markov.op import check_markov_inputs
 from muse_spark.plugins.markov.reference import markov_sample_ref
 from muse_spark.plugins.markov.triton_kernel import launch_markov_sample, supported, workspace_words
@@ -359,6 +362,28 @@ def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor
     if not _runs_kernels(x):
         return linear_reference(x, w, silu_mul)
     return launch_linear(x, w, silu_mul, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl())
+
+
+@triton_op("muse_spark::linear_residual_triton", mutates_args=("sync",))
+def _linear_residual_op(x: torch.Tensor, w: torch.Tensor, stream: torch.Tensor, gate: torch.Tensor,
+                        norm_weight: torch.Tensor | None, branch_norm_weight: torch.Tensor | None, sync: torch.Tensor,
+                        eps: float, zero_centered: bool, apply_norm: bool,
+                        norm_branch: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gated_residual_add(stream, linear(x, w), gate, norm_weight, eps, zero_centered, apply_norm,
+    x.dtype, branch_norm_weight, norm_branch)`` in one launch of the skinny linear kernel
+    (``launch_linear_residual``) → (the new stream, its norm). ``sync``: the layer's two int32 words
+    (zero; the kernel counts its programs on them and leaves them zero). Its reference: those two
+    references in that order."""
+    _check_linear(x, w)
+    if not _runs_kernels(x):
+        if sync.dtype != torch.int32 or sync.numel() != 2:
+            raise ValueError(f"linear_residual: sync must be 2 int32 words, got {sync.dtype} {list(sync.shape)}")
+        y = linear_reference(x, w)
+        check_gated_residual_inputs(stream, y, gate, norm_weight, branch_norm_weight)
+        return gated_residual_add_ref(stream, y, gate, norm_weight, eps, zero_centered, apply_norm, x.dtype,
+                                      branch_norm_weight, norm_branch)
+    return launch_linear_residual(x, w, stream, gate, norm_weight, branch_norm_weight, sync, eps, zero_centered,
+                                  apply_norm, norm_branch, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl())
 
 
 @triton_op("muse_spark::linear_qkv_cache_triton", mutates_args=("k_cache", "v_cache"))

@@ -38,7 +38,9 @@ EMBED = "target.model.embed_tokens.weight"
 # The packages' calling convention; an engine of another layout is refused ("rebuild it").
 # "layered-2": the layer package takes and returns the normed input (the next norm fused in).
 # "layered-3": step_draft and step_finish take the Markov kernel's kept workspace (``markov_ws``).
-LAYOUT = "layered-3"
+# "layered-4": each decoder layer's weights include its two residual kernel words (``sync_attn``,
+# ``sync_ffn``: int32 [2], zero).
+LAYOUT = "layered-4"
 MARKOV_ERROR_WORD = 2  # the Markov kernel's workspace: [counter, epoch, error flag, 0, step words…]
 
 

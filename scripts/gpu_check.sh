@@ -13,6 +13,8 @@
 #   scripts/gpu_check.sh rope          # the RoPE table's GPU tests (kernels, eager, an engine without it),
 #                                      # then scripts/attention_cache_bench.py (the q/k norm and attention
 #                                      # stage by stage, the fused attention with the table too)
+#   scripts/gpu_check.sh residual      # the linear + gated residual launch's kernel and eager tests, then
+#                                      # the batch-1 bench with it and without (--linear-residual both)
 #
 # MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default triton).
 # ATTENTION_ARGS=--sweep adds the Triton kernel's launch configurations to the attention mode.
@@ -30,9 +32,10 @@ python3 -m pip install --no-deps --no-build-isolation -e . -q >"$OUT/pip.log" 2>
 case "${1:-tests}" in
 tests)
     xdist=()
-    python3 -c "import xdist" 2>/dev/null && xdist=(-n 4 --dist loadfile --max-worker-restart=0)
+    python3 -c "import xdist" 2>/dev/null && xdist=(-n 5 --dist loadfile --max-worker-restart=0)
     timeout "${TEST_TIMEOUT:-480}" python3 -m pytest "${xdist[@]}" -v -rfEs -m "slow or not slow" \
-        tests/test_gpu_eager.py tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_triton_engine.py 2>&1 | tee "$OUT/gpu-tests.log" |
+        tests/test_gpu_eager.py tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_triton_engine.py \
+        tests/test_gpu_residual_engine.py 2>&1 | tee "$OUT/gpu-tests.log" |
         grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|[0-9]+ (passed|failed)|node down"
     ;;
 probe)
@@ -78,8 +81,18 @@ rope)
     timeout "${ROPE_TIMEOUT:-120}" python3 scripts/attention_cache_bench.py --json "$OUT/attention-cache.json" 2>&1 |
         tee "$OUT/attention-cache.log"
     ;;
+residual)
+    # the o / down projection with the gated residual in its launch (MUSE_SPARK_LINEAR_RESIDUAL=1): the
+    # kernel and eager tests, then the engine test (it builds an engine), then the batch-1 step with it
+    # and without, timed in turns
+    timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -v -rfEs -k "linear_residual" tests/test_gpu_kernels.py \
+        tests/test_gpu_eager.py 2>&1 | tee "$OUT/residual-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
+    timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench.py --batches 1 --skip eager,compile --linear-residual both \
+        --profile --deadline-s "${BENCH_DEADLINE:-230}" --json "$OUT/b1-residual.json" --markdown "$OUT/b1-residual.md" \
+        2>&1 | tee "$OUT/bench-residual.log" | grep -v "^\s*$" | tail -30
+    ;;
 *)
-    echo "usage: $0 tests|probe|bench|markov|triton-build|attention|boundaries|rope" >&2
+    echo "usage: $0 tests|probe|bench|markov|triton-build|attention|boundaries|rope|residual" >&2
     exit 2
     ;;
 esac

@@ -131,6 +131,145 @@ def test_gated_residual_without_norm_returns_empty(tops):
     assert empty.numel() == 0 and empty.dtype == torch.bfloat16
 
 
+# ---- the skinny linear layer and the gated residual in one launch ---------------------------------
+# (N outputs, K): the 8B target's o and down projections; "tight": as many weight tiles as rows (16),
+# so every program waits for the others. Under the interpreter (which runs the launcher's two-launch
+# form) small shapes, 16 tiles each.
+LINEAR_RESIDUAL_SHAPES = ({"o": (4096, 4096), "down": (4096, 14336), "tight": (1024, 4096)} if BIG
+                          else {"short_k": (1024, 64), "long_k": (1024, 512)})
+# (norm weights, the branch's own norm, the next norm): as the layers call it, zero-centered
+# weights, no weights, and the last layer's FFN residual (no next norm)
+LINEAR_RESIDUAL_MODES = {"layer": ("plain", True, True), "zero_centered": ("zero_centered", True, True),
+                         "no_weights": ("none", True, True), "as_is": ("plain", False, True),
+                         "no_next_norm": ("plain", True, False)}
+
+
+def linear_residual_operands(M: int, N: int, K: int, seed: int = 0, weight: str = "plain"):
+    """x [1, M, K] bf16, W [N, K], stream [1, M, N] fp32, gate [N] fp32, the two norms' weights [N]
+    (None without weights)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, M, K, generator=g) / 2).bfloat16().to(DEV)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16().to(DEV)
+    stream = (4 * torch.randn(1, M, N, generator=g)).to(DEV)
+    gate = (0.5 + torch.rand(N, generator=g)).to(DEV)
+    nw = None if weight == "none" else (0.1 * torch.randn(N, generator=g)).bfloat16().to(DEV)
+    bw = None if weight == "none" else (1 + 0.1 * torch.randn(N, generator=g)).bfloat16().to(DEV)
+    return x, w, stream, gate, nw, bw
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", list(LINEAR_RESIDUAL_SHAPES))
+@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("mode", list(LINEAR_RESIDUAL_MODES))
+def test_linear_residual_is_the_linear_then_the_gated_residual(tops, shape, M, mode):
+    """``linear_residual_triton`` (one launch: the projection's last programs do the rows) against
+    ``linear_triton`` then ``gated_residual_add_triton`` (two launches): the new stream is the same
+    bit for bit where the branch is not normed (the same y, the same two roundings); normed, it
+    differs at most by the branch norm's rounding (its sum of squares in another order); the next
+    norm is its own stream's within the norm tolerance; the two words are zero after."""
+    (N, K), (weight, norm_branch, apply_norm) = LINEAR_RESIDUAL_SHAPES[shape], LINEAR_RESIDUAL_MODES[mode]
+    x, w, stream, gate, nw, bw = linear_residual_operands(M, N, K, M, weight)
+    sync = torch.zeros(2, dtype=torch.int32, device=DEV)
+    zc = weight == "zero_centered"
+    new, normed = torch.ops.muse_spark.linear_residual_triton(x, w, stream, gate, nw, bw, sync, 1e-6, zc, apply_norm,
+                                                              norm_branch)
+    y = torch.ops.muse_spark.linear_triton(x, w, False)
+    want, _ = tops.gated_residual_add(stream, y, gate, nw, 1e-6, zc, apply_norm, torch.bfloat16, bw, norm_branch)
+    assert sync.tolist() == [0, 0]
+    assert new.shape == stream.shape and new.dtype == torch.float32
+    if norm_branch:
+        rb = rms_norm(y, bw, 1e-6, zc, torch.bfloat16).float()
+        bound = 4 * torch.finfo(torch.bfloat16).eps * (gate * rb.abs()) + 4 * torch.finfo(torch.float32).eps * want.abs()
+        assert ((new - want).abs() <= bound).all()
+        assert (new != want).float().mean() < 0.05
+    else:
+        assert torch.equal(new, want)
+    if apply_norm:
+        assert normed.dtype == torch.bfloat16 and normed.shape == stream.shape
+        torch.testing.assert_close(normed, rms_norm(new.bfloat16(), nw, 1e-6, zc, torch.bfloat16),
+                                   **NORM_TOL[torch.bfloat16])
+    else:
+        assert normed.numel() == 0
+
+
+@needs_gpu
+def test_linear_residual_replays_in_a_cuda_graph_with_new_inputs(tops):
+    """Captured once (the down projection's shape: 256 programs, more than the SMs, so later
+    programs start only as earlier ones exit while the last wait), replayed ten times with new x
+    and stream: each replay's outputs are the eager op's on the same inputs, bit for bit, and the
+    words are zero after every replay (each launch leaves them as the next needs them)."""
+    N, K = LINEAR_RESIDUAL_SHAPES["down"]
+    x, w, stream, gate, nw, bw = linear_residual_operands(8, N, K, 1)
+    sync = torch.zeros(2, dtype=torch.int32, device=DEV)
+
+    def run():
+        return torch.ops.muse_spark.linear_residual_triton(x, w, stream, gate, nw, bw, sync, 1e-6, False, True, True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for i in range(10):
+        fresh_x, _, fresh_stream, *_ = linear_residual_operands(8, N, K, 100 + i)
+        x.copy_(fresh_x)
+        stream.copy_(fresh_stream)
+        graph.replay()
+        got = [t.clone() for t in out]
+        assert sync.tolist() == [0, 0]
+        want = run()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), i
+
+
+@needs_kernels
+def test_linear_residual_refuses_what_it_cannot_take(tops):
+    """More rows than weight tiles (the last programs do one row each), words that are not two
+    int32, a stream that is not x's rows by the outputs: each refused with the op's name."""
+    x, w, stream, gate, nw, bw = linear_residual_operands(8, 256, 64)  # 4 weight tiles for 8 rows
+    sync = torch.zeros(2, dtype=torch.int32, device=DEV)
+    op = torch.ops.muse_spark.linear_residual_triton
+    with pytest.raises(ValueError, match="linear_residual: .* a weight tile per row"):
+        op(x, w, stream, gate, nw, bw, sync, 1e-6, False, True, True)
+    x, w, stream, gate, nw, bw = linear_residual_operands(8, 1024, 64)
+    for bad in (torch.zeros(2, dtype=torch.int64, device=DEV), torch.zeros(3, dtype=torch.int32, device=DEV)):
+        with pytest.raises(ValueError, match="linear_residual: sync must be 2"):
+            op(x, w, stream, gate, nw, bw, bad, 1e-6, False, True, True)
+    with pytest.raises(ValueError, match="linear_residual: stream"):
+        op(x, w, stream[:, :4], gate, nw, bw, sync, 1e-6, False, True, True)
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("shape", ["o", "down"])
+def test_linear_residual_keeps_the_weight_stream_and_counts_once_per_program(shape):
+    """The ``RESIDUAL`` form compiled for sm_90 (the 8B target's o and down projections, their
+    launch configurations): the same pipelined weight loads as the plain kernel and the same shared
+    memory (the tail adds no stage), and the tail's word operations: the acq_rel count, the acquire
+    polls, the acq_rel departure count, the two resets."""
+    from muse_spark.plugins.linear import triton_kernel as lk
+
+    K = {"o": 4096, "down": 14336}[shape]
+    cfg = lk.default_config(8, 4096, K, False)
+    names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
+    lin = dict(BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=True, EVEN_K=True, SILU_MUL=False,
+               IEEE_DOT=False)
+    tail = dict(zip(["stream_ptr", "gate_ptr", "nw_ptr", "bw_ptr", "new_ptr", "out_ptr", "sync_ptr"],
+                    ["*fp32", "*fp32", "*bf16", "*bf16", "*fp32", "*bf16", "*i32"]))
+    sig = dict(zip(names, ["*bf16"] * 3 + ["i32"] * 5))
+    m16 = ("N", "K", "stride_xm", "stride_ym")
+    plain = compile_for_hopper(lk._linear_kernel, sig, lin, cfg["num_warps"], cfg["num_stages"], multiples_of_16=m16)
+    fused = compile_for_hopper(lk._linear_kernel, dict(sig, **tail), dict(
+        lin, RESIDUAL=True, EPS=1e-6, HAS_WEIGHT=True, APPLY_NORM=True, NORM_BRANCH=True, HAS_BRANCH_WEIGHT=True,
+        BLOCK_D=4096), cfg["num_warps"], cfg["num_stages"], multiples_of_16=m16)
+    ptx = fused.asm["ptx"]
+    assert ptx.count("cp.async.cg.shared.global") == plain.asm["ptx"].count("cp.async.cg.shared.global") > 0
+    assert fused.metadata.shared == plain.metadata.shared
+    assert ptx.count("atom.global.gpu.acq_rel.add") == 2 and "ld.global.gpu.acquire" in ptx  # (the polls: loads)
+    assert ptx.count("atom.global.gpu.relaxed.exch") == 2
+
+
 # ---- Markov loop: inputs ----------------------------------------------------------------------
 
 
@@ -823,7 +962,7 @@ LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg", "launch_pdl"}
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' modules import it)")
 @pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "norm_cache", "norm_cache_table",
-                                  "norm", "rope_table", "gated_residual"])
+                                  "norm", "rope_table", "gated_residual", "linear_residual"])
 def test_the_other_launchers_pass_every_kernel_argument(form):
     """``test_the_attention_launcher_passes_every_kernel_argument`` for the launchers the engines'
     ops call: each passes every parameter of its kernel, the arguments a form does not use included
@@ -851,6 +990,9 @@ def test_the_other_launchers_pass_every_kernel_argument(form):
             torch.zeros(64, device=DEV), torch.ones(64, dtype=torch.bfloat16, device=DEV), 1e-6, False, True,
             torch.bfloat16, wrap=wrap),
     }
+    res = linear_residual_operands(6, 512, 64)
+    run["linear_residual"] = lambda wrap: lk.launch_linear_residual(
+        *res, torch.zeros(2, dtype=torch.int32, device=DEV), 1e-6, False, True, True, wrap=wrap)
     calls = launches(run[form])
     assert len(calls) == 1
     fn, passed = calls[0]
@@ -1642,6 +1784,12 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
             dict(EPS=1e-6, THETA=5e5, DH=128, BLOCK_H=16, ROPE=True, BLOCK_KV=8), 4, None, ()),
         "linear": (lk._linear_kernel, dict(zip(lin_names, ["*bf16"] * 3 + ["i32"] * 5)), lin, 4, 4,
                    ("N", "K", "stride_xm", "stride_ym")),
+        # the o / down projection with the gated residual in its launch (MUSE_SPARK_LINEAR_RESIDUAL=1)
+        "linear_residual": (lk._linear_kernel, dict(zip(
+            lin_names + ["stream_ptr", "gate_ptr", "nw_ptr", "bw_ptr", "new_ptr", "out_ptr", "sync_ptr"],
+            ["*bf16"] * 3 + ["i32"] * 5 + ["*fp32", "*fp32", "*bf16", "*bf16", "*fp32", "*bf16", "*i32"])),
+                            dict(lin, RESIDUAL=True, EPS=1e-6, HAS_WEIGHT=True, APPLY_NORM=True, NORM_BRANCH=True,
+                                 HAS_BRANCH_WEIGHT=True, BLOCK_D=4096), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
         "linear_prefetch": (lk._linear_kernel, dict(zip(lin_names, ["*bf16"] * 3 + ["i32"] * 5)),
                             dict(lin, PREFETCH=64 << 10), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
         # the RoPE table (the default since the thirteenth session): the qkv GEMM's extra program

@@ -368,6 +368,15 @@ def rope_table() -> bool:
     return _switch("MUSE_SPARK_ROPE_TABLE", default="1")
 
 
+def linear_residual() -> bool:
+    """``MUSE_SPARK_LINEAR_RESIDUAL=1``: where the Triton linear kernel takes a layer's output (o) or
+    down projection, the gated residual and the norms after it run in the same launch
+    (``muse_spark::linear_residual_triton``: the projection's last programs do the rows;
+    ``DecoderLayer.residual``), one launch and its boundary fewer, twice a layer. Off by default until
+    measured faster on the H200. A build records it in the engine's manifest."""
+    return _switch("MUSE_SPARK_LINEAR_RESIDUAL")
+
+
 # The plugin kernels that, compiled under ``MUSE_SPARK_PDL=1``, execute ``griddepcontrol.wait`` before
 # any global load or store (``plugins.triton_math.pdl_enter``; tests/test_gpu_kernels.py checks their
 # sm_90 code). A build records them in its manifest; the runtime turns the edges into these kernels
@@ -486,8 +495,9 @@ class Attention(nn.Module):
                 and c.head_dim >= 32 and c.head_dim & (c.head_dim - 1) == 0 and CacheKV.at(kv, positions, x.dtype)
                 and _triton_linear_fits(x, self.qkv_proj.weight))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider) -> torch.Tensor:
-        # x: [B, S, D] normed input (compute dtype); positions: [B, S]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider, project: bool = True) -> torch.Tensor:
+        # x: [B, S, D] normed input (compute dtype); positions: [B, S]; project=False: the output
+        # before ``o_proj`` (the layer projects it together with the residual after it)
         c = self.cfg
         B, S, _ = x.shape
         H = c.num_attention_heads
@@ -512,7 +522,7 @@ class Attention(nn.Module):
 
                 out = triton_ops.attention_cache(qk, v, positions, c.rms_norm_eps, c.rope_theta, c.use_rope,
                                                  kv.k_cache, kv.v_cache, kv.slots, kv.mask, **table)
-                return self._output(out.reshape(B, S, c.q_size), qkv)
+                return self._output(out.reshape(B, S, c.q_size), qkv, project)
             if self.writes_cache(qk, kv, positions):  # the norm kernel stores k and v into the caches
                 q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, c.rms_norm_eps, c.rope_theta,
                                                                      c.use_rope, kv.k_cache, kv.v_cache, kv.slots,
@@ -522,16 +532,16 @@ class Attention(nn.Module):
                 qk = self.normalize_heads(qk, positions)
                 keys, values, mask, slots = kv(qk[:, :, H:], v)
                 q = qk[:, :, :H]
-        return self._output(attend(q, keys, values, mask, slots).reshape(B, S, c.q_size), qkv)
+        return self._output(attend(q, keys, values, mask, slots).reshape(B, S, c.q_size), qkv, project)
 
-    def _output(self, out: torch.Tensor, qkv: torch.Tensor | None) -> torch.Tensor:
+    def _output(self, out: torch.Tensor, qkv: torch.Tensor | None, project: bool) -> torch.Tensor:
         """The attention's output [B, S, q_size] gated (``attn_output_gate``: the gate rows of ``qkv``)
-        and projected."""
+        and, with ``project``, projected."""
         c = self.cfg
         if c.attn_output_gate:
             gate = qkv[..., c.q_size + 2 * c.kv_size :]
             out = (out.float() * torch.sigmoid(gate.float())).to(out.dtype)
-        return linear(out, self.o_proj.weight)
+        return linear(out, self.o_proj.weight) if project else out
 
 
 class FeedForward(nn.Module):
@@ -562,11 +572,18 @@ class DecoderLayer(nn.Module):
         # … and the materialized constants g = residual_multiplier · gate (fp32).
         self.register_buffer("g_attn", torch.ones(cfg.hidden_size), persistent=False)
         self.register_buffer("g_ffn", torch.ones(cfg.hidden_size), persistent=False)
+        # The two residual updates' kernel words (``residual``: the projection's programs count
+        # themselves on them; zero between launches), graph inputs like the weights.
+        self.register_buffer("sync_attn", torch.zeros(2, dtype=torch.int32), persistent=False)
+        self.register_buffer("sync_ffn", torch.zeros(2, dtype=torch.int32), persistent=False)
 
     def materialize_residual_constants(self) -> None:
         m = self.cfg.residual_multiplier
         self.g_attn = (m * self.attn_residual_gate.float()).contiguous()
         self.g_ffn = (m * self.ffn_residual_gate.float()).contiguous()
+        dev = self.attn_residual_gate.device
+        self.sync_attn = torch.zeros(2, dtype=torch.int32, device=dev)
+        self.sync_ffn = torch.zeros(2, dtype=torch.int32, device=dev)
 
     def input_norm(self, stream: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """This layer's normed input, ``pre_qkv_proj_norm`` of the stream in the compute dtype."""
@@ -580,22 +597,41 @@ class DecoderLayer(nn.Module):
         ``next_norm`` output), else computed here. ``next_norm``: the norm that reads this layer's
         output (the next layer's input norm, or the model's final norm), fused into the last
         residual kernel; without it the second result is an empty tensor."""
-        dt = self.self_attn.qkv_proj.weight.dtype
-        c = self.cfg
         if x is None:
-            x = self.input_norm(stream, dt)
-        attn = self.self_attn(x, positions, kv)
-        # stream += g_attn ⊙ post_attn_norm(attn); x = pre_ffn_norm(stream): one plugin call
-        stream, x = dispatch.gated_residual_add(
-            stream, attn, self.g_attn, self.pre_ffn_norm.weight, c.rms_norm_eps, c.norm_zero_centered_gamma, True,
-            dt, self.post_attn_norm.weight, True,
-        )
-        ffn = self.feed_forward(x)
-        # stream += g_ffn ⊙ post_ffn_norm(ffn); x_next = next_norm(stream): one plugin call
-        return dispatch.gated_residual_add(
-            stream, ffn, self.g_ffn, next_norm.weight if next_norm is not None else None, c.rms_norm_eps,
-            c.norm_zero_centered_gamma, next_norm is not None, dt, self.post_ffn_norm.weight, True,
-        )
+            x = self.input_norm(stream, self.self_attn.qkv_proj.weight.dtype)
+        attn = self.self_attn(x, positions, kv, project=False)
+        # stream += g_attn ⊙ post_attn_norm(o_proj(attn)); x = pre_ffn_norm(stream)
+        stream, x = self.residual(stream, attn, self.self_attn.o_proj.weight, self.g_attn, self.pre_ffn_norm.weight,
+                                  self.post_attn_norm.weight, self.sync_attn)
+        ffn = linear_silu_mul(x, self.feed_forward.gate_up_proj.weight)
+        # stream += g_ffn ⊙ post_ffn_norm(down_proj(ffn)); x_next = next_norm(stream)
+        return self.residual(stream, ffn, self.feed_forward.down_proj.weight, self.g_ffn,
+                             next_norm.weight if next_norm is not None else None, self.post_ffn_norm.weight,
+                             self.sync_ffn, apply_norm=next_norm is not None)
+
+    def residual(self, stream: torch.Tensor, branch_in: torch.Tensor, w: torch.Tensor, gate: torch.Tensor,
+                 norm_weight: torch.Tensor | None, branch_norm_weight: torch.Tensor | None, sync: torch.Tensor,
+                 apply_norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """stream + gate ⊙ branch_norm(branch_in @ wᵀ) and its norm (``norm_weight``; none without
+        ``apply_norm``): the projection, then one gated residual plugin call; under
+        ``MUSE_SPARK_LINEAR_RESIDUAL=1``, where the Triton linear kernel takes the projection (not
+        the inline plugins), one launch of both (``muse_spark::linear_residual_triton``, on ``sync``)."""
+        c = self.cfg
+        if self.fuses_residual(branch_in, w):
+            return torch.ops.muse_spark.linear_residual_triton(branch_in, w, stream, gate, norm_weight,
+                                                               branch_norm_weight, sync, c.rms_norm_eps,
+                                                               c.norm_zero_centered_gamma, apply_norm, True)
+        return dispatch.gated_residual_add(stream, linear(branch_in, w), gate, norm_weight, c.rms_norm_eps,
+                                           c.norm_zero_centered_gamma, apply_norm, w.dtype, branch_norm_weight, True)
+
+    def fuses_residual(self, branch_in: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether ``residual`` takes the one-launch path (``MUSE_SPARK_LINEAR_RESIDUAL=1``, the Triton
+        linear kernel's path, plugins other than ``inline``, and the launch fits)."""
+        if not (linear_residual() and dispatch.current_impl() != "inline" and _triton_linear_fits(branch_in, w)):
+            return False
+        from muse_spark.plugins.linear.triton_kernel import residual_fits
+
+        return residual_fits(branch_in, w)
 
 
 def output_transform(logits: torch.Tensor, multiplier: float, soft_cap: float | None) -> torch.Tensor:

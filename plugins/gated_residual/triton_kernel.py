@@ -55,31 +55,25 @@ def _rms_norm(x, w, D, EPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERE
 
 
 @triton.jit
-def _gated_residual_norm_kernel(
-    stream_ptr,  # [N, D] fp32
-    branch_ptr,  # [N, D] compute dtype
-    gate_ptr,  # [D] fp32
-    weight_ptr,  # [D] norm weight (unused unless HAS_WEIGHT)
-    bweight_ptr,  # [D] the branch norm's weight (unused unless NORM_BRANCH and HAS_BRANCH_WEIGHT)
-    new_ptr,  # [N, D] fp32 out: the new stream
-    out_ptr,  # [N, D] out_dtype out: the normed row (unused unless APPLY_NORM)
-    D,
-    EPS: tl.constexpr,  # constexpr: Inductor would pass a float argument as fp64 (see attention's SCALE)
-    HAS_WEIGHT: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr,
-    APPLY_NORM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NORM_BRANCH: tl.constexpr = False,
-    HAS_BRANCH_WEIGHT: tl.constexpr = False,
-    PDL: tl.constexpr = 0,
+def gated_residual_row(
+    row,  # int64: the row of stream/branch/new/out this program does
+    stream_ptr, branch_ptr, gate_ptr, weight_ptr, bweight_ptr, new_ptr, out_ptr, D,
+    EPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr, APPLY_NORM: tl.constexpr,
+    BLOCK_D: tl.constexpr, NORM_BRANCH: tl.constexpr, HAS_BRANCH_WEIGHT: tl.constexpr,
+    FRESH_BRANCH: tl.constexpr = False,
 ):
-    row = (tl.program_id(0) + pdl_enter(PDL)).to(tl.int64)  # rows are addressed after the PDL wait
+    """One row of the reference (module docstring): the kernel below, and the skinny linear kernel's
+    ``RESIDUAL`` tail (plugins/linear), whose programs wrote the branch moments before.
+    ``FRESH_BRANCH``: the branch is read from L2 (``.cg``), never from a line this SM's L1 kept."""
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     base = row * D
     # read D*4 + D*s + D*4 B
     s = tl.load(stream_ptr + base + cols, mask=mask, other=0.0)
-    b = tl.load(branch_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
+    if FRESH_BRANCH:
+        b = tl.load(branch_ptr + base + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        b = tl.load(branch_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + cols, mask=mask, other=0.0)
     # Every load first: the norms' weights too, so that no memory round trip waits on a reduction
     # (the GEMMs between two calls evict them from L2; issued after each rsqrt, as the compiler
@@ -101,6 +95,30 @@ def _gated_residual_norm_kernel(
         x = to_rne(new, out_ptr.dtype.element_ty).to(tl.float32)
         y = _rms_norm(x, w, D, EPS, HAS_WEIGHT, ZERO_CENTERED)
         tl.store(out_ptr + base + cols, to_rne(y, out_ptr.dtype.element_ty), mask=mask)  # write D*s B
+
+
+@triton.jit
+def _gated_residual_norm_kernel(
+    stream_ptr,  # [N, D] fp32
+    branch_ptr,  # [N, D] compute dtype
+    gate_ptr,  # [D] fp32
+    weight_ptr,  # [D] norm weight (unused unless HAS_WEIGHT)
+    bweight_ptr,  # [D] the branch norm's weight (unused unless NORM_BRANCH and HAS_BRANCH_WEIGHT)
+    new_ptr,  # [N, D] fp32 out: the new stream
+    out_ptr,  # [N, D] out_dtype out: the normed row (unused unless APPLY_NORM)
+    D,
+    EPS: tl.constexpr,  # constexpr: Inductor would pass a float argument as fp64 (see attention's SCALE)
+    HAS_WEIGHT: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    APPLY_NORM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NORM_BRANCH: tl.constexpr = False,
+    HAS_BRANCH_WEIGHT: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
+):
+    row = (tl.program_id(0) + pdl_enter(PDL)).to(tl.int64)  # rows are addressed after the PDL wait
+    gated_residual_row(row, stream_ptr, branch_ptr, gate_ptr, weight_ptr, bweight_ptr, new_ptr, out_ptr, D, EPS,
+                       HAS_WEIGHT, ZERO_CENTERED, APPLY_NORM, BLOCK_D, NORM_BRANCH, HAS_BRANCH_WEIGHT)
 
 
 def launch_gated_residual_add(

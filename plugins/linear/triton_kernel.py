@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
+from muse_spark.plugins.gated_residual.triton_kernel import gated_residual_row, launch_gated_residual_add
 from muse_spark.plugins.head_norm_rope.triton_kernel import norm_rotate, rope_table_rows
 from muse_spark.plugins.triton_math import (add_rn, div_rn, exp_exact, mul_rn, pdl_enter, pdl_enter_after,
                                             prefetch_l2, to_rne)
@@ -180,6 +182,14 @@ def _linear_kernel(
     # the angles' latency-bound chain then runs beside the weight stream, not in every norm kernel)
     pos_ptr=None, cos_ptr=None, sin_ptr=None, N_POS=0, ROPE_TABLE: tl.constexpr = False,
     THETA: tl.constexpr = 0.0, DH_ROPE: tl.constexpr = 2, BLOCK_POS: tl.constexpr = 16,
+    # RESIDUAL: the layer's gated residual and norms after the projection (plugins/gated_residual's
+    # reference, y the branch) in the same launch (``_residual_tail``): stream [M, N] fp32, gate [N]
+    # fp32, the norms' weights [N], out: the new stream [M, N] fp32 and its norm [M, N]; sync_ptr: two
+    # int32 words, zero before the launch and after it
+    stream_ptr=None, gate_ptr=None, nw_ptr=None, bw_ptr=None, new_ptr=None, out_ptr=None, sync_ptr=None,
+    RESIDUAL: tl.constexpr = False, EPS: tl.constexpr = 0.0, HAS_WEIGHT: tl.constexpr = False,
+    ZERO_CENTERED: tl.constexpr = False, APPLY_NORM: tl.constexpr = False, NORM_BRANCH: tl.constexpr = False,
+    HAS_BRANCH_WEIGHT: tl.constexpr = False, BLOCK_D: tl.constexpr = 16,
 ):
     pid_n = tl.program_id(0)
     if ROPE_TABLE:
@@ -220,6 +230,40 @@ def _linear_kernel(
     else:
         out = to_rne(acc, y_ptr.dtype.element_ty)
     tl.store(y_ptrs, out, mask=nmask[:, None] & mmask[None, :])
+    if RESIDUAL:
+        _residual_tail(sync_ptr + z, M, N, y_ptr, stream_ptr, gate_ptr, nw_ptr, bw_ptr, new_ptr, out_ptr, EPS,
+                       HAS_WEIGHT, ZERO_CENTERED, APPLY_NORM, BLOCK_D, NORM_BRANCH, HAS_BRANCH_WEIGHT)
+
+
+@triton.jit
+def _residual_tail(sync_ptr, M, N, y_ptr, stream_ptr, gate_ptr, nw_ptr, bw_ptr, new_ptr, out_ptr,
+                   EPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                   APPLY_NORM: tl.constexpr, BLOCK_D: tl.constexpr, NORM_BRANCH: tl.constexpr,
+                   HAS_BRANCH_WEIGHT: tl.constexpr):
+    """``RESIDUAL``: after its tile of y, each program counts itself out on sync[0] (bar.sync, then one
+    thread's acq_rel increment publishes the CTA's stores at GPU scope). The last M programs to do so
+    (tickets n − M … n − 1 of the grid's n ≥ M) wait until all n have (an acquire spin: every
+    program's y is then visible), then do one row each: ``gated_residual_row`` over the whole row of
+    y, read from L2. None can wait forever: every program not yet counted out is running or can
+    start, since the others have exited and at most M spin. The last of the M to leave (sync[1])
+    zeroes both words for the next launch, which the kernel boundary orders after."""
+    n_prog = tl.num_programs(0)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu")
+    first = n_prog - M
+    if ticket >= first:
+        done = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        while done < n_prog:
+            done = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+        gated_residual_row((ticket - first).to(tl.int64), stream_ptr, y_ptr, gate_ptr, nw_ptr, bw_ptr, new_ptr,
+                           out_ptr, N, EPS, HAS_WEIGHT, ZERO_CENTERED, APPLY_NORM, BLOCK_D, NORM_BRANCH,
+                           HAS_BRANCH_WEIGHT, True)
+        tl.debug_barrier()
+        left = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if left == M - 1:
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -310,22 +354,27 @@ def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None, pdl: int, prefetch: int,
-            launch_pdl: bool, preload: bool, table: tuple | None = None) -> None:
+            launch_pdl: bool, preload: bool, table: tuple | None = None, residual: dict | None = None) -> None:
     """``_linear_kernel`` over rows x2 [M, K] into y [M, N]; ``table`` = (positions, cos, sin, theta,
-    dh): one more program writes the RoPE table (``ROPE_TABLE``). Every kernel argument is passed,
-    the table's as dummies without one (Inductor's mutation analysis fills in no defaults)."""
+    dh): one more program writes the RoPE table (``ROPE_TABLE``); ``residual``: the ``RESIDUAL``
+    tail's arguments (``launch_linear_residual``). Every kernel argument is passed, the table's and
+    the tail's as dummies without them (Inductor's mutation analysis fills in no defaults)."""
     (M, K), N = x2.shape, y.shape[1]
     cfg = dict(default_config(M, N, K, silu_mul), **(config or {}))
     block_m = max(16, triton.next_power_of_2(M))
     grid = (triton.cdiv(N, cfg["BLOCK_N"]) + (table is not None), triton.cdiv(M, block_m))  # (the last: the table)
     pos, cos, sin, theta, dh = table if table is not None else (x2, x2, x2, 0.0, 2)
+    if residual is None:
+        residual = dict(stream_ptr=x2, gate_ptr=x2, nw_ptr=x2, bw_ptr=x2, new_ptr=x2, out_ptr=x2, sync_ptr=x2,
+                        RESIDUAL=False, EPS=0.0, HAS_WEIGHT=False, ZERO_CENTERED=False, APPLY_NORM=False,
+                        NORM_BRANCH=False, HAS_BRANCH_WEIGHT=False, BLOCK_D=16)
     wrap(_linear_kernel)[grid](
         x2, w, y, M, N, K, x2.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=N % cfg["BLOCK_N"] == 0,
         EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=interpret,
         PDL=0 if interpret else int(pdl), PREFETCH=prefetch if pdl and not interpret else 0, PRELOAD=bool(preload),
         pos_ptr=pos, cos_ptr=cos, sin_ptr=sin, N_POS=M if table is not None else 0, ROPE_TABLE=table is not None,
-        THETA=float(theta), DH_ROPE=dh, BLOCK_POS=block_m if table is not None else 16,
+        THETA=float(theta), DH_ROPE=dh, BLOCK_POS=block_m if table is not None else 16, **residual,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
     )
 
@@ -361,6 +410,70 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     if M > 0 and N > 0:
         _launch(x2, w, y, silu_mul, wrap, interpret, config, pdl, prefetch, launch_pdl, preload)
     return y.reshape(*x.shape[:-1], N)
+
+
+# The ``RESIDUAL`` tail holds a whole row of the stream, the branch, the gate and two norm weights in
+# the GEMM's few warps: rows up to this width (the 8B target's 4096).
+MAX_RESIDUAL_D = 8192
+
+
+def residual_fits(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) -> bool:
+    """What ``launch_linear_residual`` takes: ``fits``, a row of at most ``MAX_RESIDUAL_D`` outputs,
+    and at least as many weight tiles (programs) as rows of x (the last programs do a row each)."""
+    if not fits(x, w):
+        return False
+    M = x.numel() // x.shape[-1]
+    N, K = w.shape
+    cfg = dict(default_config(M, N, K, False), **(config or {}))
+    return N <= MAX_RESIDUAL_D and triton.cdiv(N, cfg["BLOCK_N"]) >= M
+
+
+def launch_linear_residual(x: torch.Tensor, w: torch.Tensor, stream: torch.Tensor, gate: torch.Tensor,
+                           norm_weight: torch.Tensor | None, branch_norm_weight: torch.Tensor | None,
+                           sync: torch.Tensor, eps: float, zero_centered: bool, apply_norm: bool, norm_branch: bool,
+                           wrap=lambda f: f, interpret: bool = False, pdl: int = 0,
+                           config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's output projection and the gated residual after it in one launch: ``gated_residual_add(
+    stream, x @ Wᵀ, gate, norm_weight, eps, zero_centered, apply_norm, x.dtype, branch_norm_weight,
+    norm_branch)`` (plugins/gated_residual/reference.py) → (the new stream [..., N] fp32, its norm
+    in x's dtype, or an empty tensor without ``apply_norm``). The projection's programs each write
+    their tile of the branch; the last of them do its rows (``_residual_tail``). ``sync``: two int32
+    words on x's device, zero; the launch leaves them zero. Under the interpreter, which runs the
+    programs one after another (the tail's wait would never end), the same kernels' math as two
+    launches: the linear kernel, then the gated residual kernel."""
+    x2 = _rows(x, w)
+    M, N = x2.shape[0], w.shape[0]
+    if tuple(stream.shape) != (*x.shape[:-1], N):
+        raise ValueError(f"linear_residual: stream {list(stream.shape)} must be x's rows by the weight's "
+                         f"{N} outputs, {[*x.shape[:-1], N]}")
+    if not residual_fits(x, w, config):
+        raise ValueError(f"linear_residual: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the "
+                         f"kernel takes at most {MAX_ROWS} rows, {MAX_RESIDUAL_D} outputs and a weight tile per row")
+    if sync.dtype != torch.int32 or sync.numel() != 2 or not sync.is_contiguous() or sync.device != x.device:
+        raise ValueError(f"linear_residual: sync must be 2 contiguous int32 words on {x.device}, got {sync.dtype} "
+                         f"{list(sync.shape)} on {sync.device}")
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    s2 = stream.reshape(M, N).contiguous()
+    check_gated_residual_inputs(s2, y, gate, norm_weight, branch_norm_weight)
+    if M == 0:
+        return stream.clone(), torch.empty(stream.shape if apply_norm else (0,), dtype=x.dtype, device=x.device)
+    if interpret:
+        launch_linear(x2, w, wrap=wrap, interpret=True, config=config, out=y)
+        new, out = launch_gated_residual_add(s2, y, gate, norm_weight, eps, zero_centered, apply_norm, x.dtype,
+                                             branch_norm_weight, norm_branch, wrap=wrap)
+    else:
+        new = torch.empty_like(s2)
+        out = torch.empty((M, N) if apply_norm else (0,), dtype=x.dtype, device=x.device)
+        g = gate.float().contiguous()
+        has_bw = norm_branch and branch_norm_weight is not None
+        residual = dict(
+            stream_ptr=s2, gate_ptr=g, nw_ptr=norm_weight.contiguous() if norm_weight is not None else g,
+            bw_ptr=branch_norm_weight.contiguous() if has_bw else g, new_ptr=new, out_ptr=out if apply_norm else new,
+            sync_ptr=sync, RESIDUAL=True, EPS=float(eps), HAS_WEIGHT=norm_weight is not None,
+            ZERO_CENTERED=bool(zero_centered), APPLY_NORM=bool(apply_norm), NORM_BRANCH=bool(norm_branch),
+            HAS_BRANCH_WEIGHT=has_bw, BLOCK_D=triton.next_power_of_2(N))
+        _launch(x2, w, y, False, wrap, False, config, pdl, 0, False, False, residual=residual)
+    return new.reshape(stream.shape), (out.reshape(stream.shape) if apply_norm else out)
 
 
 def launch_linear_qkv_cache(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
