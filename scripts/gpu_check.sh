@@ -19,7 +19,8 @@
 # MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default triton).
 # ATTENTION_ARGS=--sweep adds the Triton kernel's launch configurations to the attention mode.
 #
-# Logs go to $OUT (default ./gpu-out). Test files run in parallel, one file per worker, and
+# Logs go to $OUT (default ./gpu-out). Tests run in parallel (each engine build's tests, their
+# xdist_group, on one worker; the others wherever a worker is free), and
 # a worker that dies (a segfault) is not restarted: pytest-xdist would otherwise re-run the
 # crashing test on a fresh worker again and again until the time limit.
 set -u -o pipefail
@@ -32,7 +33,9 @@ python3 -m pip install --no-deps --no-build-isolation -e . -q >"$OUT/pip.log" 2>
 case "${1:-tests}" in
 tests)
     xdist=()
-    python3 -c "import xdist" 2>/dev/null && xdist=(-n 5 --dist loadfile --max-worker-restart=0)
+    # loadgroup: an engine file's tests (or each engine build's) stay on one worker (their
+    # xdist_group), every other test goes to whichever worker is free
+    python3 -c "import xdist" 2>/dev/null && xdist=(-n 6 --dist loadgroup --max-worker-restart=0)
     timeout "${TEST_TIMEOUT:-480}" python3 -m pytest "${xdist[@]}" -v -rfEs -m "slow or not slow" \
         tests/test_gpu_eager.py tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_triton_engine.py \
         tests/test_gpu_residual_engine.py 2>&1 | tee "$OUT/gpu-tests.log" |

@@ -18,7 +18,10 @@ from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingPara
 from conftest import ENGINE_PROMPTS as PROMPTS
 from conftest import cli_generate_ids, run_cli
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# (xdist_group: the GPU run (scripts/gpu_check.sh, --dist loadgroup) keeps the file's tests, which share its
+# engines, on one worker, and spreads the ungrouped tests of other files over the rest)
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.xdist_group("engine")]
 
 MAX_BATCH, MAX_SEQ = 4, 256
 

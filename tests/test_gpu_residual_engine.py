@@ -1,6 +1,6 @@
 """An aoti engine built with ``MUSE_SPARK_LINEAR_RESIDUAL=1`` (the o and down projections' launches do
-the gated residual after them), on CUDA. Skipped without a CUDA device. Its own file, so that the
-GPU test run builds this engine beside the others (``pytest -n … --dist loadfile``)."""
+the gated residual after them), on CUDA. Skipped without a CUDA device. Its own xdist group, so that
+the GPU test run builds this engine beside the others (``pytest -n … --dist loadgroup``)."""
 
 import json
 
@@ -12,7 +12,8 @@ from muse_spark.runtime import EagerEngine, Generator, load_engine
 from conftest import ENGINE_PROMPTS as PROMPTS
 from test_gpu_triton_engine import MAX_SEQ, PARAMS, assert_cli_equals_eager, build
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.xdist_group("residual_engine")]
 
 
 def test_a_linear_residual_engine_equals_eager_under_the_same_switch(agreeing_pair, tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """The aoti engine built with the Triton plugin kernels compiled into its packages, on CUDA.
 
-Skipped without a CUDA device (and Triton). Its own file so that the GPU test run builds this
-engine in parallel with tests/test_gpu_engine.py's (``pytest -n … --dist loadfile``).
+Skipped without a CUDA device (and Triton). Each engine it builds is an xdist group of its own,
+so that the GPU test run builds them in parallel with each other and with tests/test_gpu_engine.py's
+(``pytest -n … --dist loadgroup``).
 """
 
 import json
@@ -50,6 +51,9 @@ def built(agreeing_pair, tmp_path_factory):
     return build(agreeing_pair, tmp_path_factory.mktemp("triton_engine") / "engine")
 
 
+# Each engine this file builds is a group of its own (scripts/gpu_check.sh runs --dist loadgroup): the
+# builds run on different workers at once.
+@pytest.mark.xdist_group("triton_engine")
 def test_engine_with_the_triton_plugin_kernels_equals_eager(built, eager):
     """The product path: the fused Triton kernels compiled into the packages (no fallback allowed),
     built by the CLI and run by another process; greedy and sampled output equal the eager engine's.
@@ -60,6 +64,7 @@ def test_engine_with_the_triton_plugin_kernels_equals_eager(built, eager):
     assert_cli_equals_eager(built, eager)
 
 
+@pytest.mark.xdist_group("triton_engine")
 def test_the_markov_workspace_is_kept_per_bucket_and_a_flagged_step_runs_again(built, eager):
     """Each bucket's runner keeps the Markov kernel's workspace (zeroed once, at load): every step
     counts its call on it, none zeroes it, and no program gives up. A step whose kernel raised
@@ -99,6 +104,7 @@ def built_pdl(agreeing_pair, tmp_path_factory):
     return build(agreeing_pair, tmp_path_factory.mktemp("triton_engine_pdl") / "engine", env={"MUSE_SPARK_PDL": "1"})
 
 
+@pytest.mark.xdist_group("triton_engine_pdl")
 def test_a_pdl_engine_launches_its_plugin_kernels_as_programmatic_dependents_and_equals_eager(built_pdl, eager):
     """Built with ``MUSE_SPARK_PDL=1``: the manifest names the kernels compiled with the wait first,
     each bucket's step graph has the edges into them programmatic (not into its other kernels), and greedy and sampled output equal the eager engine's (built without
@@ -116,6 +122,7 @@ def test_a_pdl_engine_launches_its_plugin_kernels_as_programmatic_dependents_and
     assert_cli_equals_eager(built_pdl, eager)
 
 
+@pytest.mark.xdist_group("triton_engine_old_path")
 def test_an_engine_without_the_rope_table_and_the_fused_attention_equals_eager(agreeing_pair, eager, tmp_path):
     """Built with ``MUSE_SPARK_ROPE_TABLE=0 MUSE_SPARK_ATTENTION_CACHE=0`` (the q/k norm kernel
     computes the angles and writes the caches, then the attention: the path before the thirteenth
