@@ -90,10 +90,12 @@ class StaticStep:
         views = self._views.get(n)
         if views is None:
             views = self._views[n] = [t[:n] for t in self.static_inputs]
-        # All five in one call (one multi-tensor launch where dtypes and devices match; per-tensor
-        # copies where they do not), device→device or host→device, no sync: the host work before
-        # the replay is on the step's latency.
-        torch._foreach_copy_(views, srcs)
+        # Device→device or host→device, no sync: the host work before the replay is on the step's
+        # latency. The four int64 rows in one call (one multi-tensor launch on CUDA where the
+        # caller's dtypes match; a list of mixed dtypes falls back to one copy per tensor: five
+        # copies a step in the H200 profile), the temperatures (float32) apart.
+        torch._foreach_copy_(views[:-1], srcs[:-1])
+        views[-1].copy_(srcs[-1])
         self._pad(n)
         return n
 
