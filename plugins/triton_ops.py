@@ -58,8 +58,9 @@ from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_ke
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
-from muse_spark.plugins.linear.triton_kernel import (MAX_ROWS, fits, launch_linear, launch_linear_qkv_cache,
-                                                    launch_linear_residual, launch_linear_rope_table)
+from muse_spark.plugins.linear.triton_kernel import (MAX_ROWS, check_sync, fits, launch_linear,
+                                                    launch_linear_qkv_cache, launch_linear_residual,
+                                                    launch_linear_rope_table)
 from muse_spark.plugins.markov.op import check_markov_inputs
 from muse_spark.plugins.markov.reference import markov_sample_ref
 from muse_spark.plugins.markov.triton_kernel import launch_markov_sample, supported, workspace_words
@@ -376,8 +377,7 @@ def _linear_residual_op(x: torch.Tensor, w: torch.Tensor, stream: torch.Tensor, 
     references in that order."""
     _check_linear(x, w)
     if not _runs_kernels(x):
-        if sync.dtype != torch.int32 or sync.numel() != 2:
-            raise ValueError(f"linear_residual: sync must be 2 int32 words, got {sync.dtype} {list(sync.shape)}")
+        check_sync(sync, x.device)
         y = linear_reference(x, w)
         check_gated_residual_inputs(stream, y, gate, norm_weight, branch_norm_weight)
         return gated_residual_add_ref(stream, y, gate, norm_weight, eps, zero_centered, apply_norm, x.dtype,

@@ -428,6 +428,13 @@ def residual_fits(x: torch.Tensor, w: torch.Tensor, config: dict | None = None) 
     return N <= MAX_RESIDUAL_D and triton.cdiv(N, cfg["BLOCK_N"]) >= M
 
 
+def check_sync(sync: torch.Tensor, device: torch.device) -> None:
+    """The ``RESIDUAL`` launch's words: two contiguous int32 on ``device``, or a clear error."""
+    if sync.dtype != torch.int32 or sync.numel() != 2 or not sync.is_contiguous() or sync.device != device:
+        raise ValueError(f"linear_residual: sync must be 2 contiguous int32 words on {device}, got {sync.dtype} "
+                         f"{list(sync.shape)} on {sync.device}")
+
+
 def launch_linear_residual(x: torch.Tensor, w: torch.Tensor, stream: torch.Tensor, gate: torch.Tensor,
                            norm_weight: torch.Tensor | None, branch_norm_weight: torch.Tensor | None,
                            sync: torch.Tensor, eps: float, zero_centered: bool, apply_norm: bool, norm_branch: bool,
@@ -449,9 +456,7 @@ def launch_linear_residual(x: torch.Tensor, w: torch.Tensor, stream: torch.Tenso
     if not residual_fits(x, w, config):
         raise ValueError(f"linear_residual: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the "
                          f"kernel takes at most {MAX_ROWS} rows, {MAX_RESIDUAL_D} outputs and a weight tile per row")
-    if sync.dtype != torch.int32 or sync.numel() != 2 or not sync.is_contiguous() or sync.device != x.device:
-        raise ValueError(f"linear_residual: sync must be 2 contiguous int32 words on {x.device}, got {sync.dtype} "
-                         f"{list(sync.shape)} on {sync.device}")
+    check_sync(sync, x.device)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     s2 = stream.reshape(M, N).contiguous()
     check_gated_residual_inputs(s2, y, gate, norm_weight, branch_norm_weight)
