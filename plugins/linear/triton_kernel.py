@@ -460,8 +460,6 @@ def launch_linear_residual(x: torch.Tensor, w: torch.Tensor, stream: torch.Tenso
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     s2 = stream.reshape(M, N).contiguous()
     check_gated_residual_inputs(s2, y, gate, norm_weight, branch_norm_weight)
-    if M == 0:
-        return stream.clone(), torch.empty(stream.shape if apply_norm else (0,), dtype=x.dtype, device=x.device)
     if interpret:
         launch_linear(x2, w, wrap=wrap, interpret=True, config=config, out=y)
         new, out = launch_gated_residual_add(s2, y, gate, norm_weight, eps, zero_centered, apply_norm, x.dtype,
