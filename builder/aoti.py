@@ -64,7 +64,7 @@ import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
 from muse_spark.models.layers import (PDL_KERNELS, attention_cache_fused, attention_path, linear_path, linear_residual,
-                                      pdl_waits, qkv_epilogue, rope_table)
+                                      pdl_gemm_trigger, pdl_trigger, pdl_waits, qkv_epilogue, rope_table)
 from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
@@ -388,6 +388,10 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         # MUSE_SPARK_PDL=1 (opt-in): these kernels wait first; the step graphs launch them as PDL dependents
         "pdl_kernels": list(PDL_KERNELS) if pdl_waits() and impl == "triton" and torch.device(device).type == "cuda"
         else [],
+        # MUSE_SPARK_PDL_TRIGGER=1 / MUSE_SPARK_PDL_GEMM_TRIGGER=1 (with MUSE_SPARK_PDL=1, opt-in): the small
+        # kernels trigger their dependents first; the GEMMs trigger theirs after their weight stream
+        "pdl_trigger": pdl_trigger() and impl == "triton" and torch.device(device).type == "cuda",
+        "pdl_gemm_trigger": pdl_gemm_trigger() and impl == "triton" and torch.device(device).type == "cuda",
         "graphs": graphs,
         "batch_buckets": buckets,
         # The fused Markov kernel's kept workspace per bucket: int64 words the runtime zeroes once

@@ -51,6 +51,8 @@ TAUS = (1.0, 3.7, 6.17)
 # (runtime.cuda_graph.make_programmatic). The RoPE table (thirteenth session) and the fused attention
 # (fourteenth) are the defaults: their variants are the step without them.
 VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "pdl": {"MUSE_SPARK_PDL": "1"},
+            "pdl_trigger": {"MUSE_SPARK_PDL": "1", "MUSE_SPARK_PDL_TRIGGER": "1"},
+            "pdl_triggers": {"MUSE_SPARK_PDL": "1", "MUSE_SPARK_PDL_TRIGGER": "1", "MUSE_SPARK_PDL_GEMM_TRIGGER": "1"},
             "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}, "linear_residual": {"MUSE_SPARK_LINEAR_RESIDUAL": "1"}}
 # the variant's --option, where its name is not the option's
 VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache"}
@@ -1052,6 +1054,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="both: also compile and time the aoti step with the plugin kernels waiting first and "
                         "their graph edges programmatic (MUSE_SPARK_PDL=1), beside the default; its replay is also "
                         "timed with the edges' launch-order port and with plain edges")
+    p.add_argument("--pdl-trigger", choices=["off", "both"], default="off",
+                   help="both: also compile and time the aoti step under MUSE_SPARK_PDL=1 with the small kernels "
+                        "triggering their dependents first (MUSE_SPARK_PDL_TRIGGER=1), beside the default")
+    p.add_argument("--pdl-triggers", choices=["off", "both"], default="off",
+                   help="both: as --pdl-trigger, and the GEMMs trigger their dependents after their weight stream "
+                        "(MUSE_SPARK_PDL_GEMM_TRIGGER=1)")
     p.add_argument("--rope-table", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step without the RoPE table the qkv GEMM's launch "
                         "writes for the q/k norm kernel (MUSE_SPARK_ROPE_TABLE=0), beside the default (with it)")

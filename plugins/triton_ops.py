@@ -51,8 +51,8 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
-                                      head_norm_rope_reference, linear_reference, pdl_waits, qkv_cache_reference,
-                                      rope_table_reference, triton_attention_fits)
+                                      head_norm_rope_reference, linear_reference, pdl_gemm_trigger, pdl_trigger,
+                                      pdl_waits, qkv_cache_reference, rope_table_reference, triton_attention_fits)
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
@@ -85,10 +85,17 @@ def _runs_kernels(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or interpreting()
 
 
-def _pdl() -> int:
-    """The ``PDL`` mode the ops compile ``models.layers.PDL_KERNELS`` with: 2 (wait only) under
-    ``MUSE_SPARK_PDL=1``, else 0; 0 under the interpreter (no inline asm)."""
-    return 2 if pdl_waits() and not interpreting() else 0
+def _pdl(small: bool = False) -> int:
+    """The ``PDL`` mode the ops compile ``models.layers.PDL_KERNELS`` with (``triton_math.pdl_enter``),
+    0 without ``MUSE_SPARK_PDL=1`` or under the interpreter (no inline asm). Under it: a kernel that
+    is not a GEMM (``small``) 1 (trigger the dependents, then wait) with ``MUSE_SPARK_PDL_TRIGGER=1``;
+    a GEMM 3 (wait, trigger after the weight stream) with ``MUSE_SPARK_PDL_GEMM_TRIGGER=1``; else 2
+    (wait only)."""
+    if not pdl_waits() or interpreting():
+        return 0
+    if small:
+        return 1 if pdl_trigger() else 2
+    return 3 if pdl_gemm_trigger() else 2
 
 
 @triton_op("muse_spark::gated_residual_add_triton", mutates_args=())
@@ -109,7 +116,7 @@ def _gated_residual_add_op(
             norm_branch)
     if not _runs_kernels(stream):
         return gated_residual_add_ref(*args)
-    return launch_gated_residual_add(*args, wrap=wrap_triton, pdl=_pdl())
+    return launch_gated_residual_add(*args, wrap=wrap_triton, pdl=_pdl(small=True))
 
 
 @triton_op("muse_spark::markov_sample_triton", mutates_args=("workspace",))
@@ -183,7 +190,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     _check_attention(q, k, v, slots)
     if not _runs_kernels(q):
         return attend_reference(q, *cache_rows(k, v, mask, slots), mask)
-    return launch_attention(q, k, v, mask, slots, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl())
+    return launch_attention(q, k, v, mask, slots, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl(small=True))
 
 
 def _check_bounds(op: str, last: torch.Tensor, B: int, S: int, window: int, length: int) -> None:
@@ -213,7 +220,7 @@ def _attention_bounds_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last
     if not _runs_kernels(q):
         return _attend_bounds_reference(q, k, v, last, window, slots)
     return launch_attention(q, k, v, last, slots, wrap=wrap_triton, interpret=interpreting(), window=window,
-                            pdl=_pdl())
+                            pdl=_pdl(small=True))
 
 
 def _check_heads(op: str, x: torch.Tensor) -> None:
@@ -243,7 +250,7 @@ def _head_norm_rope_op(x: torch.Tensor, positions: torch.Tensor, eps: float, the
     if not _runs_kernels(x):
         return head_norm_rope_reference(x, positions, eps, theta, use_rope)
     return head_norm_rope_kernel.launch_head_norm_rope(x, positions, eps, theta, use_rope, wrap=wrap_triton,
-                                                      pdl=_pdl())
+                                                      pdl=_pdl(small=True))
 
 
 def _check_cache_write(op: str, B: int, S: int, kv: int, dh: int, dtype: torch.dtype, positions: torch.Tensor,
@@ -282,7 +289,7 @@ def _head_norm_rope_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.
     if not _runs_kernels(x):
         return head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
     return head_norm_rope_kernel.launch_head_norm_rope_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache,
-                                                            slots, wrap=wrap_triton, pdl=_pdl(), table=table)
+                                                            slots, wrap=wrap_triton, pdl=_pdl(small=True), table=table)
 
 
 def _check_rope_table(op: str, cos, sin, rows: int, dh: int, device) -> tuple | None:
@@ -352,7 +359,7 @@ def _attention_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tenso
         q = head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
         return _attend_bounds_reference(q, k_cache, v_cache, last, window, slots)
     return launch_attention(x, k_cache, v_cache, last, slots, wrap=wrap_triton, interpret=interpreting(),
-                            window=window, new_kv=(v, positions, eps, theta, use_rope), pdl=_pdl(), table=table)
+                            window=window, new_kv=(v, positions, eps, theta, use_rope), pdl=_pdl(small=True), table=table)
 
 
 @triton_op("muse_spark::linear_triton", mutates_args=())

@@ -18,6 +18,11 @@ every weight streams from HBM), captured in one CUDA graph and replayed:
   first triggering its dependents' launch, then waiting;
 * ``pdl-wait-only``: the same, but the kernels only wait (the dependents launch as programs exit);
 * ``pdl+prefetchN``: and each linear program first prefetches N KB of its weight rows into L2;
+* ``pdl-mixed``: the small kernels trigger first, the GEMMs only wait; ``+preload`` / ``+prefetchN``:
+  the GEMMs after a small kernel load their first weight tiles (registers / N KB into L2) before
+  their wait, while the small kernel runs;
+* ``pdl-gemm-late`` / ``pdl-mixed-late``: the GEMMs wait first and trigger their dependents after
+  their weight stream (``PDL`` 3); the small kernels only wait / trigger first;
 * ``triton-coresident`` / ``pdl-coresident``: the linear kernels' stages cut to <= 100 KB of shared
   memory (``coresident_config``), so a GEMM's programs fit beside the running kernel's under PDL;
   ``+preload``: each linear program loads its first weight tiles into registers before its wait.
@@ -85,19 +90,23 @@ def side_prefetch(w, nbytes: int):
 
 
 def stack(layers, cache, mask, positions, stream, x, linear: str, pdl: bool, launch_pdl: bool, prefetch: int,
-          coresident: bool = False, preload: bool = False, side: int = 0):
+          coresident: bool = False, preload: bool = False, side: int = 0, small_pdl: int | None = None,
+          after_small_only: bool = False):
     """One pass over the layers; returns (stream, x). ``side``: bytes of the next GEMM's weights
     prefetched into L2 on a side stream while the small kernels before it run (the o projection's
     during the q/k norm and attention, gate/up's and the next layer's qkv during the gated
-    residuals)."""
-    kw = dict(pdl=pdl, launch_pdl=launch_pdl)
+    residuals). ``small_pdl``: the PDL mode of the kernels that are not GEMMs, where it differs from
+    the GEMMs' ``pdl``; ``after_small_only``: ``prefetch``/``preload`` only in the GEMMs that follow a
+    small kernel (qkv, o, gate/up; not down, which follows gate/up's weight stream)."""
+    kw = dict(pdl=pdl if small_pdl is None else small_pdl, launch_pdl=launch_pdl)
     main = torch.cuda.current_stream()
 
     def join(ev):
         if ev is not None:
             main.wait_event(ev)
 
-    def lin(a, wt, silu=False):
+    def lin(a, wt, silu=False, after_small=True):
+        early = after_small or not after_small_only
         if linear == "cublas":
             y = F.linear(a, wt)
             if silu:
@@ -106,7 +115,8 @@ def stack(layers, cache, mask, positions, stream, x, linear: str, pdl: bool, lau
             return y
         n = wt.shape[0] // 2 if silu else wt.shape[0]
         config = coresident_config(a.numel() // a.shape[-1], n, a.shape[-1], silu) if coresident else None
-        return launch_linear(a, wt, silu_mul=silu, prefetch=prefetch, config=config, preload=preload, **kw)
+        return launch_linear(a, wt, silu_mul=silu, prefetch=prefetch if early else 0, config=config,
+                             preload=preload and early, pdl=pdl, launch_pdl=launch_pdl)
 
     kc, vc = cache
     ev_qkv = None
@@ -123,7 +133,7 @@ def stack(layers, cache, mask, positions, stream, x, linear: str, pdl: bool, lau
                                               L["b1"], True, **kw)
         join(ev_gu)
         hdn = lin(x, L["gate_up"], silu=True)
-        d = lin(hdn, L["down"])
+        d = lin(hdn, L["down"], after_small=False)
         ev_qkv = side_prefetch(layers[i + 1]["qkv"], side) if side and i + 1 < len(layers) else None
         stream, x = launch_gated_residual_add(stream, d, L["g2"], L["n1"], 1e-6, False, True, torch.bfloat16,
                                               L["b2"], True, **kw)
@@ -140,6 +150,8 @@ def main() -> int:
     p.add_argument("--side-prefetch-mb", default="4,8,16",
                    help="comma-separated MB of each GEMM's weights prefetched into L2 on a side stream during the "
                         "small kernels before it (variants triton+sideN MB)")
+    p.add_argument("--mixed-prefetch-kb", default="",
+                   help="comma-separated L2 prefetch sizes per program (KB) of the pdl-mixed variants")
     p.add_argument("--only", default="", help="comma-separated variant names to run (default: all)")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--json", default=None)
@@ -159,6 +171,19 @@ def main() -> int:
                                                  preload=True)),
                  ("pdl+preload", dict(linear="triton", pdl=1, launch_pdl=True, prefetch=0, preload=True)),
                  ("pdl-wait-only+preload", dict(linear="triton", pdl=2, launch_pdl=True, prefetch=0, preload=True))]
+    # Mixed: the small kernels trigger their dependents first (a GEMM's programs then start beside
+    # them and wait), the GEMMs only wait (their dependents start as their programs exit: an early
+    # trigger there let the next kernels' programs crowd the GEMM's); "+preload" / "+prefetchN": the
+    # GEMMs that follow a small kernel load their first weight tiles before the wait, while the
+    # small kernel runs and HBM is idle (the down projection, after gate/up's stream, does not).
+    mixed = dict(linear="triton", pdl=2, small_pdl=1, launch_pdl=True, prefetch=0, after_small_only=True)
+    variants += [("pdl-mixed", dict(mixed)), ("pdl-mixed+preload", dict(mixed, preload=True))]
+    # Late GEMM trigger (PDL 3): a GEMM triggers its dependents after its weight stream, when all of
+    # its programs are on the SMs (no crowding), so the next kernel launches during its epilogue.
+    variants += [("pdl-gemm-late", dict(linear="triton", pdl=3, small_pdl=2, launch_pdl=True, prefetch=0)),
+                 ("pdl-mixed-late", dict(linear="triton", pdl=3, small_pdl=1, launch_pdl=True, prefetch=0))]
+    for kb in [int(v) for v in args.mixed_prefetch_kb.split(",") if v]:
+        variants.append((f"pdl-mixed+prefetch{kb}", dict(mixed, prefetch=kb << 10)))
     for mb in [int(v) for v in args.side_prefetch_mb.split(",") if v]:
         variants.append((f"triton+side{mb}MB", dict(linear="triton", pdl=False, launch_pdl=False, prefetch=0,
                                                    side=mb << 20)))

@@ -122,6 +122,28 @@ def test_a_pdl_engine_launches_its_plugin_kernels_as_programmatic_dependents_and
     assert_cli_equals_eager(built_pdl, eager)
 
 
+@pytest.fixture(scope="module")
+def built_pdl_trigger(agreeing_pair, tmp_path_factory):
+    return build(agreeing_pair, tmp_path_factory.mktemp("triton_engine_pdl_trigger") / "engine",
+                 env={"MUSE_SPARK_PDL": "1", "MUSE_SPARK_PDL_TRIGGER": "1", "MUSE_SPARK_PDL_GEMM_TRIGGER": "1"})
+
+
+@pytest.mark.xdist_group("triton_engine_pdl_trigger")
+def test_a_pdl_engine_whose_kernels_trigger_their_dependents_equals_eager(built_pdl_trigger, eager):
+    """Built with ``MUSE_SPARK_PDL=1 MUSE_SPARK_PDL_TRIGGER=1 MUSE_SPARK_PDL_GEMM_TRIGGER=1``: the small
+    kernels let their dependents launch while they run, the GEMMs after their weight stream; the
+    manifest says so, the step graphs have programmatic edges, and greedy and sampled output equal
+    the eager engine's (built without the switches), in this process and a fresh one."""
+    m = json.loads((built_pdl_trigger / "manifest.json").read_text())["aoti"]
+    assert m["pdl_trigger"] is True and m["pdl_gemm_trigger"] is True
+    engine = load_engine(built_pdl_trigger)
+    for runner in engine.runners.values():
+        assert 0 < runner.programmatic_edges < runner.graph_kernels, (runner.programmatic_edges, runner.graph_kernels)
+    want = [r.output for r in Generator(eager).generate(PROMPTS[:2], PARAMS)]
+    assert [r.output for r in Generator(engine).generate(PROMPTS[:2], PARAMS)] == want
+    assert_cli_equals_eager(built_pdl_trigger, eager)
+
+
 @pytest.mark.xdist_group("triton_engine_old_path")
 def test_an_engine_without_the_rope_table_and_the_fused_attention_equals_eager(agreeing_pair, eager, tmp_path):
     """Built with ``MUSE_SPARK_ROPE_TABLE=0 MUSE_SPARK_ATTENTION_CACHE=0`` (the q/k norm kernel

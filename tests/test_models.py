@@ -199,6 +199,27 @@ def test_attention_kernel_choice(monkeypatch):
         attention_kernel()
 
 
+def test_the_pdl_trigger_switches_act_only_under_pdl_and_refuse_other_values(monkeypatch):
+    """``MUSE_SPARK_PDL_TRIGGER`` and ``MUSE_SPARK_PDL_GEMM_TRIGGER`` are off by default and mean nothing
+    without ``MUSE_SPARK_PDL=1`` (no kernel waits, so none may let its dependents launch early)."""
+    from muse_spark.models.layers import pdl_gemm_trigger, pdl_trigger
+
+    for name in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER", "MUSE_SPARK_PDL_GEMM_TRIGGER"):
+        monkeypatch.delenv(name, raising=False)
+    assert pdl_trigger() is False and pdl_gemm_trigger() is False
+    monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "1")
+    monkeypatch.setenv("MUSE_SPARK_PDL_GEMM_TRIGGER", "1")
+    assert pdl_trigger() is False and pdl_gemm_trigger() is False  # without MUSE_SPARK_PDL=1
+    monkeypatch.setenv("MUSE_SPARK_PDL", "1")
+    assert pdl_trigger() is True and pdl_gemm_trigger() is True
+    for name, switch in (("MUSE_SPARK_PDL_TRIGGER", pdl_trigger), ("MUSE_SPARK_PDL_GEMM_TRIGGER", pdl_gemm_trigger)):
+        monkeypatch.setenv(name, "yes")
+        with pytest.raises(ValueError, match=f"{name}='yes': expected 0 or 1"):
+            switch()
+        monkeypatch.setenv(name, "0")
+        assert switch() is False
+
+
 @pytest.mark.parametrize("name", ["MUSE_SPARK_QKV_EPILOGUE", "MUSE_SPARK_ATTENTION_CACHE", "MUSE_SPARK_PDL",
                                   "MUSE_SPARK_ROPE_TABLE"])
 def test_the_kernel_switches_default_as_documented_and_refuse_other_values(monkeypatch, name):

@@ -283,6 +283,32 @@ def test_every_op_launch_of_a_pdl_kernel_compiles_it_with_the_pdl_mode():
     for c in calls:
         pdl = [k.value for k in c.keywords if k.arg == "pdl"]
         assert pdl and isinstance(pdl[0], ast.Call) and pdl[0].func.id == "_pdl", ast.unparse(c)
+        # MUSE_SPARK_PDL_TRIGGER: only the small kernels trigger their dependents early (small=True);
+        # a GEMM never does (its early dependents would crowd its own programs)
+        small = [k.value.value for k in pdl[0].keywords if k.arg == "small"]
+        name = getattr(c.func, "id", None) or c.func.attr
+        assert small == ([] if launchers[name] == "_linear_kernel" else [True]), ast.unparse(c)
+
+
+def test_pdl_modes_of_the_ops_follow_the_switches(monkeypatch):
+    """``_pdl``: 0 without ``MUSE_SPARK_PDL=1``; 2 (wait only) for every kernel under it; 1 (trigger,
+    then wait) for the small kernels under ``MUSE_SPARK_PDL_TRIGGER=1``; 3 (wait, trigger after the
+    weight stream) for the GEMMs under ``MUSE_SPARK_PDL_GEMM_TRIGGER=1``."""
+    pytest.importorskip("triton")
+    from muse_spark.plugins import triton_ops
+    from muse_spark.plugins.triton_math import interpreting
+
+    if interpreting():
+        pytest.skip("under TRITON_INTERPRET=1 the ops compile no PDL (no inline asm)")
+    for name in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER", "MUSE_SPARK_PDL_GEMM_TRIGGER"):
+        monkeypatch.delenv(name, raising=False)
+    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (0, 0)
+    monkeypatch.setenv("MUSE_SPARK_PDL", "1")
+    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 2)
+    monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "1")
+    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 1)
+    monkeypatch.setenv("MUSE_SPARK_PDL_GEMM_TRIGGER", "1")
+    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (3, 1)
 
 
 def test_linear_residual_op_on_cpu_is_its_two_references():

@@ -395,6 +395,27 @@ def pdl_waits() -> bool:
     return _switch("MUSE_SPARK_PDL")
 
 
+def pdl_trigger() -> bool:
+    """``MUSE_SPARK_PDL_TRIGGER=1`` (with ``MUSE_SPARK_PDL=1``): the plugin kernels that are not GEMMs
+    (gated residual, q/k norm, attention partial and combine) trigger their dependents' launch
+    first, then wait; the GEMMs only wait. A GEMM after a small kernel then has its programs on the
+    SMs, waiting, while the small kernel runs, instead of launching after it. The GEMMs do not
+    trigger at their start: a GEMM's early dependents would crowd its own programs (an early
+    trigger everywhere was 1.6 % slower in scripts/pdl_bench.py, eighth session; see
+    ``pdl_gemm_trigger`` for a late one). A build records it in the manifest."""
+    return pdl_waits() and _switch("MUSE_SPARK_PDL_TRIGGER")
+
+
+def pdl_gemm_trigger() -> bool:
+    """``MUSE_SPARK_PDL_GEMM_TRIGGER=1`` (with ``MUSE_SPARK_PDL=1``): each Triton GEMM triggers its
+    dependents' launch once its weight stream is done (after its K loop, before its epilogue), so
+    the kernel after it launches while the GEMM's programs finish. Every program of the GEMM is on
+    the SMs by then (a dependent launches only when all of them have triggered or exited), so the
+    early dependents cannot crowd them, as a trigger at a GEMM's start would. A build records it in
+    the manifest."""
+    return pdl_waits() and _switch("MUSE_SPARK_PDL_GEMM_TRIGGER")
+
+
 def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     if linear_path(x.device, x.dtype) != "triton" or not _triton_ops_available():  # (imports Triton)
         return False
