@@ -64,7 +64,7 @@ import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
 from muse_spark.models.layers import (PDL_KERNELS, attention_cache_fused, attention_path, linear_path, linear_residual,
-                                      pdl_gemm_trigger, pdl_trigger, pdl_waits, qkv_epilogue, rope_table)
+                                      pdl_supported, pdl_trigger, pdl_waits, qkv_epilogue, rope_table)
 from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
@@ -371,6 +371,9 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         results, words = compile_with(impl)
     graphs = {r["name"]: {"file": r["file"], "fn": r["fn"], "batch": r["batch"], "tokens": r["tokens"]}
               for r in results}
+    # MUSE_SPARK_PDL (on unless 0; CUDA builds with the Triton plugins on sm_90+): these kernels wait
+    # first, and the step graphs launch them as PDL dependents
+    pdl = pdl_waits() and impl == "triton" and torch.device(device).type == "cuda" and pdl_supported()
     return {
         "layout": LAYOUT,
         "plugin_impl": impl,
@@ -385,13 +388,9 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "linear_residual": linear_residual() and linear_path(device, target.dtype) == "triton" and impl != "inline",
         # MUSE_SPARK_ROPE_TABLE (on unless 0): the qkv GEMM's launch writes the RoPE table the norm kernel reads
         "rope_table": rope_table() and linear_path(device, target.dtype) == "triton",
-        # MUSE_SPARK_PDL=1 (opt-in): these kernels wait first; the step graphs launch them as PDL dependents
-        "pdl_kernels": list(PDL_KERNELS) if pdl_waits() and impl == "triton" and torch.device(device).type == "cuda"
-        else [],
-        # MUSE_SPARK_PDL_TRIGGER=1 / MUSE_SPARK_PDL_GEMM_TRIGGER=1 (with MUSE_SPARK_PDL=1, opt-in): the small
-        # kernels trigger their dependents first; the GEMMs trigger theirs after their weight stream
-        "pdl_trigger": pdl_trigger() and impl == "triton" and torch.device(device).type == "cuda",
-        "pdl_gemm_trigger": pdl_gemm_trigger() and impl == "triton" and torch.device(device).type == "cuda",
+        "pdl_kernels": list(PDL_KERNELS) if pdl else [],
+        # MUSE_SPARK_PDL_TRIGGER (on unless 0, with PDL): the small kernels trigger their dependents first
+        "pdl_trigger": pdl and pdl_trigger(),
         "graphs": graphs,
         "batch_buckets": buckets,
         # The fused Markov kernel's kept workspace per bucket: int64 words the runtime zeroes once

@@ -45,17 +45,19 @@ PRESETS = {
                  draft_layers=1, draft_vocab=128, rank=16, gamma=3, aux=(0, 1)),
 }
 TAUS = (1.0, 3.7, 6.17)
-# aoti step variants `--attention-cache both` / `--pdl both` / `--rope-table both` / `--linear-residual both`
+# aoti step variants `--attention-cache both` / `--pdl both` / `--pdl-trigger both` / `--rope-table both` /
+# `--linear-residual both`
 # compile and time beside the default: name -> the kernel switches set in its compile workers and around the eager
-# step it is checked against. The pdl variant's graphs also get their programmatic edges
-# (runtime.cuda_graph.make_programmatic). The RoPE table (thirteenth session) and the fused attention
-# (fourteenth) are the defaults: their variants are the step without them.
-VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "pdl": {"MUSE_SPARK_PDL": "1"},
-            "pdl_trigger": {"MUSE_SPARK_PDL": "1", "MUSE_SPARK_PDL_TRIGGER": "1"},
-            "pdl_triggers": {"MUSE_SPARK_PDL": "1", "MUSE_SPARK_PDL_TRIGGER": "1", "MUSE_SPARK_PDL_GEMM_TRIGGER": "1"},
+# step it is checked against. A step compiled with PDL (the default on sm_90+) gets its graphs' programmatic
+# edges (runtime.cuda_graph.make_programmatic), as the engine does. The RoPE table (thirteenth session), the
+# fused attention (fourteenth) and PDL with the small kernels' trigger (fifteenth) are the defaults: their
+# variants are the step without them.
+VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "no_pdl": {"MUSE_SPARK_PDL": "0"},
+            "pdl_wait_only": {"MUSE_SPARK_PDL_TRIGGER": "0"},
             "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}, "linear_residual": {"MUSE_SPARK_LINEAR_RESIDUAL": "1"}}
 # the variant's --option, where its name is not the option's
-VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache"}
+VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache", "no_pdl": "pdl",
+                  "pdl_wait_only": "pdl_trigger"}
 
 
 def preset_configs(name: str, layers: int | None = None, draft_layers: int | None = None):
@@ -593,11 +595,12 @@ class Bench:
 
         from muse_spark.runtime.aoti_engine import load_step
         from muse_spark.runtime.aoti_graphs import MARKOV_ERROR_WORD, SpecPair, weight_names, weight_tensors
-        from muse_spark.models.layers import PDL_KERNELS
+        from muse_spark.models.layers import PDL_KERNELS, pdl_supported, pdl_waits
         from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
 
         a, dev = self.a, self.device
-        pdl = (env or {}).get("MUSE_SPARK_PDL") == "1"
+        with job_environment(env or {}):  # the step graphs' PDL edges as the engine makes them (its manifest)
+            pdl = pdl_waits() and pdl_supported()
         programmatic = PDL_KERNELS if pdl and dev.type == "cuda" else ()
         sec = self.result["sections"] if sec is None else sec
         pair = SpecPair(eng.target, eng.draft)
@@ -1051,15 +1054,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and cache write (MUSE_SPARK_ATTENTION_CACHE=0: the norm kernel, then the attention), "
                         "beside the default (fused)")
     p.add_argument("--pdl", choices=["off", "both"], default="off",
-                   help="both: also compile and time the aoti step with the plugin kernels waiting first and "
-                        "their graph edges programmatic (MUSE_SPARK_PDL=1), beside the default; its replay is also "
-                        "timed with the edges' launch-order port and with plain edges")
+                   help="both: also compile and time the aoti step without PDL (MUSE_SPARK_PDL=0: no kernel waits, "
+                        "plain graph edges), beside the default (PDL; its replay is also timed with the edges' "
+                        "launch-order port and with plain edges)")
     p.add_argument("--pdl-trigger", choices=["off", "both"], default="off",
-                   help="both: also compile and time the aoti step under MUSE_SPARK_PDL=1 with the small kernels "
-                        "triggering their dependents first (MUSE_SPARK_PDL_TRIGGER=1), beside the default")
-    p.add_argument("--pdl-triggers", choices=["off", "both"], default="off",
-                   help="both: as --pdl-trigger, and the GEMMs trigger their dependents after their weight stream "
-                        "(MUSE_SPARK_PDL_GEMM_TRIGGER=1)")
+                   help="both: also compile and time the aoti step with the small kernels only waiting "
+                        "(MUSE_SPARK_PDL_TRIGGER=0), not triggering their dependents first, beside the default")
     p.add_argument("--rope-table", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step without the RoPE table the qkv GEMM's launch "
                         "writes for the q/k norm kernel (MUSE_SPARK_ROPE_TABLE=0), beside the default (with it)")

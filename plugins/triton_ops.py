@@ -51,7 +51,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
-                                      head_norm_rope_reference, linear_reference, pdl_gemm_trigger, pdl_trigger,
+                                      head_norm_rope_reference, linear_reference, pdl_supported, pdl_trigger,
                                       pdl_waits, qkv_cache_reference, rope_table_reference, triton_attention_fits)
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
@@ -86,16 +86,13 @@ def _runs_kernels(t: torch.Tensor) -> bool:
 
 
 def _pdl(small: bool = False) -> int:
-    """The ``PDL`` mode the ops compile ``models.layers.PDL_KERNELS`` with (``triton_math.pdl_enter``),
-    0 without ``MUSE_SPARK_PDL=1`` or under the interpreter (no inline asm). Under it: a kernel that
-    is not a GEMM (``small``) 1 (trigger the dependents, then wait) with ``MUSE_SPARK_PDL_TRIGGER=1``;
-    a GEMM 3 (wait, trigger after the weight stream) with ``MUSE_SPARK_PDL_GEMM_TRIGGER=1``; else 2
-    (wait only)."""
-    if not pdl_waits() or interpreting():
+    """The ``PDL`` mode the ops compile ``models.layers.PDL_KERNELS`` with (``triton_math.pdl_enter``):
+    under ``MUSE_SPARK_PDL`` (the default) on sm_90+, 1 (trigger the dependents, then wait) for a
+    kernel that is not a GEMM (``small``) under ``MUSE_SPARK_PDL_TRIGGER`` (the default), else 2
+    (wait only); 0 without it, on an older GPU, or under the interpreter (no inline asm)."""
+    if not pdl_waits() or interpreting() or not pdl_supported():
         return 0
-    if small:
-        return 1 if pdl_trigger() else 2
-    return 3 if pdl_gemm_trigger() else 2
+    return 1 if small and pdl_trigger() else 2
 
 
 @triton_op("muse_spark::gated_residual_add_triton", mutates_args=())

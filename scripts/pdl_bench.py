@@ -21,8 +21,6 @@ every weight streams from HBM), captured in one CUDA graph and replayed:
 * ``pdl-mixed``: the small kernels trigger first, the GEMMs only wait; ``+preload`` / ``+prefetchN``:
   the GEMMs after a small kernel load their first weight tiles (registers / N KB into L2) before
   their wait, while the small kernel runs;
-* ``pdl-gemm-late`` / ``pdl-mixed-late``: the GEMMs wait first and trigger their dependents after
-  their weight stream (``PDL`` 3); the small kernels only wait / trigger first;
 * ``triton-coresident`` / ``pdl-coresident``: the linear kernels' stages cut to <= 100 KB of shared
   memory (``coresident_config``), so a GEMM's programs fit beside the running kernel's under PDL;
   ``+preload``: each linear program loads its first weight tiles into registers before its wait.
@@ -178,10 +176,6 @@ def main() -> int:
     # small kernel runs and HBM is idle (the down projection, after gate/up's stream, does not).
     mixed = dict(linear="triton", pdl=2, small_pdl=1, launch_pdl=True, prefetch=0, after_small_only=True)
     variants += [("pdl-mixed", dict(mixed)), ("pdl-mixed+preload", dict(mixed, preload=True))]
-    # Late GEMM trigger (PDL 3): a GEMM triggers its dependents after its weight stream, when all of
-    # its programs are on the SMs (no crowding), so the next kernel launches during its epilogue.
-    variants += [("pdl-gemm-late", dict(linear="triton", pdl=3, small_pdl=2, launch_pdl=True, prefetch=0)),
-                 ("pdl-mixed-late", dict(linear="triton", pdl=3, small_pdl=1, launch_pdl=True, prefetch=0))]
     for kb in [int(v) for v in args.mixed_prefetch_kb.split(",") if v]:
         variants.append((f"pdl-mixed+prefetch{kb}", dict(mixed, prefetch=kb << 10)))
     for mb in [int(v) for v in args.side_prefetch_mb.split(",") if v]:

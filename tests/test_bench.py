@@ -135,8 +135,8 @@ def test_the_interleaved_replays_and_the_idle_time_render():
 
 def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
     """``--attention-cache both --pdl both --rope-table both``: per variant a second set of step
-    packages compiled with its switch (MUSE_SPARK_ATTENTION_CACHE=0 and MUSE_SPARK_ROPE_TABLE=0:
-    the fused attention and the table are the defaults; MUSE_SPARK_PDL=1) in the workers (its own folder),
+    packages compiled with its switch (MUSE_SPARK_ATTENTION_CACHE=0, MUSE_SPARK_ROPE_TABLE=0 and
+    MUSE_SPARK_PDL=0: the fused attention, the table and PDL are the defaults) in the workers (its own folder),
     checked against the eager step under the same switch and timed after the default; its table in
     the markdown. (On CPU every variant takes the reference kernels and no graph: this checks the
     plumbing; the H200 run gives the figures.)"""
@@ -148,7 +148,7 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
     sec = json.loads(js.read_text())["sections"]
     assert sec["aoti"]["1"]["median_ms"] > 0 and sec["aoti_matches_eager"]["1"] is True  # the default's own
     text = md.read_text()
-    for name, var, value in (("no_attention_cache", "MUSE_SPARK_ATTENTION_CACHE", "0"), ("pdl", "MUSE_SPARK_PDL", "1"),
+    for name, var, value in (("no_attention_cache", "MUSE_SPARK_ATTENTION_CACHE", "0"), ("no_pdl", "MUSE_SPARK_PDL", "0"),
                              ("no_rope_table", "MUSE_SPARK_ROPE_TABLE", "0")):
         sub = sec["variants"][name]
         assert sub["env"] == {var: value}

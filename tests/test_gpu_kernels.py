@@ -1829,35 +1829,6 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
 @pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
-def test_linear_late_trigger_comes_after_the_weight_stream(silu_mul):
-    """``PDL`` 3 (``MUSE_SPARK_PDL_GEMM_TRIGGER=1``), compiled for sm_90: the GEMM waits before any
-    global access, as mode 2 does, and triggers its dependents only after its K loop: every
-    ``launch_dependents`` follows the last weight load and precedes the output's stores. The weight
-    stream itself is mode 2's (the same pipelined loads)."""
-    import re
-
-    from muse_spark.plugins.linear import triton_kernel as lk
-
-    sig = dict(zip(["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"], ["*bf16"] * 3 + ["i32"] * 5))
-    consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128 if silu_mul else 256, EVEN_N=True, EVEN_K=True,
-                  SILU_MUL=silu_mul, IEEE_DOT=False, PREFETCH=0)
-    m16 = ("N", "K", "stride_xm", "stride_ym")
-    late = compile_for_hopper(lk._linear_kernel, sig, dict(consts, PDL=3), 4, 3, multiples_of_16=m16).asm["ptx"]
-    wait_only = compile_for_hopper(lk._linear_kernel, sig, dict(consts, PDL=2), 4, 3, multiples_of_16=m16).asm["ptx"]
-    waits, before = _global_accesses_before_the_wait(late)
-    assert waits and before == []
-    lines = late.splitlines()
-    triggers = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
-    loads = [i for i, line in enumerate(lines) if re.search(r"cp\.async\.cg\.shared\.global|ld\.global", line)]
-    stores = [i for i, line in enumerate(lines) if re.search(r"\bst\.global", line)]
-    assert triggers and loads and stores
-    assert min(triggers) > max(loads) and max(triggers) < min(stores), (triggers, loads[-3:], stores[:3])
-    assert "griddepcontrol.launch_dependents" not in wait_only
-    assert late.count("cp.async.cg.shared.global") == wait_only.count("cp.async.cg.shared.global")
-
-
-@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
 def test_linear_preload_issues_only_weight_loads_before_the_wait(silu_mul):
     """``PRELOAD`` (scripts/pdl_bench.py's variants) with the PDL wait, compiled for sm_90: before
     ``griddepcontrol.wait`` the program issues plain global loads (its first weight tiles) and

@@ -57,10 +57,20 @@ def built(agreeing_pair, tmp_path_factory):
 def test_engine_with_the_triton_plugin_kernels_equals_eager(built, eager):
     """The product path: the fused Triton kernels compiled into the packages (no fallback allowed),
     built by the CLI and run by another process; greedy and sampled output equal the eager engine's.
-    The RoPE table (the qkv GEMM's launch writes it) and the fused attention (it norms q/k, writes
-    the caches and attends, reading the table) are on by default."""
+    The RoPE table (the qkv GEMM's launch writes it), the fused attention (it norms q/k, writes
+    the caches and attends, reading the table) and PDL (the plugin kernels wait first, the small
+    ones trigger their dependents first; the step graphs' edges into them programmatic) are on by
+    default."""
+    from muse_spark.models.layers import PDL_KERNELS
+
     a = json.loads((built / "manifest.json").read_text())["aoti"]
     assert a["plugin_impl"] == "triton" and a["rope_table"] is True and a["attention_cache"] is True
+    assert a["pdl_kernels"] == list(PDL_KERNELS) and a["pdl_trigger"] is True
+    engine = load_engine(built)
+    for runner in engine.runners.values():
+        assert 0 < runner.programmatic_edges < runner.graph_kernels, (runner.programmatic_edges, runner.graph_kernels)
+    want = [r.output for r in Generator(eager).generate(PROMPTS[:2], PARAMS)]
+    assert [r.output for r in Generator(engine).generate(PROMPTS[:2], PARAMS)] == want
     assert_cli_equals_eager(built, eager)
 
 
@@ -101,18 +111,21 @@ def test_the_markov_workspace_is_kept_per_bucket_and_a_flagged_step_runs_again(b
 
 @pytest.fixture(scope="module")
 def built_pdl(agreeing_pair, tmp_path_factory):
-    return build(agreeing_pair, tmp_path_factory.mktemp("triton_engine_pdl") / "engine", env={"MUSE_SPARK_PDL": "1"})
+    return build(agreeing_pair, tmp_path_factory.mktemp("triton_engine_pdl") / "engine",
+                 env={"MUSE_SPARK_PDL_TRIGGER": "0"})
 
 
 @pytest.mark.xdist_group("triton_engine_pdl")
-def test_a_pdl_engine_launches_its_plugin_kernels_as_programmatic_dependents_and_equals_eager(built_pdl, eager):
-    """Built with ``MUSE_SPARK_PDL=1``: the manifest names the kernels compiled with the wait first,
-    each bucket's step graph has the edges into them programmatic (not into its other kernels), and greedy and sampled output equal the eager engine's (built without
-    the switch), in this process and in a fresh one."""
+def test_a_pdl_engine_whose_kernels_only_wait_equals_eager(built_pdl, eager):
+    """Built with ``MUSE_SPARK_PDL_TRIGGER=0`` (PDL on, the default, but no kernel triggers its
+    dependents: they launch as its programs exit): the manifest names the kernels compiled with the
+    wait first, each bucket's step graph has the edges into them programmatic (not into its other
+    kernels), and greedy and sampled output equal the eager engine's (built with the defaults), in
+    this process and in a fresh one."""
     from muse_spark.models.layers import PDL_KERNELS
 
     m = json.loads((built_pdl / "manifest.json").read_text())["aoti"]
-    assert m["pdl_kernels"] == list(PDL_KERNELS)
+    assert m["pdl_kernels"] == list(PDL_KERNELS) and m["pdl_trigger"] is False
     engine = load_engine(built_pdl)
     assert set(engine.runners) == {1, 2}
     for runner in engine.runners.values():
@@ -122,35 +135,20 @@ def test_a_pdl_engine_launches_its_plugin_kernels_as_programmatic_dependents_and
     assert_cli_equals_eager(built_pdl, eager)
 
 
-@pytest.fixture(scope="module")
-def built_pdl_trigger(agreeing_pair, tmp_path_factory):
-    return build(agreeing_pair, tmp_path_factory.mktemp("triton_engine_pdl_trigger") / "engine",
-                 env={"MUSE_SPARK_PDL": "1", "MUSE_SPARK_PDL_TRIGGER": "1", "MUSE_SPARK_PDL_GEMM_TRIGGER": "1"})
-
-
-@pytest.mark.xdist_group("triton_engine_pdl_trigger")
-def test_a_pdl_engine_whose_kernels_trigger_their_dependents_equals_eager(built_pdl_trigger, eager):
-    """Built with ``MUSE_SPARK_PDL=1 MUSE_SPARK_PDL_TRIGGER=1 MUSE_SPARK_PDL_GEMM_TRIGGER=1``: the small
-    kernels let their dependents launch while they run, the GEMMs after their weight stream; the
-    manifest says so, the step graphs have programmatic edges, and greedy and sampled output equal
-    the eager engine's (built without the switches), in this process and a fresh one."""
-    m = json.loads((built_pdl_trigger / "manifest.json").read_text())["aoti"]
-    assert m["pdl_trigger"] is True and m["pdl_gemm_trigger"] is True
-    engine = load_engine(built_pdl_trigger)
-    for runner in engine.runners.values():
-        assert 0 < runner.programmatic_edges < runner.graph_kernels, (runner.programmatic_edges, runner.graph_kernels)
-    want = [r.output for r in Generator(eager).generate(PROMPTS[:2], PARAMS)]
-    assert [r.output for r in Generator(engine).generate(PROMPTS[:2], PARAMS)] == want
-    assert_cli_equals_eager(built_pdl_trigger, eager)
-
-
 @pytest.mark.xdist_group("triton_engine_old_path")
-def test_an_engine_without_the_rope_table_and_the_fused_attention_equals_eager(agreeing_pair, eager, tmp_path):
-    """Built with ``MUSE_SPARK_ROPE_TABLE=0 MUSE_SPARK_ATTENTION_CACHE=0`` (the q/k norm kernel
-    computes the angles and writes the caches, then the attention: the path before the thirteenth
-    session): recorded in the manifest, and greedy and sampled output equal the eager engine's
-    (built with both, the defaults: the same bits), in a fresh process."""
-    out = build(agreeing_pair, tmp_path / "engine", env={"MUSE_SPARK_ROPE_TABLE": "0", "MUSE_SPARK_ATTENTION_CACHE": "0"})
+def test_an_engine_without_the_rope_table_the_fused_attention_and_pdl_equals_eager(agreeing_pair, eager, tmp_path):
+    """Built with ``MUSE_SPARK_ROPE_TABLE=0 MUSE_SPARK_ATTENTION_CACHE=0 MUSE_SPARK_PDL=0`` (the q/k norm
+    kernel computes the angles and writes the caches, then the attention, kernels without the PDL
+    wait on plain graph edges: the path before the thirteenth session): recorded in the manifest, no
+    programmatic edge, and greedy and sampled output equal the eager engine's (built with the
+    defaults: the same bits), in this process and in a fresh one."""
+    out = build(agreeing_pair, tmp_path / "engine",
+                env={"MUSE_SPARK_ROPE_TABLE": "0", "MUSE_SPARK_ATTENTION_CACHE": "0", "MUSE_SPARK_PDL": "0"})
     a = json.loads((out / "manifest.json").read_text())["aoti"]
     assert a["rope_table"] is False and a["attention_cache"] is False
+    assert a["pdl_kernels"] == [] and a["pdl_trigger"] is False
+    engine = load_engine(out)
+    assert all(runner.programmatic_edges == 0 for runner in engine.runners.values())
+    want = [r.output for r in Generator(eager).generate(PROMPTS[:2], PARAMS)]
+    assert [r.output for r in Generator(engine).generate(PROMPTS[:2], PARAMS)] == want
     assert_cli_equals_eager(out, eager)

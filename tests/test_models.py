@@ -199,40 +199,40 @@ def test_attention_kernel_choice(monkeypatch):
         attention_kernel()
 
 
-def test_the_pdl_trigger_switches_act_only_under_pdl_and_refuse_other_values(monkeypatch):
-    """``MUSE_SPARK_PDL_TRIGGER`` and ``MUSE_SPARK_PDL_GEMM_TRIGGER`` are off by default and mean nothing
-    without ``MUSE_SPARK_PDL=1`` (no kernel waits, so none may let its dependents launch early)."""
-    from muse_spark.models.layers import pdl_gemm_trigger, pdl_trigger
+def test_the_pdl_trigger_switch_acts_only_under_pdl_and_refuses_other_values(monkeypatch):
+    """``MUSE_SPARK_PDL_TRIGGER`` is on by default (the fifteenth session) and means nothing without
+    ``MUSE_SPARK_PDL`` (no kernel waits, so none may let its dependents launch early)."""
+    from muse_spark.models.layers import pdl_trigger
 
-    for name in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER", "MUSE_SPARK_PDL_GEMM_TRIGGER"):
+    for name in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER"):
         monkeypatch.delenv(name, raising=False)
-    assert pdl_trigger() is False and pdl_gemm_trigger() is False
+    assert pdl_trigger() is True
+    monkeypatch.setenv("MUSE_SPARK_PDL", "0")
+    assert pdl_trigger() is False
     monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "1")
-    monkeypatch.setenv("MUSE_SPARK_PDL_GEMM_TRIGGER", "1")
-    assert pdl_trigger() is False and pdl_gemm_trigger() is False  # without MUSE_SPARK_PDL=1
+    assert pdl_trigger() is False  # without PDL
     monkeypatch.setenv("MUSE_SPARK_PDL", "1")
-    assert pdl_trigger() is True and pdl_gemm_trigger() is True
-    for name, switch in (("MUSE_SPARK_PDL_TRIGGER", pdl_trigger), ("MUSE_SPARK_PDL_GEMM_TRIGGER", pdl_gemm_trigger)):
-        monkeypatch.setenv(name, "yes")
-        with pytest.raises(ValueError, match=f"{name}='yes': expected 0 or 1"):
-            switch()
-        monkeypatch.setenv(name, "0")
-        assert switch() is False
+    assert pdl_trigger() is True
+    monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "0")
+    assert pdl_trigger() is False
+    monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "yes")
+    with pytest.raises(ValueError, match="MUSE_SPARK_PDL_TRIGGER='yes': expected 0 or 1"):
+        pdl_trigger()
 
 
 @pytest.mark.parametrize("name", ["MUSE_SPARK_QKV_EPILOGUE", "MUSE_SPARK_ATTENTION_CACHE", "MUSE_SPARK_PDL",
                                   "MUSE_SPARK_ROPE_TABLE"])
 def test_the_kernel_switches_default_as_documented_and_refuse_other_values(monkeypatch, name):
-    """``MUSE_SPARK_QKV_EPILOGUE`` (slower on the H200) and ``MUSE_SPARK_PDL``: off unless 1;
-    ``MUSE_SPARK_ROPE_TABLE`` and ``MUSE_SPARK_ATTENTION_CACHE``: on unless 0 (the defaults since
-    the thirteenth and fourteenth sessions); a value other than 0 or 1 is refused with the variable's name, not
-    read as either."""
+    """``MUSE_SPARK_QKV_EPILOGUE`` (slower on the H200): off unless 1; ``MUSE_SPARK_ROPE_TABLE``,
+    ``MUSE_SPARK_ATTENTION_CACHE`` and ``MUSE_SPARK_PDL``: on unless 0 (the defaults since the
+    thirteenth, fourteenth and fifteenth sessions); a value other than 0 or 1 is refused with the
+    variable's name, not read as either."""
     from muse_spark.models.layers import attention_cache_fused, pdl_waits, qkv_epilogue, rope_table
 
     switch = {"MUSE_SPARK_QKV_EPILOGUE": qkv_epilogue, "MUSE_SPARK_ATTENTION_CACHE": attention_cache_fused,
               "MUSE_SPARK_PDL": pdl_waits, "MUSE_SPARK_ROPE_TABLE": rope_table}[name]
     monkeypatch.delenv(name, raising=False)
-    assert switch() is (name in ("MUSE_SPARK_ROPE_TABLE", "MUSE_SPARK_ATTENTION_CACHE"))
+    assert switch() is (name in ("MUSE_SPARK_ROPE_TABLE", "MUSE_SPARK_ATTENTION_CACHE", "MUSE_SPARK_PDL"))
     monkeypatch.setenv(name, "1")
     assert switch() is True
     monkeypatch.setenv(name, "0")

@@ -291,24 +291,25 @@ def test_every_op_launch_of_a_pdl_kernel_compiles_it_with_the_pdl_mode():
 
 
 def test_pdl_modes_of_the_ops_follow_the_switches(monkeypatch):
-    """``_pdl``: 0 without ``MUSE_SPARK_PDL=1``; 2 (wait only) for every kernel under it; 1 (trigger,
-    then wait) for the small kernels under ``MUSE_SPARK_PDL_TRIGGER=1``; 3 (wait, trigger after the
-    weight stream) for the GEMMs under ``MUSE_SPARK_PDL_GEMM_TRIGGER=1``."""
+    """``_pdl`` on a GPU that runs PDL (sm_90+): by default 1 (trigger, then wait) for the small
+    kernels and 2 (wait only) for the GEMMs; 2 for both under ``MUSE_SPARK_PDL_TRIGGER=0``; 0 under
+    ``MUSE_SPARK_PDL=0``. On an older GPU or none: 0 whatever the switches."""
     pytest.importorskip("triton")
     from muse_spark.plugins import triton_ops
     from muse_spark.plugins.triton_math import interpreting
 
     if interpreting():
         pytest.skip("under TRITON_INTERPRET=1 the ops compile no PDL (no inline asm)")
-    for name in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER", "MUSE_SPARK_PDL_GEMM_TRIGGER"):
+    for name in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(triton_ops, "pdl_supported", lambda: False)
     assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (0, 0)
-    monkeypatch.setenv("MUSE_SPARK_PDL", "1")
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 2)
-    monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "1")
+    monkeypatch.setattr(triton_ops, "pdl_supported", lambda: True)
     assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 1)
-    monkeypatch.setenv("MUSE_SPARK_PDL_GEMM_TRIGGER", "1")
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (3, 1)
+    monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "0")
+    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 2)
+    monkeypatch.setenv("MUSE_SPARK_PDL", "0")
+    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (0, 0)
 
 
 def test_linear_residual_op_on_cpu_is_its_two_references():

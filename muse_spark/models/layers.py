@@ -377,7 +377,7 @@ def linear_residual() -> bool:
     return _switch("MUSE_SPARK_LINEAR_RESIDUAL")
 
 
-# The plugin kernels that, compiled under ``MUSE_SPARK_PDL=1``, execute ``griddepcontrol.wait`` before
+# The plugin kernels that, compiled under ``MUSE_SPARK_PDL`` (the default on sm_90+), execute ``griddepcontrol.wait`` before
 # any global load or store (``plugins.triton_math.pdl_enter``; tests/test_gpu_kernels.py checks their
 # sm_90 code). A build records them in its manifest; the runtime turns the edges into these kernels
 # in its captured step graphs into programmatic ones (``runtime.cuda_graph.make_programmatic``).
@@ -387,33 +387,33 @@ PDL_KERNELS = ("_linear_kernel", "_gated_residual_norm_kernel", "_head_norm_rope
 
 
 def pdl_waits() -> bool:
-    """``MUSE_SPARK_PDL=1``: the plugin ops compile their kernels (``PDL_KERNELS``) with the PDL wait
-    first, and the engine's step graphs launch each of them as a programmatic dependent of the kernel
-    before (it starts as that kernel's programs exit, and waits for its writes on the GPU instead of
-    in the launch path). Off by default until measured faster on the H200 (docs/benchmarks.md,
-    twelfth session). A build records it in the engine's manifest (``aoti.pdl_kernels``)."""
-    return _switch("MUSE_SPARK_PDL")
+    """``MUSE_SPARK_PDL`` (on unless ``0``): the plugin ops compile their kernels (``PDL_KERNELS``) with
+    the PDL wait first, and the engine's step graphs launch each of them as a programmatic dependent
+    of the kernel before (it starts before that kernel has finished, and waits for its writes on the
+    GPU instead of in the launch path). Only on sm_90 and newer (``pdl_supported``): elsewhere the
+    kernels compile without it. With ``MUSE_SPARK_PDL_TRIGGER`` (``pdl_trigger``) the default since
+    the fifteenth session: the batch-1 step graph 1.1–1.3 % faster on the H200, timed in turns with
+    the one without, in two runs (docs/benchmarks.md). A build records it in the engine's manifest
+    (``aoti.pdl_kernels``)."""
+    return _switch("MUSE_SPARK_PDL", default="1")
+
+
+def pdl_supported() -> bool:
+    """Whether the current CUDA device runs the PDL instructions (``griddepcontrol``: sm_90 and
+    newer). False without CUDA."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
 def pdl_trigger() -> bool:
-    """``MUSE_SPARK_PDL_TRIGGER=1`` (with ``MUSE_SPARK_PDL=1``): the plugin kernels that are not GEMMs
-    (gated residual, q/k norm, attention partial and combine) trigger their dependents' launch
-    first, then wait; the GEMMs only wait. A GEMM after a small kernel then has its programs on the
-    SMs, waiting, while the small kernel runs, instead of launching after it. The GEMMs do not
-    trigger at their start: a GEMM's early dependents would crowd its own programs (an early
-    trigger everywhere was 1.6 % slower in scripts/pdl_bench.py, eighth session; see
-    ``pdl_gemm_trigger`` for a late one). A build records it in the manifest."""
-    return pdl_waits() and _switch("MUSE_SPARK_PDL_TRIGGER")
-
-
-def pdl_gemm_trigger() -> bool:
-    """``MUSE_SPARK_PDL_GEMM_TRIGGER=1`` (with ``MUSE_SPARK_PDL=1``): each Triton GEMM triggers its
-    dependents' launch once its weight stream is done (after its K loop, before its epilogue), so
-    the kernel after it launches while the GEMM's programs finish. Every program of the GEMM is on
-    the SMs by then (a dependent launches only when all of them have triggered or exited), so the
-    early dependents cannot crowd them, as a trigger at a GEMM's start would. A build records it in
-    the manifest."""
-    return pdl_waits() and _switch("MUSE_SPARK_PDL_GEMM_TRIGGER")
+    """``MUSE_SPARK_PDL_TRIGGER`` (on unless ``0``; only with ``MUSE_SPARK_PDL``): the plugin kernels that
+    are not GEMMs (gated residual, q/k norm, attention partial and combine) trigger their
+    dependents' launch first, then wait; the GEMMs only wait. A GEMM after a small kernel then has
+    its programs on the SMs, waiting, while the small kernel runs, instead of launching after it.
+    The GEMMs do not trigger: an early trigger everywhere was 1.6 % slower in scripts/pdl_bench.py
+    (eighth session), and a GEMM triggering after its weight stream gained less than waiting only
+    (fifteenth session). Measured in the engine's step (H200, in turns): wait only 0.999 ×, with
+    this trigger 0.987–0.989 × the step without PDL. A build records it in the manifest."""
+    return pdl_waits() and _switch("MUSE_SPARK_PDL_TRIGGER", default="1")
 
 
 def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -38,7 +38,7 @@ from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.triton_kernel import gated_residual_row, launch_gated_residual_add
 from muse_spark.plugins.head_norm_rope.triton_kernel import norm_rotate, rope_table_rows
 from muse_spark.plugins.triton_math import (add_rn, div_rn, exp_exact, mul_rn, pdl_enter, pdl_enter_after,
-                                            pdl_release, prefetch_l2, to_rne)
+                                            prefetch_l2, to_rne)
 
 # The kernel's range: at most this many rows of x. More rows re-read x once per weight tile and
 # each program's share of the weight shrinks: at 64 rows (batch 8) the H200 sweep has the down
@@ -225,8 +225,6 @@ def _linear_kernel(
     acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + N, rm, nmask, mmask, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
                                EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT, PRELOAD, w_first, u_first)  # u: the up half
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]  # [BLOCK_N, BLOCK_M]: yᵀ
-    if PDL == 3:  # the weight stream is done: the next kernel may launch while this program finishes
-        y_ptrs += pdl_release(acc)
     if SILU_MUL:
         out = _silu_mul(acc, acc_u, y_ptr.dtype.element_ty)
     else:
