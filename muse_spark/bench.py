@@ -696,23 +696,45 @@ class Bench:
 
     def interleaved_replays(self, sec: dict, rounds: int = 7) -> None:
         """The default step graph and each variant's, timed in turns (``rounds`` rounds of
-        ``--iters`` replays each): a difference of a percent between two sections timed minutes
-        apart can be the GPU's clocks; one taken in turns cannot. -> ``aoti_interleaved_replay``
-        {batch: {label: median of the rounds' medians, ms}}; the graphs are released after."""
+        ``--iters`` replays each), with the device-to-device copy the roofline divides by timed in
+        the same rounds: a difference of a percent between two sections timed minutes apart can be
+        the GPU's clocks (the first section after the compile ran up to 5 % faster than the same graph
+        a few seconds later on the H200, fifteenth session); one taken in turns cannot.
+        -> ``aoti_interleaved_replay`` {batch: {label: median of the rounds' medians, ms}} and
+        ``in_turns`` {batch: copy GB/s, its roofline and the default graph's ratio to it}; the graphs
+        are released after."""
+        import torch
+
         replays, self.replays = self.replays, {}
+        if not replays:
+            return
+        n = (1 << 30) // 4  # 1 GiB each way, as copy_bandwidth counts it (bytes read + written)
+        src = torch.empty(n, dtype=torch.float32, device=self.device).normal_()
+        dst = torch.empty_like(src)
         for b, runners in sorted(replays.items()):
-            if len(runners) < 2:
-                continue
             rounds_ms: dict[str, list] = {label: [] for label in runners}
+            copy_ms: list = []
             for _ in range(rounds):
                 for label, runner in runners.items():
                     rounds_ms[label].append(time_fn(runner.graph.replay, self.device, self.a.iters)["median_ms"])
+                copy_ms.append(time_fn(lambda: dst.copy_(src), self.device, 10)["median_ms"])
             got = {label: statistics.median(v) for label, v in rounds_ms.items()}
             sec.setdefault("aoti_interleaved_replay", {})[b] = got
+            gbps = 2 * n * 4 / statistics.median(copy_ms) / 1e6
+            turns = {"copy_GBps": gbps}
+            total = sec.get("bytes_per_step", {}).get(b, {}).get("total")
+            if total:
+                turns["roofline_ms"] = total / gbps / 1e6
+                if "aoti" in got:
+                    turns["aoti_replay_over_roofline"] = got["aoti"] / turns["roofline_ms"]
+            sec.setdefault("in_turns", {})[b] = turns
             base = got.get("aoti")
             self.log(f"B={b} step graphs replayed in turns ({rounds} rounds): " + ", ".join(
                 f"{label} {ms:.3f} ms" + (f" ({ms / base:.3f}×)" if base and label != "aoti" else "")
-                for label, ms in got.items()))
+                for label, ms in got.items()) + f"; copy in the same rounds {gbps:.0f} GB/s"
+                + (f", roofline {turns['roofline_ms']:.2f} ms: the default graph {turns['aoti_replay_over_roofline']:.3f}×"
+                   if "aoti_replay_over_roofline" in turns else ""))
+        del src, dst
 
     def pdl_replays(self, runner, fn, b, weights, caches, scratch, words, pool, x, label) -> dict:
         """A PDL variant's step graph (``runner``, edges rewritten through the programmatic port)
@@ -998,9 +1020,14 @@ def render_markdown(result: dict) -> str:
             out.append(f"* failed: {str(e).splitlines()[0][:300]}")
     for b, got in sec.get("aoti_interleaved_replay", {}).items():  # the graphs timed in turns
         base = got.get("aoti")
+        turns = sec.get("in_turns", {}).get(b, {})
         out += ["", f"Step graphs replayed in turns, batch {b} (median of the rounds' medians): " + ", ".join(
             f"`{label}` {ms:.3f} ms" + (f" ({ms / base:.3f}×)" if base and label != "aoti" else "")
-            for label, ms in got.items()) + "."]
+            for label, ms in got.items()) + "."
+            + (f" The copy timed in the same rounds: {turns['copy_GBps']:.0f} GB/s, so a roofline of "
+               f"{turns['roofline_ms']:.2f} ms and the default step graph at **{turns['aoti_replay_over_roofline']:.3f}×** "
+               "it (the replay alone; the table's figure is the runner's step, timed right after the compile)."
+               if "aoti_replay_over_roofline" in turns else "")]
     idle = [f"`{label}` B={b} {r['idle_ms']:.3f} ms"
             for label, sub in [("aoti", sec)] + [(f"aoti {n}", v) for n, v in sec.get("variants", {}).items()]
             for b, r in sub.get("aoti_replay_profile", {}).items() if "idle_ms" in r]

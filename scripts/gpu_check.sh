@@ -2,7 +2,8 @@
 # The GPU checks, for a CUDA machine that already has torch, Triton and pytest (the device
 # machine's image): install this checkout without dependencies, then run
 #
-#   scripts/gpu_check.sh tests   # every GPU test (slow ones too), one line per test
+#   scripts/gpu_check.sh tests   # every GPU test (slow ones too), one line per test, but the engines below
+#   scripts/gpu_check.sh engines # the engines built with non-default switches (PDL wait-only, the old path, residual)
 #   scripts/gpu_check.sh probe   # build a tiny CUDA engine, load it every way (scripts/aoti_load_probe.py)
 #   scripts/gpu_check.sh bench   # the Muse-Spark-shaped benchmark (docs/benchmarks.md); BENCH_ARGS=--profile adds kernel tables
 #   scripts/gpu_check.sh markov  # the Markov kernel over shapes x launch configurations (scripts/markov_diag.py)
@@ -36,10 +37,20 @@ tests)
     # loadgroup: an engine file's tests (or each engine build's) stay on one worker (their
     # xdist_group), every other test goes to whichever worker is free
     python3 -c "import xdist" 2>/dev/null && xdist=(-n 6 --dist loadgroup --max-worker-restart=0)
+    # (the engines built with other switches: the "engines" mode; together they pass 10 minutes)
     timeout "${TEST_TIMEOUT:-480}" python3 -m pytest "${xdist[@]}" -v -rfEs -m "slow or not slow" \
         tests/test_gpu_eager.py tests/test_gpu_kernels.py tests/test_gpu_engine.py tests/test_gpu_triton_engine.py \
-        tests/test_gpu_residual_engine.py 2>&1 | tee "$OUT/gpu-tests.log" |
+        -k "not (only_wait or without_the_rope_table)" 2>&1 | tee "$OUT/gpu-tests.log" |
         grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|[0-9]+ (passed|failed)|node down"
+    ;;
+engines)
+    # The engines built with switches other than the defaults (each a CLI build, the eager engine, and
+    # fresh-process runs: several minutes each, so one worker each): PDL waiting only, the path without
+    # the RoPE table, the fused attention and PDL, and the linear + residual launch.
+    timeout "${TEST_TIMEOUT:-580}" python3 -m pytest -n 3 --dist loadgroup --max-worker-restart=0 -v -rfEs \
+        -m "slow or not slow" tests/test_gpu_residual_engine.py tests/test_gpu_triton_engine.py \
+        -k "only_wait or without_the_rope_table or linear_residual" 2>&1 | tee "$OUT/gpu-engines.log" |
+        grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)|node down"
     ;;
 probe)
     python3 -m muse_spark.cli make-tiny --kind agreeing /tmp/gpu-check-pair >"$OUT/probe-build.log" 2>&1

@@ -191,3 +191,20 @@ def test_the_h200_pdl_run_renders_with_its_pdl_lines_and_a_clear_markov_flag_is_
     assert "Failures in this run" not in text
     result["sections"]["aoti_markov_error_flag"] = {"1": 1}
     assert "* `aoti_markov_error_flag`: {'1': 1}" in render_markdown(result)
+
+
+def test_the_step_in_turns_is_rendered_against_the_copy_timed_in_the_same_rounds():
+    """The fifteenth session's H200 run (docs/benchmarks-b1-fifteenth-pdl-variants.json) renders its
+    graphs timed in turns; with the copy timed in the same rounds (``in_turns``, new after that run)
+    the markdown gives that roofline and the default graph's ratio to it."""
+    from muse_spark.bench import render_markdown
+
+    result = json.loads((ROOT / "docs" / "benchmarks-b1-fifteenth-pdl-variants.json").read_text())
+    text = render_markdown(result)
+    assert ("Step graphs replayed in turns, batch 1 (median of the rounds' medians): `aoti` 5.747 ms, "
+            "`aoti pdl` 5.739 ms (0.999×), `aoti pdl_trigger` 5.683 ms (0.989×)") in text
+    assert "The copy timed in the same rounds" not in text
+    result["sections"]["in_turns"] = {"1": {"copy_GBps": 4100.0, "roofline_ms": 4.35, "aoti_replay_over_roofline": 1.321}}
+    text = render_markdown(result)
+    assert ("The copy timed in the same rounds: 4100 GB/s, so a roofline of 4.35 ms and the default step graph "
+            "at **1.321×** it") in text
