@@ -734,7 +734,6 @@ class Bench:
                 for label, ms in got.items()) + f"; copy in the same rounds {gbps:.0f} GB/s"
                 + (f", roofline {turns['roofline_ms']:.2f} ms: the default graph {turns['aoti_replay_over_roofline']:.3f}×"
                    if "aoti_replay_over_roofline" in turns else ""))
-        del src, dst
 
     def pdl_replays(self, runner, fn, b, weights, caches, scratch, words, pool, x, label) -> dict:
         """A PDL variant's step graph (``runner``, edges rewritten through the programmatic port)
