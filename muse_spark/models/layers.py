@@ -14,6 +14,7 @@ in the eager engine and in the compiled packages.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -377,8 +378,8 @@ def linear_residual() -> bool:
     return _switch("MUSE_SPARK_LINEAR_RESIDUAL")
 
 
-# The plugin kernels that, compiled under ``MUSE_SPARK_PDL`` (the default on sm_90+), execute ``griddepcontrol.wait`` before
-# any global load or store (``plugins.triton_math.pdl_enter``; tests/test_gpu_kernels.py checks their
+# The plugin kernels that, compiled under ``MUSE_SPARK_PDL`` (the default on sm_90+), execute
+# ``griddepcontrol.wait`` before any global load or store (``plugins.triton_math.pdl_enter``; tests/test_gpu_kernels.py checks their
 # sm_90 code). A build records them in its manifest; the runtime turns the edges into these kernels
 # in its captured step graphs into programmatic ones (``runtime.cuda_graph.make_programmatic``).
 # Only a kernel that waits may have one: it could otherwise read its predecessor's output early.
@@ -398,10 +399,15 @@ def pdl_waits() -> bool:
     return _switch("MUSE_SPARK_PDL", default="1")
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
 def pdl_supported() -> bool:
     """Whether the current CUDA device runs the PDL instructions (``griddepcontrol``: sm_90 and
-    newer). False without CUDA."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    newer). False without CUDA. (Asked at every plugin op call: the capability is cached.)"""
+    return torch.cuda.is_available() and _sm90_or_newer(torch.cuda.current_device())
 
 
 def pdl_trigger() -> bool:
