@@ -694,7 +694,7 @@ class Bench:
                     # kernel below the top's cutoff must not look absent when two runs are compared
         self.save()
 
-    def interleaved_replays(self, sec: dict, rounds: int = 7) -> None:
+    def interleaved_replays(self, sec: dict, rounds: int = 7, copy_bytes: int = 1 << 30) -> None:
         """The default step graph and each variant's, timed in turns (``rounds`` rounds of
         ``--iters`` replays each), with the device-to-device copy the roofline divides by timed in
         the same rounds: a difference of a percent between two sections timed minutes apart can be
@@ -708,7 +708,7 @@ class Bench:
         replays, self.replays = self.replays, {}
         if not replays:
             return
-        n = (1 << 30) // 4  # 1 GiB each way, as copy_bandwidth counts it (bytes read + written)
+        n = copy_bytes // 4  # fp32 elements copied each way; bytes read + written counted, as in copy_bandwidth
         src = torch.empty(n, dtype=torch.float32, device=self.device).normal_()
         dst = torch.empty_like(src)
         for b, runners in sorted(replays.items()):

@@ -209,3 +209,33 @@ def test_the_step_in_turns_is_rendered_against_the_copy_timed_in_the_same_rounds
     text = render_markdown(result)
     assert ("The copy timed in the same rounds: 4100 GB/s, so a roofline of 4.35 ms and the default step graph "
             "at **1.321×** it") in text
+
+
+def test_interleaved_replays_time_the_copy_in_the_same_rounds_and_give_the_ratio():
+    """``Bench.interleaved_replays`` times every kept step graph and the roofline's copy in each round:
+    ``aoti_interleaved_replay`` holds each graph's median, ``in_turns`` the copy's GB/s, the
+    roofline from the step's bytes, and the default graph's ratio to it; the graphs are released.
+    (On CPU with plain callables standing for the graphs' replays: the GPU run gives the figures.)"""
+    import types
+
+    import torch
+
+    from muse_spark.bench import Bench
+
+    bench = Bench.__new__(Bench)
+    bench.device, bench.a, logged = torch.device("cpu"), types.SimpleNamespace(iters=2), []
+    bench.log = logged.append
+    x = torch.randn(1 << 16)
+
+    def graph(reps):
+        return types.SimpleNamespace(graph=types.SimpleNamespace(replay=lambda: [x.sum() for _ in range(reps)]))
+
+    bench.replays = {1: {"aoti": graph(1), "aoti no_pdl": graph(3)}}
+    sec = {"bytes_per_step": {1: {"total": 4_000_000}}}
+    bench.interleaved_replays(sec, rounds=3, copy_bytes=1 << 20)
+    got, turns = sec["aoti_interleaved_replay"][1], sec["in_turns"][1]
+    assert set(got) == {"aoti", "aoti no_pdl"} and all(ms > 0 for ms in got.values())
+    assert turns["copy_GBps"] > 0
+    assert turns["roofline_ms"] == pytest.approx(4_000_000 / turns["copy_GBps"] / 1e6)
+    assert turns["aoti_replay_over_roofline"] == pytest.approx(got["aoti"] / turns["roofline_ms"])
+    assert bench.replays == {} and "copy in the same rounds" in logged[-1]
