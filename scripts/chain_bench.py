@@ -16,7 +16,10 @@ Variants, each captured in one CUDA graph and replayed:
 * ``chain-per-layer``: one launch per layer, grid barriers between its four GEMMs;
 * ``chain-all``: one launch for the whole stack (a barrier between every two GEMMs);
 * ``chain-all+preload``: and each program loads its first weight chunk of the next GEMM before
-  it waits at the barrier.
+  it waits at the barrier;
+* ``chain-flat-*``: per phase / per layer / all, each program running its tiles of a GEMM as one
+  flat stream of (tile, K chunk) steps, so its pipeline does not fill again at every tile (the
+  per-tile loop was the suspect when the chain measured 1.7 × the engine's GEMMs, twelfth session).
 
 Prints µs per stack, the ratio to ``engine`` and to the roofline (weight bytes over the
 device-to-device copy bandwidth measured in the same run), and whether each chain variant's
@@ -119,6 +122,12 @@ def main() -> int:
         "chain-all": lambda act, ctl: launch_chain(w, act, table, ctl, ROWS, grid_sync=True, config=cfg),
         "chain-all+preload": lambda act, ctl: launch_chain(w, act, table, ctl, ROWS, grid_sync=True, preload=True,
                                                            config=cfg),
+        "chain-flat-per-phase": lambda act, ctl: launch_chain(w, act, table, ctl, ROWS, grid_sync=False, config=cfg,
+                                                              flat=True),
+        "chain-flat-per-layer": lambda act, ctl: launch_chain(w, act, table, ctl, ROWS, grid_sync=True,
+                                                              phases_per_launch=4, config=cfg, flat=True),
+        "chain-flat-all": lambda act, ctl: launch_chain(w, act, table, ctl, ROWS, grid_sync=True, config=cfg,
+                                                        flat=True),
     }
     out_at = regions[args.layers, "x"]
     results, ref, eng = {}, None, None

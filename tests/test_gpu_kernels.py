@@ -1916,9 +1916,11 @@ CHAIN_CONFIG = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2)
 
 
 @needs_kernels
-def test_chain_kernel_one_launch_per_gemm_equals_the_engine_kernel():
+@pytest.mark.parametrize("stream", ["per_tile", "flat"])
+def test_chain_kernel_one_launch_per_gemm_equals_the_engine_kernel(stream):
     """The chain experiment's GEMMs, one launch each (its work split: 16-row tiles dealt round the
-    programs), give the engine kernel's bits for the same chunking, GEMM by GEMM."""
+    programs), give the engine kernel's bits for the same chunking, GEMM by GEMM, whether each tile
+    runs its own loop or a program's tiles run as one flat stream of (tile, chunk) steps."""
     from muse_spark.plugins.linear.chain_kernel import chain_table, launch_chain
     from muse_spark.plugins.linear.triton_kernel import launch_linear
     from muse_spark.plugins.triton_math import interpreting
@@ -1927,7 +1929,7 @@ def test_chain_kernel_one_launch_per_gemm_equals_the_engine_kernel():
     M = 8
     ctl = torch.zeros(3, dtype=torch.int64, device=DEV)
     launch_chain(flat, act, chain_table(phases, M, flat, act, CHAIN_CONFIG), ctl, M, grid_sync=False,
-                 config=CHAIN_CONFIG, interpret=interpreting(), programs=3)
+                 config=CHAIN_CONFIG, interpret=interpreting(), programs=3, flat=stream == "flat")
 
     def lin(name, x, silu=False):
         return launch_linear(x, ws[name], silu, interpret=interpreting(), config=CHAIN_CONFIG)
@@ -1944,12 +1946,13 @@ def test_chain_kernel_one_launch_per_gemm_equals_the_engine_kernel():
 
 
 @needs_gpu
-@pytest.mark.parametrize("preload", [False, True], ids=["barrier", "barrier+preload"])
+@pytest.mark.parametrize("preload", [False, True, "flat"], ids=["barrier", "barrier+preload", "barrier+flat"])
 @pytest.mark.parametrize("per_launch", [0, 2], ids=["one_launch", "two_phases_a_launch"])
 def test_chain_kernel_grid_barriers_change_no_bit(preload, per_launch):
     """On the GPU: the whole chain in one launch (or two phases a launch), its phases separated by
-    grid barriers, with or without the next weight chunk loaded before each wait: the same bits
-    as one launch per GEMM, twice in a row on the kept counter, and no program gave up waiting."""
+    grid barriers, with or without the next weight chunk loaded before each wait, or with flat
+    streams: the same bits as one launch per GEMM, twice in a row on the kept counter, and no
+    program gave up waiting."""
     from muse_spark.plugins.linear.chain_kernel import chain_table, launch_chain
 
     _, flat, act, regions, phases = chain_case(seed=1)
@@ -1960,9 +1963,26 @@ def test_chain_kernel_grid_barriers_change_no_bit(preload, per_launch):
     ctl = torch.zeros(3, dtype=torch.int64, device=DEV)
     for _ in range(2):
         got = act.clone()
-        launch_chain(flat, got, table, ctl, 8, grid_sync=True, preload=preload, phases_per_launch=per_launch,
-                     config=CHAIN_CONFIG)
+        launch_chain(flat, got, table, ctl, 8, grid_sync=True, preload=preload is True, phases_per_launch=per_launch,
+                     config=CHAIN_CONFIG, flat=preload == "flat")
         assert torch.equal(got, want) and int(ctl[2]) == 0
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+def test_chain_kernel_flat_streams_compile_for_hopper_with_pipelined_weight_loads():
+    """The flat-stream chain (``FLAT``) compiled for sm_90 without a GPU: its one loop per phase
+    stages the weight loads by cp.async (so the pipeline runs on from tile to tile), it fits shared
+    memory, and the per-tile loops are gone (fewer loops than the per-tile form)."""
+    from muse_spark.plugins.linear import chain_kernel as ck
+
+    cfg = ck.DEFAULT_CONFIG
+    sig = dict(w_ptr="*bf16", act_ptr="*bf16", table_ptr="*i64", ctl_ptr="*i64", M="i32", lo="i32", hi="i32")
+    consts = dict(BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GRID_SYNC=True, PRELOAD=False,
+                  SPIN=1 << 22, IEEE_DOT=False)
+    flat = compile_for_hopper(ck._chain_kernel, sig, dict(consts, FLAT=True), cfg["num_warps"], cfg["num_stages"])
+    ptx = flat.asm["ptx"]
+    assert flat.metadata.shared <= 227 * 1024 and "cp.async.cg.shared.global" in ptx and "atom." in ptx
+    assert ptx.count("cp.async.wait_group") >= 2  # the two phase forms' pipelines (silu and plain)
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")

@@ -20,6 +20,12 @@ programs. Each tile is one program's fp32 dot over the whole of K (``_stream_til
 kernel's weight stream), so the bits do not depend on the grid. They can differ from the engine
 kernel's where its chunk (``BLOCK_K``) differs.
 
+``FLAT``: each program runs its tiles of a phase as one loop of (tile, K chunk) steps
+(``_flat_phase``), so the software pipeline keeps its weight loads in flight from one tile into
+the next; without it every tile runs its own loop and the pipeline fills again per tile (the
+suspect when this kernel, one launch per GEMM, measured 1.7 × the engine's GEMMs in the twelfth
+session). The same bits.
+
 ``GRID_SYNC``: one launch runs phases [lo, hi) with ``_count_barrier`` (the Markov kernel's:
 a counter that only grows, kept between calls) between them. Every program must be resident (the
 launcher sizes the grid to the SMs; a program that gives up waiting raises ctl[2]). Without it,
@@ -33,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from muse_spark.plugins.linear.triton_kernel import _first_tiles, _silu_mul, _stream_tiles
+from muse_spark.plugins.linear.triton_kernel import _first_tiles, _mma, _silu_mul, _stream_tiles
 from muse_spark.plugins.markov.triton_kernel import _count_barrier
 from muse_spark.plugins.triton_math import to_rne
 
@@ -74,6 +80,43 @@ def _tile(w_ptr, act_ptr, M, t, w_off, N, K, in_off, out_off, silu, rm, mmask, w
 
 
 @triton.jit
+def _flat_phase(w_ptr, act_ptr, M, pid, n_prog, w_off, N, K, in_off, out_off, rm, mmask,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
+                IEEE_DOT: tl.constexpr):
+    """One phase's tiles of this program (t = pid, pid + n_prog, ...) as one stream of (tile, K chunk)
+    steps: a single loop, so the software pipeline keeps the weight loads going from one tile into
+    the next instead of filling again at every tile (``_tile`` runs a loop per tile). Each tile's
+    sum starts from zero at its chunk 0 and takes its chunks in order, as ``_stream_tiles`` does:
+    the same bits. ``TWO``: a silu phase (both halves of W, silu·mul stored)."""
+    DT = act_ptr.dtype.element_ty
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    chunks = K // BLOCK_K  # (chain_table: K is a multiple of BLOCK_K, N of BLOCK_N)
+    mine = tl.where(pid < n_tiles, tl.cdiv(n_tiles - pid, n_prog), 0)
+    rb = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in range(0, mine * chunks):
+        j = i // chunks
+        c = i - j * chunks
+        rn = (pid + j * n_prog) * BLOCK_N + rb
+        k0 = c * BLOCK_K
+        w = tl.load(w_ptr + w_off + rn.to(tl.int64)[:, None] * K + k0 + rk[None, :])
+        xt = tl.load(act_ptr + in_off + rm[None, :] * K + k0 + rk[:, None], mask=mmask[None, :], other=0.0)
+        fresh = c == 0
+        acc = _mma(w, xt, tl.where(fresh, 0.0, acc), IEEE_DOT)
+        if TWO:
+            wu = tl.load(w_ptr + w_off + (rn + N).to(tl.int64)[:, None] * K + k0 + rk[None, :])
+            acc_u = _mma(wu, xt, tl.where(fresh, 0.0, acc_u), IEEE_DOT)
+        if c == chunks - 1:
+            yp = act_ptr + out_off + rm[None, :] * N + rn[:, None]  # [BLOCK_N, BLOCK_M]: yᵀ, rows of N
+            if TWO:
+                tl.store(yp, _silu_mul(acc, acc_u, DT), mask=mmask[None, :])
+            else:
+                tl.store(yp, to_rne(acc, DT), mask=mmask[None, :])
+
+
+@triton.jit
 def _chain_kernel(
     w_ptr,  # every phase's weight, flat (bf16/fp16)
     act_ptr,  # the activations, flat: phase inputs and outputs [M, K] / [M, N] row-major at their offsets
@@ -81,7 +124,7 @@ def _chain_kernel(
     ctl_ptr,  # int64 [3]: the barrier's counter (kept, only grows), -, the error flag
     M, lo, hi,  # rows; the phases this launch runs
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GRID_SYNC: tl.constexpr,
-    PRELOAD: tl.constexpr, SPIN: tl.constexpr, IEEE_DOT: tl.constexpr,
+    PRELOAD: tl.constexpr, SPIN: tl.constexpr, IEEE_DOT: tl.constexpr, FLAT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -93,7 +136,15 @@ def _chain_kernel(
         w_off, N, K, in_off, out_off, silu = _phase_row(table_ptr, p, BLOCK_N, BLOCK_K)
         n_tiles = tl.cdiv(N, BLOCK_N)
         first = pid
-        if PRELOAD:
+        if FLAT:  # this program's tiles as one stream (no per-tile loop below)
+            if silu != 0:
+                _flat_phase(w_ptr, act_ptr, M, pid, n_prog, w_off, N, K, in_off, out_off, rm, mmask, BLOCK_M,
+                            BLOCK_N, BLOCK_K, True, IEEE_DOT)
+            else:
+                _flat_phase(w_ptr, act_ptr, M, pid, n_prog, w_off, N, K, in_off, out_off, rm, mmask, BLOCK_M,
+                            BLOCK_N, BLOCK_K, False, IEEE_DOT)
+            first = n_tiles
+        elif PRELOAD:
             if p > lo:  # this program's first tile: its first K chunk was loaded before the barrier
                 if pid < n_tiles:
                     _tile(w_ptr, act_ptr, M, pid, w_off, N, K, in_off, out_off, silu, rm, mmask, w_first, u_first,
@@ -136,12 +187,16 @@ def sm_count(device: torch.device) -> int:
 
 def launch_chain(w: torch.Tensor, act: torch.Tensor, table: torch.Tensor, ctl: torch.Tensor, M: int,
                  grid_sync: bool, preload: bool = False, programs: int | None = None, phases_per_launch: int = 0,
-                 config: dict | None = None, interpret: bool = False, spin: int = 1 << 22) -> None:
+                 config: dict | None = None, interpret: bool = False, spin: int = 1 << 22, flat: bool = False) -> None:
     """Runs the chain of ``table`` (``chain_table``, made with the same ``config``) over ``act`` in
     place. ``grid_sync``: phases share launches (``phases_per_launch`` each, 0: all in one),
     separated by grid barriers; ``programs`` defaults to the SM count (all resident). Otherwise
     one launch per phase, with the same default grid, so the work split is the same. ``ctl``: int64
-    [3], zeroed once and kept (ctl[2] != 0: a program gave up waiting)."""
+    [3], zeroed once and kept (ctl[2] != 0: a program gave up waiting). ``flat``: each program runs
+    its tiles of a phase as one stream of (tile, K chunk) steps (``_flat_phase``; not with
+    ``preload``): the same bits."""
+    if flat and preload:
+        raise ValueError("chain: flat streams load no first chunk ahead (preload): one or the other")
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     n_phases = table.shape[0]
     if grid_sync and interpret:
@@ -156,4 +211,4 @@ def launch_chain(w: torch.Tensor, act: torch.Tensor, table: torch.Tensor, ctl: t
         _chain_kernel[(programs,)](
             w, act, table, ctl, M, lo, min(lo + step, n_phases), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], GRID_SYNC=grid_sync, PRELOAD=preload and grid_sync, SPIN=spin,
-            IEEE_DOT=interpret, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            IEEE_DOT=interpret, FLAT=flat, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
