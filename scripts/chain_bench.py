@@ -19,7 +19,9 @@ Variants, each captured in one CUDA graph and replayed:
   it waits at the barrier;
 * ``chain-flat-*``: per phase / per layer / all, each program running its tiles of a GEMM as one
   flat stream of (tile, K chunk) steps, so its pipeline does not fill again at every tile (the
-  per-tile loop was the suspect when the chain measured 1.7 × the engine's GEMMs, twelfth session).
+  per-tile loop was the suspect when the chain measured 1.7 × the engine's GEMMs, twelfth session);
+  ``+next-l2``: and before each barrier every program prefetches into L2 the first ``--next-l2``
+  bytes of each weight row of its first tile of the next GEMM.
 
 Prints µs per stack, the ratio to ``engine`` and to the roofline (weight bytes over the
 device-to-device copy bandwidth measured in the same run), and whether each chain variant's
@@ -92,6 +94,9 @@ def main() -> int:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--block-k", type=int, default=DEFAULT_CONFIG["BLOCK_K"])
     p.add_argument("--stages", type=int, default=DEFAULT_CONFIG["num_stages"])
+    p.add_argument("--next-l2", type=int, default=3 * 2 * DEFAULT_CONFIG["BLOCK_K"],
+                   help="chain-flat-all+next-l2: bytes of each next-GEMM weight row prefetched into L2 before a "
+                        "barrier (default: the pipeline's 3 chunks)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -128,6 +133,8 @@ def main() -> int:
                                                               phases_per_launch=4, config=cfg, flat=True),
         "chain-flat-all": lambda act, ctl: launch_chain(w, act, table, ctl, ROWS, grid_sync=True, config=cfg,
                                                         flat=True),
+        "chain-flat-all+next-l2": lambda act, ctl: launch_chain(w, act, table, ctl, ROWS, grid_sync=True, config=cfg,
+                                                                flat=True, next_l2=args.next_l2),
     }
     out_at = regions[args.layers, "x"]
     results, ref, eng = {}, None, None

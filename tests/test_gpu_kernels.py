@@ -1946,13 +1946,15 @@ def test_chain_kernel_one_launch_per_gemm_equals_the_engine_kernel(stream):
 
 
 @needs_gpu
-@pytest.mark.parametrize("preload", [False, True, "flat"], ids=["barrier", "barrier+preload", "barrier+flat"])
+@pytest.mark.parametrize("preload", [False, True, "flat", "flat+l2"],
+                         ids=["barrier", "barrier+preload", "barrier+flat", "barrier+flat+next_l2"])
 @pytest.mark.parametrize("per_launch", [0, 2], ids=["one_launch", "two_phases_a_launch"])
 def test_chain_kernel_grid_barriers_change_no_bit(preload, per_launch):
     """On the GPU: the whole chain in one launch (or two phases a launch), its phases separated by
     grid barriers, with or without the next weight chunk loaded before each wait, or with flat
-    streams: the same bits as one launch per GEMM, twice in a row on the kept counter, and no
-    program gave up waiting."""
+    streams (and the next GEMM's first weight bytes prefetched into L2 before each wait): the same
+    bits as one launch per GEMM, twice in a row on the kept counter, and no program gave up
+    waiting."""
     from muse_spark.plugins.linear.chain_kernel import chain_table, launch_chain
 
     _, flat, act, regions, phases = chain_case(seed=1)
@@ -1964,7 +1966,7 @@ def test_chain_kernel_grid_barriers_change_no_bit(preload, per_launch):
     for _ in range(2):
         got = act.clone()
         launch_chain(flat, got, table, ctl, 8, grid_sync=True, preload=preload is True, phases_per_launch=per_launch,
-                     config=CHAIN_CONFIG, flat=preload == "flat")
+                     config=CHAIN_CONFIG, flat=preload in ("flat", "flat+l2"), next_l2=768 if preload == "flat+l2" else 0)
         assert torch.equal(got, want) and int(ctl[2]) == 0
 
 
@@ -1983,6 +1985,28 @@ def test_chain_kernel_flat_streams_compile_for_hopper_with_pipelined_weight_load
     ptx = flat.asm["ptx"]
     assert flat.metadata.shared <= 227 * 1024 and "cp.async.cg.shared.global" in ptx and "atom." in ptx
     assert ptx.count("cp.async.wait_group") >= 2  # the two phase forms' pipelines (silu and plain)
+    # NEXT_L2: the next phase's first weight bytes prefetched into L2 before each barrier's atomics
+    ahead = compile_for_hopper(ck._chain_kernel, sig, dict(consts, FLAT=True, NEXT_L2=3072), cfg["num_warps"],
+                               cfg["num_stages"]).asm["ptx"].splitlines()
+    prefetch = [i for i, line in enumerate(ahead) if "cp.async.bulk.prefetch.L2" in line]
+    atomics = [i for i, line in enumerate(ahead) if "atom." in line]
+    assert prefetch and "cp.async.bulk.prefetch.L2" not in ptx and min(prefetch) < min(atomics)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernel's module imports it)")
+def test_launch_chain_refuses_what_its_modes_cannot_do():
+    """``flat`` with ``preload`` (one or the other); ``next_l2`` not a multiple of 16 bytes, without
+    grid barriers, or on the CPU interpreter."""
+    from muse_spark.plugins.linear.chain_kernel import chain_table, launch_chain
+
+    _, flat, act, _, phases = chain_case()
+    table = chain_table(phases, 8, flat, act, CHAIN_CONFIG)
+    ctl = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="one or the other"):
+        launch_chain(flat, act, table, ctl, 8, grid_sync=True, preload=True, flat=True, interpret=True)
+    for kw in (dict(next_l2=24, grid_sync=True), dict(next_l2=1024, grid_sync=False), dict(next_l2=1024, grid_sync=True)):
+        with pytest.raises(ValueError, match="next_l2"):
+            launch_chain(flat, act, table, ctl, 8, interpret=True, **kw)
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")

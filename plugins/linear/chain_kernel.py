@@ -117,6 +117,28 @@ def _flat_phase(w_ptr, act_ptr, M, pid, n_prog, w_off, N, K, in_off, out_off, rm
 
 
 @triton.jit
+def _prefetch_next_rows(w_ptr, table_ptr, p, pid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        NBYTES: tl.constexpr):
+    """Before the barrier into phase p: the first ``NBYTES`` of each weight row of this program's first
+    tile of phase p (both halves' rows for a silu phase) prefetched into L2 (fire-and-forget
+    ``cp.async.bulk.prefetch.L2``): the weights do not depend on the phase before, so their stream
+    can start while the program waits. → an int32 zero ordered after the prefetches are issued."""
+    w_off, N, K, _i, _o, silu = _phase_row(table_ptr, p, BLOCK_N, BLOCK_K)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < N
+    size = tl.minimum(K * 2, NBYTES).to(tl.int32)  # bytes (K, a multiple of BLOCK_K: 16-byte multiples)
+    base = w_ptr.to(tl.pointer_type(tl.int8))
+    a = base + (w_off + tl.where(ok, rows, 0).to(tl.int64) * K) * 2
+    b = base + (w_off + (tl.where(ok, rows, 0) + N).to(tl.int64) * K) * 2
+    z = tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $4; "
+        "setp.ne.s32 p, $5, 0; @p cp.async.bulk.prefetch.L2.global [$2], $4; mov.u32 $0, 0; }",
+        "=r,l,l,r,r,r", [a, b, ok.to(tl.int32), tl.full((BLOCK_N,), 0, tl.int32) + size,
+                         (ok & (silu != 0)).to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+    return tl.max(z, axis=0)
+
+
+@triton.jit
 def _chain_kernel(
     w_ptr,  # every phase's weight, flat (bf16/fp16)
     act_ptr,  # the activations, flat: phase inputs and outputs [M, K] / [M, N] row-major at their offsets
@@ -125,6 +147,7 @@ def _chain_kernel(
     M, lo, hi,  # rows; the phases this launch runs
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GRID_SYNC: tl.constexpr,
     PRELOAD: tl.constexpr, SPIN: tl.constexpr, IEEE_DOT: tl.constexpr, FLAT: tl.constexpr = False,
+    NEXT_L2: tl.constexpr = 0,  # with GRID_SYNC: bytes of each next-phase weight row prefetched before a barrier
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -159,7 +182,10 @@ def _chain_kernel(
                 rn0 = pid * BLOCK_N + tl.arange(0, BLOCK_N)
                 w_first, u_first = _first_tiles(w_ptr + nw_off, rn0, rn0 + nN, rn0 < nN, nK, BLOCK_K, True,
                                                 nsilu != 0)  # (no up half: nothing read past the weight)
-            _count_barrier(ctl_ptr, n_prog, SPIN)
+            z = 0
+            if NEXT_L2 > 0:
+                z = _prefetch_next_rows(w_ptr, table_ptr, p + 1, pid, BLOCK_N, BLOCK_K, NEXT_L2)
+            _count_barrier(ctl_ptr + z, n_prog, SPIN)
 
 
 def chain_table(phases: list[dict], M: int, w: torch.Tensor, act: torch.Tensor,
@@ -187,16 +213,21 @@ def sm_count(device: torch.device) -> int:
 
 def launch_chain(w: torch.Tensor, act: torch.Tensor, table: torch.Tensor, ctl: torch.Tensor, M: int,
                  grid_sync: bool, preload: bool = False, programs: int | None = None, phases_per_launch: int = 0,
-                 config: dict | None = None, interpret: bool = False, spin: int = 1 << 22, flat: bool = False) -> None:
+                 config: dict | None = None, interpret: bool = False, spin: int = 1 << 22, flat: bool = False,
+                 next_l2: int = 0) -> None:
     """Runs the chain of ``table`` (``chain_table``, made with the same ``config``) over ``act`` in
     place. ``grid_sync``: phases share launches (``phases_per_launch`` each, 0: all in one),
     separated by grid barriers; ``programs`` defaults to the SM count (all resident). Otherwise
     one launch per phase, with the same default grid, so the work split is the same. ``ctl``: int64
     [3], zeroed once and kept (ctl[2] != 0: a program gave up waiting). ``flat``: each program runs
     its tiles of a phase as one stream of (tile, K chunk) steps (``_flat_phase``; not with
-    ``preload``): the same bits."""
+    ``preload``): the same bits. ``next_l2``: with ``grid_sync``, before each barrier every program
+    prefetches into L2 the first ``next_l2`` bytes (a multiple of 16) of each weight row of its
+    first tile of the next phase (the same bits: a prefetch writes nothing)."""
     if flat and preload:
         raise ValueError("chain: flat streams load no first chunk ahead (preload): one or the other")
+    if next_l2 % 16 or next_l2 < 0 or (next_l2 and (not grid_sync or interpret)):
+        raise ValueError(f"chain: next_l2 {next_l2}: a multiple of 16 bytes, with grid barriers on the GPU only")
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     n_phases = table.shape[0]
     if grid_sync and interpret:
@@ -211,4 +242,4 @@ def launch_chain(w: torch.Tensor, act: torch.Tensor, table: torch.Tensor, ctl: t
         _chain_kernel[(programs,)](
             w, act, table, ctl, M, lo, min(lo + step, n_phases), BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], GRID_SYNC=grid_sync, PRELOAD=preload and grid_sync, SPIN=spin,
-            IEEE_DOT=interpret, FLAT=flat, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            IEEE_DOT=interpret, FLAT=flat, NEXT_L2=next_l2, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
