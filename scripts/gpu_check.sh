@@ -9,6 +9,7 @@
 #   scripts/gpu_check.sh markov  # the Markov kernel over shapes x launch configurations (scripts/markov_diag.py)
 #   scripts/gpu_check.sh triton-build  # the tiny CUDA engine with the Triton plugins: build (timed), generate
 #   scripts/gpu_check.sh attention     # the attention kernels: their tests, then scripts/attention_bench.py
+#   scripts/gpu_check.sh chain         # the GEMM chain's GPU tests, then scripts/chain_bench.py (flat streams too)
 #   scripts/gpu_check.sh boundaries    # what a GEMM boundary costs: scripts/chain_bench.py, then pdl_bench.py's
 #                                      # co-resident and preload variants (docs/benchmarks.md, eleventh session)
 #   scripts/gpu_check.sh rope          # the RoPE table's GPU tests (kernels, eager, an engine without it),
@@ -77,6 +78,12 @@ attention)
     timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rfEs -k "attention" tests/test_gpu_kernels.py \
         tests/test_gpu_eager.py 2>&1 | tee "$OUT/attention-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
     timeout "${ATTENTION_TIMEOUT:-240}" python3 scripts/attention_bench.py ${ATTENTION_ARGS:-} --json "$OUT/attention.json" 2>&1 | tee "$OUT/attention-bench.log"
+    ;;
+chain)
+    # the GEMM chain's flat streams (fifteenth session) against the engine's GEMMs, and the chain's bit tests
+    timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -v -rfEs tests/test_gpu_kernels.py -k chain 2>&1 |
+        tee "$OUT/chain-tests.log" | grep -E "PASSED|FAILED|ERROR|[0-9]+ (passed|failed)"
+    timeout "${CHAIN_TIMEOUT:-300}" python3 scripts/chain_bench.py --json "$OUT/chain-bench.json" 2>&1 | tee "$OUT/chain-bench.log"
     ;;
 boundaries)
     timeout "${CHAIN_TIMEOUT:-240}" python3 scripts/chain_bench.py --json "$OUT/chain-bench.json" 2>&1 | tee "$OUT/chain-bench.log"
