@@ -21,7 +21,8 @@ Variants, each captured in one CUDA graph and replayed:
   flat stream of (tile, K chunk) steps, so its pipeline does not fill again at every tile (the
   per-tile loop was the suspect when the chain measured 1.7 × the engine's GEMMs, twelfth session);
   ``+next-l2``: and before each barrier every program prefetches into L2 the first ``--next-l2``
-  bytes of each weight row of its first tile of the next GEMM.
+  bytes of each weight row of its first tile of the next GEMM; ``@Nstages``: the flat forms with a
+  deeper pipeline (``--flat-stages``), more weight bytes in flight per program.
 
 Prints µs per stack, the ratio to ``engine`` and to the roofline (weight bytes over the
 device-to-device copy bandwidth measured in the same run), and whether each chain variant's
@@ -97,6 +98,9 @@ def main() -> int:
     p.add_argument("--next-l2", type=int, default=3 * 2 * DEFAULT_CONFIG["BLOCK_K"],
                    help="chain-flat-all+next-l2: bytes of each next-GEMM weight row prefetched into L2 before a "
                         "barrier (default: the pipeline's 3 chunks)")
+    p.add_argument("--flat-stages", default="4,5",
+                   help="comma-separated pipeline depths for more flat variants (at the default tiles the flat kernel "
+                        "takes 99 / 148 / 197 KB of shared memory at 3 / 4 / 5 stages, sm_90 compile)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -136,6 +140,12 @@ def main() -> int:
         "chain-flat-all+next-l2": lambda act, ctl: launch_chain(w, act, table, ctl, ROWS, grid_sync=True, config=cfg,
                                                                 flat=True, next_l2=args.next_l2),
     }
+    for stages in [int(v) for v in args.flat_stages.split(",") if v]:  # more weight bytes in flight per program
+        deeper = dict(cfg, num_stages=stages)
+        variants[f"chain-flat-per-phase@{stages}stages"] = (
+            lambda act, ctl, c=deeper: launch_chain(w, act, table, ctl, ROWS, grid_sync=False, config=c, flat=True))
+        variants[f"chain-flat-all@{stages}stages"] = (
+            lambda act, ctl, c=deeper: launch_chain(w, act, table, ctl, ROWS, grid_sync=True, config=c, flat=True))
     out_at = regions[args.layers, "x"]
     results, ref, eng = {}, None, None
     for name, fn in variants.items():
