@@ -233,6 +233,25 @@ def make_programmatic(graph: int, waiting: Collection[str], port: str = "program
     return rewritten, sum(1 for v in names.values() if v is not None)
 
 
+def capture(fn: Callable, graph: torch.cuda.CUDAGraph | None = None, pool=None, warmup: int = 1,
+            device: torch.device | None = None):
+    """``fn`` captured in a CUDA graph → (the graph, what the captured call returned). First ``warmup``
+    calls on a side stream (kernel modules load on a first run, and capture must not be the first
+    run), joined into the current stream and synchronized; then the capture into ``graph`` (default:
+    a new one) from ``pool``. The graph is not replayed."""
+    graph = torch.cuda.CUDAGraph() if graph is None else graph
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class CUDAGraphStep(StaticStep):
     """A ``StaticStep`` captured once in a CUDA graph and replayed every step.
 
@@ -249,19 +268,9 @@ class CUDAGraphStep(StaticStep):
         self._watched_all = self._watched + self.weights
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
-        self.graph = torch.cuda.CUDAGraph(keep_graph=bool(programmatic))
-        # Warm up on a side stream (kernel modules load on first run; capture
-        # must not be the first run). All rows are padding: only the scratch
-        # slot is written.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = self._run()
+        # Warmed up before the capture: all rows are padding, so only the scratch slot is written.
+        self.graph, self.out = capture(self._run, torch.cuda.CUDAGraph(keep_graph=bool(programmatic)), pool,
+                                       warmup, self.device)
         self.programmatic_edges = self.graph_kernels = 0
         if programmatic:
             self.programmatic_edges, self.graph_kernels = make_programmatic(self.graph.raw_cuda_graph(),

@@ -47,6 +47,7 @@ from muse_spark.plugins.attention.triton_kernel import launch_attention  # noqa:
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add  # noqa: E402
 from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope  # noqa: E402
 from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear, launch_prefetch_rows  # noqa: E402
+from muse_spark.runtime.cuda_graph import capture  # noqa: E402
 
 H, KV, DH, D, FFN, ROWS = 32, 8, 128, 4096, 14336, 8
 
@@ -216,14 +217,7 @@ def main() -> int:
 
         run()
         torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            run()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
+        g, _ = capture(run)
         g.replay()
         torch.cuda.synchronize()
         got = torch.cat([out["r"][0].flatten(), out["r"][1].float().flatten()])

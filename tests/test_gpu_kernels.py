@@ -205,14 +205,9 @@ def test_linear_residual_replays_in_a_cuda_graph_with_new_inputs(tops):
     def run():
         return torch.ops.muse_spark.linear_residual_triton(x, w, stream, gate, nw, bw, sync, 1e-6, False, True, True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    from muse_spark.runtime.cuda_graph import capture
+
+    graph, out = capture(run)
     for i in range(10):
         fresh_x, _, fresh_stream, *_ = linear_residual_operands(8, N, K, 100 + i)
         x.copy_(fresh_x)
