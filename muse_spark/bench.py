@@ -214,15 +214,20 @@ def slower_in_graph(plain: dict, replay: dict, top: int = 10) -> list:
     return sorted(rows, key=lambda r: r[2] - r[3])[:top]
 
 
-def copy_bandwidth(device, gib: float = 2.0) -> dict:
-    """Device-to-device copy, counting bytes read + written (METHOD.md)."""
+def copy_buffers(device, gib: float = 2.0) -> tuple:
+    """The roofline copy's source (``gib`` GiB of fp32) and destination."""
     import torch
 
-    n = int(gib * 2**30) // 4
-    src = torch.empty(n, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
+    src = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device=device).normal_()
+    return src, torch.empty_like(src)
+
+
+def copy_bandwidth(device, gib: float = 2.0, buffers: tuple | None = None) -> dict:
+    """Device-to-device copy, counting bytes read + written (METHOD.md); ``buffers``: a
+    ``copy_buffers`` pair to copy (kept by a caller that times the copy again and again)."""
+    src, dst = copy_buffers(device, gib) if buffers is None else buffers
     r = time_fn(lambda: dst.copy_(src), device, iters=10)
-    bytes_moved = 2 * n * 4
+    bytes_moved = 2 * src.numel() * src.element_size()
     return {"bytes": bytes_moved, "median_ms": r["median_ms"], "GBps": bytes_moved / r["median_ms"] / 1e6}
 
 
@@ -694,7 +699,7 @@ class Bench:
                     # kernel below the top's cutoff must not look absent when two runs are compared
         self.save()
 
-    def interleaved_replays(self, sec: dict, rounds: int = 7, copy_bytes: int = 1 << 30) -> None:
+    def interleaved_replays(self, sec: dict, rounds: int = 7, copy_gib: float = 2.0) -> None:
         """The default step graph and each variant's, timed in turns (``rounds`` rounds of
         ``--iters`` replays each), with the device-to-device copy the roofline divides by timed in
         the same rounds: a difference of a percent between two sections timed minutes apart can be
@@ -703,24 +708,20 @@ class Bench:
         -> ``aoti_interleaved_replay`` {batch: {label: median of the rounds' medians, ms}} and
         ``in_turns`` {batch: copy GB/s, its roofline and the default graph's ratio to it}; the graphs
         are released after."""
-        import torch
-
         replays, self.replays = self.replays, {}
         if not replays:
             return
-        n = copy_bytes // 4  # fp32 elements copied each way; bytes read + written counted, as in copy_bandwidth
-        src = torch.empty(n, dtype=torch.float32, device=self.device).normal_()
-        dst = torch.empty_like(src)
+        buffers = copy_buffers(self.device, copy_gib)  # the roofline's copy (copy_bandwidth), kept for the rounds
         for b, runners in sorted(replays.items()):
             rounds_ms: dict[str, list] = {label: [] for label in runners}
-            copy_ms: list = []
+            copy_gbps: list = []
             for _ in range(rounds):
                 for label, runner in runners.items():
                     rounds_ms[label].append(time_fn(runner.graph.replay, self.device, self.a.iters)["median_ms"])
-                copy_ms.append(time_fn(lambda: dst.copy_(src), self.device, 10)["median_ms"])
+                copy_gbps.append(copy_bandwidth(self.device, buffers=buffers)["GBps"])
             got = {label: statistics.median(v) for label, v in rounds_ms.items()}
             sec.setdefault("aoti_interleaved_replay", {})[b] = got
-            gbps = 2 * n * 4 / statistics.median(copy_ms) / 1e6
+            gbps = statistics.median(copy_gbps)
             turns = {"copy_GBps": gbps}
             total = sec.get("bytes_per_step", {}).get(b, {}).get("total")
             if total:

@@ -232,7 +232,7 @@ def test_interleaved_replays_time_the_copy_in_the_same_rounds_and_give_the_ratio
 
     bench.replays = {1: {"aoti": graph(1), "aoti no_pdl": graph(3)}}
     sec = {"bytes_per_step": {1: {"total": 4_000_000}}}
-    bench.interleaved_replays(sec, rounds=3, copy_bytes=1 << 20)
+    bench.interleaved_replays(sec, rounds=3, copy_gib=1 / 1024)
     got, turns = sec["aoti_interleaved_replay"][1], sec["in_turns"][1]
     assert set(got) == {"aoti", "aoti no_pdl"} and all(ms > 0 for ms in got.values())
     assert turns["copy_GBps"] > 0
