@@ -113,7 +113,7 @@ residual)
         2>&1 | tee "$OUT/bench-residual.log" | grep -v "^\s*$" | tail -30
     ;;
 *)
-    echo "usage: $0 tests|probe|bench|markov|triton-build|attention|boundaries|rope|residual" >&2
+    echo "usage: $0 tests|engines|probe|bench|markov|triton-build|attention|boundaries|chain|rope|residual" >&2
     exit 2
     ;;
 esac

@@ -380,8 +380,9 @@ def linear_residual() -> bool:
 
 # The plugin kernels that, compiled under ``MUSE_SPARK_PDL`` (the default on sm_90+), execute
 # ``griddepcontrol.wait`` before any global load or store (``plugins.triton_math.pdl_enter``;
-# tests/test_gpu_kernels.py checks their sm_90 code). A build records them in its manifest; the runtime turns the edges into these kernels
-# in its captured step graphs into programmatic ones (``runtime.cuda_graph.make_programmatic``).
+# tests/test_gpu_kernels.py checks their sm_90 code). A build records them in its manifest; the
+# runtime turns the edges into these kernels in its captured step graphs into programmatic ones
+# (``runtime.cuda_graph.make_programmatic``).
 # Only a kernel that waits may have one: it could otherwise read its predecessor's output early.
 PDL_KERNELS = ("_linear_kernel", "_gated_residual_norm_kernel", "_head_norm_rope_kernel",
                "_head_norm_rope_cache_kernel", "_partial_kernel", "_combine_kernel")

@@ -80,7 +80,7 @@ def _tile(w_ptr, act_ptr, M, t, w_off, N, K, in_off, out_off, silu, rm, mmask, w
 
 
 @triton.jit
-def _flat_phase(w_ptr, act_ptr, M, pid, n_prog, w_off, N, K, in_off, out_off, rm, mmask,
+def _flat_phase(w_ptr, act_ptr, pid, n_prog, w_off, N, K, in_off, out_off, rm, mmask,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                 IEEE_DOT: tl.constexpr):
     """One phase's tiles of this program (t = pid, pid + n_prog, ...) as one stream of (tile, K chunk)
@@ -161,10 +161,10 @@ def _chain_kernel(
         first = pid
         if FLAT:  # this program's tiles as one stream (no per-tile loop below)
             if silu != 0:
-                _flat_phase(w_ptr, act_ptr, M, pid, n_prog, w_off, N, K, in_off, out_off, rm, mmask, BLOCK_M,
+                _flat_phase(w_ptr, act_ptr, pid, n_prog, w_off, N, K, in_off, out_off, rm, mmask, BLOCK_M,
                             BLOCK_N, BLOCK_K, True, IEEE_DOT)
             else:
-                _flat_phase(w_ptr, act_ptr, M, pid, n_prog, w_off, N, K, in_off, out_off, rm, mmask, BLOCK_M,
+                _flat_phase(w_ptr, act_ptr, pid, n_prog, w_off, N, K, in_off, out_off, rm, mmask, BLOCK_M,
                             BLOCK_N, BLOCK_K, False, IEEE_DOT)
             first = n_tiles
         elif PRELOAD:
