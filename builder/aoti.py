@@ -222,11 +222,45 @@ def compile_job(job: dict) -> dict:
     Failures come back as a ``RuntimeError`` carrying the formatted traceback: the
     original exception (a Triton ``CompilationError`` holds frames) may not pickle."""
     try:
-        with job_environment(job.get("env") or {}):
+        env = job.get("env") or {}
+        with job_environment(dict(env, **variant_cache_dir(env))):
             return _compile_job(job)
     except Exception as e:
         tb = traceback.format_exc()
         raise RuntimeError(f"{type(e).__name__}: {e}\n{tb[-6000:]}") from None
+
+
+def variant_cache_dir(env: dict) -> dict:
+    """``TORCHINDUCTOR_CACHE_DIR`` for a job compiled under kernel switches ``env``: a folder of its
+    own under Inductor's cache (named by the switches), none for the default (``{}``).
+
+    A variant whose switch changes nothing in a graph (PDL on CPU) generates the very code of the
+    default, so two workers compiling both at once write the same files of Inductor's cache. AOTI
+    packaging reads the wrapper's ``_metadata.json`` back after releasing the lock under which the
+    other worker is truncating and rewriting it: the package then holds an empty JSON and fails to
+    load (seen in CI). Separate folders keep the variants apart and the cache reusable per variant."""
+    if not env:
+        return {}
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    name = "variant-" + "-".join(f"{k.removeprefix('MUSE_SPARK_').lower()}={v}" for k, v in sorted(env.items()))
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir(), name)}
+
+
+def check_package(path: str | Path) -> None:
+    """Refuse an AOTI package whose JSON members are empty or do not parse (a package assembled
+    from files another process was rewriting): the loader would fail later, far from the cause."""
+    import json
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        for member in (n for n in z.namelist() if n.endswith(".json")):
+            try:
+                json.loads(z.read(member) or b"")
+            except ValueError as e:
+                raise RuntimeError(f"AOTI package {path}: {member} is not valid JSON ({e}); the compile's "
+                                   "files were changed while it was packaged (another compile of the same "
+                                   "graph sharing TORCHINDUCTOR_CACHE_DIR?); build again") from None
 
 
 @contextlib.contextmanager
@@ -267,6 +301,7 @@ def _compile_job(job: dict) -> dict:
     t1 = time.perf_counter()
     with int64_indexing():
         torch._inductor.aoti_compile_and_package(ep, package_path=job["out"], inductor_configs=job["configs"])
+    check_package(job["out"])
     return {"name": job["name"], "file": Path(job["out"]).name, "fn": job["fn"], "batch": job["batch"],
             "tokens": job["tokens"], "export_s": round(t1 - t0, 1),
             "compile_s": round(time.perf_counter() - t1, 1)}

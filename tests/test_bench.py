@@ -4,6 +4,7 @@ Speed is never asserted here; the figures come from the GPU runs in docs/benchma
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +178,32 @@ def test_a_jobs_switches_are_set_for_it_and_restored_after(monkeypatch):
     with pytest.raises(RuntimeError), job_environment({"MUSE_SPARK_ATTENTION_CACHE": "1"}):
         raise RuntimeError("a failed compile")
     assert "MUSE_SPARK_ATTENTION_CACHE" not in os.environ
+
+
+def test_a_variant_compiles_in_its_own_inductor_cache_and_a_torn_package_is_refused(tmp_path, monkeypatch):
+    """Variants whose switch changes nothing in a graph (PDL on CPU) generate the default's very
+    code; compiled at once in one Inductor cache, AOTI packaged a ``_metadata.json`` another worker
+    was rewriting (an empty JSON: the package failed to load, in CI). Each switch set now compiles
+    in a folder of its own, and a package with a JSON member that does not parse is refused at
+    build time, naming the member."""
+    import zipfile
+
+    from muse_spark.builder.aoti import check_package, variant_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert variant_cache_dir({}) == {}
+    dirs = {variant_cache_dir(env)["TORCHINDUCTOR_CACHE_DIR"]
+            for env in ({"MUSE_SPARK_PDL": "0"}, {"MUSE_SPARK_PDL_TRIGGER": "0"}, {"MUSE_SPARK_ROPE_TABLE": "0"})}
+    assert len(dirs) == 3 and all(os.path.dirname(d) == str(tmp_path / "inductor") for d in dirs)
+    assert variant_cache_dir({"MUSE_SPARK_PDL": "0"}) == variant_cache_dir({"MUSE_SPARK_PDL": "0"})  # reused
+    good, torn = tmp_path / "good.pt2", tmp_path / "torn.pt2"
+    for path, meta in ((good, b'{"AOTI_DEVICE_KEY": "cpu"}'), (torn, b"")):
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("model/data/aotinductor/model/c1_metadata.json", meta)
+            z.writestr("model/data/aotinductor/model/c1.wrapper.so", b"\0")
+    check_package(good)
+    with pytest.raises(RuntimeError, match="c1_metadata.json is not valid JSON"):
+        check_package(torn)
 
 
 def test_the_h200_pdl_run_renders_with_its_pdl_lines_and_a_clear_markov_flag_is_no_failure():
