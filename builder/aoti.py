@@ -40,6 +40,11 @@ Footguns this module handles:
   therefore forces 64-bit indexing (``int64_indexing``), which Inductor
   documents as always correct; the kernels are memory-bound, so the wider index
   math costs little.
+* **Concurrent compiles of one graph.** AOTI packages a compile's files after releasing the
+  cache lock under which another process compiling the same code rewrites them: a bench
+  variant whose switch changes no code (PDL on CPU) compiled beside the default got a package
+  with an empty ``_metadata.json``. Each switch set compiles in its own Inductor cache folder
+  (``variant_cache_dir``) and every package is checked after its compile (``check_package``).
 * **CPU compile time.** Inductor's C++ code generation emits vectorized and
   scalar variants of every kernel; for the sampling kernels (keyed hashes,
   softmax, argmax fused over the Markov loop) that is minutes of Python on a
