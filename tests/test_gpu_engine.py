@@ -136,6 +136,29 @@ def test_replay_refuses_caches_other_than_the_captured_ones(engine):
         engine.caches[0][0] = saved
 
 
+def test_replay_refuses_a_captured_tensor_moved_in_place(engine):
+    """A captured KV cache (the very tensor object) given other memory by ``set_``: the runner's
+    pointer check (torch's C++ form on CUDA) refuses the replay; back in place, the step runs and
+    gives what it gave before."""
+    from muse_spark.runtime.cuda_graph import _PTRS_EQUAL
+
+    assert _PTRS_EQUAL is not None  # the fast form is the one CUDA builds use
+    runner = engine.runners[1]
+    x = (torch.tensor([65], device="cuda"), torch.tensor([10], device="cuda"), torch.tensor([0], device="cuda"),
+         torch.tensor([1], device="cuda"), torch.tensor([0.0], device="cuda"))
+    with torch.inference_mode():
+        before = runner(*x)
+        t = runner.caches[1][-1]
+        storage, offset, size, stride = t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+        t.set_(t.clone())
+        try:
+            with pytest.raises(AssertionError, match="was reallocated"):
+                runner(*x)
+        finally:
+            t.set_(storage, offset, size, stride)
+        assert torch.equal(runner(*x), before)
+
+
 def test_fresh_process_loads_and_generates_the_same_tokens(built, engine):
     ids = cli_generate_ids(built, [72, 101, 108], 20, temperature=0.9, seed=7)
     here = Generator(engine).generate([[72, 101, 108]], SamplingParams(max_tokens=20, temperature=0.9, seed=7,
