@@ -233,33 +233,6 @@ def make_programmatic(graph: int, waiting: Collection[str], port: str = "program
     return rewritten, sum(1 for v in names.values() if v is not None)
 
 
-# torch's own C++ form of ``all(t.data_ptr() == p for t, p in zip(tensors, ptrs))`` at the given
-# indices, on the hot path of its CUDA-graph trees (CUDA builds only: absent from the CPU wheel).
-_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-
-
-class PointerCheck:
-    """The data pointers of ``tensors`` as they are now, to assert later that none has moved (a
-    captured CUDA graph replays raw pointers). ``unmoved(n)``: whether the first ``n`` still
-    point where they did. One C++ call where torch has it (≈ 80 tensors a step: 39 µs of host
-    time in Python on a 2-core host, on the step's latency since the GPU waits for the replay)."""
-
-    def __init__(self, tensors: Sequence[Tensor], fast: bool = True):
-        self.tensors = list(tensors)
-        self.ptrs = [t.data_ptr() for t in self.tensors]
-        self._fast = _PTRS_EQUAL if fast else None
-        self._indices: dict[int, list[int]] = {}
-
-    def unmoved(self, n: int | None = None) -> bool:
-        n = len(self.tensors) if n is None else n
-        if self._fast is not None:
-            idx = self._indices.get(n)
-            if idx is None:
-                idx = self._indices[n] = list(range(n))
-            return self._fast(self.tensors, self.ptrs, idx)
-        return list(map(Tensor.data_ptr, self.tensors[:n])) == self.ptrs[:n]
-
-
 def capture(fn: Callable, graph: torch.cuda.CUDAGraph | None = None, pool=None, warmup: int = 1,
             device: torch.device | None = None):
     """``fn`` captured in a CUDA graph → (the graph, what the captured call returned). First ``warmup``
@@ -304,8 +277,11 @@ class CUDAGraphStep(StaticStep):
                                                                             programmatic, pdl_port)
             self.graph.instantiate()
         torch.cuda.synchronize(self.device)
-        self._captured = PointerCheck(self._watched_all)
+        self._captured = self._pointers(weights=True)
         self.replays = 0
+
+    def _pointers(self, weights: bool) -> tuple[int, ...]:
+        return tuple(map(Tensor.data_ptr, self._watched_all if weights else self._watched))
 
     def check(self, caches: Sequence[Sequence[Tensor]]) -> None:
         """Assert that ``caches`` (the engine's) are the ones this graph was captured with."""
@@ -315,7 +291,8 @@ class CUDAGraphStep(StaticStep):
 
     def _assert_unmoved(self, full: bool) -> None:
         # full: the weights too (~500 tensors for an 8B pair), checked on the first replay.
-        if not self._captured.unmoved(None if full else len(self._watched)):
+        now = self._pointers(weights=full)
+        if now != self._captured[: len(now)]:
             raise AssertionError("CUDA graph replay after a captured input tensor was reallocated")
 
     def _replay(self) -> Tensor:

@@ -138,11 +138,7 @@ def test_replay_refuses_caches_other_than_the_captured_ones(engine):
 
 def test_replay_refuses_a_captured_tensor_moved_in_place(engine):
     """A captured KV cache (the very tensor object) given other memory by ``set_``: the runner's
-    pointer check (torch's C++ form on CUDA) refuses the replay; back in place, the step runs and
-    gives what it gave before."""
-    from muse_spark.runtime.cuda_graph import _PTRS_EQUAL
-
-    assert _PTRS_EQUAL is not None  # the fast form is the one CUDA builds use
+    pointer check refuses the replay; back in place, the step runs and gives what it gave before."""
     runner = engine.runners[1]
     x = (torch.tensor([65], device="cuda"), torch.tensor([10], device="cuda"), torch.tensor([0], device="cuda"),
          torch.tensor([1], device="cuda"), torch.tensor([0.0], device="cuda"))
