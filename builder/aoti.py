@@ -69,7 +69,7 @@ import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
 from muse_spark.models.layers import (PDL_KERNELS, attention_cache_fused, attention_path, linear_path, linear_residual,
-                                      pdl_supported, pdl_trigger, pdl_waits, qkv_epilogue, rope_table)
+                                      pdl_active, pdl_trigger, qkv_epilogue, rope_table)
 from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
@@ -413,7 +413,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
               for r in results}
     # MUSE_SPARK_PDL (on unless 0; CUDA builds with the Triton plugins on sm_90+): these kernels wait
     # first, and the step graphs launch them as PDL dependents
-    pdl = pdl_waits() and impl == "triton" and torch.device(device).type == "cuda" and pdl_supported()
+    pdl = pdl_active() and impl == "triton" and torch.device(device).type == "cuda"
     return {
         "layout": LAYOUT,
         "plugin_impl": impl,

@@ -600,12 +600,12 @@ class Bench:
 
         from muse_spark.runtime.aoti_engine import load_step
         from muse_spark.runtime.aoti_graphs import MARKOV_ERROR_WORD, SpecPair, weight_names, weight_tensors
-        from muse_spark.models.layers import PDL_KERNELS, pdl_supported, pdl_waits
+        from muse_spark.models.layers import PDL_KERNELS, pdl_active
         from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
 
         a, dev = self.a, self.device
         with job_environment(env or {}):  # the step graphs' PDL edges as the engine makes them (its manifest)
-            pdl = pdl_waits() and pdl_supported()
+            pdl = pdl_active()
         programmatic = PDL_KERNELS if pdl and dev.type == "cuda" else ()
         sec = self.result["sections"] if sec is None else sec
         pair = SpecPair(eng.target, eng.draft)

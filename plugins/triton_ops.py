@@ -51,8 +51,8 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
-                                      head_norm_rope_reference, linear_reference, pdl_supported, pdl_trigger,
-                                      pdl_waits, qkv_cache_reference, rope_table_reference, triton_attention_fits)
+                                      head_norm_rope_reference, linear_reference, pdl_active, pdl_trigger,
+                                      qkv_cache_reference, rope_table_reference, triton_attention_fits)
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
@@ -90,7 +90,7 @@ def _pdl(small: bool = False) -> int:
     under ``MUSE_SPARK_PDL`` (the default) on sm_90+, 1 (trigger the dependents, then wait) for a
     kernel that is not a GEMM (``small``) under ``MUSE_SPARK_PDL_TRIGGER`` (the default), else 2
     (wait only); 0 without it, on an older GPU, or under the interpreter (no inline asm)."""
-    if not pdl_waits() or interpreting() or not pdl_supported():
+    if not pdl_active() or interpreting():
         return 0
     return 1 if small and pdl_trigger() else 2
 

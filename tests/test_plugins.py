@@ -295,6 +295,7 @@ def test_pdl_modes_of_the_ops_follow_the_switches(monkeypatch):
     kernels and 2 (wait only) for the GEMMs; 2 for both under ``MUSE_SPARK_PDL_TRIGGER=0``; 0 under
     ``MUSE_SPARK_PDL=0``. On an older GPU or none: 0 whatever the switches."""
     pytest.importorskip("triton")
+    from muse_spark.models import layers
     from muse_spark.plugins import triton_ops
     from muse_spark.plugins.triton_math import interpreting
 
@@ -302,9 +303,9 @@ def test_pdl_modes_of_the_ops_follow_the_switches(monkeypatch):
         pytest.skip("under TRITON_INTERPRET=1 the ops compile no PDL (no inline asm)")
     for name in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(triton_ops, "pdl_supported", lambda: False)
+    monkeypatch.setattr(layers, "pdl_supported", lambda: False)
     assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (0, 0)
-    monkeypatch.setattr(triton_ops, "pdl_supported", lambda: True)
+    monkeypatch.setattr(layers, "pdl_supported", lambda: True)
     assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 1)
     monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "0")
     assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 2)

@@ -411,6 +411,14 @@ def pdl_supported() -> bool:
     return torch.cuda.is_available() and _sm90_or_newer(torch.cuda.current_device())
 
 
+def pdl_active() -> bool:
+    """PDL in effect: ``MUSE_SPARK_PDL`` on a GPU that runs it. The one condition under which the
+    plugin ops compile their kernels with the wait first, and so the one under which a build
+    records them for programmatic edges (an edge into a kernel that does not wait would let it
+    read its predecessor's output early)."""
+    return pdl_waits() and pdl_supported()
+
+
 def pdl_trigger() -> bool:
     """``MUSE_SPARK_PDL_TRIGGER`` (on unless ``0``; only with ``MUSE_SPARK_PDL``): the plugin kernels that
     are not GEMMs (gated residual, q/k norm, attention partial and combine) trigger their
