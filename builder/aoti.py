@@ -6,10 +6,12 @@ backend writes (``target.safetensors``, ``draft.safetensors``):
 * ``prefill_layer.pt2``, ``prefill_finish.pt2`` — one prompt chunk of ``C``
   tokens for one request: a target layer, and the end of the chunk (draft
   context, first token);
-* ``step_draft_b{B}.pt2``, ``step_layer_b{B}.pt2``, ``step_finish_b{B}.pt2`` —
-  one speculative step for batch bucket ``B`` (static shapes, so that the
-  runtime can capture the step in a CUDA graph): the draft block and Markov
-  loop, a target layer, and verification/acceptance.
+* ``step_draft_b{B}.pt2``, ``step_layer_b{B}.pt2``, ``step_verify_b{B}.pt2``,
+  ``step_context_b{B}.pt2`` — one speculative step for batch bucket ``B``
+  (static shapes, so that the runtime can capture the step in a CUDA graph):
+  the draft block and Markov loop, a target layer, verification/acceptance,
+  and the draft context K/V of the block's tokens (which the runtime runs on a
+  second stream beside the last layers and the verification).
 
 The parts are ``runtime/aoti_graphs.py``'s ``SpecPair`` functions, with the
 weights and the KV caches as inputs (see that module for why). **One layer
@@ -144,8 +146,8 @@ def graph_plan_names(buckets: list[int], with_prefill: bool = True) -> list[tupl
     """(graph name, SpecPair function, batch) of every package an engine holds."""
     names = [("prefill_layer", "layer", 1), ("prefill_finish", "prefill_finish", 1)] if with_prefill else []
     for b in sorted(buckets, reverse=True):  # the largest compiles longest: start it first
-        names += [(f"step_finish_b{b}", "step_finish", b), (f"step_draft_b{b}", "step_draft", b),
-                  (f"step_layer_b{b}", "layer", b)]
+        names += [(f"step_verify_b{b}", "step_verify", b), (f"step_draft_b{b}", "step_draft", b),
+                  (f"step_layer_b{b}", "layer", b), (f"step_context_b{b}", "step_context", b)]
     return names
 
 
@@ -194,11 +196,12 @@ def fake_inputs(job: dict, tcfg, dcfg):
         if fn == "step_draft":
             return (weights, dk, dv, t((job["markov_words"],), i64), *[t((B,), i64) for _ in range(4)],
                     t((B,), f32))
+        if fn == "step_context":
+            return (weights, dk, dv, aux, t((B, S), i64), t((B,), i64))
         h = t((B, S, D), cache_dtype)
-        if fn == "step_finish":
-            return (weights, dk, dv, t((job["markov_words"],), i64), h, aux, t((B, g), i64),
-                    t((B, g, dcfg.draft_vocab_size), f32),
-                    t((B, S), i64), t((B,), i64), t((B,), i64), t((B,), f32))
+        if fn == "step_verify":
+            return (weights, t((job["markov_words"],), i64), h, t((B, g), i64), t((B, g, dcfg.draft_vocab_size), f32),
+                    t((B, S), i64), t((B,), i64), t((B,), f32))
         if fn == "prefill_finish":
             return (weights, dk, dv, h, aux, t((1, S), i64), *[t((1,), i64) for _ in range(3)],
                     t((1,), f32))

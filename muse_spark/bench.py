@@ -29,6 +29,7 @@ short still reports what it measured.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -106,6 +107,10 @@ def random_pair(tcfg, dcfg, device, seed: int = 0):
         return sd
 
     return build_modules(tcfg, dcfg, sd_for(tcfg), sd_for(dcfg), torch.bfloat16, device)
+
+
+# The packages of one bucket's step (``step_{part}_b{B}``, builder.aoti.graph_plan_names).
+STEP_PARTS = ("draft", "layer", "verify", "context")
 
 
 # ---- timing ---------------------------------------------------------------------------------------
@@ -530,8 +535,7 @@ class Bench:
             pool.shutdown()
             sec["aoti_compile_s"] = {k: v["export_s"] + v["compile_s"] for k, v in compiled_files.items()}
             self.log(f"aoti: compiled {sorted(compiled_files)}")
-        aoti_batches = [b for b in batches
-                        if all(f"step_{p}_b{b}" in compiled_files for p in ("draft", "layer", "finish"))]
+        aoti_batches = [b for b in batches if all(f"step_{p}_b{b}" in compiled_files for p in STEP_PARTS)]
         if aoti_batches:
             try:
                 self.aoti_section(eng, caches, aoti_batches, inputs, kv_len, scratch=slots - 1)
@@ -539,7 +543,7 @@ class Bench:
                 sec["aoti_error"] = f"{type(e).__name__}: {e}"[:3000]
                 self.log(f"aoti section failed: {sec['aoti_error'][:500]}")
         for name, sub in sec.get("variants", {}).items():  # the same measurements, side by side
-            done = [b for b in batches if all(f"step_{p}_b{b}" in sub["compiled"] for p in ("draft", "layer", "finish"))]
+            done = [b for b in batches if all(f"step_{p}_b{b}" in sub["compiled"] for p in STEP_PARTS)]
             if done and aoti_batches:
                 try:
                     self.aoti_section(eng, caches, done, inputs, kv_len, scratch=slots - 1, sec=sub,
@@ -646,6 +650,19 @@ class Bench:
                 if programmatic:  # the same packages: the edges' other port, and plain edges (the waits' cost)
                     sec.setdefault("aoti_pdl", {})[b] = self.pdl_replays(runner, fn, b, weights, caches, scratch,
                                                                          words, pool, x, label)
+                if cuda and fn.side is not None:  # the same packages, the draft context in line (one stream)
+                    serial = copy.copy(fn)
+                    serial.side = None
+                    other = CUDAGraphStep(serial, b, weights, caches, scratch, dev, pool=pool, markov_words=words,
+                                          programmatic=programmatic)
+                    sec.setdefault("aoti_context_stream", {})[b] = {
+                        "equals": bool(torch.equal(other(*xg), runner(*xg))),
+                        "serial_replay": time_fn(other.graph.replay, dev, a.iters),
+                        "side_replay": time_fn(runner.graph.replay, dev, a.iters)}
+                    self.replays[b][f"{label} serial_context"] = other
+                    cs = sec["aoti_context_stream"][b]
+                    self.log(f"{label} B={b}: draft context on a second stream {cs['side_replay']['median_ms']:.3f} ms, "
+                             f"in line {cs['serial_replay']['median_ms']:.3f} ms (same step: {cs['equals']})")
                 # The serving loop's form, host values in and rows out: as the generator did it before
                 # (tensors built on the device from lists, the step, .cpu()) and through step_host.
                 host = [t.tolist() for t in x]
@@ -1018,6 +1035,10 @@ def render_markdown(result: dict) -> str:
                        f"edges {pe['replay']['median_ms']:.3f} ms (step equal: {pe['equals']}).")
         for e in sub.get("aoti_errors", []) + ([sub["aoti_error"]] if "aoti_error" in sub else []):
             out.append(f"* failed: {str(e).splitlines()[0][:300]}")
+    for b, r in sec.get("aoti_context_stream", {}).items():  # the same packages, the draft context in line
+        out += ["", f"Draft context on a second stream (the default on CUDA), batch {b}: replay "
+                f"{r['side_replay']['median_ms']:.3f} ms; in line on one stream {r['serial_replay']['median_ms']:.3f} ms "
+                f"(greedy step equal: {r['equals']})."]
     for b, got in sec.get("aoti_interleaved_replay", {}).items():  # the graphs timed in turns
         base = got.get("aoti")
         turns = sec.get("in_turns", {}).get(b, {})

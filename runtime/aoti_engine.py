@@ -4,11 +4,12 @@
 device kind, compute capability, torch version), the files against their
 hashes, then loads the canonical weights once and the packages (a prompt
 chunk: ``prefill_layer``, ``prefill_finish``; a step per batch bucket:
-``step_draft_b{B}``, ``step_layer_b{B}``, ``step_finish_b{B}``), which take
+``step_draft_b{B}``, ``step_layer_b{B}``, ``step_verify_b{B}``, ``step_context_b{B}``), which take
 those weights and the KV caches as inputs (``runtime/aoti_graphs.py`` says
 why); the one layer package runs every target layer. On CUDA each bucket's
-step (all its package calls) is captured in one CUDA graph
-(``runtime/cuda_graph.py``); on CPU the packages are called directly with
+step (all its package calls; the draft context on a second stream beside the
+last layers and the verification, ``MUSE_SPARK_CONTEXT_STREAM``) is captured in
+one CUDA graph (``runtime/cuda_graph.py``); on CPU the packages are called directly with
 the same static buffers.
 
 It is an ``EagerEngine`` for everything it does not compile: it exposes the
@@ -32,6 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from muse_spark.config import dtype_name, parse_dtype
+from muse_spark.models.layers import context_stream
 from muse_spark.runtime.aoti_graphs import (LAYOUT, LayeredPrefill, embed_and_norm, LayeredStep, SpecPair, weight_names, weight_specs,
                                             weight_tensors)
 from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
@@ -169,12 +171,19 @@ def _part(d: Path, graphs: dict | None, name: str, device, single_threaded: bool
 
 
 def load_step(d: str | Path, graphs: dict | None, bucket: int, target, draft, device,
-              single_threaded: bool = False) -> LayeredStep:
-    """Bucket ``bucket``'s speculative step from its three packages in ``d`` (``graphs``: the
-    manifest's file names; None: the builder's default names)."""
+              single_threaded: bool = False, side_stream: bool | None = None) -> LayeredStep:
+    """Bucket ``bucket``'s speculative step from its four packages in ``d`` (``graphs``: the
+    manifest's file names; None: the builder's default names). ``side_stream``: run the draft
+    context on a second CUDA stream beside the last target layers and the verification
+    (``LayeredStep``); None: as ``MUSE_SPARK_CONTEXT_STREAM`` says (on unless ``0``); CUDA only."""
     d, names = Path(d), weight_names(SpecPair(target, draft))
-    parts = [_part(d, graphs, f"step_{p}_b{bucket}", device, single_threaded) for p in ("draft", "layer", "finish")]
-    return LayeredStep(names, target.cfg.num_hidden_layers, target.aux_layer_ids, *parts)
+    parts = [_part(d, graphs, f"step_{p}_b{bucket}", device, single_threaded)
+             for p in ("draft", "layer", "verify", "context")]
+    device = torch.device(device)
+    if side_stream is None:
+        side_stream = context_stream()
+    side = torch.cuda.Stream(device) if side_stream and device.type == "cuda" else None
+    return LayeredStep(names, target.cfg.num_hidden_layers, target.aux_layer_ids, *parts, side=side)
 
 
 def load_prefill(d: str | Path, graphs: dict | None, target, draft, device) -> LayeredPrefill:

@@ -40,7 +40,9 @@ EMBED = "target.model.embed_tokens.weight"
 # "layered-3": step_draft and step_finish take the Markov kernel's kept workspace (``markov_ws``).
 # "layered-4": each decoder layer's weights include its two residual kernel words (``sync_attn``,
 # ``sync_ffn``: int32 [2], zero).
-LAYOUT = "layered-4"
+# "layered-5": step_finish split into step_verify (the target's head and the acceptance) and
+# step_context (the draft context K/V of the block's tokens), which the runtime runs side by side.
+LAYOUT = "layered-5"
 MARKOV_ERROR_WORD = 2  # the Markov kernel's workspace: [counter, epoch, error flag, 0, step words…]
 
 
@@ -64,7 +66,8 @@ class SpecPair(nn.Module):
         finally:
             self.draft.__dict__["embed_weight"] = saved
 
-    # A speculative step is step_draft → layer × L → step_finish; a prompt chunk is
+    # A speculative step is step_draft → layer × L → step_verify, with step_context beside the layers
+    # after the last aux layer and step_verify; a prompt chunk is
     # (embedding) → layer × L → prefill_finish. Composed, they are EagerEngine.step and
     # EagerEngine.prefill with kv_len = max_seq (the runtime composes them: ``LayeredStep``).
     def step_draft(self, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature):
@@ -72,7 +75,7 @@ class SpecPair(nn.Module):
 
         anchor, anchor_pos, slots, seeds [B] int64; temperature [B] fp32; dk/dv: the draft's
         per-layer context caches [slots, max_seq, KV, Dh] (read; the block's K/V are written at
-        its positions, which step_finish overwrites); markov_ws: the fused Markov kernel's int64
+        its positions, which step_context overwrites); markov_ws: the fused Markov kernel's int64
         words, zeroed once by the runtime and kept for the bucket (mutated in place; empty where
         the engine runs the reference loop).
         → (ids [B, γ] int64 target ids, probs [B, γ, Vd] fp32, stream [B, γ+1, D] fp32,
@@ -96,11 +99,10 @@ class SpecPair(nn.Module):
         return self.target.layer_forward(0, stream, x, positions, slots, k, v, k.shape[1],
                                          next_norm=self.target.model.norm)
 
-    def step_finish(self, dk, dv, markov_ws, h, aux, ids, probs, positions, slots, seeds, temperature):
-        """Verify and accept, then store the draft context K/V of the block's tokens.
+    def step_verify(self, markov_ws, h, ids, probs, positions, seeds, temperature):
+        """Verify and accept.
 
-        h: the final norm of the last layer's stream [B, γ+1, D]; aux: the streams after the
-        draft's target layers (list of [B, γ+1, D] fp32); markov_ws: step_draft's (read: its
+        h: the final norm of the last layer's stream [B, γ+1, D]; markov_ws: step_draft's (read: its
         error flag).
         → packed [B, γ+2] int64: γ draft tokens (target ids), n accepted, bonus. n is −1 in every
         row when the fused Markov kernel raised its error flag (a program gave up waiting for the
@@ -111,13 +113,22 @@ class SpecPair(nn.Module):
         n, bonus = accept(self.target.logits(h), ids, probs, self.draft.d2t, temperature, seeds, anchor_pos)
         if markov_ws.numel():  # (the reference loop keeps no workspace: an empty one)
             n = torch.where(markov_ws[MARKOV_ERROR_WORD] != 0, -1, n)
-        self.draft.store_context(self.target.cat_aux(list(aux), h), positions, slots, KVCache(list(dk), list(dv)))
         return torch.cat([ids, n[:, None], bonus[:, None]], 1)
+
+    def step_context(self, dk, dv, aux, positions, slots):
+        """Store the draft context K/V of the block's tokens (all γ+1: the positions past the accepted
+        ones lie past the next anchor, where no draft query looks, and later steps overwrite them).
+
+        aux: the streams after the draft's target layers (list of [B, γ+1, D] fp32). It reads nothing
+        ``step_verify`` writes, nor the reverse: the runtime runs it beside the last target layers
+        and the verification (``LayeredStep``). → nothing (the caches are written in place)."""
+        self.draft.store_context(self.target.cat_aux(list(aux), positions), positions, slots, KVCache(list(dk), list(dv)))
+        return ()
 
     def prefill_finish(self, dk, dv, h, aux, positions, slots, last, seeds, temperature):
         """The end of one prompt chunk: store its draft context K/V, sample the token after ``last``.
 
-        h [1, C, D]: the final norm of the last layer's stream; aux as in ``step_finish``; positions [1, C]
+        h [1, C, D]: the final norm of the last layer's stream; aux as in ``step_context``; positions [1, C]
         (a short last chunk is padded: its pad positions lie past the prompt, where no query
         looks, and later steps overwrite them); slots, last, seeds [1] int64 (``last``: index
         of the chunk's last real token); temperature [1] fp32.
@@ -199,8 +210,8 @@ GRAPH_INPUTS = {
     "step_draft": ["weights[head]", "draft_k[]", "draft_v[]", "markov_workspace", "anchor", "anchor_pos", "slots",
                    "seeds", "temperature"],
     "layer": ["weights[layer i]", "target_k[i]", "target_v[i]", "stream", "x", "positions", "slots"],
-    "step_finish": ["weights[head]", "draft_k[]", "draft_v[]", "markov_workspace", "h", "aux[]", "ids", "probs",
-                    "positions", "slots", "seeds", "temperature"],
+    "step_verify": ["weights[head]", "markov_workspace", "h", "ids", "probs", "positions", "seeds", "temperature"],
+    "step_context": ["weights[head]", "draft_k[]", "draft_v[]", "aux[]", "positions", "slots"],
     "prefill_finish": ["weights[head]", "draft_k[]", "draft_v[]", "h", "aux[]", "positions", "slots", "last",
                        "seeds", "temperature"],
 }
@@ -258,18 +269,52 @@ class _Layered:
 class LayeredStep(_Layered):
     """A speculative step from its compiled parts, called as the eager step's graph would be:
     ``fn(weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature)`` → packed
-    ``[B, γ+2]``. Under a CUDA graph capture, every part's kernels are captured in order."""
+    ``[B, γ+2]``. Under a CUDA graph capture, every part's kernels are captured.
 
-    def __init__(self, names, layers, aux_layer_ids, draft_fn, layer_fn, finish_fn):
+    ``side``: a CUDA stream on which ``context_fn`` (the draft context K/V of the block's tokens)
+    runs beside the target layers after the last aux layer and ``verify_fn`` (the target's head and
+    the acceptance). Neither reads what the other writes, so the context's short, latency-bound
+    kernels can overlap the head's weight stream. It is forked from the caller's stream after the
+    last aux layer and joined into it before the call returns (a captured graph holds both
+    branches); the tensors the side stream reads stay referenced until the join, so the allocator
+    hands none of them to the main stream's later work. None: the parts run one after the other on
+    the caller's stream (the same results: the step's outputs and caches do not depend on it)."""
+
+    def __init__(self, names, layers, aux_layer_ids, draft_fn, layer_fn, verify_fn, context_fn,
+                 side: "torch.cuda.Stream | None" = None):
         super().__init__(names, layers, aux_layer_ids, layer_fn)
-        self.draft_fn, self.finish_fn = draft_fn, finish_fn
+        self.draft_fn, self.verify_fn, self.context_fn = draft_fn, verify_fn, context_fn
+        self.side = side
+        self.context_after = max(self.aux_layer_ids, default=-1)  # the last layer whose output it reads
+
+    def _context(self, head, dk, dv, aux, positions, slots):
+        """Start ``context_fn``: on the side stream (→ the caller's stream, to join) or in order (→ None)."""
+        if self.side is None:
+            self.context_fn(head, dk, dv, aux, positions, slots)
+            return None
+        main = torch.cuda.current_stream(self.side.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            self.context_fn(head, dk, dv, aux, positions, slots)
+        return main
 
     def __call__(self, weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature):
         head = [weights[j] for j in self.head_idx]
         ids, probs, stream, x, positions = self.draft_fn(head, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds,
                                                          temperature)
-        h, aux = self.layers(weights, tk, tv, stream, x, positions, slots)
-        return self.finish_fn(head, dk, dv, markov_ws, h, aux, ids, probs, positions, slots, seeds, temperature)
+        aux, main = [], None
+        if self.context_after < 0:
+            main = self._context(head, dk, dv, aux, positions, slots)
+        for i, ix in enumerate(self.layer_idx):
+            stream, x = self.layer_fn([weights[j] for j in ix], tk[i], tv[i], stream, x, positions, slots)
+            if i in self.aux_layer_ids:
+                aux.append(stream)
+            if i == self.context_after:
+                main = self._context(head, dk, dv, aux, positions, slots)
+        packed = self.verify_fn(head, markov_ws, x, ids, probs, positions, seeds, temperature)
+        if main is not None:
+            main.wait_stream(self.side)  # (aux and positions are referenced until here)
+        return packed
 
 
 def embed_and_norm(target: MuseSpark1xForCausalLM):

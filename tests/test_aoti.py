@@ -57,8 +57,8 @@ def copy_engine(src, dst):
 def test_build_reports_progress_and_writes_the_manifest(built):
     out, log = built
     files = {"prefill_layer.pt2", "prefill_finish.pt2", "step_draft_b3.pt2", "step_layer_b3.pt2",
-             "step_finish_b3.pt2"}
-    assert "[build] compiling 5 graphs" in log and "step_layer_b3 compiled" in log
+             "step_verify_b3.pt2", "step_context_b3.pt2"}
+    assert "[build] compiling 6 graphs" in log and "step_layer_b3 compiled" in log
     m = json.loads((out / "manifest.json").read_text())
     assert m["backend"] == "aoti" and m["device"]["kind"] == "cpu"
     a = m["aoti"]
@@ -82,7 +82,7 @@ def test_build_reports_progress_and_writes_the_manifest(built):
 def test_packages_hold_no_python_registered_op_and_no_weights(built):
     """The C++ loader and a fresh process need nothing from Python; weights stay in safetensors."""
     out = built[0]
-    for name in ("step_draft_b3", "step_layer_b3", "step_finish_b3", "prefill_finish"):
+    for name in ("step_draft_b3", "step_layer_b3", "step_verify_b3", "step_context_b3", "prefill_finish"):
         with zipfile.ZipFile(out / f"{name}.pt2") as z:
             wrapper = [n for n in z.namelist() if n.endswith(".cpp") and "wrapper" in n]
             text = "".join(z.read(n).decode() for n in wrapper)
@@ -115,7 +115,7 @@ def test_sampled_output_identical_to_eager_given_seeds(engine, eager):
 
 
 def test_layered_parts_compose_to_the_eager_step_and_prefill(agreeing_pair):
-    """The parts the builder compiles (draft, one layer reused for every layer, finish), run
+    """The parts the builder compiles (draft, one layer reused for every layer, verify, context), run
     uncompiled over the reference modules and composed as the runtime composes them, give the
     eager engine's step and prefill token for token and write the same caches."""
     from muse_spark.runtime.aoti_graphs import (GraphFn, LayeredPrefill, LayeredStep, SpecPair, embed_and_norm,
@@ -131,7 +131,7 @@ def test_layered_parts_compose_to_the_eager_step_and_prefill(agreeing_pair):
         return GraphFn(pair, fn, part_weight_names(names, fn))
 
     L, aux_ids = b.tcfg.num_hidden_layers, b.target.aux_layer_ids
-    step = LayeredStep(names, L, aux_ids, part("step_draft"), part("layer"), part("step_finish"))
+    step = LayeredStep(names, L, aux_ids, part("step_draft"), part("layer"), part("step_verify"), part("step_context"))
     prefill = LayeredPrefill(names, L, aux_ids, embed_and_norm(b.target), part("layer"), part("prefill_finish"))
     caches_b = (b.target_cache.k, b.target_cache.v, b.draft_cache.k, b.draft_cache.v)
     with torch.inference_mode():

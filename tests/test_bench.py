@@ -153,7 +153,7 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
                              ("no_rope_table", "MUSE_SPARK_ROPE_TABLE", "0")):
         sub = sec["variants"][name]
         assert sub["env"] == {var: value}
-        assert sorted(sub["compiled"]) == ["step_draft_b1", "step_finish_b1", "step_layer_b1"]
+        assert sorted(sub["compiled"]) == ["step_context_b1", "step_draft_b1", "step_layer_b1", "step_verify_b1"]
         assert {p.name for p in (work / name).glob("*.pt2")} == {f"{n}.pt2" for n in sub["compiled"]}
         assert "1" in sub.get("aoti", {}), (name, sub.get("aoti_error"), sub.get("aoti_errors"))
         assert sub["aoti"]["1"]["median_ms"] > 0 and sub["aoti_matches_eager"]["1"] is True

@@ -40,7 +40,7 @@ def built(agreeing_pair, tmp_path_factory):
     r = subprocess.run([sys.executable, "-c", code, *map(str, (*agreeing_pair, out))], capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "[build] compiling 11 graphs" in r.stderr  # progress output (2 prefill parts, 3 per bucket)
+    assert "[build] compiling 14 graphs" in r.stderr  # progress output (2 prefill parts, 4 per bucket)
     return out
 
 
@@ -153,6 +153,38 @@ def test_replay_refuses_a_captured_tensor_moved_in_place(engine):
         finally:
             t.set_(storage, offset, size, stride)
         assert torch.equal(runner(*x), before)
+
+
+def test_the_draft_context_on_a_second_stream_gives_the_in_line_step(engine):
+    """The runners run ``step_context`` on a second stream (``MUSE_SPARK_CONTEXT_STREAM``, the
+    default), beside the last target layers and ``step_verify``. The same packages captured with it
+    in line on one stream give the same packed rows and write the same draft and target caches,
+    replay after replay with new inputs (greedy and sampled; a padded row too)."""
+    import copy
+
+    from muse_spark.runtime.cuda_graph import CUDAGraphStep
+
+    runner = engine.runners[4]
+    assert isinstance(runner.fn.side, torch.cuda.Stream)
+    serial_fn = copy.copy(runner.fn)
+    serial_fn.side = None
+    serial = CUDAGraphStep(serial_fn, 4, runner.weights, runner.caches, engine.scratch_slot, engine.device,
+                           markov_words=runner.markov_ws.numel(), programmatic=engine.pdl_kernels)
+    caches = [t for c in runner.caches for t in c]
+    with torch.inference_mode():
+        for k in range(4):
+            x = (torch.tensor([65 + k, 66, 67], device="cuda"), torch.tensor([10 + k, 20 + 2 * k, 30], device="cuda"),
+                 torch.tensor([0, 1, 2], device="cuda"), torch.tensor([1, 2 + k, 3], device="cuda"),
+                 torch.tensor([0.0, 0.9, 0.5 * k], device="cuda"))
+            saved = [t.clone() for t in caches]
+            got = runner(*x)
+            after_side = [t.clone() for t in caches]
+            for t, s in zip(caches, saved):  # the same step again from the same caches, in line
+                t.copy_(s)
+            want = serial(*x)
+            assert torch.equal(got, want)
+            assert all(torch.equal(a, b) for a, b in zip(after_side, caches))
+    assert serial.replays == 4
 
 
 def test_fresh_process_loads_and_generates_the_same_tokens(built, engine):

@@ -59,8 +59,8 @@ def test_engine_with_the_triton_plugin_kernels_equals_eager(built, eager):
     built by the CLI and run by another process; greedy and sampled output equal the eager engine's.
     The RoPE table (the qkv GEMM's launch writes it), the fused attention (it norms q/k, writes
     the caches and attends, reading the table) and PDL (the plugin kernels wait first, the small
-    ones trigger their dependents first; the step graphs' edges into them programmatic) are on by
-    default."""
+    ones trigger their dependents first; the step graphs' edges into them programmatic) and the
+    draft context on a second stream are on by default."""
     from muse_spark.models.layers import PDL_KERNELS
 
     a = json.loads((built / "manifest.json").read_text())["aoti"]
@@ -69,6 +69,7 @@ def test_engine_with_the_triton_plugin_kernels_equals_eager(built, eager):
     engine = load_engine(built)
     for runner in engine.runners.values():
         assert 0 < runner.programmatic_edges < runner.graph_kernels, (runner.programmatic_edges, runner.graph_kernels)
+        assert isinstance(runner.fn.side, torch.cuda.Stream)
     want = [r.output for r in Generator(eager).generate(PROMPTS[:2], PARAMS)]
     assert [r.output for r in Generator(engine).generate(PROMPTS[:2], PARAMS)] == want
     assert_cli_equals_eager(built, eager)
@@ -130,6 +131,7 @@ def test_a_pdl_engine_whose_kernels_only_wait_equals_eager(built_pdl, eager):
     assert set(engine.runners) == {1, 2}
     for runner in engine.runners.values():
         assert 0 < runner.programmatic_edges < runner.graph_kernels, (runner.programmatic_edges, runner.graph_kernels)
+        assert isinstance(runner.fn.side, torch.cuda.Stream)
     want = [r.output for r in Generator(eager).generate(PROMPTS[:2], PARAMS)]
     assert [r.output for r in Generator(engine).generate(PROMPTS[:2], PARAMS)] == want
     assert_cli_equals_eager(built_pdl, eager)

@@ -369,6 +369,15 @@ def rope_table() -> bool:
     return _switch("MUSE_SPARK_ROPE_TABLE", default="1")
 
 
+def context_stream() -> bool:
+    """``MUSE_SPARK_CONTEXT_STREAM`` (on unless ``0``): an aoti engine on CUDA runs each step's draft
+    context K/V (``step_context``) on a second stream, beside the target layers after the last aux
+    layer and the verification (``runtime.aoti_graphs.LayeredStep``), so that its short kernels
+    overlap the target head's weight stream. The same packages either way, and the same results; a
+    runtime choice, not recorded in the manifest."""
+    return _switch("MUSE_SPARK_CONTEXT_STREAM", default="1")
+
+
 def linear_residual() -> bool:
     """``MUSE_SPARK_LINEAR_RESIDUAL=1``: where the Triton linear kernel takes a layer's output (o) or
     down projection, the gated residual and the norms after it run in the same launch
