@@ -195,7 +195,7 @@ def fake_inputs(job: dict, tcfg, dcfg):
         aux = [t((B, S, D), f32) for _ in dcfg.target_layer_ids]
         if fn == "step_draft":
             return (weights, dk, dv, t((job["markov_words"],), i64), *[t((B,), i64) for _ in range(4)],
-                    t((B,), f32))
+                    t((B,), f32), t((B, S), i64))
         if fn == "step_context":
             return (weights, dk, dv, aux, t((B, S), i64), t((B,), i64))
         h = t((B, S, D), cache_dtype)

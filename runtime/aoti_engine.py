@@ -183,7 +183,8 @@ def load_step(d: str | Path, graphs: dict | None, bucket: int, target, draft, de
     if side_stream is None:
         side_stream = context_stream()
     side = torch.cuda.Stream(device) if side_stream and device.type == "cuda" else None
-    return LayeredStep(names, target.cfg.num_hidden_layers, target.aux_layer_ids, *parts, side=side)
+    return LayeredStep(names, target.cfg.num_hidden_layers, target.aux_layer_ids, *parts, draft.cfg.block_size,
+                       side=side)
 
 
 def load_prefill(d: str | Path, graphs: dict | None, target, draft, device) -> LayeredPrefill:

@@ -70,26 +70,26 @@ class SpecPair(nn.Module):
     # after the last aux layer and step_verify; a prompt chunk is
     # (embedding) → layer × L → prefill_finish. Composed, they are EagerEngine.step and
     # EagerEngine.prefill with kv_len = max_seq (the runtime composes them: ``LayeredStep``).
-    def step_draft(self, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature):
+    def step_draft(self, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature, positions):
         """Draft block + Markov loop, and the target's input stream.
 
-        anchor, anchor_pos, slots, seeds [B] int64; temperature [B] fp32; dk/dv: the draft's
-        per-layer context caches [slots, max_seq, KV, Dh] (read; the block's K/V are written at
-        its positions, which step_context overwrites); markov_ws: the fused Markov kernel's int64
-        words, zeroed once by the runtime and kept for the bucket (mutated in place; empty where
-        the engine runs the reference loop).
+        anchor, anchor_pos, slots, seeds [B] int64; temperature [B] fp32; positions [B, γ+1] int64,
+        ``anchor_pos + [0 … γ]`` (``step_positions``: made once by the runtime and passed to every
+        part as a graph input, so that no compiled part makes its own copy per kernel that reads
+        it); dk/dv: the draft's per-layer context caches [slots, max_seq, KV, Dh] (read; the
+        block's K/V are written at its positions, which step_context overwrites); markov_ws: the
+        fused Markov kernel's int64 words, zeroed once by the runtime and kept for the bucket
+        (mutated in place; empty where the engine runs the reference loop).
         → (ids [B, γ] int64 target ids, probs [B, γ, Vd] fp32, stream [B, γ+1, D] fp32,
-        x [B, γ+1, D] (layer 0's normed input, compute dtype), positions [B, γ+1] int64).
+        x [B, γ+1, D] (layer 0's normed input, compute dtype)).
         """
-        g = self.draft.cfg.block_size
         dcache = KVCache(list(dk), list(dv))
         ids, probs, _conf = self.draft.propose(anchor, anchor_pos, slots, dcache, dk[0].shape[1], seeds, temperature,
-                                               markov_ws)
+                                               markov_ws, positions)
         tokens = torch.cat([anchor[:, None], ids], 1)  # [B, γ+1]
-        positions = anchor_pos[:, None] + torch.arange(g + 1, device=anchor.device)
         stream = self.target.embed_stream(tokens)
         # (the compute dtype from a weight this part reads: layer 0's projections stay on meta)
-        return ids, probs, stream, self.target.model.layers[0].input_norm(stream, self.target.dtype), positions
+        return ids, probs, stream, self.target.model.layers[0].input_norm(stream, self.target.dtype)
 
     def layer(self, k, v, stream, x, positions, slots):
         """One target layer (layer 0's weights stand for whichever layer the runtime feeds, and the
@@ -208,7 +208,7 @@ def weight_specs(pair: SpecPair) -> list[list]:
 # Each part's flat graph inputs, in order (recorded in the manifest for embedders).
 GRAPH_INPUTS = {
     "step_draft": ["weights[head]", "draft_k[]", "draft_v[]", "markov_workspace", "anchor", "anchor_pos", "slots",
-                   "seeds", "temperature"],
+                   "seeds", "temperature", "positions"],
     "layer": ["weights[layer i]", "target_k[i]", "target_v[i]", "stream", "x", "positions", "slots"],
     "step_verify": ["weights[head]", "markov_workspace", "h", "ids", "probs", "positions", "seeds", "temperature"],
     "step_context": ["weights[head]", "draft_k[]", "draft_v[]", "aux[]", "positions", "slots"],
@@ -266,6 +266,12 @@ class _Layered:
         return x, aux
 
 
+def step_positions(anchor_pos: torch.Tensor, gamma: int) -> torch.Tensor:
+    """The positions of a step's γ+1 verified tokens, ``anchor_pos + [0 … γ]`` [B, γ+1] int64: one
+    kernel (in a captured step graph), read by every part."""
+    return anchor_pos[:, None] + torch.arange(gamma + 1, device=anchor_pos.device)
+
+
 class LayeredStep(_Layered):
     """A speculative step from its compiled parts, called as the eager step's graph would be:
     ``fn(weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature)`` → packed
@@ -280,9 +286,10 @@ class LayeredStep(_Layered):
     hands none of them to the main stream's later work. None: the parts run one after the other on
     the caller's stream (the same results: the step's outputs and caches do not depend on it)."""
 
-    def __init__(self, names, layers, aux_layer_ids, draft_fn, layer_fn, verify_fn, context_fn,
+    def __init__(self, names, layers, aux_layer_ids, draft_fn, layer_fn, verify_fn, context_fn, gamma: int,
                  side: "torch.cuda.Stream | None" = None):
         super().__init__(names, layers, aux_layer_ids, layer_fn)
+        self.gamma = gamma
         self.draft_fn, self.verify_fn, self.context_fn = draft_fn, verify_fn, context_fn
         self.side = side
         self.context_after = max(self.aux_layer_ids, default=-1)  # the last layer whose output it reads
@@ -300,8 +307,9 @@ class LayeredStep(_Layered):
 
     def __call__(self, weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature):
         head = [weights[j] for j in self.head_idx]
-        ids, probs, stream, x, positions = self.draft_fn(head, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds,
-                                                         temperature)
+        positions = step_positions(anchor_pos, self.gamma)
+        ids, probs, stream, x = self.draft_fn(head, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature,
+                                              positions)
         aux, main = [], None
         if self.context_after < 0:
             main = self._context(head, dk, dv, aux, positions, slots)

@@ -131,7 +131,8 @@ def test_layered_parts_compose_to_the_eager_step_and_prefill(agreeing_pair):
         return GraphFn(pair, fn, part_weight_names(names, fn))
 
     L, aux_ids = b.tcfg.num_hidden_layers, b.target.aux_layer_ids
-    step = LayeredStep(names, L, aux_ids, part("step_draft"), part("layer"), part("step_verify"), part("step_context"))
+    step = LayeredStep(names, L, aux_ids, part("step_draft"), part("layer"), part("step_verify"), part("step_context"),
+                       b.gamma)
     prefill = LayeredPrefill(names, L, aux_ids, embed_and_norm(b.target), part("layer"), part("prefill_finish"))
     caches_b = (b.target_cache.k, b.target_cache.v, b.draft_cache.k, b.draft_cache.v)
     with torch.inference_mode():

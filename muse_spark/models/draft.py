@@ -126,6 +126,7 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
         slots: torch.Tensor,  # [B]
         cache: KVCache,
         ctx_len: int,  # context keys [0, ctx_len) are read; ≥ max(p)
+        positions: torch.Tensor | None = None,  # [B, ≥γ] int64 p, p+1, …: given, or made here
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (h [B, γ, D] compute dtype, U [B, γ, Vd] fp32 transformed base logits).
 
@@ -142,7 +143,10 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
             raise RuntimeError("draft: bind_target_embeddings() was not called")
         tokens = torch.full((B, gamma), c.mask_token_id, dtype=torch.int64, device=dev)
         tokens[:, 0] = anchor
-        positions = anchor_pos[:, None] + torch.arange(gamma, device=dev)  # [B, γ]
+        if positions is None:
+            positions = anchor_pos[:, None] + torch.arange(gamma, device=dev)  # [B, γ]
+        else:  # (a compiled step passes the target's [B, γ+1] in: one tensor, not one copy per kernel)
+            positions = positions[:, :gamma]
         stream = torch.nn.functional.embedding(tokens, self.embed_weight).to(torch.float32)
         # a query at p+s sees the context (< p) and the block up to itself (causal) or all of it
         last_seen = positions if c.causal else (anchor_pos + gamma - 1)[:, None].expand(B, gamma)
@@ -189,7 +193,8 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
             feats = torch.cat([feats, self.model.markov_head.markov_w1.weight[prev].float()], -1)
         return torch.sigmoid(feats @ head.proj.weight.float().T + head.proj.bias.float()).squeeze(-1)
 
-    def propose(self, anchor, anchor_pos, slots, cache, ctx_len, seeds, temperature, markov_workspace=None):
-        h, U = self.block(anchor, anchor_pos, slots, cache, ctx_len)
+    def propose(self, anchor, anchor_pos, slots, cache, ctx_len, seeds, temperature, markov_workspace=None,
+                positions=None):
+        h, U = self.block(anchor, anchor_pos, slots, cache, ctx_len, positions)
         ids, probs = self.markov(h, U, anchor, anchor_pos, seeds, temperature, markov_workspace)
         return ids, probs, self.confidence(h, anchor, ids)
