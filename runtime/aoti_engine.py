@@ -36,7 +36,7 @@ from muse_spark.config import dtype_name, parse_dtype
 from muse_spark.models.layers import context_stream
 from muse_spark.runtime.aoti_graphs import (LAYOUT, LayeredPrefill, embed_and_norm, LayeredStep, SpecPair, weight_names, weight_specs,
                                             weight_tensors)
-from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
+from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep, StepHandle
 from muse_spark.runtime.engine import (EagerEngine, EngineError, build_modules, check_plugins, configs_from_manifest,
                                        read_manifest, verify_files)
 
@@ -339,6 +339,30 @@ class AOTIEngine(EagerEngine):
         """``EagerEngine.step_host`` through the runner's pinned buffers: asynchronous host→device
         copies straight into the graph's static inputs, the replay, one device→host copy."""
         return self._runner(len(anchor), kv_len).step_host(anchor, anchor_pos, slots, seeds, temperature)
+
+    # Chained steps (``Generator``): the next step launched before this one's rows are read.
+    chains = True
+
+    @torch.inference_mode()
+    def step_launch(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> StepHandle:
+        """``step_host`` without the wait → a handle for ``step_rows`` / ``step_next``."""
+        return self._runner(len(anchor), kv_len).launch_host(anchor, anchor_pos, slots, seeds, temperature)
+
+    @torch.inference_mode()
+    def step_next(self, prev: StepHandle, kv_len: int) -> StepHandle:
+        """The step after ``prev``, its inputs advanced on the device from ``prev``'s rows (the same
+        requests in the same rows), launched before ``prev``'s rows are read (``StaticStep.launch_next``).
+        ``kv_len``: ≥ the next step's largest position + γ + 1 (a guard: its writes stay in the caches)."""
+        runner = self._runner(prev.n, kv_len)
+        if runner is not prev.runner:
+            raise ValueError("step_next: the step before ran in another batch bucket")
+        return runner.launch_next(prev)
+
+    @torch.inference_mode()
+    def step_rows(self, h: StepHandle) -> list[list[int]]:
+        """Wait for a launched step → its packed rows (``StaticStep.rows``; ``h.redone`` after a Markov
+        kernel retry, when a step chained after ``h`` is invalid)."""
+        return h.runner.rows(h)
 
     def _runner(self, n: int, kv_len: int) -> StaticStep:
         if kv_len > self.max_seq:

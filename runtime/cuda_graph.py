@@ -40,6 +40,28 @@ class MarkovKernelError(EngineError):
     """The fused Markov kernel's programs gave up waiting for each other (its error flag)."""
 
 
+class StepHandle:
+    """A step launched by ``StaticStep.launch_host``/``launch_next``: its rows are read with
+    ``StaticStep.rows``."""
+
+    __slots__ = ("runner", "serial", "n", "out", "host", "done", "inputs", "parent", "redone", "_rows")
+
+    def __init__(self, runner, serial, n, out, host, done, inputs, parent):
+        self.runner, self.serial, self.n, self.out, self.host, self.done = runner, serial, n, out, host, done
+        self.inputs, self.parent, self.redone, self._rows = inputs, parent, False, None
+
+    def host_inputs(self) -> tuple[list, ...]:
+        """The step's inputs as host values: given (``launch_host``) or advanced from the step before's
+        rows (``launch_next``), as the device advanced them."""
+        if self.inputs is None:
+            p = self.parent
+            anchor, pos, slots, seeds, temps = p.host_inputs()
+            rows = p.runner.rows(p) if p._rows is None else p._rows
+            g = len(rows[0]) - 2
+            self.inputs = ([r[g + 1] for r in rows], [q + r[g] + 1 for q, r in zip(pos, rows)], slots, seeds, temps)
+        return self.inputs
+
+
 class StaticStep:
     """Runs a static-batch step graph for any batch of up to ``bucket`` requests."""
 
@@ -71,6 +93,8 @@ class StaticStep:
         self.host_out: Tensor | None = None  # pinned [bucket, γ+2], made on the first step_host
         self.copied_in = torch.cuda.Event() if pin else None  # the last host→device copy read the twin
         self.copied_out = torch.cuda.Event() if pin else None
+        self._serial = 0  # steps launched through ``launch_host``/``launch_next``
+        self._out_ring: dict[tuple, list[Tensor]] = {}  # two pinned row buffers per output shape
 
     @staticmethod
     def _rows(packed: Tensor, bucket: int) -> tuple[Tensor, ...]:
@@ -165,6 +189,64 @@ class StaticStep:
                 raise MarkovKernelError(
                     f"the fused Markov kernel failed twice in a row at batch bucket {self.bucket}: its programs "
                     "were not all resident on the GPU at once (is another process using this GPU's SMs?)")
+        return rows
+
+    # ---- chained steps: the next step launched before this one's rows are read ------------------
+    def launch_host(self, anchor, anchor_pos, slots, seeds, temperature) -> "StepHandle":
+        """``step_host`` without the wait: fill the static inputs from host values, run the step, start
+        the one device→host copy of its rows into a pinned buffer of its own. → a handle for
+        ``rows`` (and ``launch_next``)."""
+        inputs = tuple(list(v) for v in (anchor, anchor_pos, slots, seeds, temperature))
+        n = self._fill_host(*inputs)
+        return self._launch(n, inputs, None)
+
+    def launch_next(self, prev: "StepHandle") -> "StepHandle":
+        """The step after ``prev`` (the last step this runner launched), launched before ``prev``'s rows
+        are read: its inputs advanced on the device from ``prev``'s output, as the host would advance
+        them (anchor ← bonus, anchor_pos ← anchor_pos + n + 1; slots, seeds, temperatures and the
+        padding rows unchanged). The host never waits between the two, so the device does not idle
+        while the host reads a step's rows and prepares the next."""
+        if prev.runner is not self or prev.serial != self._serial:
+            raise ValueError("launch_next: the step before must be the last one this runner launched")
+        g = prev.out.shape[1] - 2
+        n = prev.n
+        with torch.inference_mode():
+            self.anchor[:n].copy_(prev.out[:n, g + 1])
+            self.anchor_pos[:n].add_(prev.out[:n, g] + 1)
+        return self._launch(n, None, prev)
+
+    def _launch(self, n: int, inputs, parent) -> "StepHandle":
+        out = self._execute()
+        self._serial += 1
+        ring = self._out_ring.get(tuple(out.shape))
+        if ring is None:
+            pin = self.copied_out is not None
+            ring = self._out_ring[tuple(out.shape)] = [torch.empty(out.shape, dtype=out.dtype, pin_memory=pin)
+                                                       for _ in range(2)]
+        host = ring[self._serial % 2]
+        host.copy_(out, non_blocking=True)
+        done = None
+        if self.copied_out is not None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        return StepHandle(self, self._serial, n, out, host, done, inputs, parent)
+
+    def rows(self, h: "StepHandle") -> list[list[int]]:
+        """Wait for step ``h`` and return its packed rows (``step_host``'s). At most two steps are in
+        flight: a handle whose pinned buffer a later step reused is refused. Where the fused Markov
+        kernel raised its error flag, the step runs again from its host inputs on a zeroed workspace
+        (``step_host``'s protocol; exact) and ``h.redone`` is set: a step launched after ``h`` was
+        computed from its invalid rows and must be dropped (the caller does)."""
+        if h.runner is not self or h.serial < self._serial - 1:
+            raise ValueError("rows: this step's buffer was reused by later steps (more than two in flight)")
+        if h.done is not None:
+            h.done.synchronize()
+        rows = h.host.numpy()[: h.n].tolist()
+        if self.markov_ws.numel() and any(r[-2] < 0 for r in rows):
+            self.reset_markov()
+            h.redone = True
+            rows = self.step_host(*h.host_inputs())
+        h._rows = rows
         return rows
 
     def reset_markov(self) -> None:

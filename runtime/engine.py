@@ -135,6 +135,7 @@ class EagerEngine:
     """
 
     backend = "eager"
+    chains = False  # no chained steps (``AOTIEngine.step_launch``/``step_next``): the Generator waits each step
 
     def __init__(self, target: MuseSpark1xForCausalLM, draft: MuseSparkDSparkForCausalLM, *,
                  max_batch: int, max_seq: int, device, tokenizer_path: str | Path | None = None,

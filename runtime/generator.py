@@ -89,6 +89,7 @@ class Generator:
         self.vocab = engine.tcfg.vocab_size
         self.eos = frozenset(engine.tcfg.eos_token_id)
         self.step_times: list[float] = []
+        self._inflight = None  # (handle, batch): a chained step launched, its rows not read yet
 
     # ---- validation ------------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -188,27 +189,76 @@ class Generator:
     def step(self) -> list[Request]:
         """One scheduler iteration: admit (prefill) waiting requests if a slot is free —
         their first token streams at once — otherwise run one speculative step over
-        all active requests. → the requests that emitted tokens (``pending`` holds them)."""
-        if self.waiting and self.free_slots:
+        all active requests. → the requests that emitted tokens (``pending`` holds them).
+
+        Chained steps (engines with ``chains``, the aoti engines): before it reads a step's rows,
+        the generator launches the step after it for the same requests, its inputs advanced on the
+        device (``engine.step_next``), so the device does not wait while the host reads the rows,
+        emits tokens and prepares the next step. The next call reads that step's rows. A request that
+        finished meanwhile has its row ignored (it only wrote its own cache slot, past its end); a
+        batch that changes (a request finished or cancelled, one waiting to be admitted) is not
+        chained again until it is stepped afresh. Outputs are those of unchained steps, token for
+        token: the chained step computes exactly what the next call would have launched."""
+        if self._inflight is None and self.waiting and self.free_slots:
             return self._admit()
-        batch = list(self.active)
-        if not batch:
-            return []
+        try:
+            return self._step()
+        except BaseException:
+            self._inflight = None  # (an engine failure: nothing chained survives it)
+            raise
+
+    def _step(self) -> list[Request]:
+        eng, g = self.engine, self.gamma
+        if self._inflight is not None:
+            handle, batch = self._inflight
+            self._inflight = None
+        else:
+            batch = list(self.active)
+            if not batch:
+                return []
+            handle = None
         t0 = time.perf_counter()
-        kv_len = max(r.position for r in batch) + self.gamma + 1
-        # Host values in, lists out: two host→device copies and one back (the engines' step_host).
-        packed = self.engine.step_host([r.anchor for r in batch], [r.position for r in batch],
-                                       [r.slot for r in batch], [r.params.seed for r in batch],
-                                       [float(r.params.temperature) for r in batch], kv_len)
+        positions = [r.position for r in batch]
+        if not getattr(eng, "chains", False):
+            # Host values in, lists out: two host→device copies and one back (the engines' step_host).
+            packed = eng.step_host([r.anchor for r in batch], positions, [r.slot for r in batch],
+                                   [r.params.seed for r in batch], [float(r.params.temperature) for r in batch],
+                                   max(positions) + g + 1)
+        else:
+            if handle is None:
+                handle = eng.step_launch([r.anchor for r in batch], positions, [r.slot for r in batch],
+                                         [r.params.seed for r in batch], [float(r.params.temperature) for r in batch],
+                                         max(positions) + g + 1)
+            nxt = None
+            if self._chains(batch):
+                nxt = eng.step_next(handle, max(positions) + 2 * (g + 1))
+            packed = eng.step_rows(handle)
+            if nxt is not None and not handle.redone:  # (after a retried step the chained one is invalid)
+                self._inflight = (nxt, batch)
         self.step_times.append(time.perf_counter() - t0)
-        g = self.gamma
+        done = []
         for req, row in zip(batch, packed):
+            if req.finished:  # (finished or cancelled after this chained step was launched)
+                continue
             draft, n, bonus = row[:g], row[g], row[g + 1]
             emitted = draft[:n] + [bonus]
             shown = self._emit(req, emitted)
             req.steps.append(StepRecord(req.position, draft, n, shown))
             req.anchor, req.position = bonus, req.position + n + 1
-        return batch
+            done.append(req)
+        return done
+
+    def _chains(self, batch: list[Request]) -> bool:
+        """Whether to launch the step after this one before reading its rows: the same requests are
+        all still running, none is waiting for a free slot, the chained step's writes stay inside the
+        caches (its largest position + γ is below max_seq), and some request surely needs it (more
+        than γ+1 tokens left: this step emits at most γ+1)."""
+        g = self.gamma
+        if any(r.finished for r in batch) or (self.waiting and self.free_slots):
+            return False
+        if max(r.position for r in batch) + 2 * (g + 1) > self.engine.max_seq:
+            return False
+        return any(r.params.max_tokens - len(r.output) > g + 1 for r in batch)
 
     def run(self) -> None:
         while self.has_work():

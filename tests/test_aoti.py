@@ -408,3 +408,71 @@ def test_runner_runs_a_step_again_when_the_markov_kernel_flags_an_error():
     with pytest.raises(MarkovKernelError, match="failed twice in a row at batch bucket 2"):
         runner.step_host(*host)
     assert len(calls) == 5 and not runner.markov_ws.any()
+
+
+# ---- chained steps (the Generator launches the next step before it reads this one's rows) ----------
+def test_the_generator_chains_steps_and_gives_the_unchained_output(engine, eager, monkeypatch):
+    """On an aoti engine the Generator launches each step's successor (inputs advanced on the device)
+    before it reads the step's rows; the output is the eager engine's (which never chains), greedy
+    and sampled, while the batch shrinks; and chained steps really ran."""
+    chained = []
+    step_next = engine.step_next
+
+    def counting(prev, kv_len):
+        chained.append(kv_len)
+        return step_next(prev, kv_len)
+
+    monkeypatch.setattr(engine, "step_next", counting)
+    params = [SamplingParams(max_tokens=n, temperature=t, seed=s, ignore_eos=True)
+              for n, t, s in ((40, 0.0, 0), (23, 0.9, 3), (9, 0.0, 0), (31, 1.2, 5))]
+    got = Generator(engine).generate(PROMPTS, params)
+    want = Generator(eager).generate(PROMPTS, params)
+    assert [r.output for r in got] == [r.output for r in want]
+    assert [[s.accepted for s in r.steps] for r in got] == [[s.accepted for s in r.steps] for r in want]
+    assert len(chained) > 3 and max(chained) <= MAX_SEQ
+
+
+def test_a_request_cancelled_while_its_chained_step_runs_leaves_the_others_unchanged(engine):
+    """Cancel a request while a chained step holding its row is in flight: its row is ignored, its
+    slot freed, and the other request's output is what it is alone (outputs do not depend on batch
+    mates); a request admitted into the freed slot afterwards generates what it generates alone."""
+    p = SamplingParams(max_tokens=30, ignore_eos=True)
+    alone = [Generator(engine).generate([prompt], p)[0].output for prompt in PROMPTS[:3]]
+    gen = Generator(engine)
+    a, b = gen.add(PROMPTS[0], p), gen.add(PROMPTS[1], p)
+    while gen._inflight is None:
+        gen.step()
+    gen.cancel(b)
+    c = gen.add(PROMPTS[2], p)
+    while not (a.finished and c.finished):
+        gen.step()
+    assert b.finish_reason == "cancelled" and a.output == alone[0] and c.output == alone[2]
+
+
+def test_a_chained_step_advances_the_static_inputs_as_the_host_would():
+    """``launch_next``: anchor ← bonus and anchor_pos ← anchor_pos + n + 1 in the request rows, the
+    padding rows untouched; its host inputs (for a retry) are the same values. More than two steps
+    in flight, or a successor of any but the last step, are refused."""
+    from muse_spark.runtime.cuda_graph import StaticStep
+
+    seen = []
+
+    def fn(weights, *args):  # packed rows from the inputs: γ = 2 drafts, n = seed % 3, bonus = anchor + 100
+        anchor, pos, slots, seeds, temps = (t.clone() for t in args[5:])
+        seen.append((anchor, pos, slots, seeds, temps))
+        return torch.stack([anchor + 1, anchor + 2, seeds % 3, anchor + 100], 1)
+
+    runner = StaticStep(fn, 4, [], ([], [], [], []), scratch_slot=7, device=torch.device("cpu"))
+    h1 = runner.launch_host([5, 6], [10, 20], [0, 1], [4, 5], [0.0, 0.5])
+    h2 = runner.launch_next(h1)
+    anchor, pos, slots, seeds, temps = seen[-1]
+    assert anchor.tolist() == [105, 106, 0, 0] and pos.tolist() == [12, 23, 0, 0]
+    assert slots.tolist() == [0, 1, 7, 7] and seeds.tolist() == [4, 5, 0, 0] and temps.tolist() == [0.0, 0.5, 0, 0]
+    assert runner.rows(h1) == [[6, 7, 1, 105], [7, 8, 2, 106]]
+    assert h2.host_inputs() == ([105, 106], [12, 23], [0, 1], [4, 5], [0.0, 0.5])
+    with pytest.raises(ValueError, match="must be the last one"):
+        runner.launch_next(h1)
+    h3 = runner.launch_next(h2)
+    with pytest.raises(ValueError, match="more than two in flight"):
+        runner.rows(h1)
+    assert runner.rows(h2) == [[106, 107, 1, 205], [107, 108, 2, 206]] and runner.rows(h3)[0][-1] == 305
