@@ -148,7 +148,9 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
     subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     sec = json.loads(js.read_text())["sections"]
     assert sec["aoti"]["1"]["median_ms"] > 0 and sec["aoti_matches_eager"]["1"] is True  # the default's own
+    assert sec["aoti_chained"]["1"]["steps"] == 8 and sec["aoti_chained"]["1"]["median_ms"] > 0  # the Generator's form
     text = md.read_text()
+    assert "aoti steps chained as the Generator runs them" in text
     for name, var, value in (("no_attention_cache", "MUSE_SPARK_ATTENTION_CACHE", "0"), ("no_pdl", "MUSE_SPARK_PDL", "0"),
                              ("no_rope_table", "MUSE_SPARK_ROPE_TABLE", "0")):
         sub = sec["variants"][name]
