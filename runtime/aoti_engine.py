@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 
 from muse_spark.config import dtype_name, parse_dtype
-from muse_spark.models.layers import context_stream
+from muse_spark.models.layers import chained_steps, context_stream
 from muse_spark.runtime.aoti_graphs import (LAYOUT, LayeredPrefill, embed_and_norm, LayeredStep, SpecPair, weight_names, weight_specs,
                                             weight_tensors)
 from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep, StepHandle
@@ -340,8 +340,12 @@ class AOTIEngine(EagerEngine):
         copies straight into the graph's static inputs, the replay, one device→host copy."""
         return self._runner(len(anchor), kv_len).step_host(anchor, anchor_pos, slots, seeds, temperature)
 
-    # Chained steps (``Generator``): the next step launched before this one's rows are read.
-    chains = True
+    @property
+    def chains(self) -> bool:
+        """Whether the ``Generator`` chains this engine's steps (the next step launched before this
+        one's rows are read: ``step_launch``/``step_next``/``step_rows``): ``MUSE_SPARK_CHAINED_STEPS``
+        (``models.layers.chained_steps``)."""
+        return chained_steps(self.device)
 
     @torch.inference_mode()
     def step_launch(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> StepHandle:

@@ -476,3 +476,20 @@ def test_a_chained_step_advances_the_static_inputs_as_the_host_would():
     with pytest.raises(ValueError, match="more than two in flight"):
         runner.rows(h1)
     assert runner.rows(h2) == [[106, 107, 1, 205], [107, 108, 2, 206]] and runner.rows(h3)[0][-1] == 305
+
+
+def test_chained_steps_follow_their_switch(engine, monkeypatch):
+    """``MUSE_SPARK_CHAINED_STEPS``: unset, a CPU engine chains; ``0`` makes the Generator wait for every
+    step (and it gives the same output); anything but 0/1 is refused."""
+    p = SamplingParams(max_tokens=20, ignore_eos=True)
+    monkeypatch.delenv("MUSE_SPARK_CHAINED_STEPS", raising=False)
+    assert engine.chains
+    want = Generator(engine).generate(PROMPTS[:2], p)
+    monkeypatch.setenv("MUSE_SPARK_CHAINED_STEPS", "0")
+    assert not engine.chains
+    gen = Generator(engine)
+    got = gen.generate(PROMPTS[:2], p)
+    assert [r.output for r in got] == [r.output for r in want] and gen._inflight is None
+    monkeypatch.setenv("MUSE_SPARK_CHAINED_STEPS", "yes")
+    with pytest.raises(ValueError, match="MUSE_SPARK_CHAINED_STEPS='yes': expected 0 or 1"):
+        engine.chains

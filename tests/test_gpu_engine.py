@@ -199,6 +199,8 @@ def test_chained_steps_on_the_cuda_graphs_give_the_eager_output(engine, eager, m
         return step_next(prev, kv_len)
 
     monkeypatch.setattr(engine, "step_next", counting)
+    monkeypatch.setenv("MUSE_SPARK_CHAINED_STEPS", "1")  # (off by default on CUDA until this test has run)
+    assert engine.chains
     params = [SamplingParams(max_tokens=n, temperature=t, seed=s, ignore_eos=True)
               for n, t, s in ((40, 0.0, 0), (23, 0.9, 3), (9, 0.0, 0), (31, 1.2, 5))]
     got = Generator(engine).generate(PROMPTS, params)

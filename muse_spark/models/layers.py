@@ -378,6 +378,14 @@ def context_stream() -> bool:
     return _switch("MUSE_SPARK_CONTEXT_STREAM", default="1")
 
 
+def chained_steps(device: torch.device) -> bool:
+    """``MUSE_SPARK_CHAINED_STEPS``: the ``Generator`` launches each step of an aoti engine before it
+    reads the rows of the step before (``runtime.generator``; the same output, token for token). Unset:
+    on for CPU engines; off on CUDA until its GPU test has run on a GPU (written, not yet run: the
+    seventeenth session's device time was spent); ``1`` turns it on there. A runtime choice."""
+    return _switch("MUSE_SPARK_CHAINED_STEPS", default="1" if torch.device(device).type == "cpu" else "0")
+
+
 def linear_residual() -> bool:
     """``MUSE_SPARK_LINEAR_RESIDUAL=1``: where the Triton linear kernel takes a layer's output (o) or
     down projection, the gated residual and the norms after it run in the same launch
