@@ -99,3 +99,24 @@ def cli_generate_ids(engine, prompt: list[int], max_tokens: int, temperature: fl
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])["output_ids"]
+
+
+def chained_generation(engine, eager, monkeypatch, prompts=ENGINE_PROMPTS):
+    """Generate ``prompts`` (greedy and sampled rows, batch shrinking as they finish) on ``engine``
+    with chained steps on (``MUSE_SPARK_CHAINED_STEPS=1``), counting its ``step_next`` calls, and on
+    ``eager`` (which never chains). → (engine's requests, eager's requests, kv_len of each chained launch)."""
+    from muse_spark.runtime import Generator, SamplingParams
+
+    chained = []
+    step_next = engine.step_next
+
+    def counting(prev, kv_len):
+        chained.append(kv_len)
+        return step_next(prev, kv_len)
+
+    monkeypatch.setattr(engine, "step_next", counting)
+    monkeypatch.setenv("MUSE_SPARK_CHAINED_STEPS", "1")
+    assert engine.chains
+    params = [SamplingParams(max_tokens=n, temperature=t, seed=s, ignore_eos=True)
+              for n, t, s in ((40, 0.0, 0), (23, 0.9, 3), (9, 0.0, 0), (31, 1.2, 5))][: len(prompts)]
+    return Generator(engine).generate(prompts, params), Generator(eager).generate(prompts, params), chained

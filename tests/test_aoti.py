@@ -20,7 +20,7 @@ from muse_spark.runtime.aoti_engine import AOTIEngine, check_compatibility, mach
 from muse_spark.runtime.aoti_graphs import LAYOUT
 
 from conftest import ENGINE_PROMPTS as PROMPTS
-from conftest import cli_generate_ids, run_cli
+from conftest import chained_generation, cli_generate_ids, run_cli
 
 MAX_BATCH, MAX_SEQ = 3, 256
 # Lengths straddle the prefill chunk (128): one prompt takes two chunks, the last one padded.
@@ -415,18 +415,7 @@ def test_the_generator_chains_steps_and_gives_the_unchained_output(engine, eager
     """On an aoti engine the Generator launches each step's successor (inputs advanced on the device)
     before it reads the step's rows; the output is the eager engine's (which never chains), greedy
     and sampled, while the batch shrinks; and chained steps really ran."""
-    chained = []
-    step_next = engine.step_next
-
-    def counting(prev, kv_len):
-        chained.append(kv_len)
-        return step_next(prev, kv_len)
-
-    monkeypatch.setattr(engine, "step_next", counting)
-    params = [SamplingParams(max_tokens=n, temperature=t, seed=s, ignore_eos=True)
-              for n, t, s in ((40, 0.0, 0), (23, 0.9, 3), (9, 0.0, 0), (31, 1.2, 5))]
-    got = Generator(engine).generate(PROMPTS, params)
-    want = Generator(eager).generate(PROMPTS, params)
+    got, want, chained = chained_generation(engine, eager, monkeypatch)
     assert [r.output for r in got] == [r.output for r in want]
     assert [[s.accepted for s in r.steps] for r in got] == [[s.accepted for s in r.steps] for r in want]
     assert len(chained) > 3 and max(chained) <= MAX_SEQ

@@ -16,7 +16,7 @@ import torch
 from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingParams, load_engine
 
 from conftest import ENGINE_PROMPTS as PROMPTS
-from conftest import cli_generate_ids, run_cli
+from conftest import chained_generation, cli_generate_ids, run_cli
 
 # (xdist_group: the GPU run (scripts/gpu_check.sh, --dist loadgroup) keeps the file's tests, which share its
 # engines, on one worker, and spreads the ungrouped tests of other files over the rest)
@@ -191,20 +191,7 @@ def test_chained_steps_on_the_cuda_graphs_give_the_eager_output(engine, eager, m
     """The Generator launches each step's successor on the CUDA graph before it reads the step's rows
     (the inputs advanced on the device, the rows copied into a pinned buffer per step in flight):
     greedy and sampled output equal the eager engine's (which never chains), and chained steps ran."""
-    chained = []
-    step_next = engine.step_next
-
-    def counting(prev, kv_len):
-        chained.append(kv_len)
-        return step_next(prev, kv_len)
-
-    monkeypatch.setattr(engine, "step_next", counting)
-    monkeypatch.setenv("MUSE_SPARK_CHAINED_STEPS", "1")  # (off by default on CUDA until this test has run)
-    assert engine.chains
-    params = [SamplingParams(max_tokens=n, temperature=t, seed=s, ignore_eos=True)
-              for n, t, s in ((40, 0.0, 0), (23, 0.9, 3), (9, 0.0, 0), (31, 1.2, 5))]
-    got = Generator(engine).generate(PROMPTS, params)
-    want = Generator(eager).generate(PROMPTS, params)
+    got, want, chained = chained_generation(engine, eager, monkeypatch)  # (chaining forced on: off on CUDA by default)
     assert [r.output for r in got] == [r.output for r in want]
     assert len(chained) > 3
 
