@@ -17,6 +17,9 @@
 #                                      # stage by stage, the fused attention with the table too)
 #   scripts/gpu_check.sh residual      # the linear + gated residual launch's kernel and eager tests, then
 #                                      # the batch-1 bench with it and without (--linear-residual both)
+#   scripts/gpu_check.sh chained       # the chained steps' GPU test (the Generator launching each step's
+#                                      # successor before reading its rows; off by default on CUDA until it
+#                                      # passes), then the batch-1 bench (its aoti_chained figure)
 #
 # MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default triton).
 # ATTENTION_ARGS=--sweep adds the Triton kernel's launch configurations to the attention mode.
@@ -112,8 +115,16 @@ residual)
         --profile --deadline-s "${BENCH_DEADLINE:-230}" --json "$OUT/b1-residual.json" --markdown "$OUT/b1-residual.md" \
         2>&1 | tee "$OUT/bench-residual.log" | grep -v "^\s*$" | tail -30
     ;;
+chained)
+    # (the test file's engine builds first: ~4 minutes on a fresh machine)
+    timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -rfEs -m "slow or not slow" -k "chained or second_stream or greedy" \
+        tests/test_gpu_engine.py 2>&1 | tee "$OUT/chained-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
+    timeout "${BENCH_TIMEOUT:-240}" python3 scripts/bench.py --batches 1 --skip eager,compile \
+        --deadline-s "${BENCH_DEADLINE:-200}" --json "$OUT/b1-chained.json" --markdown "$OUT/b1-chained.md" \
+        2>&1 | tee "$OUT/bench-chained.log" | grep -v "^\s*$" | tail -30
+    ;;
 *)
-    echo "usage: $0 tests|engines|probe|bench|markov|triton-build|attention|boundaries|chain|rope|residual" >&2
+    echo "usage: $0 tests|engines|probe|bench|markov|triton-build|attention|boundaries|chain|rope|residual|chained" >&2
     exit 2
     ;;
 esac
