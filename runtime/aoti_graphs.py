@@ -253,16 +253,22 @@ class _Layered:
         if len({len(ix) for ix in self.layer_idx}) > 1:
             raise ValueError("the target layers do not all have the same tensors: one layer package cannot serve them")
         self.aux_layer_ids = set(aux_layer_ids)
+        if not self.aux_layer_ids or not self.aux_layer_ids <= set(range(layers)):
+            raise ValueError(f"aux layer ids {sorted(self.aux_layer_ids)}: expected some, each in [0, {layers})")
+        self.last_aux = max(self.aux_layer_ids)
         self.layer_fn = layer_fn
 
-    def layers(self, weights, tk, tv, stream, x, positions, slots):
+    def layers(self, weights, tk, tv, stream, x, positions, slots, after_aux=None):
         """Run the layer package over every layer (x: layer 0's normed input); → (h, the final norm
-        of the last stream; aux streams)."""
+        of the last stream; aux streams). ``after_aux``: called with the aux streams as soon as the
+        last aux layer has run."""
         aux = []
         for i, ix in enumerate(self.layer_idx):
             stream, x = self.layer_fn([weights[j] for j in ix], tk[i], tv[i], stream, x, positions, slots)
             if i in self.aux_layer_ids:
                 aux.append(stream)
+            if i == self.last_aux and after_aux is not None:
+                after_aux(aux)
         return x, aux
 
 
@@ -292,7 +298,6 @@ class LayeredStep(_Layered):
         self.gamma = gamma
         self.draft_fn, self.verify_fn, self.context_fn = draft_fn, verify_fn, context_fn
         self.side = side
-        self.context_after = max(self.aux_layer_ids, default=-1)  # the last layer whose output it reads
 
     def _context(self, head, dk, dv, aux, positions, slots):
         """Start ``context_fn``: on the side stream (→ the caller's stream, to join) or in order (→ None)."""
@@ -310,18 +315,12 @@ class LayeredStep(_Layered):
         positions = step_positions(anchor_pos, self.gamma)
         ids, probs, stream, x = self.draft_fn(head, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature,
                                               positions)
-        aux, main = [], None
-        if self.context_after < 0:
-            main = self._context(head, dk, dv, aux, positions, slots)
-        for i, ix in enumerate(self.layer_idx):
-            stream, x = self.layer_fn([weights[j] for j in ix], tk[i], tv[i], stream, x, positions, slots)
-            if i in self.aux_layer_ids:
-                aux.append(stream)
-            if i == self.context_after:
-                main = self._context(head, dk, dv, aux, positions, slots)
-        packed = self.verify_fn(head, markov_ws, x, ids, probs, positions, seeds, temperature)
-        if main is not None:
-            main.wait_stream(self.side)  # (aux and positions are referenced until here)
+        forked = []  # the caller's stream, where the context was forked from it
+        h, aux = self.layers(weights, tk, tv, stream, x, positions, slots, after_aux=lambda aux: forked.append(
+            self._context(head, dk, dv, aux, positions, slots)))
+        packed = self.verify_fn(head, markov_ws, h, ids, probs, positions, seeds, temperature)
+        if forked[0] is not None:
+            forked[0].wait_stream(self.side)  # (aux and positions are referenced until here)
         return packed
 
 

@@ -94,7 +94,7 @@ class StaticStep:
         self.copied_in = torch.cuda.Event() if pin else None  # the last host→device copy read the twin
         self.copied_out = torch.cuda.Event() if pin else None
         self._serial = 0  # steps launched through ``launch_host``/``launch_next``
-        self._out_ring: dict[tuple, list[Tensor]] = {}  # two pinned row buffers per output shape
+        self._out_ring: list[Tensor] = []  # two pinned row buffers, one per step in flight
 
     @staticmethod
     def _rows(packed: Tensor, bucket: int) -> tuple[Tensor, ...]:
@@ -180,11 +180,19 @@ class StaticStep:
         workspace. That is exact: the inputs, seeds and cache rows it reads are unchanged, and it
         writes the same cache positions again. A second failure raises ``MarkovKernelError``."""
         n = self._fill_host(anchor, anchor_pos, slots, seeds, temperature)
-        rows = self._to_host(self._execute(), n)
-        if self.markov_ws.numel() and any(r[-2] < 0 for r in rows):
+        return self._retried(self._to_host(self._execute(), n), n)
+
+    def _flagged(self, rows: list[list[int]]) -> bool:
+        """Whether a step's rows say the fused Markov kernel failed (n = −1; only with a workspace)."""
+        return bool(self.markov_ws.numel()) and any(r[-2] < 0 for r in rows)
+
+    def _retried(self, rows: list[list[int]], n: int) -> list[list[int]]:
+        """``rows`` of the step in the static inputs, or where they are flagged, the rows of that step run
+        once more on a zeroed workspace; a second failure raises ``MarkovKernelError``."""
+        if self._flagged(rows):
             self.reset_markov()
             rows = self._to_host(self._execute(), n)
-            if any(r[-2] < 0 for r in rows):
+            if self._flagged(rows):
                 self.reset_markov()
                 raise MarkovKernelError(
                     f"the fused Markov kernel failed twice in a row at batch bucket {self.bucket}: its programs "
@@ -218,12 +226,10 @@ class StaticStep:
     def _launch(self, n: int, inputs, parent) -> "StepHandle":
         out = self._execute()
         self._serial += 1
-        ring = self._out_ring.get(tuple(out.shape))
-        if ring is None:
+        if not self._out_ring:  # (a runner's output has one shape: [bucket, γ+2])
             pin = self.copied_out is not None
-            ring = self._out_ring[tuple(out.shape)] = [torch.empty(out.shape, dtype=out.dtype, pin_memory=pin)
-                                                       for _ in range(2)]
-        host = ring[self._serial % 2]
+            self._out_ring = [torch.empty(out.shape, dtype=out.dtype, pin_memory=pin) for _ in range(2)]
+        host = self._out_ring[self._serial % 2]
         host.copy_(out, non_blocking=True)
         done = None
         if self.copied_out is not None:
@@ -235,17 +241,17 @@ class StaticStep:
         """Wait for step ``h`` and return its packed rows (``step_host``'s). At most two steps are in
         flight: a handle whose pinned buffer a later step reused is refused. Where the fused Markov
         kernel raised its error flag, the step runs again from its host inputs on a zeroed workspace
-        (``step_host``'s protocol; exact) and ``h.redone`` is set: a step launched after ``h`` was
+        (``step_host``'s protocol, ``_retried``; exact) and ``h.redone`` is set: a step launched after ``h`` was
         computed from its invalid rows and must be dropped (the caller does)."""
         if h.runner is not self or h.serial < self._serial - 1:
             raise ValueError("rows: this step's buffer was reused by later steps (more than two in flight)")
         if h.done is not None:
             h.done.synchronize()
         rows = h.host.numpy()[: h.n].tolist()
-        if self.markov_ws.numel() and any(r[-2] < 0 for r in rows):
-            self.reset_markov()
+        if self._flagged(rows):  # the static inputs may have moved on (launch_next): h's go back in first
             h.redone = True
-            rows = self.step_host(*h.host_inputs())
+            self._fill_host(*h.host_inputs())
+            rows = self._retried(rows, h.n)
         h._rows = rows
         return rows
 

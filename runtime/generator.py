@@ -218,20 +218,21 @@ class Generator:
                 return []
             handle = None
         t0 = time.perf_counter()
-        positions = [r.position for r in batch]
-        if not getattr(eng, "chains", False):
+        last = max(r.position for r in batch)
+
+        def host_inputs():
+            return ([r.anchor for r in batch], [r.position for r in batch], [r.slot for r in batch],
+                    [r.params.seed for r in batch], [float(r.params.temperature) for r in batch])
+
+        if not eng.chains:
             # Host values in, lists out: two host→device copies and one back (the engines' step_host).
-            packed = eng.step_host([r.anchor for r in batch], positions, [r.slot for r in batch],
-                                   [r.params.seed for r in batch], [float(r.params.temperature) for r in batch],
-                                   max(positions) + g + 1)
+            packed = eng.step_host(*host_inputs(), last + g + 1)
         else:
             if handle is None:
-                handle = eng.step_launch([r.anchor for r in batch], positions, [r.slot for r in batch],
-                                         [r.params.seed for r in batch], [float(r.params.temperature) for r in batch],
-                                         max(positions) + g + 1)
+                handle = eng.step_launch(*host_inputs(), last + g + 1)
             nxt = None
             if self._chains(batch):
-                nxt = eng.step_next(handle, max(positions) + 2 * (g + 1))
+                nxt = eng.step_next(handle, last + 2 * (g + 1))
             packed = eng.step_rows(handle)
             if nxt is not None and not handle.redone:  # (after a retried step the chained one is invalid)
                 self._inflight = (nxt, batch)

@@ -134,6 +134,10 @@ def test_layered_parts_compose_to_the_eager_step_and_prefill(agreeing_pair):
     step = LayeredStep(names, L, aux_ids, part("step_draft"), part("layer"), part("step_verify"), part("step_context"),
                        b.gamma)
     prefill = LayeredPrefill(names, L, aux_ids, embed_and_norm(b.target), part("layer"), part("prefill_finish"))
+    for bad in ((), (L,)):  # the draft context starts after the last aux layer: it must be one of the layers
+        with pytest.raises(ValueError, match=r"aux layer ids .*: expected some, each in \[0, "):
+            LayeredStep(names, L, bad, part("step_draft"), part("layer"), part("step_verify"), part("step_context"),
+                        b.gamma)
     caches_b = (b.target_cache.k, b.target_cache.v, b.draft_cache.k, b.draft_cache.v)
     with torch.inference_mode():
         prompt = [72, 101, 108, 108, 111, 44, 32, 119]
@@ -482,3 +486,33 @@ def test_chained_steps_follow_their_switch(engine, monkeypatch):
     monkeypatch.setenv("MUSE_SPARK_CHAINED_STEPS", "yes")
     with pytest.raises(ValueError, match="MUSE_SPARK_CHAINED_STEPS='yes': expected 0 or 1"):
         engine.chains
+
+
+def test_a_flagged_chained_step_runs_again_from_its_own_inputs():
+    """``rows`` of a step whose Markov kernel raised its flag, read after its successor was launched
+    (so the static inputs had moved on): the step runs once more on a zeroed workspace from its own
+    inputs put back, ``redone`` is set (the Generator drops the successor), and a second failure
+    raises ``MarkovKernelError``, as ``step_host`` does."""
+    from muse_spark.runtime.cuda_graph import MarkovKernelError, StaticStep
+
+    seen = []
+
+    def fn(weights, tk, tv, dk, dv, ws, anchor, pos, slots, seeds, temps):
+        seen.append((anchor[:2].tolist(), pos[:2].tolist(), ws.clone()))
+        failed = bool(ws[2])
+        ws[0] += 1
+        rows = torch.stack([anchor + 1, anchor + 2, seeds % 3, anchor + 100], 1)
+        return torch.where(torch.tensor([False, False, True, False]), -1, rows) if failed else rows
+
+    runner = StaticStep(fn, 2, [], ([], [], [], []), scratch_slot=3, device=torch.device("cpu"), markov_words=8)
+    runner.markov_ws[2] = 1  # the first step fails
+    h1 = runner.launch_host([5, 6], [10, 20], [0, 1], [4, 5], [0.0, 0.5])
+    h2 = runner.launch_next(h1)  # from h1's invalid rows
+    assert runner.rows(h1) == [[6, 7, 1, 105], [7, 8, 2, 106]] and h1.redone
+    assert seen[-1][:2] == ([5, 6], [10, 20]) and not seen[-1][2][1:].any()  # h1's inputs, a zeroed workspace
+    assert len(seen) == 3 and not h2.redone
+    runner.markov_ws[2] = 1
+    runner.fn = lambda *a: torch.full((2, 4), -1)
+    h3 = runner.launch_host([5, 6], [10, 20], [0, 1], [4, 5], [0.0, 0.5])
+    with pytest.raises(MarkovKernelError, match="failed twice in a row at batch bucket 2"):
+        runner.rows(h3)
