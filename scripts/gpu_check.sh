@@ -18,8 +18,8 @@
 #   scripts/gpu_check.sh residual      # the linear + gated residual launch's kernel and eager tests, then
 #                                      # the batch-1 bench with it and without (--linear-residual both)
 #   scripts/gpu_check.sh chained       # the chained steps' GPU test (the Generator launching each step's
-#                                      # successor before reading its rows; off by default on CUDA until it
-#                                      # passes), then the batch-1 bench (its aoti_chained figure)
+#                                      # successor before reading its rows), then the batch-1 bench (its
+#                                      # aoti_chained figure)
 #
 # MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default triton).
 # ATTENTION_ARGS=--sweep adds the Triton kernel's launch configurations to the attention mode.

@@ -103,7 +103,7 @@ def cli_generate_ids(engine, prompt: list[int], max_tokens: int, temperature: fl
 
 def chained_generation(engine, eager, monkeypatch, prompts=ENGINE_PROMPTS):
     """Generate ``prompts`` (greedy and sampled rows, batch shrinking as they finish) on ``engine``
-    with chained steps on (``MUSE_SPARK_CHAINED_STEPS=1``), counting its ``step_next`` calls, and on
+    with chained steps forced on (``MUSE_SPARK_CHAINED_STEPS=1``, the default), counting its ``step_next`` calls, and on
     ``eager`` (which never chains). → (engine's requests, eager's requests, kv_len of each chained launch)."""
     from muse_spark.runtime import Generator, SamplingParams
 

@@ -472,7 +472,7 @@ def test_a_chained_step_advances_the_static_inputs_as_the_host_would():
 
 
 def test_chained_steps_follow_their_switch(engine, monkeypatch):
-    """``MUSE_SPARK_CHAINED_STEPS``: unset, a CPU engine chains; ``0`` makes the Generator wait for every
+    """``MUSE_SPARK_CHAINED_STEPS``: unset, an engine chains; ``0`` makes the Generator wait for every
     step (and it gives the same output); anything but 0/1 is refused."""
     p = SamplingParams(max_tokens=20, ignore_eos=True)
     monkeypatch.delenv("MUSE_SPARK_CHAINED_STEPS", raising=False)

@@ -191,7 +191,7 @@ def test_chained_steps_on_the_cuda_graphs_give_the_eager_output(engine, eager, m
     """The Generator launches each step's successor on the CUDA graph before it reads the step's rows
     (the inputs advanced on the device, the rows copied into a pinned buffer per step in flight):
     greedy and sampled output equal the eager engine's (which never chains), and chained steps ran."""
-    got, want, chained = chained_generation(engine, eager, monkeypatch)  # (chaining forced on: off on CUDA by default)
+    got, want, chained = chained_generation(engine, eager, monkeypatch)  # (chaining forced on, whatever the environment)
     assert [r.output for r in got] == [r.output for r in want]
     assert len(chained) > 3
 

@@ -380,10 +380,10 @@ def context_stream() -> bool:
 
 def chained_steps(device: torch.device) -> bool:
     """``MUSE_SPARK_CHAINED_STEPS``: the ``Generator`` launches each step of an aoti engine before it
-    reads the rows of the step before (``runtime.generator``; the same output, token for token). Unset:
-    on for CPU engines; off on CUDA until its GPU test has run on a GPU (written, not yet run: the
-    seventeenth session's device time was spent); ``1`` turns it on there. A runtime choice."""
-    return _switch("MUSE_SPARK_CHAINED_STEPS", default="1" if torch.device(device).type == "cpu" else "0")
+    reads the rows of the step before (``runtime.generator``; the same output, token for token). On by
+    default on CPU and CUDA (its GPU test passed on the H200 in the eighteenth session); ``0`` makes
+    the Generator wait for every step's rows before it launches the next. A runtime choice."""
+    return _switch("MUSE_SPARK_CHAINED_STEPS", default="1")
 
 
 def linear_residual() -> bool:
