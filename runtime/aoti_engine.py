@@ -345,7 +345,7 @@ class AOTIEngine(EagerEngine):
         """Whether the ``Generator`` chains this engine's steps (the next step launched before this
         one's rows are read: ``step_launch``/``step_next``/``step_rows``): ``MUSE_SPARK_CHAINED_STEPS``
         (``models.layers.chained_steps``)."""
-        return chained_steps(self.device)
+        return chained_steps()
 
     @torch.inference_mode()
     def step_launch(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> StepHandle:

@@ -378,7 +378,7 @@ def context_stream() -> bool:
     return _switch("MUSE_SPARK_CONTEXT_STREAM", default="1")
 
 
-def chained_steps(device: torch.device) -> bool:
+def chained_steps() -> bool:
     """``MUSE_SPARK_CHAINED_STEPS``: the ``Generator`` launches each step of an aoti engine before it
     reads the rows of the step before (``runtime.generator``; the same output, token for token). On by
     default on CPU and CUDA (its GPU test passed on the H200 in the eighteenth session); ``0`` makes
