@@ -23,6 +23,8 @@ Importing this module imports Triton and registers
   q over the caches in one launch of the attention's partial kernel (the default,
   ``MUSE_SPARK_ATTENTION_CACHE=0`` off: the layers call it where both kernels fit and the mask is in
   bounds form);
+* ``muse_spark::accept_triton`` — the speculative step's acceptance rule (``runtime.sampling.accept``)
+  on the target head's output, in three kernels (``plugins/acceptance``);
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
   which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
   selects SDPA instead). Its reference is ``models.layers.attend_reference``.
@@ -53,6 +55,7 @@ from torch.library import triton_op, wrap_triton
 from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
                                       head_norm_rope_reference, linear_reference, pdl_active, pdl_trigger,
                                       qkv_cache_reference, rope_table_reference, triton_attention_fits)
+from muse_spark.plugins.acceptance.triton_kernel import launch_accept
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
@@ -162,6 +165,43 @@ def markov_workspace_words(B: int, gamma: int, Vd: int, vocab: int, rank: int, h
             or not supported(Vd, vocab)):
         return 0
     return workspace_words(B, gamma, Vd, rank, torch.device(device), weight_dtype)
+
+
+def check_accept_inputs(logits, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos) -> None:
+    """The shapes ``runtime.sampling.accept`` takes, or a ValueError naming the argument."""
+    if logits.dim() != 3 or logits.shape[1] < 1:
+        raise ValueError(f"accept: expected logits [B, γ+1, V], got {list(logits.shape)}")
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"accept: expected floating-point logits, got {logits.dtype}")
+    B, g1, V = logits.shape
+    if draft_ids.shape != (B, g1 - 1) or draft_ids.dtype != torch.int64:
+        raise ValueError(f"accept: expected draft_ids [B, γ]=[{B}, {g1 - 1}] int64, got {list(draft_ids.shape)} "
+                         f"{draft_ids.dtype}")
+    if draft_probs.dim() != 3 or draft_probs.shape[:2] != (B, g1 - 1) or draft_probs.dtype != torch.float32:
+        raise ValueError(f"accept: expected draft_probs [B, γ, Vd]=[{B}, {g1 - 1}, Vd] fp32, got "
+                         f"{list(draft_probs.shape)} {draft_probs.dtype}")
+    if d2t.shape != (draft_probs.shape[-1],):
+        raise ValueError(f"accept: expected d2t [Vd]=[{draft_probs.shape[-1]}], got {list(d2t.shape)}")
+    for name, t in (("temperature", temperature), ("seeds", seeds), ("anchor_pos", anchor_pos)):
+        if t.shape != (B,):
+            raise ValueError(f"accept: expected {name} of shape [B]=[{B}], got {list(t.shape)}")
+
+
+@triton_op("muse_spark::accept_triton", mutates_args=())
+def _accept_op(logits: torch.Tensor, multiplier: float, draft_ids: torch.Tensor, draft_probs: torch.Tensor,
+               d2t: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+               anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``runtime.sampling.accept`` on ``output_transform(logits, multiplier, None)`` → (n, bonus) [B]
+    int64. d2t must map the draft ids into distinct target ids (``checkpoint.check_d2t``)."""
+    check_accept_inputs(logits, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos)
+    if not _runs_kernels(logits):
+        from muse_spark.models.layers import output_transform
+        from muse_spark.runtime.sampling import accept as accept_reference
+
+        return accept_reference(output_transform(logits, multiplier, None), draft_ids, draft_probs, d2t, temperature,
+                                seeds, anchor_pos)
+    return launch_accept(logits, multiplier, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos,
+                         wrap=wrap_triton)
 
 
 def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None) -> None:
@@ -451,3 +491,9 @@ def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, te
         workspace = torch.empty(0, dtype=torch.int64, device=base_logits.device)
     return torch.ops.muse_spark.markov_sample_triton(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions,
                                                      temperature, head_type, head_w, head_b, topk, workspace)
+
+
+def accept(logits, multiplier, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos):
+    """``muse_spark::accept_triton`` (``runtime.sampling.accept`` on the target head's raw output)."""
+    return torch.ops.muse_spark.accept_triton(logits, float(multiplier), draft_ids, draft_probs, d2t, temperature,
+                                              seeds, anchor_pos)

@@ -32,7 +32,8 @@ from torch import nn
 
 from muse_spark.models.draft import MuseSparkDSparkForCausalLM
 from muse_spark.models.target import KVCache, MuseSpark1xForCausalLM
-from muse_spark.runtime.sampling import accept, sample_tokens
+from muse_spark.plugins import dispatch
+from muse_spark.runtime.sampling import sample_tokens
 
 EMBED = "target.model.embed_tokens.weight"
 # The packages' calling convention; an engine of another layout is refused ("rebuild it").
@@ -110,7 +111,9 @@ class SpecPair(nn.Module):
         run again (``runtime.cuda_graph.StaticStep`` does, on a zeroed workspace).
         """
         anchor_pos = positions[:, 0]
-        n, bonus = accept(self.target.logits(h), ids, probs, self.draft.d2t, temperature, seeds, anchor_pos)
+        cfg = self.target.cfg  # (the Triton build: muse_spark::accept_triton's kernels, the multiplier in them)
+        n, bonus = dispatch.accept(self.target.raw_logits(h), cfg.output_multiplier, cfg.output_soft_cap_temp, ids,
+                                   probs, self.draft.d2t, temperature, seeds, anchor_pos)
         if markov_ws.numel():  # (the reference loop keeps no workspace: an empty one)
             n = torch.where(markov_ws[MARKOV_ERROR_WORD] != 0, -1, n)
         return torch.cat([ids, n[:, None], bonus[:, None]], 1)

@@ -146,7 +146,10 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         the empty case)."""
         return torch.cat(aux, -1) if aux else like.new_zeros(like.shape[:2] + (0,), dtype=torch.float32)
 
+    def raw_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's output before ``output_transform`` (the compute dtype)."""
+        return linear(h, self.lm_head_weight())
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Transformed fp32 logits over the target vocabulary."""
-        raw = linear(h, self.lm_head_weight())
-        return output_transform(raw, self.cfg.output_multiplier, self.cfg.output_soft_cap_temp)
+        return output_transform(self.raw_logits(h), self.cfg.output_multiplier, self.cfg.output_soft_cap_temp)
