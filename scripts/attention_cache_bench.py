@@ -18,9 +18,7 @@ fused kernel out, so differences place its time (timing only: ``no_rope`` change
 * ``fused``: ``launch_attention(new_kv=...)``, the fused path;
 * ``fused_table``: the fused path reading the step's RoPE table (thirteenth session);
 * ``fused_no_rope``: the same without the rotation (no cos/sin/pow);
-* ``fused_no_store``: positions past the caches, so no program stores new keys (the barrier stays);
-* ``fused_table_unhoisted``: ``fused_table`` without ``HOIST`` (the new rows, q's angles and the
-  bounds loaded where they are used, not first: the kernel before the nineteenth session).
+* ``fused_no_store``: positions past the caches, so no program stores new keys (the barrier stays).
 
 ``--ncu``: each kernel once, between cudaProfilerStart/Stop, for Nsight Compute.
 """
@@ -73,9 +71,8 @@ def main() -> int:
     def attention(q, kc, vc):
         return launch_attention(q, kc, vc, pos, slots, window=T)
 
-    def fused(kc, vc, rope=True, positions=pos, table=None, config=None):
-        return launch_attention(x, kc, vc, pos, slots, window=T, new_kv=(v, positions, EPS, THETA, rope), table=table,
-                                config=config)
+    def fused(kc, vc, rope=True, positions=pos, table=None):
+        return launch_attention(x, kc, vc, pos, slots, window=T, new_kv=(v, positions, EPS, THETA, rope), table=table)
 
     q0 = norm_cache(*caches[0])
     variants = {
@@ -89,7 +86,6 @@ def main() -> int:
         "fused_table": lambda kc, vc: fused(kc, vc, table=step["table"]),
         "fused_no_rope": lambda kc, vc: fused(kc, vc, rope=False),
         "fused_no_store": lambda kc, vc: fused(kc, vc, positions=past),
-        "fused_table_unhoisted": lambda kc, vc: fused(kc, vc, table=step["table"], config=dict(HOIST=False)),
     }
     same = torch.equal(fused(*caches[0]), attention(norm_cache(*caches[0]), *caches[0]))
     print(f"B={B}: fused output = norm_cache then attention, bit for bit: {same}", flush=True)
@@ -98,11 +94,6 @@ def main() -> int:
     print(f"B={B}: norm_cache with the step's RoPE table = without, bit for bit: {table_same}", flush=True)
     fused_table_same = torch.equal(fused(*caches[0], table=step["table"]), fused(*caches[0]))
     print(f"B={B}: fused with the step's RoPE table = without, bit for bit: {fused_table_same}", flush=True)
-    unhoisted = [c.clone() for c in caches[0]]
-    hoist_same = (torch.equal(fused(*caches[0], table=step["table"]),
-                              fused(*unhoisted, table=step["table"], config=dict(HOIST=False)))
-                  and all(torch.equal(a, b) for a, b in zip(caches[0], unhoisted)))
-    print(f"B={B}: fused with HOIST (the default) = without, bit for bit: {hoist_same}", flush=True)
     if a.ncu:
         for fn in variants.values():  # compiled and warm before the profiled range
             fn(*caches[0])
@@ -137,8 +128,7 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(dict(args=vars(a), fused_equals_default=same,
                                                 table_equals_in_place=table_same,
-                                                fused_table_equals_in_place=fused_table_same,
-                                                hoisted_equals_unhoisted=hoist_same, us_per_layer=results),
+                                                fused_table_equals_in_place=fused_table_same, us_per_layer=results),
                                            indent=1))
     return 0
 

@@ -1059,8 +1059,8 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
              + ["*bf16", "*i64"] + ["i32"] * 6)
     fused = compile_for_hopper(ak._partial_kernel, dict(zip(names, types)), dict(
         SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"], SPLIT_T=cfg["SPLIT_T"],
-        IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=True, BOUNDS=True, NORM_QK=True, EPS=1e-6, THETA=5e5, ROPE=True,
-        HOIST=cfg["HOIST"]), cfg["num_warps"])
+        IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=True, BOUNDS=True, NORM_QK=True, EPS=1e-6, THETA=5e5, ROPE=True),
+        cfg["num_warps"])
     assert fused.asm["cubin"] and fused.metadata.shared <= 227 * 1024
     assert "bar.sync" in fused.asm["ptx"]  # the barrier between the cache write and the tiles' loads
     # reading the step's RoPE table (TABLE): none of the library's trigonometry (its large-argument
@@ -1068,8 +1068,7 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
     table = compile_for_hopper(ak._partial_kernel, dict(zip(names + ["cos_ptr", "sin_ptr"], types + ["*fp32"] * 2)),
                                dict(SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
                                     SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=True, BOUNDS=True,
-                                    NORM_QK=True, EPS=1e-6, THETA=5e5, ROPE=True, TABLE=True, HOIST=cfg["HOIST"]),
-                               cfg["num_warps"])
+                                    NORM_QK=True, EPS=1e-6, THETA=5e5, ROPE=True, TABLE=True), cfg["num_warps"])
     assert table.asm["cubin"] and table.metadata.shared <= 227 * 1024
     assert "ld.local" in fused.asm["ptx"] and "ld.local" not in table.asm["ptx"]
 
@@ -1273,8 +1272,6 @@ ATTN_CACHE_SHAPES = {
     "row_blocks": (2, 12, 16, 2, 32, 3, 200, 200, (60, 0)),
     "past_window": (2, 3, 4, 2, 32, 4, 200, 140, (137, 40)),
     "head128": (1, 8, 32, 8, 128, 2, 1152, 1152, (1024, 0)) if BIG else (1, 8, 8, 2, 128, 2, 300, 300, (200, 0)),
-    # more new rows than one pass of the cache write takes (NEW_ROWS = 16): a prompt chunk
-    "long_chunk": (2, 21, 4, 2, 32, 3, 160, 160, (90, 0)),
 }
 
 
@@ -1374,33 +1371,6 @@ def test_the_rope_table_gives_the_attention_cache_kernel_its_own_bits(tops, shap
     got = tops.attention_cache(x, v, positions, 1e-6, 5e5, True, kc, vc, slots, KeyBounds(last, window))
     got_t = tops.attention_cache(x, v, positions, 1e-6, 5e5, True, kc2, vc2, slots, KeyBounds(last, window), *table)
     assert torch.equal(got, got_t) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
-
-
-@needs_kernels
-@pytest.mark.parametrize("shape", ["straddle", "past_window", "head128", "long_chunk"])
-@pytest.mark.parametrize("table", [False, True], ids=["angles", "table"])
-def test_hoisted_loads_give_the_attention_cache_kernel_the_same_bits(shape, table):
-    """``HOIST`` (the default: the new rows, q's angles and the bounds loaded before anything waits)
-    against the kernel without it: the output and both caches bit for bit, with the angles computed
-    or read from the step's RoPE table, for steps and for a chunk longer than one pass of the
-    cache write."""
-    from muse_spark.plugins.attention.triton_kernel import DEFAULT_CONFIG, launch_attention
-    from muse_spark.plugins.head_norm_rope.triton_kernel import launch_rope_table
-    from muse_spark.plugins.triton_math import interpreting
-
-    assert DEFAULT_CONFIG["HOIST"] is True
-    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES[shape]
-    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
-    tab = launch_rope_table(positions, 5e5, dh) if table else None
-    outs = []
-    for hoist in (True, False):
-        k, vv = kc.clone(), vc.clone()
-        out = launch_attention(x, k, vv, last, slots, interpret=interpreting(), window=window,
-                               new_kv=(v, positions, 1e-6, 5e5, True), table=tab, config=dict(HOIST=hoist))
-        outs.append((out, k, vv))
-    (a, ka, va), (b, kb, vb) = outs
-    assert torch.equal(a, b) and torch.equal(ka, kb) and torch.equal(va, vb)
-    assert not torch.equal(ka, kc)  # the new keys were written
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the op's module imports it)")

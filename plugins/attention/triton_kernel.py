@@ -67,13 +67,13 @@ NEW_ROWS = 16  # new K/V rows per pass of the fused cache write (NORM_QK)
 # The launch configuration, from scripts/attention_bench.py --sweep on the H200 (one layer,
 # graph-timed, batch 1 / 8 / 32): EARLY_KV 11.1 / 36.3 / 118.8 µs against 11.7 / 36.1 / 116.1
 # (the same bits); a merge of 8 splits by one warp 11.3 / 31.3 / 97.2 against 16 by four warps.
-# Every engine must use one configuration: a row's bits depend on it (EARLY_KV and HOIST excepted: the
+# Every engine must use one configuration: a row's bits depend on it (EARLY_KV excepted: the
 # same arithmetic). ``launch_attention(config=...)`` overrides it for the sweep in
 # scripts/attention_bench.py, which may also set ``num_stages`` (passed through wrap_triton) and
 # ``maxnreg`` (eager launches only; capping the partial kernel's ~227 registers at 96 or 64 was
 # slower at every batch on the H200).
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
-                      merge_warps=1, EARLY_KV=True, HOIST=True)  # num_stages: Triton's default unless a sweep sets it
+                      merge_warps=1, EARLY_KV=True)  # num_stages: Triton's default unless a sweep sets it
 
 
 @triton.jit
@@ -118,17 +118,16 @@ def _norm_rotate_rows(x1, x2, pos, row, ok, cos_ptr, sin_ptr, EPS: tl.constexpr,
 def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok, lo, hi, S, H,
                   sq_b, sq_s, sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                   EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, KB: tl.constexpr,
-                  TABLE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, S0=0):
+                  TABLE: tl.constexpr = False, cos_ptr=None, sin_ptr=None):
     """The layer's new keys and values of KV head ``kvh`` whose positions fall in [lo, hi) into the
     caches at row ``kv_row``: key head H + kvh of x [B, S, H + KV, Dh] normed and rotated at its
     position (``norm_rotate``, as ``head_norm_rope``'s cache kernel does it), v [B, S, KV, Dh] as
-    it is. ``KB`` new rows a pass, from row ``S0``; a pass with none in range loads nothing but
-    their positions. ``TABLE``: the angles' cos and sin are rows b·S + s of the step's RoPE table
-    [B·S, Dh/2]."""
+    it is. ``KB`` new rows a pass; a pass with none in range loads nothing but their positions.
+    ``TABLE``: the angles' cos and sin are rows b·S + s of the step's RoPE table [B·S, Dh/2]."""
     HALF: tl.constexpr = DH // 2
     dh2 = tl.arange(0, HALF)
     dd = tl.arange(0, DH)
-    for s0 in range(S0, S, KB):
+    for s0 in range(0, S, KB):
         sr = s0 + tl.arange(0, KB)
         pos = tl.load(pos_ptr + b * sp_b + sr * sp_s, mask=sr < S, other=-1).to(tl.int64)
         w = (sr < S) & (pos >= lo) & (pos < hi) & row_ok
@@ -144,54 +143,6 @@ def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok
             val = tl.load(vn_ptr + b * svn_b + sr[:, None] * svn_s + kvh * svn_h + dd[None, :], mask=w[:, None],
                           other=0.0)
             tl.store(vc_ptr + kv_row * sv_b + pos[:, None] * sv_t + kvh * sv_h + dd[None, :], val, mask=w[:, None])
-
-
-@triton.jit
-def _load_new_rows(x_ptr, vn_ptr, pos_ptr, cos_ptr, sin_ptr, b, kvh, S, H, sq_b, sq_s, sq_h, svn_b, svn_s, svn_h,
-                   sp_b, sp_s, DH: tl.constexpr, KB: tl.constexpr, TABLE: tl.constexpr):
-    """``HOIST``: the first ``KB`` new rows of KV head ``kvh`` (their positions, the raw key halves
-    of head H + kvh of x, with ``TABLE`` their angles' cos and sin, the values), loaded with masks
-    that wait on no other load, so that they travel with the kernel's first loads (one memory round
-    trip) instead of after the positions they are stored at. → (pos [KB] int64, k1, k2 [KB, Dh/2]
-    fp32, cos, sin [KB, Dh/2] fp32 or 0.0, v [KB, Dh])."""
-    HALF: tl.constexpr = DH // 2
-    dh2 = tl.arange(0, HALF)
-    sr = tl.arange(0, KB)
-    ok = sr < S
-    pos = tl.load(pos_ptr + b * sp_b + sr * sp_s, mask=ok, other=-1).to(tl.int64)
-    src = x_ptr + b * sq_b + sr[:, None] * sq_s + (H + kvh) * sq_h + dh2[None, :]
-    k1 = tl.load(src, mask=ok[:, None], other=0.0).to(tl.float32)
-    k2 = tl.load(src + HALF, mask=ok[:, None], other=0.0).to(tl.float32)
-    if TABLE:
-        at = (b * S + sr).to(tl.int64)[:, None] * HALF + dh2[None, :]
-        c = tl.load(cos_ptr + at, mask=ok[:, None], other=0.0)
-        sn = tl.load(sin_ptr + at, mask=ok[:, None], other=0.0)
-    else:
-        c = 0.0
-        sn = 0.0
-    val = tl.load(vn_ptr + b * svn_b + sr[:, None] * svn_s + kvh * svn_h + tl.arange(0, DH)[None, :],
-                  mask=ok[:, None], other=0.0)
-    return pos, k1, k2, c, sn, val
-
-
-@triton.jit
-def _store_loaded_rows(pos, k1, k2, c, sn, val, kc_ptr, vc_ptr, kvh, kv_row, row_ok, lo, hi, S, sk_b, sk_t, sk_h,
-                       sv_b, sv_t, sv_h, EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr,
-                       ROPE: tl.constexpr, KB: tl.constexpr, TABLE: tl.constexpr):
-    """``_store_new_kv``'s first pass on rows ``_load_new_rows`` loaded: the same arithmetic on the
-    same values (each row's norm and rotation are its own, so the rows that are not stored change
-    no bit of those that are)."""
-    HALF: tl.constexpr = DH // 2
-    dh2 = tl.arange(0, HALF)
-    w = (tl.arange(0, KB) < S) & (pos >= lo) & (pos < hi) & row_ok
-    if tl.max(w.to(tl.int32), axis=0) > 0:
-        y1, y2 = norm_rotate(k1, k2, pos.to(tl.float32)[:, None], 1, EPS, THETA, DH, ROPE, kc_ptr.dtype.element_ty,
-                             TABLE, c, sn)
-        kd = kc_ptr + kv_row * sk_b + pos[:, None] * sk_t + kvh * sk_h + dh2[None, :]
-        tl.store(kd, y1, mask=w[:, None])
-        tl.store(kd + HALF, y2, mask=w[:, None])
-        tl.store(vc_ptr + kv_row * sv_b + pos[:, None] * sv_t + kvh * sv_h + tl.arange(0, DH)[None, :], val,
-                 mask=w[:, None])
 
 
 @triton.jit
@@ -216,11 +167,6 @@ def _partial_kernel(
     # TABLE (with NORM_QK and ROPE): the angles' cos and sin are rows b·S + s of the step's RoPE
     # table [B·S, Dh/2] fp32 (the qkv GEMM's launch writes it), not computed here: the same bits
     cos_ptr=None, sin_ptr=None, TABLE: tl.constexpr = False,
-    # HOIST (with NORM_QK): every load that waits on no other load is issued first: q and its angles,
-    # the first KB new rows (``_load_new_rows``) and the bounds, so that the memory round trips before
-    # the K/V tiles are one, not five (positions, then the new keys, then the values, then, after the
-    # barrier, the bounds). The same arithmetic on the same values: the same bits.
-    HOIST: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -244,36 +190,21 @@ def _partial_kernel(
         qsrc = q_ptr + b * sq_b + s[:, None] * sq_s + head[:, None] * sq_h + dh2[None, :]
         x1 = tl.load(qsrc, mask=rmask[:, None], other=0.0).to(tl.float32)
         x2 = tl.load(qsrc + HALF, mask=rmask[:, None], other=0.0).to(tl.float32)
-        if TABLE:  # the angles of rows b·S + s of the step's RoPE table
-            qat = (b * S + s).to(tl.int64)[:, None] * HALF + dh2[None, :]
-            qc = tl.load(cos_ptr + qat, mask=rmask[:, None], other=0.0)
-            qsn = tl.load(sin_ptr + qat, mask=rmask[:, None], other=0.0)
+        if TABLE:
             qpos = 0.0  # (not read)
         else:
-            qc = 0.0
-            qsn = 0.0
             qpos = tl.load(pos_ptr + b * sp_b + s * sp_s, mask=rmask, other=0).to(tl.float32)[:, None]
+        y1, y2 = _norm_rotate_rows(x1, x2, qpos, b * S + s, rmask, cos_ptr, sin_ptr, EPS, THETA, DH, ROPE,
+                                   q_ptr.dtype.element_ty, TABLE)
+        q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (BLOCK_M, DH))  # [y1 | y2]
         # This split's new keys and values into the caches (the last split also takes positions past
         # the window), then a barrier: the tiles below read them back (every row block of the split
         # stores the same values, so none reads another's half-written row).
         lo = split * SPLIT_T
         hi = tl.where(split == NSPLIT - 1, T_CACHE, lo + SPLIT_T)
-        if HOIST:
-            npos, k1, k2, kc, ksn, nv = _load_new_rows(q_ptr, vn_ptr, pos_ptr, cos_ptr, sin_ptr, b, kvh, S, REP * KV,
-                                                       sq_b, sq_s, sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, DH, KB, TABLE)
-            if BOUNDS:
-                last = tl.load(mask_ptr + b * sm_b + s * sm_s, mask=rmask, other=-1)  # [BLOCK_M] int64
-            _store_loaded_rows(npos, k1, k2, kc, ksn, nv, k_ptr, v_ptr, kvh, kv_row, row_ok, lo, hi, S, sk_b, sk_t,
-                               sk_h, sv_b, sv_t, sv_h, EPS, THETA, DH, ROPE, KB, TABLE)
-            _store_new_kv(q_ptr, vn_ptr, pos_ptr, k_ptr, v_ptr, b, kvh, kv_row, row_ok, lo, hi, S, REP * KV, sq_b,
-                          sq_s, sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, EPS, THETA,
-                          DH, ROPE, KB, TABLE, cos_ptr, sin_ptr, KB)  # rows past the first KB (long chunks)
-        y1, y2 = norm_rotate(x1, x2, qpos, 1, EPS, THETA, DH, ROPE, q_ptr.dtype.element_ty, TABLE, qc, qsn)
-        q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (BLOCK_M, DH))  # [y1 | y2]
-        if not HOIST:
-            _store_new_kv(q_ptr, vn_ptr, pos_ptr, k_ptr, v_ptr, b, kvh, kv_row, row_ok, lo, hi, S, REP * KV, sq_b,
-                          sq_s, sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, EPS, THETA,
-                          DH, ROPE, KB, TABLE, cos_ptr, sin_ptr)
+        _store_new_kv(q_ptr, vn_ptr, pos_ptr, k_ptr, v_ptr, b, kvh, kv_row, row_ok, lo, hi, S, REP * KV, sq_b, sq_s,
+                      sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, EPS, THETA, DH, ROPE,
+                      KB, TABLE, cos_ptr, sin_ptr)
         tl.debug_barrier()
     else:
         q = tl.load(q_ptr + b * sq_b + s[:, None] * sq_s + head[:, None] * sq_h + d[None, :], mask=rmask[:, None],
@@ -284,8 +215,7 @@ def _partial_kernel(
     t_begin = split * SPLIT_T
     t_end = tl.minimum(t_begin + SPLIT_T, T)
     if BOUNDS:  # key t is visible to row r iff t ≤ last[b, s(r)]: no mask tensor to read
-        if not (NORM_QK and HOIST):
-            last = tl.load(mask_ptr + b * sm_b + s * sm_s, mask=rmask, other=-1)  # [BLOCK_M] int64
+        last = tl.load(mask_ptr + b * sm_b + s * sm_s, mask=rmask, other=-1)  # [BLOCK_M] int64
         if EARLY_KV:
             t_end = tl.where(t_begin <= tl.max(last, axis=0), t_end, t_begin)  # nobody sees the split: no tile
     elif EARLY_KV:
@@ -443,8 +373,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
         SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
         SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None, EARLY_KV=cfg["EARLY_KV"],
-        PDL=0 if interpret else int(pdl), BOUNDS=window is not None, HOIST=bool(cfg["HOIST"]), num_warps=cfg["num_warps"],
-        **launch_opts,
+        PDL=0 if interpret else int(pdl), BOUNDS=window is not None, num_warps=cfg["num_warps"], **launch_opts,
         **fused,
         **{opt: cfg[opt] for opt in ("num_stages", "maxnreg") if opt in cfg},  # eager launches only (the sweep)
     )
