@@ -1272,6 +1272,8 @@ ATTN_CACHE_SHAPES = {
     "row_blocks": (2, 12, 16, 2, 32, 3, 200, 200, (60, 0)),
     "past_window": (2, 3, 4, 2, 32, 4, 200, 140, (137, 40)),
     "head128": (1, 8, 32, 8, 128, 2, 1152, 1152, (1024, 0)) if BIG else (1, 8, 8, 2, 128, 2, 300, 300, (200, 0)),
+    # more new rows than one pass of the cache write takes (NEW_ROWS = 16): a prompt chunk
+    "long_chunk": (2, 21, 4, 2, 32, 3, 160, 160, (90, 0)),
 }
 
 
