@@ -55,7 +55,8 @@ TAUS = (1.0, 3.7, 6.17)
 # variants are the step without them.
 VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "no_pdl": {"MUSE_SPARK_PDL": "0"},
             "pdl_wait_only": {"MUSE_SPARK_PDL_TRIGGER": "0"},
-            "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}, "linear_residual": {"MUSE_SPARK_LINEAR_RESIDUAL": "1"}}
+            "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}, "linear_residual": {"MUSE_SPARK_LINEAR_RESIDUAL": "1"},
+            "accept_kernels": {"MUSE_SPARK_ACCEPT_KERNELS": "1"}}
 # the variant's --option, where its name is not the option's
 VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache", "no_pdl": "pdl",
                   "pdl_wait_only": "pdl_trigger"}
@@ -1141,6 +1142,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear-residual", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step with the o and down projections' launches doing "
                         "the gated residual after them (MUSE_SPARK_LINEAR_RESIDUAL=1), beside the default")
+    p.add_argument("--accept-kernels", choices=["off", "both"], default="off",
+                   help="both: also compile and time the aoti step with the acceptance rule in three Triton "
+                        "kernels (MUSE_SPARK_ACCEPT_KERNELS=1), beside the default (Inductor's compile of it)")
     p.add_argument("--work-dir", default="/tmp/muse_spark_bench", help="where the aoti packages are compiled")
     p.add_argument("--json", default="docs/benchmarks.json")
     p.add_argument("--markdown", default="docs/benchmarks.md")

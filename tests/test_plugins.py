@@ -335,3 +335,39 @@ def test_linear_residual_op_on_cpu_is_its_two_references():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="linear_residual: sync must be 2 contiguous int32"):
         torch.ops.muse_spark.linear_residual_triton(x, w, stream, gate, nw, bw, sync.long(), 1e-6, False, True, True)
+
+
+@pytest.mark.parametrize("impl", ["op", "inline", "triton"])
+@pytest.mark.parametrize("soft_cap", [None, 4.0])
+def test_dispatch_accept_is_the_rule_on_the_transformed_logits(impl, soft_cap, monkeypatch):
+    """``dispatch.accept`` (what step_verify calls, on the head's raw output) gives
+    ``runtime.sampling.accept`` on ``output_transform(raw, multiplier, soft_cap)``; under ``"triton"``
+    without ``MUSE_SPARK_ACCEPT_KERNELS=1`` (the default) it is that same reference code."""
+    from muse_spark.models.layers import output_transform
+    from muse_spark.runtime.sampling import accept
+
+    monkeypatch.delenv("MUSE_SPARK_ACCEPT_KERNELS", raising=False)
+    g = torch.Generator().manual_seed(4)
+    B, gamma, V, Vd = 3, 4, 90, 40
+    raw = (3 * torch.randn(B, gamma + 1, V, generator=g)).bfloat16()
+    d2t = torch.sort(torch.randperm(V, generator=g)[:Vd]).values - torch.arange(Vd)
+    probs = torch.softmax(torch.randn(B, gamma, Vd, generator=g), -1)
+    drafted = torch.multinomial(probs.reshape(-1, Vd), 1, generator=g).reshape(B, gamma)
+    ids = drafted + d2t[drafted]  # their target ids
+    args = (ids, probs, d2t, torch.tensor([0.0, 1.0, 0.7]), torch.tensor([1, 2, 3]), torch.tensor([5, 9, 0]))
+    with dispatch.plugin_impl(impl):
+        got = dispatch.accept(raw, 0.5, soft_cap, *args)
+    want = accept(output_transform(raw, 0.5, soft_cap), *args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_accept_kernels_switch_is_opt_in(monkeypatch):
+    from muse_spark.models.layers import accept_kernels
+
+    monkeypatch.delenv("MUSE_SPARK_ACCEPT_KERNELS", raising=False)
+    assert accept_kernels() is False
+    monkeypatch.setenv("MUSE_SPARK_ACCEPT_KERNELS", "1")
+    assert accept_kernels() is True
+    monkeypatch.setenv("MUSE_SPARK_ACCEPT_KERNELS", "yes")
+    with pytest.raises(ValueError, match="MUSE_SPARK_ACCEPT_KERNELS='yes': expected 0 or 1"):
+        accept_kernels()

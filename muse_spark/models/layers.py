@@ -339,6 +339,16 @@ def _switch(name: str, default: str = "0") -> bool:
     return value == "1"
 
 
+def accept_kernels() -> bool:
+    """``MUSE_SPARK_ACCEPT_KERNELS=1``: a Triton build's step_verify package runs the acceptance rule
+    in three Triton kernels (``muse_spark::accept_triton``, plugins/acceptance) instead of Inductor's
+    compile of ``runtime.sampling.accept`` (~20 kernels). Opt-in: on the H200 (nineteenth session) the
+    kernels' GPU tests passed and a batch-1 step with them took 19 µs of acceptance kernels against
+    ≈ 45, greedy step equal to eager, but the Triton engine tests with them in the package did not
+    complete there (docs/benchmarks.md). A build records it in the engine's manifest."""
+    return _switch("MUSE_SPARK_ACCEPT_KERNELS", default="0")
+
+
 def qkv_epilogue() -> bool:
     """``MUSE_SPARK_QKV_EPILOGUE=1``: where the Triton linear kernel takes the attention's qkv
     projection, its epilogue also does the q/k head norm, RoPE and the K/V cache write
