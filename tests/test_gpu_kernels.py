@@ -2328,3 +2328,102 @@ def test_accept_kernels_compile_for_hopper_without_fused_multiply_adds():
     ]
     for k in kernels:
         assert k.asm["cubin"] and "fma.rn.f32" not in k.asm["ptx"] and "ld.local" not in k.asm["ptx"]
+
+
+# ----------------------------------------------------------------------------- Inductor's view of the kernels
+class _LaunchRecorder:
+    """A launcher's ``wrap``: records (kernel, every argument by name) instead of launching."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, kernel):
+        recorder = self
+
+        class _Grid:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    named = {k: v for k, v in kwargs.items()
+                             if k not in ("num_warps", "num_stages", "launch_pdl", "maxnreg")}
+                    named.update(zip(kernel.arg_names, args))
+                    recorder.calls.append((kernel, named))
+                return launch
+
+        return _Grid()
+
+
+@pytest.fixture
+def hopper_target():
+    """Triton's active driver answering sm_90 where there is no GPU (Inductor's kernel analysis asks
+    it for the compile target); the real driver on a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    if torch.cuda.is_available():
+        yield
+        return
+
+    class _Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def is_active(self):
+            return True
+
+    before = driver._active  # (None until a kernel first asks: the CUDA driver, absent here)
+    driver.set_active(_Hopper())
+    try:
+        yield
+    finally:
+        driver._active = before
+
+
+def inductor_writes(kernel, kwargs) -> set[str]:
+    """The arguments Inductor's analysis of a user-defined Triton kernel finds written (what it
+    treats as mutated: an input it wrongly names is copied before every launch, and written back
+    where it is a graph input)."""
+    from torch._higher_order_ops import triton_kernel_wrap as tkw
+
+    if hasattr(tkw, "identify_accessed_tensors"):  # torch 2.13
+        return {d.name for d in tkw.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes}
+    return set(tkw.identify_mutated_tensors(kernel, kwargs, {}))  # torch 2.11
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("form", ["fused_table", "fused_angles", "bounds", "accept"])
+def test_inductor_finds_exactly_the_outputs_the_kernels_write(form, hopper_target):
+    """As the launchers call them at the Muse-Spark step's shape (batch 1), Inductor's mutation
+    analysis of each kernel names exactly the buffers it writes. A false positive is not harmless:
+    in the nineteenth session a variant of the fused attention (``HOIST``, reverted) made the
+    analysis name q, v, the positions and the RoPE table too, and the engines then copied them
+    before every layer's attention and failed to load (docs/aoti.md, "Known problems")."""
+    from muse_spark.plugins.acceptance.triton_kernel import launch_accept
+    from muse_spark.plugins.attention.triton_kernel import launch_attention
+
+    rec = _LaunchRecorder()
+    bf, i64, f32 = torch.bfloat16, torch.int64, torch.float32
+    B, S, H, KV, DH, T = 1, 8, 32, 8, 128, 1152
+    if form == "accept":
+        V, Vd = 131072, 32768
+        launch_accept(torch.empty(B, S, V, dtype=bf), 1.0, torch.zeros(B, S - 1, dtype=i64),
+                      torch.empty(B, S - 1, Vd, dtype=f32), torch.zeros(Vd, dtype=i64), torch.ones(B),
+                      torch.zeros(B, dtype=i64), torch.zeros(B, dtype=i64), wrap=rec)
+        want = {"_stats_kernel": {"t2d_ptr", "mx_ptr", "sm_ptr", "am_ptr", "ni_ptr", "fi_ptr"},
+                "_accept_kernel": {"rv_ptr", "ri_ptr", "pv_ptr", "pi_ptr", "ar_ptr", "nb_ptr"},
+                "_finish_kernel": {"n_ptr", "bonus_ptr"}}
+    else:
+        kc, vc = torch.empty(2, T, KV, DH, dtype=bf), torch.empty(2, T, KV, DH, dtype=bf)
+        last, slots = torch.zeros(B, S, dtype=i64), torch.zeros(B, dtype=i64)
+        if form == "bounds":
+            launch_attention(torch.empty(B, S, H, DH, dtype=bf), kc, vc, last, slots, wrap=rec, window=T, pdl=1)
+            partial = {"po_ptr", "pm_ptr", "pl_ptr"}
+        else:
+            table = (torch.empty(B * S, DH // 2, dtype=f32), torch.empty(B * S, DH // 2, dtype=f32))
+            launch_attention(torch.empty(B, S, H + KV, DH, dtype=bf), kc, vc, last, slots, wrap=rec, window=T,
+                             pdl=1, new_kv=(torch.empty(B, S, KV, DH, dtype=bf), torch.zeros(B, S, dtype=i64), 1e-6,
+                                            5e5, True), table=table if form == "fused_table" else None)
+            partial = {"k_ptr", "v_ptr", "po_ptr", "pm_ptr", "pl_ptr"}
+        want = {"_partial_kernel": partial, "_combine_kernel": {"out_ptr"}}
+    assert [k.fn.__name__ for k, _ in rec.calls] == list(want)
+    for kernel, kwargs in rec.calls:
+        assert inductor_writes(kernel, kwargs) == want[kernel.fn.__name__], kernel.fn.__name__
