@@ -2427,3 +2427,54 @@ def test_inductor_finds_exactly_the_outputs_the_kernels_write(form, hopper_targe
     assert [k.fn.__name__ for k, _ in rec.calls] == list(want)
     for kernel, kwargs in rec.calls:
         assert inductor_writes(kernel, kwargs) == want[kernel.fn.__name__], kernel.fn.__name__
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "gated_residual",
+                                  "head_norm_rope_cache", "markov"])
+def test_inductor_finds_no_caller_input_written_but_the_declared_ones(form, hopper_target):
+    """The step's other plugin kernels, as their launchers call them at the Muse-Spark shape (batch
+    1): Inductor's mutation analysis names no buffer the caller passed in as written, except those
+    the op declares mutated (the caches, the Markov workspace). Such a false positive is copied
+    before every launch in the packages, and written back where it is a graph input."""
+    from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
+    from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope_cache
+    from muse_spark.plugins.linear.triton_kernel import launch_linear, launch_linear_rope_table
+    from muse_spark.plugins.markov import triton_kernel as mk
+
+    rec = _LaunchRecorder()
+    bf, i64, f32 = torch.bfloat16, torch.int64, torch.float32
+    B, S, H, KV, DH, D, T = 1, 8, 32, 8, 128, 4096, 1152
+    declared = []
+    if form in ("linear", "linear_silu_mul"):
+        inputs = [torch.empty(B, S, D, dtype=bf), torch.empty(2 * 14336 if form != "linear" else 4096, D, dtype=bf)]
+        launch_linear(*inputs, silu_mul=form != "linear", wrap=rec, pdl=2)
+    elif form == "linear_rope_table":
+        inputs = [torch.empty(B, S, D, dtype=bf), torch.empty((H + 2 * KV) * DH, D, dtype=bf),
+                  torch.zeros(B, S, dtype=i64)]
+        launch_linear_rope_table(*inputs, 5e5, DH, wrap=rec, pdl=2)
+    elif form == "gated_residual":
+        inputs = [torch.empty(B, S, D), torch.empty(B, S, D, dtype=bf), torch.empty(D), torch.empty(D, dtype=bf)]
+        launch_gated_residual_add(*inputs, 1e-6, False, True, bf, wrap=rec, pdl=1)
+    elif form == "head_norm_rope_cache":
+        declared = [torch.empty(2, T, KV, DH, dtype=bf), torch.empty(2, T, KV, DH, dtype=bf)]
+        inputs = [torch.empty(B, S, H + KV, DH, dtype=bf), torch.empty(B, S, KV, DH, dtype=bf),
+                  torch.zeros(B, S, dtype=i64), torch.zeros(B, dtype=i64)]
+        launch_head_norm_rope_cache(inputs[0], inputs[1], inputs[2], 1e-6, 5e5, True, *declared, inputs[3], wrap=rec,
+                                    pdl=1)
+    else:
+        V, Vd, r, gamma = 131072, 32768, 256, 7
+        inputs = [torch.empty(B, gamma, Vd), torch.zeros(B, dtype=i64), torch.empty(V, r, dtype=bf),
+                  torch.empty(Vd, r, dtype=bf), torch.zeros(Vd, dtype=i64), torch.zeros(B, dtype=i64),
+                  torch.zeros(B, dtype=i64), torch.ones(B)]
+        declared = [torch.zeros(mk.workspace_words(B, gamma, Vd, r, torch.device("cuda")), dtype=i64)]
+        mk.launch_markov_sample(*inputs, wrap=rec, workspace=declared[0])
+    assert rec.calls, "the launcher launched nothing"
+    storages = {t.untyped_storage().data_ptr() for t in inputs}
+    allowed = {t.untyped_storage().data_ptr() for t in declared}
+    for kernel, kwargs in rec.calls:
+        written = inductor_writes(kernel, kwargs)
+        callers = {n for n in written if torch.is_tensor(kwargs[n])
+                   and kwargs[n].untyped_storage().data_ptr() in storages - allowed}
+        assert not callers, (kernel.fn.__name__, sorted(callers))
+        assert written, kernel.fn.__name__  # (the analysis ran: every kernel writes something)
