@@ -70,8 +70,8 @@ from typing import Callable, Iterator
 import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
-from muse_spark.models.layers import (PDL_KERNELS, accept_kernels, attention_cache_fused, attention_path, linear_path, linear_residual,
-                                      pdl_active, pdl_trigger, qkv_epilogue, rope_table)
+from muse_spark.models.layers import (PDL_KERNELS, accept_kernels, attention_cache_fused, attention_path, linear_path,
+                                      linear_residual, pdl_active, pdl_trigger, qkv_epilogue, rope_table)
 from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 

@@ -2272,8 +2272,9 @@ def test_accept_op_runs_the_kernels_and_refuses_bad_shapes(tops):
 
 @needs_kernels
 def test_accept_kernels_emit_the_target_distribution():
-    """Statistically: over 3000 seeds (600 on the interpreter) with one draft, the first token the kernels emit (the draft
-    when accepted, else the bonus) follows the target's P_0 (speculative sampling is lossless), and
+    """Statistically: over 3000 seeds (600 on the interpreter) with one draft, the first token the
+    kernels emit (the draft when accepted, else the bonus) follows the target's P_0 (speculative
+    sampling is lossless), and
     the token after an accepted draft follows P_1 — chi-square p > 1e-4. The draft distribution is
     far from the target's, so rejections and residual samples are frequent."""
     from stat_utils import chi2_pvalue
