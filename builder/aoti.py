@@ -427,7 +427,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "qkv_epilogue": qkv_epilogue() and linear_path(device, target.dtype) == "triton",
         # MUSE_SPARK_ATTENTION_CACHE (on unless 0): the attention kernel norms q/k and writes the caches
         "attention_cache": attention_cache_fused() and attention_path(device, target.dtype) == "triton",
-        # MUSE_SPARK_ACCEPT_KERNELS=1 (opt-in): step_verify's acceptance rule in three Triton kernels
+        # MUSE_SPARK_ACCEPT_KERNELS (on unless 0): step_verify's acceptance rule in three Triton kernels
         "accept_kernels": accept_kernels() and impl == "triton",
         # MUSE_SPARK_LINEAR_RESIDUAL=1 (opt-in): the o and down projections' launches do the gated residual too
         "linear_residual": linear_residual() and linear_path(device, target.dtype) == "triton" and impl != "inline",

@@ -78,8 +78,8 @@ def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, te
 def accept(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos):
     """The acceptance rule (``runtime.sampling.accept``) on the target head's output before its
     transform (``models.layers.output_transform(raw_logits, multiplier, soft_cap)``): the reference
-    (``"op"``, ``"inline"``, and ``"triton"`` by default), or under ``"triton"`` with
-    ``MUSE_SPARK_ACCEPT_KERNELS=1`` (``models.layers.accept_kernels``) ``muse_spark::accept_triton``'s
+    (``"op"``, ``"inline"``, and ``"triton"`` with ``MUSE_SPARK_ACCEPT_KERNELS=0``), or under
+    ``"triton"`` by default (``models.layers.accept_kernels``) ``muse_spark::accept_triton``'s
     kernels, which apply the multiplier themselves (a soft cap is applied before them).
     → (n accepted [B], bonus token [B]) int64."""
     from muse_spark.models.layers import accept_kernels, output_transform

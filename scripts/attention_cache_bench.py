@@ -99,7 +99,8 @@ def main() -> int:
             fn(*caches[0])
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
-        for name in ("norm_cache", "attention", "fused", "fused_no_rope", "fused_no_store"):
+        step["table"] = launch_rope_table(pos, THETA, DH)
+        for name in ("norm_cache", "attention", "fused", "fused_no_rope", "fused_no_store", "fused_table"):
             variants[name](*caches[1])
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()

@@ -342,11 +342,12 @@ def test_linear_residual_op_on_cpu_is_its_two_references():
 def test_dispatch_accept_is_the_rule_on_the_transformed_logits(impl, soft_cap, monkeypatch):
     """``dispatch.accept`` (what step_verify calls, on the head's raw output) gives
     ``runtime.sampling.accept`` on ``output_transform(raw, multiplier, soft_cap)``; under ``"triton"``
-    without ``MUSE_SPARK_ACCEPT_KERNELS=1`` (the default) it is that same reference code."""
+    with ``MUSE_SPARK_ACCEPT_KERNELS=0`` it is that same reference code; on the CPU the kernels' op
+    falls back to it too."""
     from muse_spark.models.layers import output_transform
     from muse_spark.runtime.sampling import accept
 
-    monkeypatch.delenv("MUSE_SPARK_ACCEPT_KERNELS", raising=False)
+    monkeypatch.setenv("MUSE_SPARK_ACCEPT_KERNELS", "0")
     g = torch.Generator().manual_seed(4)
     B, gamma, V, Vd = 3, 4, 90, 40
     raw = (3 * torch.randn(B, gamma + 1, V, generator=g)).bfloat16()
@@ -361,13 +362,13 @@ def test_dispatch_accept_is_the_rule_on_the_transformed_logits(impl, soft_cap, m
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_the_accept_kernels_switch_is_opt_in(monkeypatch):
+def test_the_accept_kernels_switch_is_on_by_default(monkeypatch):
     from muse_spark.models.layers import accept_kernels
 
     monkeypatch.delenv("MUSE_SPARK_ACCEPT_KERNELS", raising=False)
-    assert accept_kernels() is False
-    monkeypatch.setenv("MUSE_SPARK_ACCEPT_KERNELS", "1")
     assert accept_kernels() is True
+    monkeypatch.setenv("MUSE_SPARK_ACCEPT_KERNELS", "0")
+    assert accept_kernels() is False
     monkeypatch.setenv("MUSE_SPARK_ACCEPT_KERNELS", "yes")
     with pytest.raises(ValueError, match="MUSE_SPARK_ACCEPT_KERNELS='yes': expected 0 or 1"):
         accept_kernels()

@@ -340,13 +340,13 @@ def _switch(name: str, default: str = "0") -> bool:
 
 
 def accept_kernels() -> bool:
-    """``MUSE_SPARK_ACCEPT_KERNELS=1``: a Triton build's step_verify package runs the acceptance rule
-    in three Triton kernels (``muse_spark::accept_triton``, plugins/acceptance) instead of Inductor's
-    compile of ``runtime.sampling.accept`` (~20 kernels). Opt-in: on the H200 (nineteenth session) the
-    kernels' GPU tests passed and a batch-1 step with them took 19 µs of acceptance kernels against
-    ≈ 45, greedy step equal to eager, but the Triton engine tests with them in the package did not
-    complete there (docs/benchmarks.md). A build records it in the engine's manifest."""
-    return _switch("MUSE_SPARK_ACCEPT_KERNELS", default="0")
+    """``MUSE_SPARK_ACCEPT_KERNELS`` (on unless ``0``): a Triton build's step_verify package runs the
+    acceptance rule in three Triton kernels (``muse_spark::accept_triton``, plugins/acceptance) instead
+    of Inductor's compile of ``runtime.sampling.accept`` (~20 kernels; ``0`` keeps that). On the H200 a
+    batch-1 step with them took 19 µs of acceptance kernels against ≈ 45 (nineteenth session), the
+    greedy step equal to eager; the default since the twentieth session's GPU tests
+    (docs/benchmarks.md). A build records it in the engine's manifest."""
+    return _switch("MUSE_SPARK_ACCEPT_KERNELS", default="1")
 
 
 def qkv_epilogue() -> bool:

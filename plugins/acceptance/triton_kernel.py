@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from muse_spark.plugins.keyed_random import GOLDEN, MASK32, SALT_ACCEPT, SALT_TARGET
-from muse_spark.plugins.markov.triton_kernel import _fmix32, _gumbel, _key_hash
+from muse_spark.plugins.markov.triton_kernel import _fmix32, _gumbel, _key_hash, _uniform
 from muse_spark.plugins.triton_math import add_rn, div_rn, exp_exact, log_exact, mul_rn
 
 CHUNK = 2048  # columns of the target vocabulary a program takes (64 chunks at V = 131072)
@@ -155,7 +155,7 @@ def _accept_kernel(logits_ptr, ids_ptr, probs_ptr, t2d_ptr, temp_ptr, seed_ptr, 
     dq = tl.load(t2d_ptr + tokc, mask=km, other=0) - 1
     q_t = tl.load(probs_ptr + (b * GAMMA + kk).to(tl.int64) * VD + dq, mask=km & (dq >= 0), other=0.0)
     key = _key_hash(seed, apos + 1 + kk, ACCEPT_KEY)  # [G1_P2]
-    u = ((_fmix32(key) >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # keyed_uniform, index 0
+    u = _uniform(_fmix32(key))  # keyed_random.keyed_uniform, index 0
     ok = tl.where(greedy, ok_greedy, mul_rn(u, q_t) < p_t)
     n = tl.min(tl.where(km & ~ok, kk, GAMMA), axis=0)
     if c == 0:

@@ -114,11 +114,16 @@ def _key_hash(seed, pos, SALT: tl.constexpr):
 
 
 @triton.jit
+def _uniform(h):
+    """keyed_random.uniform_from_hash of a mixed uint32 hash: its top 23 bits, centred, in (0, 1)."""
+    return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+@triton.jit
 def _gumbel(key, cols):
     """keyed_random.keyed_gumbel: key uint32 [BB], cols int32 [BV] -> fp32 [BB, BV]."""
     h = _fmix32(key[:, None] ^ (cols.to(tl.uint32) * 0x9E3779B9)[None, :])
-    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as keyed_random.uniform_from_key
-    return -log_exact(-log_exact(u))
+    return -log_exact(-log_exact(_uniform(h)))
 
 
 @triton.jit
