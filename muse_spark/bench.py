@@ -47,19 +47,19 @@ PRESETS = {
 }
 TAUS = (1.0, 3.7, 6.17)
 # aoti step variants `--attention-cache both` / `--pdl both` / `--pdl-trigger both` / `--rope-table both` /
-# `--linear-residual both`
+# `--linear-residual both` / `--accept-kernels both`
 # compile and time beside the default: name -> the kernel switches set in its compile workers and around the eager
 # step it is checked against. A step compiled with PDL (the default on sm_90+) gets its graphs' programmatic
 # edges (runtime.cuda_graph.make_programmatic), as the engine does. The RoPE table (thirteenth session), the
-# fused attention (fourteenth) and PDL with the small kernels' trigger (fifteenth) are the defaults: their
-# variants are the step without them.
+# fused attention (fourteenth), PDL with the small kernels' trigger (fifteenth) and the acceptance kernels
+# (twentieth) are the defaults: their variants are the step without them.
 VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "no_pdl": {"MUSE_SPARK_PDL": "0"},
             "pdl_wait_only": {"MUSE_SPARK_PDL_TRIGGER": "0"},
             "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}, "linear_residual": {"MUSE_SPARK_LINEAR_RESIDUAL": "1"},
-            "accept_kernels": {"MUSE_SPARK_ACCEPT_KERNELS": "1"}}
+            "no_accept_kernels": {"MUSE_SPARK_ACCEPT_KERNELS": "0"}}
 # the variant's --option, where its name is not the option's
 VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache", "no_pdl": "pdl",
-                  "pdl_wait_only": "pdl_trigger"}
+                  "pdl_wait_only": "pdl_trigger", "no_accept_kernels": "accept_kernels"}
 
 
 def preset_configs(name: str, layers: int | None = None, draft_layers: int | None = None):
@@ -1143,8 +1143,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="both: also compile and time the aoti step with the o and down projections' launches doing "
                         "the gated residual after them (MUSE_SPARK_LINEAR_RESIDUAL=1), beside the default")
     p.add_argument("--accept-kernels", choices=["off", "both"], default="off",
-                   help="both: also compile and time the aoti step with the acceptance rule in three Triton "
-                        "kernels (MUSE_SPARK_ACCEPT_KERNELS=1), beside the default (Inductor's compile of it)")
+                   help="both: also compile and time the aoti step with Inductor's compile of the acceptance rule "
+                        "(MUSE_SPARK_ACCEPT_KERNELS=0), beside the default (its three Triton kernels)")
     p.add_argument("--work-dir", default="/tmp/muse_spark_bench", help="where the aoti packages are compiled")
     p.add_argument("--json", default="docs/benchmarks.json")
     p.add_argument("--markdown", default="docs/benchmarks.md")
