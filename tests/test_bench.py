@@ -135,16 +135,18 @@ def test_the_interleaved_replays_and_the_idle_time_render():
 
 
 def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
-    """``--attention-cache both --pdl both --rope-table both``: per variant a second set of step
-    packages compiled with its switch (MUSE_SPARK_ATTENTION_CACHE=0, MUSE_SPARK_ROPE_TABLE=0 and
-    MUSE_SPARK_PDL=0: the fused attention, the table and PDL are the defaults) in the workers (its own folder),
+    """``--attention-cache both --pdl both --rope-table both --accept-kernels both``: per variant a second
+    set of step packages compiled with its switch (MUSE_SPARK_ATTENTION_CACHE=0, MUSE_SPARK_ROPE_TABLE=0,
+    MUSE_SPARK_PDL=0 and MUSE_SPARK_ACCEPT_KERNELS=0: the fused attention, the table, PDL and the
+    acceptance kernels are the defaults) in the workers (its own folder),
     checked against the eager step under the same switch and timed after the default; its table in
     the markdown. (On CPU every variant takes the reference kernels and no graph: this checks the
     plumbing; the H200 run gives the figures.)"""
     js, md, work = tmp_path / "b.json", tmp_path / "b.md", tmp_path / "work"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--preset", "tiny", "--device", "cpu",
            "--batches", "1", "--context", "16", "--iters", "2", "--skip", "compile", "--attention-cache", "both",
-           "--pdl", "both", "--rope-table", "both", "--work-dir", str(work), "--json", str(js), "--markdown", str(md)]
+           "--pdl", "both", "--rope-table", "both", "--accept-kernels", "both", "--work-dir", str(work),
+           "--json", str(js), "--markdown", str(md)]
     subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     sec = json.loads(js.read_text())["sections"]
     assert sec["aoti"]["1"]["median_ms"] > 0 and sec["aoti_matches_eager"]["1"] is True  # the default's own
@@ -152,7 +154,8 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
     text = md.read_text()
     assert "aoti steps chained as the Generator runs them" in text
     for name, var, value in (("no_attention_cache", "MUSE_SPARK_ATTENTION_CACHE", "0"), ("no_pdl", "MUSE_SPARK_PDL", "0"),
-                             ("no_rope_table", "MUSE_SPARK_ROPE_TABLE", "0")):
+                             ("no_rope_table", "MUSE_SPARK_ROPE_TABLE", "0"),
+                             ("no_accept_kernels", "MUSE_SPARK_ACCEPT_KERNELS", "0")):
         sub = sec["variants"][name]
         assert sub["env"] == {var: value}
         assert sorted(sub["compiled"]) == ["step_context_b1", "step_draft_b1", "step_layer_b1", "step_verify_b1"]
@@ -162,7 +165,7 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
         assert "aoti_pdl" not in sub  # graph edges: CUDA only
         assert f"### Variant `{name}` ({var}={value}), beside the default aoti step" in text
     rows = [line for line in text.splitlines() if line.startswith("| 1 | ") and line.endswith("| True |")]
-    assert len(rows) == 3 and all(len(row.split("|")) == 10 for row in rows)
+    assert len(rows) == 4 and all(len(row.split("|")) == 10 for row in rows)
 
 
 def test_a_jobs_switches_are_set_for_it_and_restored_after(monkeypatch):
