@@ -70,9 +70,8 @@ from typing import Callable, Iterator
 import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
-from muse_spark.models.layers import (PDL_KERNELS, accept_kernels, attention_block_m, attention_cache_fused,
-                                      attention_path, linear_path, linear_residual, pdl_active, pdl_trigger,
-                                      qkv_epilogue, rope_table)
+from muse_spark.models.layers import (PDL_KERNELS, accept_kernels, attention_cache_fused, attention_path, linear_path,
+                                      linear_residual, pdl_active, pdl_trigger, qkv_epilogue, rope_table)
 from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
@@ -428,8 +427,6 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "qkv_epilogue": qkv_epilogue() and linear_path(device, target.dtype) == "triton",
         # MUSE_SPARK_ATTENTION_CACHE (on unless 0): the attention kernel norms q/k and writes the caches
         "attention_cache": attention_cache_fused() and attention_path(device, target.dtype) == "triton",
-        # MUSE_SPARK_ATTENTION_BLOCK_M (32, or opt-in 16): the rows a Triton attention program takes
-        "attention_block_m": attention_block_m() if attention_path(device, target.dtype) == "triton" else None,
         # MUSE_SPARK_ACCEPT_KERNELS (on unless 0): step_verify's acceptance rule in three Triton kernels
         "accept_kernels": accept_kernels() and impl == "triton",
         # MUSE_SPARK_LINEAR_RESIDUAL=1 (opt-in): the o and down projections' launches do the gated residual too

@@ -47,7 +47,7 @@ PRESETS = {
 }
 TAUS = (1.0, 3.7, 6.17)
 # aoti step variants `--attention-cache both` / `--pdl both` / `--pdl-trigger both` / `--rope-table both` /
-# `--linear-residual both` / `--accept-kernels both` / `--attention-rows16 both`
+# `--linear-residual both` / `--accept-kernels both`
 # compile and time beside the default: name -> the kernel switches set in its compile workers and around the eager
 # step it is checked against. A step compiled with PDL (the default on sm_90+) gets its graphs' programmatic
 # edges (runtime.cuda_graph.make_programmatic), as the engine does. The RoPE table (thirteenth session), the
@@ -56,8 +56,7 @@ TAUS = (1.0, 3.7, 6.17)
 VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "no_pdl": {"MUSE_SPARK_PDL": "0"},
             "pdl_wait_only": {"MUSE_SPARK_PDL_TRIGGER": "0"},
             "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}, "linear_residual": {"MUSE_SPARK_LINEAR_RESIDUAL": "1"},
-            "no_accept_kernels": {"MUSE_SPARK_ACCEPT_KERNELS": "0"},
-            "attention_rows16": {"MUSE_SPARK_ATTENTION_BLOCK_M": "16"}}
+            "no_accept_kernels": {"MUSE_SPARK_ACCEPT_KERNELS": "0"}}
 # the variant's --option, where its name is not the option's
 VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache", "no_pdl": "pdl",
                   "pdl_wait_only": "pdl_trigger", "no_accept_kernels": "accept_kernels"}
@@ -1146,9 +1145,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accept-kernels", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step with Inductor's compile of the acceptance rule "
                         "(MUSE_SPARK_ACCEPT_KERNELS=0), beside the default (its three Triton kernels)")
-    p.add_argument("--attention-rows16", choices=["off", "both"], default="off",
-                   help="both: also compile and time the aoti step with 16 rows a program of the attention's partial "
-                        "kernel (MUSE_SPARK_ATTENTION_BLOCK_M=16), beside the default (32)")
     p.add_argument("--work-dir", default="/tmp/muse_spark_bench", help="where the aoti packages are compiled")
     p.add_argument("--json", default="docs/benchmarks.json")
     p.add_argument("--markdown", default="docs/benchmarks.md")

@@ -1375,29 +1375,6 @@ def test_the_rope_table_gives_the_attention_cache_kernel_its_own_bits(tops, shap
     assert torch.equal(got, got_t) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
-@needs_kernels
-@pytest.mark.parametrize("shape", ["straddle", "row_blocks", "head128"])
-def test_sixteen_rows_a_program_give_the_attention_the_same_bits(tops, shape, monkeypatch):
-    """``MUSE_SPARK_ATTENTION_BLOCK_M=16`` (opt-in): the partial kernel's programs take 16 rows, not 32.
-    A row's arithmetic is row-local, so the fused attention (its q/k norm, RoPE table and cache write
-    too) and the plain attention give the same output and caches, bit for bit, as under the default."""
-    from muse_spark.models.layers import KeyBounds
-    from muse_spark.plugins.head_norm_rope.triton_kernel import launch_rope_table
-
-    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES[shape]
-    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
-    table = launch_rope_table(positions, 5e5, dh)
-    got = {}
-    for rows in ("32", "16"):
-        monkeypatch.setenv("MUSE_SPARK_ATTENTION_BLOCK_M", rows)
-        k2, v2 = kc.clone(), vc.clone()
-        out = tops.attention_cache(x, v, positions, 1e-6, 5e5, True, k2, v2, slots, KeyBounds(last, window), *table)
-        plain = tops.attention(x[:, :, :H], k2, v2, KeyBounds(last, window), slots)
-        got[rows] = (out, k2, v2, plain)
-    for a, b in zip(got["32"], got["16"]):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the op's module imports it)")
 def test_attention_cache_op_rejects_bad_inputs(tops):
     B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES["straddle"]

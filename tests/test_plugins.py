@@ -372,15 +372,3 @@ def test_the_accept_kernels_switch_is_on_by_default(monkeypatch):
     monkeypatch.setenv("MUSE_SPARK_ACCEPT_KERNELS", "yes")
     with pytest.raises(ValueError, match="MUSE_SPARK_ACCEPT_KERNELS='yes': expected 0 or 1"):
         accept_kernels()
-
-
-def test_the_attention_rows_switch_is_32_unless_16(monkeypatch):
-    from muse_spark.models.layers import attention_block_m
-
-    monkeypatch.delenv("MUSE_SPARK_ATTENTION_BLOCK_M", raising=False)
-    assert attention_block_m() == 32
-    monkeypatch.setenv("MUSE_SPARK_ATTENTION_BLOCK_M", "16")
-    assert attention_block_m() == 16
-    monkeypatch.setenv("MUSE_SPARK_ATTENTION_BLOCK_M", "64")
-    with pytest.raises(ValueError, match="MUSE_SPARK_ATTENTION_BLOCK_M='64': expected 16 or 32"):
-        attention_block_m()

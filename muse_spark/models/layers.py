@@ -368,20 +368,6 @@ def attention_cache_fused() -> bool:
     return _switch("MUSE_SPARK_ATTENTION_CACHE", default="1")
 
 
-def attention_block_m() -> int:
-    """``MUSE_SPARK_ATTENTION_BLOCK_M``: the rows (query head × query) a program of the Triton attention's
-    partial kernel takes, ``32`` (the default) or ``16`` (opt-in: twice the programs, each with half the
-    rows). On the H200 the partial kernel is bound by the latency of each warp's own instruction stream
-    at one 4-warp program an SM (Nsight Compute, twentieth session: 2836 instructions a warp, 72 of 132
-    SMs busy at batch 1); 16 rows halve a warp's row work and fill more SMs, at the cost of reading each
-    K/V tile twice (from L2). Each row's arithmetic is row-local, so its bits do not depend on it. Read
-    where the kernel is launched (eager) or compiled (a package); a build records it in the manifest."""
-    value = os.environ.get("MUSE_SPARK_ATTENTION_BLOCK_M", "32").strip()
-    if value not in ("16", "32"):
-        raise ValueError(f"MUSE_SPARK_ATTENTION_BLOCK_M={value!r}: expected 16 or 32")
-    return int(value)
-
-
 def rope_table() -> bool:
     """``MUSE_SPARK_ROPE_TABLE`` (on unless ``0``): where the Triton linear kernel takes the
     attention's qkv projection and the q/k norm kernel writes the caches, one more program of the

@@ -321,8 +321,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     Any strides (the last dim is made contiguous if it is not). Dh a power of two in [16, 256] and
     KV dividing H (``models.layers.triton_attention_fits``). ``wrap`` is
     ``torch.library.wrap_triton`` inside the op; ``config`` overrides ``DEFAULT_CONFIG`` (the
-    sweep only: SPLIT_T a multiple of BLOCK_T, powers of two), and ``BLOCK_M`` the environment's
-    ``MUSE_SPARK_ATTENTION_BLOCK_M`` (``models.layers.attention_block_m``). ``pdl``/``launch_pdl``: as
+    sweep only: SPLIT_T a multiple of BLOCK_T, powers of two). ``pdl``/``launch_pdl``: as
     ``plugins.linear.triton_kernel.launch_linear``'s.
 
     ``new_kv`` = (v, positions, eps, theta, use_rope), with ``slots``: q is the layer's raw q and k
@@ -333,10 +332,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     ``table`` (with ``new_kv``): the step's RoPE (cos, sin) [B·S, Dh/2] fp32 of ``positions``
     (``head_norm_rope.launch_rope_table``, or the qkv projection's launch), read instead of
     computing the angles: the same bits."""
-    from muse_spark.models.layers import attention_block_m
-
-    # MUSE_SPARK_ATTENTION_BLOCK_M (opt-in 16): the rows a partial program takes, unless ``config`` says
-    cfg = {**DEFAULT_CONFIG, "BLOCK_M": attention_block_m(), **(config or {})}
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if cfg["SPLIT_T"] % cfg["BLOCK_T"]:
         raise ValueError(f"attention config: SPLIT_T {cfg['SPLIT_T']} is not a multiple of BLOCK_T {cfg['BLOCK_T']}")
     B, S, H, dh = q.shape
