@@ -75,6 +75,17 @@ def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, te
     return torch.ops.muse_spark.markov_sample(*args)
 
 
+def accept_reference(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos):
+    """The acceptance rule's reference: ``runtime.sampling.accept`` on
+    ``models.layers.output_transform(raw_logits, multiplier, soft_cap)`` → (n [B], bonus [B]) int64.
+    Also ``muse_spark::accept_triton``'s fallback where its kernels do not run."""
+    from muse_spark.models.layers import output_transform
+    from muse_spark.runtime.sampling import accept as accept_rule
+
+    return accept_rule(output_transform(raw_logits, multiplier, soft_cap), draft_ids, draft_probs, d2t, temperature,
+                       seeds, anchor_pos)
+
+
 def accept(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos):
     """The acceptance rule (``runtime.sampling.accept``) on the target head's output before its
     transform (``models.layers.output_transform(raw_logits, multiplier, soft_cap)``): the reference
@@ -83,12 +94,11 @@ def accept(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d2t, temper
     kernels, which apply the multiplier themselves (a soft cap is applied before them).
     → (n accepted [B], bonus token [B]) int64."""
     from muse_spark.models.layers import accept_kernels, output_transform
-    from muse_spark.runtime.sampling import accept as accept_reference
 
     if _current["impl"] == "triton" and accept_kernels():
         if soft_cap is not None:
             raw_logits, multiplier = output_transform(raw_logits, multiplier, soft_cap), 1.0
         return _triton_ops().accept(raw_logits, multiplier, draft_ids, draft_probs, d2t, temperature, seeds,
                                     anchor_pos)
-    return accept_reference(output_transform(raw_logits, multiplier, soft_cap), draft_ids, draft_probs, d2t,
-                            temperature, seeds, anchor_pos)
+    return accept_reference(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d2t, temperature, seeds,
+                            anchor_pos)

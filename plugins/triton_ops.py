@@ -195,11 +195,9 @@ def _accept_op(logits: torch.Tensor, multiplier: float, draft_ids: torch.Tensor,
     int64. d2t must map the draft ids into distinct target ids (``checkpoint.check_d2t``)."""
     check_accept_inputs(logits, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos)
     if not _runs_kernels(logits):
-        from muse_spark.models.layers import output_transform
-        from muse_spark.runtime.sampling import accept as accept_reference
+        from muse_spark.plugins.dispatch import accept_reference
 
-        return accept_reference(output_transform(logits, multiplier, None), draft_ids, draft_probs, d2t, temperature,
-                                seeds, anchor_pos)
+        return accept_reference(logits, multiplier, None, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos)
     return launch_accept(logits, multiplier, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos,
                          wrap=wrap_triton)
 

@@ -221,18 +221,19 @@ def test_the_pdl_trigger_switch_acts_only_under_pdl_and_refuses_other_values(mon
 
 
 @pytest.mark.parametrize("name", ["MUSE_SPARK_QKV_EPILOGUE", "MUSE_SPARK_ATTENTION_CACHE", "MUSE_SPARK_PDL",
-                                  "MUSE_SPARK_ROPE_TABLE"])
+                                  "MUSE_SPARK_ROPE_TABLE", "MUSE_SPARK_ACCEPT_KERNELS"])
 def test_the_kernel_switches_default_as_documented_and_refuse_other_values(monkeypatch, name):
     """``MUSE_SPARK_QKV_EPILOGUE`` (slower on the H200): off unless 1; ``MUSE_SPARK_ROPE_TABLE``,
-    ``MUSE_SPARK_ATTENTION_CACHE`` and ``MUSE_SPARK_PDL``: on unless 0 (the defaults since the
-    thirteenth, fourteenth and fifteenth sessions); a value other than 0 or 1 is refused with the
-    variable's name, not read as either."""
-    from muse_spark.models.layers import attention_cache_fused, pdl_waits, qkv_epilogue, rope_table
+    ``MUSE_SPARK_ATTENTION_CACHE``, ``MUSE_SPARK_PDL`` and ``MUSE_SPARK_ACCEPT_KERNELS``: on unless 0
+    (the defaults since the thirteenth, fourteenth, fifteenth and twentieth sessions); a value other
+    than 0 or 1 is refused with the variable's name, not read as either."""
+    from muse_spark.models.layers import accept_kernels, attention_cache_fused, pdl_waits, qkv_epilogue, rope_table
 
     switch = {"MUSE_SPARK_QKV_EPILOGUE": qkv_epilogue, "MUSE_SPARK_ATTENTION_CACHE": attention_cache_fused,
-              "MUSE_SPARK_PDL": pdl_waits, "MUSE_SPARK_ROPE_TABLE": rope_table}[name]
+              "MUSE_SPARK_PDL": pdl_waits, "MUSE_SPARK_ROPE_TABLE": rope_table,
+              "MUSE_SPARK_ACCEPT_KERNELS": accept_kernels}[name]
     monkeypatch.delenv(name, raising=False)
-    assert switch() is (name in ("MUSE_SPARK_ROPE_TABLE", "MUSE_SPARK_ATTENTION_CACHE", "MUSE_SPARK_PDL"))
+    assert switch() is (name != "MUSE_SPARK_QKV_EPILOGUE")
     monkeypatch.setenv(name, "1")
     assert switch() is True
     monkeypatch.setenv(name, "0")
