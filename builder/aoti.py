@@ -71,7 +71,8 @@ import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
 from muse_spark.models.layers import (PDL_KERNELS, accept_kernels, attention_cache_fused, attention_path, linear_path,
-                                      linear_residual, pdl_active, pdl_trigger, qkv_epilogue, rope_table)
+                                      linear_residual, pdl_active, pdl_gemm_trigger, pdl_trigger, qkv_epilogue,
+                                      rope_table)
 from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
@@ -436,6 +437,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "pdl_kernels": list(PDL_KERNELS) if pdl else [],
         # MUSE_SPARK_PDL_TRIGGER (on unless 0, with PDL): the small kernels trigger their dependents first
         "pdl_trigger": pdl and pdl_trigger(),
+        # MUSE_SPARK_PDL_GEMM_TRIGGER=1 (opt-in, with PDL): the GEMMs trigger their dependents after their weight stream
+        "pdl_gemm_trigger": pdl and pdl_gemm_trigger(),
         "graphs": graphs,
         "batch_buckets": buckets,
         # The fused Markov kernel's kept workspace per bucket: int64 words the runtime zeroes once

@@ -56,7 +56,8 @@ TAUS = (1.0, 3.7, 6.17)
 VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "no_pdl": {"MUSE_SPARK_PDL": "0"},
             "pdl_wait_only": {"MUSE_SPARK_PDL_TRIGGER": "0"},
             "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}, "linear_residual": {"MUSE_SPARK_LINEAR_RESIDUAL": "1"},
-            "no_accept_kernels": {"MUSE_SPARK_ACCEPT_KERNELS": "0"}}
+            "no_accept_kernels": {"MUSE_SPARK_ACCEPT_KERNELS": "0"},
+            "pdl_gemm_trigger": {"MUSE_SPARK_PDL_GEMM_TRIGGER": "1"}}
 # the variant's --option, where its name is not the option's
 VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache", "no_pdl": "pdl",
                   "pdl_wait_only": "pdl_trigger", "no_accept_kernels": "accept_kernels"}
@@ -651,7 +652,10 @@ class Bench:
                     # more than the replay by up to these, where the GPU waits for the host.
                     sec.setdefault("aoti_host_issue_us", {})[b] = {
                         "step": host_issue_us(lambda: runner(*x), dev, a.iters),
-                        "replay": host_issue_us(runner.graph.replay, dev, a.iters)}
+                        "replay": host_issue_us(runner.graph.replay, dev, a.iters),
+                        # the step's parts before the replay: the input copies, and the pointer check
+                        "fill": host_issue_us(lambda: runner._fill(*x), dev, a.iters),
+                        "check": host_issue_us(lambda: runner._assert_unmoved(False), dev, a.iters)}
                 if programmatic:  # the same packages: the edges' other port, and plain edges (the waits' cost)
                     sec.setdefault("aoti_pdl", {})[b] = self.pdl_replays(runner, fn, b, weights, caches, scratch,
                                                                          words, pool, x, label)
@@ -1136,6 +1140,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pdl-trigger", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step with the small kernels only waiting "
                         "(MUSE_SPARK_PDL_TRIGGER=0), not triggering their dependents first, beside the default")
+    p.add_argument("--pdl-gemm-trigger", choices=["off", "both"], default="off",
+                   help="both: also compile and time the aoti step with the GEMMs triggering their dependents "
+                        "after their weight stream (MUSE_SPARK_PDL_GEMM_TRIGGER=1), beside the default (they only "
+                        "wait)")
     p.add_argument("--rope-table", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step without the RoPE table the qkv GEMM's launch "
                         "writes for the q/k norm kernel (MUSE_SPARK_ROPE_TABLE=0), beside the default (with it)")

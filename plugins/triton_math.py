@@ -136,7 +136,8 @@ else:
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """``PDL`` 1: trigger the dependents, then wait for the upstream kernels; 2: only wait (the
-    dependents launch as this kernel's programs exit); 0: neither. → an int32 zero to add to indices."""
+    dependents launch as this kernel's programs exit); 3: only wait here, the kernel triggers later
+    (``pdl_release``); 0: neither. → an int32 zero to add to indices."""
     return pdl_enter_after(PDL, tl.zeros((), tl.int32))
 
 
@@ -147,12 +148,26 @@ def pdl_enter_after(PDL: tl.constexpr, after):
     if PDL == 1:
         z = tl.inline_asm_elementwise("griddepcontrol.launch_dependents; griddepcontrol.wait; mov.u32 $0, 0;",
                                       "=r,r", [after], dtype=tl.int32, is_pure=True, pack=1)
-    elif PDL == 2:
+    elif PDL == 2 or PDL == 3:
         z = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r,r", [after], dtype=tl.int32,
                                       is_pure=True, pack=1)
     else:
         z = 0
     return z
+
+
+@triton.jit
+def pdl_release(after):
+    """Trigger the dependents' launch (``PDL`` 3's late trigger) once ``after`` (a tensor: the work the
+    program must finish first, e.g. a GEMM's accumulators) is computed → int32 zeros of its shape.
+    The asm is pure, so only a use keeps it and orders it: the caller puts ``== 0`` of the zeros
+    into the mask of the stores that follow, never into their addresses (Inductor's analysis of what
+    a user kernel writes follows a store's address back to the loads it came from, and would name
+    the GEMM's inputs as written; a mask is not followed). Each element's asm triggers again: the
+    instruction is idempotent. Triggering before the stores is safe: a dependent's
+    ``griddepcontrol.wait`` still waits for this whole grid to finish and flush its writes."""
+    return tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
+                                     [after.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit

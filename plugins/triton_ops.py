@@ -53,8 +53,8 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
-                                      head_norm_rope_reference, linear_reference, pdl_active, pdl_trigger,
-                                      qkv_cache_reference, rope_table_reference, triton_attention_fits)
+                                      head_norm_rope_reference, linear_reference, pdl_active, pdl_gemm_trigger,
+                                      pdl_trigger, qkv_cache_reference, rope_table_reference, triton_attention_fits)
 from muse_spark.plugins.acceptance.triton_kernel import launch_accept
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
@@ -92,10 +92,14 @@ def _pdl(small: bool = False) -> int:
     """The ``PDL`` mode the ops compile ``models.layers.PDL_KERNELS`` with (``triton_math.pdl_enter``):
     under ``MUSE_SPARK_PDL`` (the default) on sm_90+, 1 (trigger the dependents, then wait) for a
     kernel that is not a GEMM (``small``) under ``MUSE_SPARK_PDL_TRIGGER`` (the default), else 2
-    (wait only); 0 without it, on an older GPU, or under the interpreter (no inline asm)."""
+    (wait only); a GEMM 3 (wait, then trigger after its weight stream) under
+    ``MUSE_SPARK_PDL_GEMM_TRIGGER=1``, else 2; 0 without PDL, on an older GPU, or under the
+    interpreter (no inline asm)."""
     if not pdl_active() or interpreting():
         return 0
-    return 1 if small and pdl_trigger() else 2
+    if small:
+        return 1 if pdl_trigger() else 2
+    return 3 if pdl_gemm_trigger() else 2
 
 
 @triton_op("muse_spark::gated_residual_add_triton", mutates_args=())

@@ -1739,13 +1739,15 @@ def _global_accesses_before_the_wait(ptx: str) -> tuple[bool, list[str]]:
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-@pytest.mark.parametrize("mode", [1, 2], ids=["trigger_then_wait", "wait_only"])
+@pytest.mark.parametrize("mode", [1, 2, 3], ids=["trigger_then_wait", "wait_only", "wait_then_late_trigger"])
 def test_pdl_kernels_wait_before_any_global_access(mode):
     """Compiled for sm_90 without a GPU, with ``PDL`` each plugin kernel executes
     ``griddepcontrol.wait`` before its first global load or store (the data dependency on
     ``pdl_enter``'s zero holds through the compiler's scheduling and software pipelining); the
     linear kernel's L2 prefetch of its weights is the one thing issued before it. Without ``PDL``
-    there is no wait at all."""
+    there is no wait at all. Mode 3 (``MUSE_SPARK_PDL_GEMM_TRIGGER=1``, the GEMMs only): the linear
+    kernel triggers its dependents after its last weight load and before its first store; the other
+    kernels (never compiled so) only wait."""
     from muse_spark.plugins.attention import triton_kernel as ak
     from muse_spark.plugins.gated_residual import triton_kernel as gk
     from muse_spark.plugins.head_norm_rope import triton_kernel as hk
@@ -1815,7 +1817,14 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
         ptx = compile_for_hopper(fn, sig, dict(consts, PDL=mode), warps, stages, multiples_of_16=m16).asm["ptx"]
         waits, before = _global_accesses_before_the_wait(ptx)
         assert waits and before == [], (name, before)
-        assert ("griddepcontrol.launch_dependents" in ptx) == (mode == 1), name
+        late = mode == 3 and fn is lk._linear_kernel
+        assert ("griddepcontrol.launch_dependents" in ptx) == (mode == 1 or late), name
+        if late and name == "linear":  # after the weight stream, before the stores
+            lines = ptx.splitlines()
+            trigger = next(i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line)
+            loads = [i for i, line in enumerate(lines) if "cp.async.cg.shared.global" in line or "ld.global" in line]
+            stores = [i for i, line in enumerate(lines) if "st.global" in line]
+            assert loads and stores and max(loads) < trigger < min(stores), (max(loads), trigger, min(stores))
         assert ("cp.async.bulk.prefetch.L2" in ptx) == (name == "linear_prefetch"), name
         if name in ("partial", "linear"):  # and without PDL: no wait
             plain = compile_for_hopper(fn, sig, dict(consts, PDL=0), warps, stages, multiples_of_16=m16).asm["ptx"]
@@ -2055,6 +2064,41 @@ def test_linear_launcher_writes_a_given_output_in_place():
         assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
     with pytest.raises(ValueError, match="out must be a contiguous"):
         launch_linear(x, w, interpret=interpreting(), out=torch.empty(8, 64, dtype=torch.bfloat16, device=DEV))
+
+
+@needs_gpu
+def test_a_gemm_triggering_after_its_weight_stream_changes_no_result():
+    """``PDL`` 3 (``MUSE_SPARK_PDL_GEMM_TRIGGER=1``) in a captured graph with programmatic edges: a
+    producer, a GEMM that triggers its dependents after its weight stream, then a GEMM reading its
+    output (launched early, waiting). Every replay with new producer input gives the plain
+    launches' result bit for bit: the dependent reads nothing of the first GEMM's output before it
+    is complete, though it launched before that GEMM's stores."""
+    from muse_spark.plugins.linear.triton_kernel import launch_linear
+    from muse_spark.runtime.cuda_graph import make_programmatic
+
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(8, 4096, generator=g).to(torch.bfloat16).to(DEV)
+    x = torch.empty_like(src)
+    w1 = (torch.randn(2 * 2048, 4096, generator=g) / 64).to(torch.bfloat16).to(DEV)
+    w2 = (torch.randn(4096, 2048, generator=g) / 45).to(torch.bfloat16).to(DEV)
+
+    def step(pdl):
+        torch.mul(src, 2.0, out=x)
+        return launch_linear(launch_linear(x, w1, True, pdl=pdl), w2, pdl=2)
+
+    step(3)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        out = step(3)
+    assert make_programmatic(graph.raw_cuda_graph(), {"_linear_kernel"})[0] == 2
+    graph.instantiate()
+    for i in range(10):
+        src.copy_(torch.randn(src.shape, device=DEV, generator=torch.Generator(DEV).manual_seed(i)))
+        graph.replay()
+        want = launch_linear(launch_linear(src * 2.0, w1, True), w2)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), i
 
 
 @needs_gpu
@@ -2431,13 +2475,15 @@ def test_inductor_finds_exactly_the_outputs_the_kernels_write(form, hopper_targe
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-@pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "gated_residual",
-                                  "head_norm_rope_cache", "markov"])
+@pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "linear_late", "linear_silu_mul_late",
+                                  "linear_rope_table_late", "gated_residual", "head_norm_rope_cache", "markov"])
 def test_inductor_finds_no_caller_input_written_but_the_declared_ones(form, hopper_target):
     """The step's other plugin kernels, as their launchers call them at the Muse-Spark shape (batch
     1): Inductor's mutation analysis names no buffer the caller passed in as written, except those
     the op declares mutated (the caches, the Markov workspace). Such a false positive is copied
-    before every launch in the packages, and written back where it is a graph input."""
+    before every launch in the packages, and written back where it is a graph input. ``_late``: the
+    GEMMs with their late trigger (``PDL`` 3, ``MUSE_SPARK_PDL_GEMM_TRIGGER=1``), whose first form
+    (fifteenth session) fed the stores' addresses and made the packages copy the GEMMs' inputs."""
     from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
     from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope_cache
     from muse_spark.plugins.linear.triton_kernel import launch_linear, launch_linear_rope_table
@@ -2447,13 +2493,15 @@ def test_inductor_finds_no_caller_input_written_but_the_declared_ones(form, hopp
     bf, i64, f32 = torch.bfloat16, torch.int64, torch.float32
     B, S, H, KV, DH, D, T = 1, 8, 32, 8, 128, 4096, 1152
     declared = []
+    pdl = 3 if form.endswith("_late") else 2
+    form = form.removesuffix("_late")
     if form in ("linear", "linear_silu_mul"):
         inputs = [torch.empty(B, S, D, dtype=bf), torch.empty(2 * 14336 if form != "linear" else 4096, D, dtype=bf)]
-        launch_linear(*inputs, silu_mul=form != "linear", wrap=rec, pdl=2)
+        launch_linear(*inputs, silu_mul=form != "linear", wrap=rec, pdl=pdl)
     elif form == "linear_rope_table":
         inputs = [torch.empty(B, S, D, dtype=bf), torch.empty((H + 2 * KV) * DH, D, dtype=bf),
                   torch.zeros(B, S, dtype=i64)]
-        launch_linear_rope_table(*inputs, 5e5, DH, wrap=rec, pdl=2)
+        launch_linear_rope_table(*inputs, 5e5, DH, wrap=rec, pdl=pdl)
     elif form == "gated_residual":
         inputs = [torch.empty(B, S, D), torch.empty(B, S, D, dtype=bf), torch.empty(D), torch.empty(D, dtype=bf)]
         launch_gated_residual_add(*inputs, 1e-6, False, True, bf, wrap=rec, pdl=1)

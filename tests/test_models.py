@@ -199,25 +199,28 @@ def test_attention_kernel_choice(monkeypatch):
         attention_kernel()
 
 
-def test_the_pdl_trigger_switch_acts_only_under_pdl_and_refuses_other_values(monkeypatch):
-    """``MUSE_SPARK_PDL_TRIGGER`` is on by default (the fifteenth session) and means nothing without
-    ``MUSE_SPARK_PDL`` (no kernel waits, so none may let its dependents launch early)."""
-    from muse_spark.models.layers import pdl_trigger
+@pytest.mark.parametrize("name,default", [("MUSE_SPARK_PDL_TRIGGER", True), ("MUSE_SPARK_PDL_GEMM_TRIGGER", False)])
+def test_the_pdl_trigger_switches_act_only_under_pdl_and_refuse_other_values(monkeypatch, name, default):
+    """``MUSE_SPARK_PDL_TRIGGER`` is on by default (the fifteenth session), ``MUSE_SPARK_PDL_GEMM_TRIGGER``
+    off (opt-in); neither means anything without ``MUSE_SPARK_PDL`` (no kernel waits, so none may let its
+    dependents launch early)."""
+    from muse_spark.models import layers
 
-    for name in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER"):
-        monkeypatch.delenv(name, raising=False)
-    assert pdl_trigger() is True
+    switch = {"MUSE_SPARK_PDL_TRIGGER": layers.pdl_trigger, "MUSE_SPARK_PDL_GEMM_TRIGGER": layers.pdl_gemm_trigger}[name]
+    for var in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER", "MUSE_SPARK_PDL_GEMM_TRIGGER"):
+        monkeypatch.delenv(var, raising=False)
+    assert switch() is default
     monkeypatch.setenv("MUSE_SPARK_PDL", "0")
-    assert pdl_trigger() is False
-    monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "1")
-    assert pdl_trigger() is False  # without PDL
+    assert switch() is False
+    monkeypatch.setenv(name, "1")
+    assert switch() is False  # without PDL
     monkeypatch.setenv("MUSE_SPARK_PDL", "1")
-    assert pdl_trigger() is True
-    monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "0")
-    assert pdl_trigger() is False
-    monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "yes")
-    with pytest.raises(ValueError, match="MUSE_SPARK_PDL_TRIGGER='yes': expected 0 or 1"):
-        pdl_trigger()
+    assert switch() is True
+    monkeypatch.setenv(name, "0")
+    assert switch() is False
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError, match=f"{name}='yes': expected 0 or 1"):
+        switch()
 
 
 @pytest.mark.parametrize("name", ["MUSE_SPARK_QKV_EPILOGUE", "MUSE_SPARK_ATTENTION_CACHE", "MUSE_SPARK_PDL",

@@ -38,7 +38,7 @@ from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.triton_kernel import gated_residual_row, launch_gated_residual_add
 from muse_spark.plugins.head_norm_rope.triton_kernel import norm_rotate, rope_table_rows
 from muse_spark.plugins.triton_math import (add_rn, div_rn, exp_exact, mul_rn, pdl_enter, pdl_enter_after,
-                                            prefetch_l2, to_rne)
+                                            pdl_release, prefetch_l2, to_rne)
 
 # The kernel's range: at most this many rows of x. More rows re-read x once per weight tile and
 # each program's share of the weight shrinks: at 64 rows (batch 8) the H200 sweep has the down
@@ -225,11 +225,14 @@ def _linear_kernel(
     acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + N, rm, nmask, mmask, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
                                EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT, PRELOAD, w_first, u_first)  # u: the up half
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]  # [BLOCK_N, BLOCK_M]: yᵀ
+    ymask = nmask[:, None] & mmask[None, :]
+    if PDL == 3:  # the weight stream is done: the next kernel may launch while this program finishes
+        ymask = ymask & (pdl_release(acc) == 0)  # (ordered through the mask, not the addresses)
     if SILU_MUL:
         out = _silu_mul(acc, acc_u, y_ptr.dtype.element_ty)
     else:
         out = to_rne(acc, y_ptr.dtype.element_ty)
-    tl.store(y_ptrs, out, mask=nmask[:, None] & mmask[None, :])
+    tl.store(y_ptrs, out, mask=ymask)
     if RESIDUAL:
         _residual_tail(sync_ptr + z, M, N, y_ptr, stream_ptr, gate_ptr, nw_ptr, bw_ptr, new_ptr, out_ptr, EPS,
                        HAS_WEIGHT, ZERO_CENTERED, APPLY_NORM, BLOCK_D, NORM_BRANCH, HAS_BRANCH_WEIGHT)
