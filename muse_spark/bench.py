@@ -51,16 +51,17 @@ TAUS = (1.0, 3.7, 6.17)
 # compile and time beside the default: name -> the kernel switches set in its compile workers and around the eager
 # step it is checked against. A step compiled with PDL (the default on sm_90+) gets its graphs' programmatic
 # edges (runtime.cuda_graph.make_programmatic), as the engine does. The RoPE table (thirteenth session), the
-# fused attention (fourteenth), PDL with the small kernels' trigger (fifteenth) and the acceptance kernels
-# (twentieth) are the defaults: their variants are the step without them.
+# fused attention (fourteenth), PDL with the small kernels' trigger (fifteenth), the acceptance kernels
+# (twentieth) and the GEMMs' late trigger (twenty-first) are the defaults: their variants are the step without them.
 VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "no_pdl": {"MUSE_SPARK_PDL": "0"},
             "pdl_wait_only": {"MUSE_SPARK_PDL_TRIGGER": "0"},
             "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}, "linear_residual": {"MUSE_SPARK_LINEAR_RESIDUAL": "1"},
             "no_accept_kernels": {"MUSE_SPARK_ACCEPT_KERNELS": "0"},
-            "pdl_gemm_trigger": {"MUSE_SPARK_PDL_GEMM_TRIGGER": "1"}}
+            "pdl_gemm_wait_only": {"MUSE_SPARK_PDL_GEMM_TRIGGER": "0"}}
 # the variant's --option, where its name is not the option's
 VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache", "no_pdl": "pdl",
-                  "pdl_wait_only": "pdl_trigger", "no_accept_kernels": "accept_kernels"}
+                  "pdl_wait_only": "pdl_trigger", "no_accept_kernels": "accept_kernels",
+                  "pdl_gemm_wait_only": "pdl_gemm_trigger"}
 
 
 def preset_configs(name: str, layers: int | None = None, draft_layers: int | None = None):
@@ -1141,9 +1142,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="both: also compile and time the aoti step with the small kernels only waiting "
                         "(MUSE_SPARK_PDL_TRIGGER=0), not triggering their dependents first, beside the default")
     p.add_argument("--pdl-gemm-trigger", choices=["off", "both"], default="off",
-                   help="both: also compile and time the aoti step with the GEMMs triggering their dependents "
-                        "after their weight stream (MUSE_SPARK_PDL_GEMM_TRIGGER=1), beside the default (they only "
-                        "wait)")
+                   help="both: also compile and time the aoti step with the GEMMs only waiting "
+                        "(MUSE_SPARK_PDL_GEMM_TRIGGER=0), beside the default (they trigger their dependents after "
+                        "their weight stream)")
     p.add_argument("--rope-table", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step without the RoPE table the qkv GEMM's launch "
                         "writes for the q/k norm kernel (MUSE_SPARK_ROPE_TABLE=0), beside the default (with it)")

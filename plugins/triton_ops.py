@@ -93,7 +93,7 @@ def _pdl(small: bool = False) -> int:
     under ``MUSE_SPARK_PDL`` (the default) on sm_90+, 1 (trigger the dependents, then wait) for a
     kernel that is not a GEMM (``small``) under ``MUSE_SPARK_PDL_TRIGGER`` (the default), else 2
     (wait only); a GEMM 3 (wait, then trigger after its weight stream) under
-    ``MUSE_SPARK_PDL_GEMM_TRIGGER=1``, else 2; 0 without PDL, on an older GPU, or under the
+    ``MUSE_SPARK_PDL_GEMM_TRIGGER`` (the default), else 2; 0 without PDL, on an older GPU, or under the
     interpreter (no inline asm)."""
     if not pdl_active() or interpreting():
         return 0

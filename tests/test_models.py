@@ -199,17 +199,17 @@ def test_attention_kernel_choice(monkeypatch):
         attention_kernel()
 
 
-@pytest.mark.parametrize("name,default", [("MUSE_SPARK_PDL_TRIGGER", True), ("MUSE_SPARK_PDL_GEMM_TRIGGER", False)])
-def test_the_pdl_trigger_switches_act_only_under_pdl_and_refuse_other_values(monkeypatch, name, default):
-    """``MUSE_SPARK_PDL_TRIGGER`` is on by default (the fifteenth session), ``MUSE_SPARK_PDL_GEMM_TRIGGER``
-    off (opt-in); neither means anything without ``MUSE_SPARK_PDL`` (no kernel waits, so none may let its
-    dependents launch early)."""
+@pytest.mark.parametrize("name", ["MUSE_SPARK_PDL_TRIGGER", "MUSE_SPARK_PDL_GEMM_TRIGGER"])
+def test_the_pdl_trigger_switches_act_only_under_pdl_and_refuse_other_values(monkeypatch, name):
+    """``MUSE_SPARK_PDL_TRIGGER`` (the fifteenth session) and ``MUSE_SPARK_PDL_GEMM_TRIGGER`` (the
+    twenty-first) are on by default; neither means anything without ``MUSE_SPARK_PDL`` (no kernel waits,
+    so none may let its dependents launch early)."""
     from muse_spark.models import layers
 
     switch = {"MUSE_SPARK_PDL_TRIGGER": layers.pdl_trigger, "MUSE_SPARK_PDL_GEMM_TRIGGER": layers.pdl_gemm_trigger}[name]
     for var in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER", "MUSE_SPARK_PDL_GEMM_TRIGGER"):
         monkeypatch.delenv(var, raising=False)
-    assert switch() is default
+    assert switch() is True
     monkeypatch.setenv("MUSE_SPARK_PDL", "0")
     assert switch() is False
     monkeypatch.setenv(name, "1")

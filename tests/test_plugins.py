@@ -284,7 +284,7 @@ def test_every_op_launch_of_a_pdl_kernel_compiles_it_with_the_pdl_mode():
         pdl = [k.value for k in c.keywords if k.arg == "pdl"]
         assert pdl and isinstance(pdl[0], ast.Call) and pdl[0].func.id == "_pdl", ast.unparse(c)
         # MUSE_SPARK_PDL_TRIGGER: only the small kernels trigger their dependents first (small=True); a
-        # GEMM triggers at most after its weight stream (MUSE_SPARK_PDL_GEMM_TRIGGER=1, opt-in)
+        # GEMM triggers at most after its weight stream (MUSE_SPARK_PDL_GEMM_TRIGGER)
         small = [k.value.value for k in pdl[0].keywords if k.arg == "small"]
         name = getattr(c.func, "id", None) or c.func.attr
         assert small == ([] if launchers[name] == "_linear_kernel" else [True]), ast.unparse(c)
@@ -292,9 +292,9 @@ def test_every_op_launch_of_a_pdl_kernel_compiles_it_with_the_pdl_mode():
 
 def test_pdl_modes_of_the_ops_follow_the_switches(monkeypatch):
     """``_pdl`` on a GPU that runs PDL (sm_90+): by default 1 (trigger, then wait) for the small
-    kernels and 2 (wait only) for the GEMMs; 2 for both under ``MUSE_SPARK_PDL_TRIGGER=0``; the GEMMs 3
-    (wait, trigger after the weight stream) under ``MUSE_SPARK_PDL_GEMM_TRIGGER=1``; 0 under
-    ``MUSE_SPARK_PDL=0``. On an older GPU or none: 0 whatever the switches."""
+    kernels and 3 (wait, trigger after the weight stream) for the GEMMs; the GEMMs 2 (wait only)
+    under ``MUSE_SPARK_PDL_GEMM_TRIGGER=0``, the small kernels under ``MUSE_SPARK_PDL_TRIGGER=0``; 0
+    under ``MUSE_SPARK_PDL=0``. On an older GPU or none: 0 whatever the switches."""
     pytest.importorskip("triton")
     from muse_spark.models import layers
     from muse_spark.plugins import triton_ops
@@ -306,20 +306,15 @@ def test_pdl_modes_of_the_ops_follow_the_switches(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(layers, "pdl_supported", lambda: False)
     assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (0, 0)
-    monkeypatch.setenv("MUSE_SPARK_PDL_GEMM_TRIGGER", "1")
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (0, 0)
-    monkeypatch.delenv("MUSE_SPARK_PDL_GEMM_TRIGGER")
     monkeypatch.setattr(layers, "pdl_supported", lambda: True)
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 1)
-    monkeypatch.setenv("MUSE_SPARK_PDL_GEMM_TRIGGER", "1")
     assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (3, 1)
+    monkeypatch.setenv("MUSE_SPARK_PDL_GEMM_TRIGGER", "0")
+    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 1)
     monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "0")
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (3, 2)
-    monkeypatch.delenv("MUSE_SPARK_PDL_GEMM_TRIGGER")
     assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 2)
+    monkeypatch.delenv("MUSE_SPARK_PDL_GEMM_TRIGGER")
+    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (3, 2)
     monkeypatch.setenv("MUSE_SPARK_PDL", "0")
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (0, 0)
-    monkeypatch.setenv("MUSE_SPARK_PDL_GEMM_TRIGGER", "1")
     assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (0, 0)
 
 

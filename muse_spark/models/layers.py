@@ -459,15 +459,17 @@ def pdl_trigger() -> bool:
 
 
 def pdl_gemm_trigger() -> bool:
-    """``MUSE_SPARK_PDL_GEMM_TRIGGER=1`` (opt-in; only with ``MUSE_SPARK_PDL``): the skinny GEMM's
+    """``MUSE_SPARK_PDL_GEMM_TRIGGER`` (on unless ``0``; only with ``MUSE_SPARK_PDL``): the skinny GEMM's
     programs also trigger their dependents' launch, once their weight stream is done and before
     their stores (``PDL`` 3, ``triton_math.pdl_release``): the kernel after a GEMM then has its
     programs placed and waiting while the GEMM's epilogue runs, instead of launching when the last
     GEMM program exits. The trigger is ordered through the stores' mask, not their addresses, so
     Inductor's analysis of what the kernel writes is unchanged (the fifteenth session's form fed
     the addresses, and the packages gained 76 copy kernels; that measurement said nothing of the
-    trigger). A build records it in the manifest (``aoti.pdl_gemm_trigger``)."""
-    return pdl_waits() and _switch("MUSE_SPARK_PDL_GEMM_TRIGGER")
+    trigger). The default since the twenty-first session: the batch-1 step graph 0.997 × the one
+    without, timed in turns, in two clean runs on the H200 (docs/benchmarks.md). A build records it
+    in the manifest (``aoti.pdl_gemm_trigger``)."""
+    return pdl_waits() and _switch("MUSE_SPARK_PDL_GEMM_TRIGGER", default="1")
 
 
 def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
