@@ -437,7 +437,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "pdl_kernels": list(PDL_KERNELS) if pdl else [],
         # MUSE_SPARK_PDL_TRIGGER (on unless 0, with PDL): the small kernels trigger their dependents first
         "pdl_trigger": pdl and pdl_trigger(),
-        # MUSE_SPARK_PDL_GEMM_TRIGGER (on unless 0, with PDL): the GEMMs trigger their dependents after their weight stream
+        # MUSE_SPARK_PDL_GEMM_TRIGGER (on unless 0, with PDL): the GEMMs trigger their dependents after their
+        # weight stream
         "pdl_gemm_trigger": pdl and pdl_gemm_trigger(),
         "graphs": graphs,
         "batch_buckets": buckets,

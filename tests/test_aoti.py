@@ -66,7 +66,8 @@ def test_build_reports_progress_and_writes_the_manifest(built):
     assert a["attention_kernel"] == "reference"  # the fp32 einsums: no fused attention on CPU
     assert a["linear_kernel"] == "reference"  # F.linear on CPU
     assert a["qkv_epilogue"] is False and a["attention_cache"] is False
-    assert a["pdl_kernels"] == [] and a["pdl_trigger"] is a["pdl_gemm_trigger"] is False  # PDL step graphs: CUDA (sm_90+) engines only
+    # PDL step graphs: CUDA (sm_90+) engines only
+    assert a["pdl_kernels"] == [] and a["pdl_trigger"] is a["pdl_gemm_trigger"] is False
     assert a["rope_table"] is False
     assert a["batch_buckets"] == [MAX_BATCH] and a["cache_slots"] == MAX_BATCH + 1
     assert a["markov_workspace_words"] == {str(MAX_BATCH): 0}  # the reference loop keeps no workspace

@@ -2475,8 +2475,9 @@ def test_inductor_finds_exactly_the_outputs_the_kernels_write(form, hopper_targe
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-@pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "linear_late", "linear_silu_mul_late",
-                                  "linear_rope_table_late", "gated_residual", "head_norm_rope_cache", "markov"])
+@pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "linear_late",
+                                  "linear_silu_mul_late", "linear_rope_table_late", "gated_residual",
+                                  "head_norm_rope_cache", "markov"])
 def test_inductor_finds_no_caller_input_written_but_the_declared_ones(form, hopper_target):
     """The step's other plugin kernels, as their launchers call them at the Muse-Spark shape (batch
     1): Inductor's mutation analysis names no buffer the caller passed in as written, except those

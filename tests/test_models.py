@@ -206,7 +206,8 @@ def test_the_pdl_trigger_switches_act_only_under_pdl_and_refuse_other_values(mon
     so none may let its dependents launch early)."""
     from muse_spark.models import layers
 
-    switch = {"MUSE_SPARK_PDL_TRIGGER": layers.pdl_trigger, "MUSE_SPARK_PDL_GEMM_TRIGGER": layers.pdl_gemm_trigger}[name]
+    switch = {"MUSE_SPARK_PDL_TRIGGER": layers.pdl_trigger,
+              "MUSE_SPARK_PDL_GEMM_TRIGGER": layers.pdl_gemm_trigger}[name]
     for var in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER", "MUSE_SPARK_PDL_GEMM_TRIGGER"):
         monkeypatch.delenv(var, raising=False)
     assert switch() is True
