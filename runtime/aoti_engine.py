@@ -372,6 +372,6 @@ class AOTIEngine(EagerEngine):
         if kv_len > self.max_seq:
             raise ValueError(f"kv_len {kv_len} exceeds the engine's max_seq {self.max_seq}")
         runner = self.runners[self.bucket_for(n)]
-        if isinstance(runner, CUDAGraphStep):
-            runner.check(self.caches)
+        if isinstance(runner, CUDAGraphStep) and runner.live_caches is not self.caches:
+            runner.check(self.caches)  # (the same lists: each replay checks their tensors, after its launch)
         return runner

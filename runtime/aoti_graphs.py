@@ -275,10 +275,13 @@ class _Layered:
         return x, aux
 
 
-def step_positions(anchor_pos: torch.Tensor, gamma: int) -> torch.Tensor:
-    """The positions of a step's γ+1 verified tokens, ``anchor_pos + [0 … γ]`` [B, γ+1] int64: one
-    kernel (in a captured step graph), read by every part."""
-    return anchor_pos[:, None] + torch.arange(gamma + 1, device=anchor_pos.device)
+def step_positions(anchor_pos: torch.Tensor, gamma: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """The positions of a step's γ+1 verified tokens, ``anchor_pos + [0 … γ]`` [B, γ+1] int64, read by
+    every part. ``offsets``: ``[0 … γ]`` on anchor_pos's device, made once by the caller (``LayeredStep``),
+    so that a captured step graph holds one kernel here, the sum, not an arange before it."""
+    if offsets is None:
+        offsets = torch.arange(gamma + 1, device=anchor_pos.device)
+    return anchor_pos[:, None] + offsets
 
 
 class LayeredStep(_Layered):
@@ -301,6 +304,7 @@ class LayeredStep(_Layered):
         self.gamma = gamma
         self.draft_fn, self.verify_fn, self.context_fn = draft_fn, verify_fn, context_fn
         self.side = side
+        self._offsets: dict[torch.device, torch.Tensor] = {}  # [0 … γ] by device (``step_positions``)
 
     def _context(self, head, dk, dv, aux, positions, slots):
         """Start ``context_fn``: on the side stream (→ the caller's stream, to join) or in order (→ None)."""
@@ -315,7 +319,10 @@ class LayeredStep(_Layered):
 
     def __call__(self, weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature):
         head = [weights[j] for j in self.head_idx]
-        positions = step_positions(anchor_pos, self.gamma)
+        offsets = self._offsets.get(anchor_pos.device)
+        if offsets is None:  # (made on a first, uncaptured call: a capture warms up first, ``cuda_graph.capture``)
+            offsets = self._offsets[anchor_pos.device] = torch.arange(self.gamma + 1, device=anchor_pos.device)
+        positions = step_positions(anchor_pos, self.gamma, offsets)
         ids, probs, stream, x = self.draft_fn(head, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature,
                                               positions)
         forked = []  # the caller's stream, where the context was forked from it

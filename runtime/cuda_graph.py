@@ -12,9 +12,13 @@ graph.
 ``run_single_threaded=True``; the default loader's run synchronizes an event and
 cannot be captured) once and replays it. Footgun: a captured graph replays raw
 device pointers, so replay is only right while every tensor it was captured
-with is still the one in use. The runner records those pointers and asserts
-them on every replay, together with the input shapes and dtypes; it never
-falls back silently to an uncaptured run.
+with is still the one in use. The runner records those pointers and checks them
+on every replay; it never falls back silently to an uncaptured run. The check
+runs just *after* the replay is launched, while the GPU works (a scan of ~80
+pointers took 9–12 µs of host time, which before the launch was the step's
+latency): the runner keeps every captured tensor's storage alive, so a replay
+only ever touches memory it owns, and a replay whose check fails raises before
+its result is returned (that step's rows are never seen).
 
 No step synchronizes with the host: the inputs are copied device-to-device into
 the static buffers and the caller does the one device→host copy of the packed
@@ -71,6 +75,9 @@ class StaticStep:
         self.bucket = bucket
         self.weights = list(weights)
         self.caches = tuple(list(c) for c in caches)  # tk, tv, dk, dv
+        # The caches as the caller holds them (its lists, not copies): a CUDA graph's replay checks that
+        # they still hold the captured tensors, so the engine need not scan them before each step.
+        self.live_caches = caches
         # The fused Markov kernel's words (``markov_words`` int64, from the manifest; 0: the step
         # runs the reference loop), zeroed once here and kept: every call leaves them ready for
         # the next, so no step zeroes them (plugins/markov/triton_kernel.py).
@@ -366,27 +373,46 @@ class CUDAGraphStep(StaticStep):
             self.graph.instantiate()
         torch.cuda.synchronize(self.device)
         self._captured = self._pointers(weights=True)
+        # Every captured tensor's storage, kept: a tensor given other memory in place (``set_``) or
+        # replaced in the caller's cache lists cannot free the memory the graph replays into, so a
+        # replay launched before its pointer check touches nothing but what this runner owns.
+        self._storages = [t.untyped_storage() for t in self._watched_all]
+        self._weights_checked = False  # the weights' pointers: checked until a replay has passed with them
         self.replays = 0
 
     def _pointers(self, weights: bool) -> tuple[int, ...]:
-        return tuple(map(Tensor.data_ptr, self._watched_all if weights else self._watched))
+        """The pointers a replay must find: the static inputs, the workspace, the caller's caches as its
+        lists hold them now (an entry may have been replaced), and with ``weights`` the weights."""
+        ts = self._watched[: len(self.static_inputs) + 1] + [t for c in self.live_caches for t in c]
+        return tuple(map(Tensor.data_ptr, ts + self.weights if weights else ts))
 
     def check(self, caches: Sequence[Sequence[Tensor]]) -> None:
         """Assert that ``caches`` (the engine's) are the ones this graph was captured with."""
-        for mine, theirs in zip(self.caches, caches, strict=True):
-            if len(mine) != len(theirs) or any(a.data_ptr() != b.data_ptr() for a, b in zip(mine, theirs)):
-                raise AssertionError("CUDA graph replay with KV caches other than those it was captured with")
+        if len(caches) != len(self.caches) or any(
+                len(mine) != len(theirs) or any(a.data_ptr() != b.data_ptr() for a, b in zip(mine, theirs))
+                for mine, theirs in zip(self.caches, caches)):
+            raise AssertionError("CUDA graph replay with KV caches other than those it was captured with")
 
     def _assert_unmoved(self, full: bool) -> None:
-        # full: the weights too (~500 tensors for an 8B pair), checked on the first replay.
-        now = self._pointers(weights=full)
-        if now != self._captured[: len(now)]:
-            raise AssertionError("CUDA graph replay after a captured input tensor was reallocated")
+        """Assert that every captured tensor is still where it was and that the caller's caches still
+        hold them; ``full``: the weights too (~500 tensors for an 8B pair)."""
+        if self._pointers(weights=full) != self._captured[: len(self._captured) if full else len(self._watched)]:
+            ran = ("; the replay ran on the captured tensors (their memory kept by the runner) and its result "
+                   "is discarded") if self.replays else ""
+            try:
+                self.check(self.live_caches)  # a cache replaced in the caller's lists
+            except AssertionError as e:
+                raise AssertionError(f"{e}{ran}") from None
+            raise AssertionError(f"CUDA graph replay after a captured input tensor was reallocated{ran}")
 
     def _replay(self) -> Tensor:
-        self._assert_unmoved(full=self.replays == 0)
+        # Launched first, checked while the GPU runs it (the module's docstring): the host's scan of
+        # the pointers is off the step's latency, and a failed check raises before the caller sees
+        # this replay's result.
         self.graph.replay()
         self.replays += 1
+        self._assert_unmoved(full=not self._weights_checked)
+        self._weights_checked = True
         return self.out
 
     _execute = _replay

@@ -138,7 +138,9 @@ def test_replay_refuses_caches_other_than_the_captured_ones(engine):
 
 def test_replay_refuses_a_captured_tensor_moved_in_place(engine):
     """A captured KV cache (the very tensor object) given other memory by ``set_``: the runner's
-    pointer check refuses the replay; back in place, the step runs and gives what it gave before."""
+    pointer check, made just after the replay's launch, raises before the step's rows are returned;
+    the replay wrote only the captured memory (kept alive by the runner), not the tensor's new
+    memory. Back in place, the step runs and gives what it gave before."""
     runner = engine.runners[1]
     x = (torch.tensor([65], device="cuda"), torch.tensor([10], device="cuda"), torch.tensor([0], device="cuda"),
          torch.tensor([1], device="cuda"), torch.tensor([0.0], device="cuda"))
@@ -146,10 +148,13 @@ def test_replay_refuses_a_captured_tensor_moved_in_place(engine):
         before = runner(*x)
         t = runner.caches[1][-1]
         storage, offset, size, stride = t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
-        t.set_(t.clone())
+        moved = torch.full_like(t, 7.0)  # other memory; a write the step makes (slot 0, position 10) would show
+        t.set_(moved)
         try:
-            with pytest.raises(AssertionError, match="was reallocated"):
+            with pytest.raises(AssertionError, match="was reallocated.*result is discarded"):
                 runner(*x)
+            torch.cuda.synchronize()
+            assert bool((moved == 7.0).all())
         finally:
             t.set_(storage, offset, size, stride)
         assert torch.equal(runner(*x), before)
