@@ -645,6 +645,14 @@ class Bench:
                         "of_rows": got.shape[0], "of_entries": got.numel(),
                         "first_columns": first_differing_columns(got, want)}
                 sec["aoti"][b] = time_fn(lambda: runner(*x), dev, a.iters)
+
+                def fill_then_replay(sync: bool) -> None:
+                    """The runner's input copies, then the graph's launch (``sync``: once the copies are done)."""
+                    runner._fill(*x)
+                    if sync:
+                        torch.cuda.current_stream(dev).synchronize()
+                    runner.graph.replay()
+
                 if cuda:
                     sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
                     self.replays.setdefault(b, {})[label] = runner  # kept for interleaved_replays
@@ -654,9 +662,17 @@ class Bench:
                     sec.setdefault("aoti_host_issue_us", {})[b] = {
                         "step": host_issue_us(lambda: runner(*x), dev, a.iters),
                         "replay": host_issue_us(runner.graph.replay, dev, a.iters),
-                        # the step's parts before the replay: the input copies, and the pointer check
+                        # the step's parts: the input copies, and the pointer check (after the launch)
                         "fill": host_issue_us(lambda: runner._fill(*x), dev, a.iters),
-                        "check": host_issue_us(lambda: runner._assert_unmoved(False), dev, a.iters)}
+                        "check": host_issue_us(lambda: runner._assert_unmoved(False), dev, a.iters),
+                        # the launch right after the copies, and after waiting for them: the twenty-second
+                        # session's step took 228-231 µs to issue against 60-70 for its parts alone
+                        "fill_replay": host_issue_us(lambda: fill_then_replay(False), dev, a.iters),
+                        "fill_sync_replay": host_issue_us(lambda: fill_then_replay(True), dev, a.iters)}
+                    # ... and what the device sees of them (CUDA events: the idle before the graph counts)
+                    sec.setdefault("aoti_fill_replay", {})[b] = {
+                        "then": time_fn(lambda: fill_then_replay(False), dev, a.iters),
+                        "after_sync": time_fn(lambda: fill_then_replay(True), dev, a.iters)}
                 if programmatic:  # the same packages: the edges' other port, and plain edges (the waits' cost)
                     sec.setdefault("aoti_pdl", {})[b] = self.pdl_replays(runner, fn, b, weights, caches, scratch,
                                                                          words, pool, x, label)
@@ -1025,7 +1041,13 @@ def render_markdown(result: dict) -> str:
     if sec.get("aoti_host_issue_us"):
         out += ["", "Host time to issue (median, the device idle at the call): "
                 + ", ".join(f"B={b}: the runner's step {v['step']:.0f} µs, the replay alone {v['replay']:.0f} µs"
+                            + (f", the input copies then the replay {v['fill_replay']:.0f} µs (after waiting for the "
+                               f"copies {v['fill_sync_replay']:.0f} µs)" if "fill_replay" in v else "")
                             for b, v in sec["aoti_host_issue_us"].items()) + "."]
+    for b, v in sec.get("aoti_fill_replay", {}).items():
+        out += ["", f"The input copies and the replay as the device sees them, batch {b} (CUDA events): launched right "
+                f"after the copies {v['then']['median_ms']:.3f} ms, after the host waited for them "
+                f"{v['after_sync']['median_ms']:.3f} ms."]
     for b, prof in sec.get("aoti_profile", {}).items():
         out += ["", f"### Where the aoti step's device time goes, batch {b} (torch.profiler, packages called "
                 f"without the CUDA graph: {prof['kernel_ms']:.2f} ms of kernels per step)", "",

@@ -116,7 +116,9 @@ def test_the_interleaved_replays_and_the_idle_time_render():
     result = json.loads((ROOT / "docs" / "benchmarks-b1-twelfth-pdl.json").read_text())  # a run's other fields
     sec = result["sections"]
     sec["aoti_interleaved_replay"] = {"1": {"aoti": 5.6, "aoti no_rope_table": 5.46}}
-    sec["aoti_host_issue_us"] = {"1": {"step": 61.4, "replay": 18.2}}
+    sec["aoti_host_issue_us"] = {"1": {"step": 61.4, "replay": 18.2},  # (a run before the copies-then-launch split)
+                                 "8": {"step": 230.6, "replay": 29.0, "fill_replay": 180.4, "fill_sync_replay": 62.5}}
+    sec["aoti_fill_replay"] = {"8": {"then": {"median_ms": 5.4127}, "after_sync": {"median_ms": 5.3004}}}
     sec["aoti_runner_profile"] = {"1": {"kernel_ms": 5.41, "idle_ms": 0.25, "gaps": [], "calls": 3,
                                         "beyond_replay": {"Memcpy DtoD (Device -> Device)": [5.0, 0.0061]}}}
     sec["aoti_replay_profile"]["1"]["idle_ms"] = 0.121
@@ -129,7 +131,10 @@ def test_the_interleaved_replays_and_the_idle_time_render():
             "0.250 ms idle a call; events beyond the bare replay's: `Memcpy DtoD (Device -> Device)` ×5 6.1 µs.") \
         in text
     assert ("Host time to issue (median, the device idle at the call): B=1: the runner's step 61 µs, "
-            "the replay alone 18 µs.") in text
+            "the replay alone 18 µs, B=8: the runner's step 231 µs, the replay alone 29 µs, the input copies then "
+            "the replay 180 µs (after waiting for the copies 62 µs).") in text
+    assert ("The input copies and the replay as the device sees them, batch 8 (CUDA events): launched right after "
+            "the copies 5.413 ms, after the host waited for them 5.300 ms.") in text
     assert "Device idle between the events of a replay (torch.profiler): `aoti` B=1 0.121 ms, " \
            "`aoti no_rope_table` B=1 0.250 ms." in text
 
