@@ -645,15 +645,15 @@ class Bench:
                         "of_rows": got.shape[0], "of_entries": got.numel(),
                         "first_columns": first_differing_columns(got, want)}
                 sec["aoti"][b] = time_fn(lambda: runner(*x), dev, a.iters)
-
-                def fill_then_replay(sync: bool) -> None:
-                    """The runner's input copies, then the graph's launch (``sync``: once the copies are done)."""
-                    runner._fill(*x)
-                    if sync:
-                        torch.cuda.current_stream(dev).synchronize()
-                    runner.graph.replay()
-
                 if cuda:
+
+                    def fill_then_replay(sync: bool) -> None:
+                        """The runner's input copies, then the graph's launch (``sync``: once the copies are done)."""
+                        runner._fill(*x)
+                        if sync:
+                            torch.cuda.current_stream(dev).synchronize()
+                        runner.graph.replay()
+
                     sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
                     self.replays.setdefault(b, {})[label] = runner  # kept for interleaved_replays
                     # What the host spends issuing a step (the runner's input copies, pointer check,

@@ -275,12 +275,10 @@ class _Layered:
         return x, aux
 
 
-def step_positions(anchor_pos: torch.Tensor, gamma: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
+def step_positions(anchor_pos: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The positions of a step's γ+1 verified tokens, ``anchor_pos + [0 … γ]`` [B, γ+1] int64, read by
     every part. ``offsets``: ``[0 … γ]`` on anchor_pos's device, made once by the caller (``LayeredStep``),
     so that a captured step graph holds one kernel here, the sum, not an arange before it."""
-    if offsets is None:
-        offsets = torch.arange(gamma + 1, device=anchor_pos.device)
     return anchor_pos[:, None] + offsets
 
 
@@ -322,7 +320,7 @@ class LayeredStep(_Layered):
         offsets = self._offsets.get(anchor_pos.device)
         if offsets is None:  # (made on a first, uncaptured call: a capture warms up first, ``cuda_graph.capture``)
             offsets = self._offsets[anchor_pos.device] = torch.arange(self.gamma + 1, device=anchor_pos.device)
-        positions = step_positions(anchor_pos, self.gamma, offsets)
+        positions = step_positions(anchor_pos, offsets)
         ids, probs, stream, x = self.draft_fn(head, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature,
                                               positions)
         forked = []  # the caller's stream, where the context was forked from it

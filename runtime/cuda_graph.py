@@ -358,9 +358,6 @@ class CUDAGraphStep(StaticStep):
     def __init__(self, *args, pool=None, warmup: int = 2, programmatic: Collection[str] = (),
                  pdl_port: str = "programmatic", **kw):
         super().__init__(*args, **kw)
-        # What a replay reads and writes (its pointers are checked on every replay), weights last.
-        self._watched = list(self.static_inputs) + [self.markov_ws] + [t for c in self.caches for t in c]
-        self._watched_all = self._watched + self.weights
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         # Warmed up before the capture: all rows are padding, so only the scratch slot is written.
@@ -372,19 +369,23 @@ class CUDAGraphStep(StaticStep):
                                                                             programmatic, pdl_port)
             self.graph.instantiate()
         torch.cuda.synchronize(self.device)
-        self._captured = self._pointers(weights=True)
-        # Every captured tensor's storage, kept: a tensor given other memory in place (``set_``) or
-        # replaced in the caller's cache lists cannot free the memory the graph replays into, so a
-        # replay launched before its pointer check touches nothing but what this runner owns.
-        self._storages = [t.untyped_storage() for t in self._watched_all]
+        # What a replay reads and writes, as captured: their pointers, checked on every replay, and their
+        # storages, kept: a tensor given other memory in place (``set_``) or replaced in the caller's cache
+        # lists cannot free the memory the graph replays into, so a replay launched before its pointer
+        # check touches nothing but what this runner owns.
+        captured = self._tensors(weights=True)
+        self._captured = tuple(map(Tensor.data_ptr, captured))
+        self._unweighted = len(captured) - len(self.weights)  # the pointers checked on every replay
+        self._storages = [t.untyped_storage() for t in captured]
         self._weights_checked = False  # the weights' pointers: checked until a replay has passed with them
         self.replays = 0
 
-    def _pointers(self, weights: bool) -> tuple[int, ...]:
-        """The pointers a replay must find: the static inputs, the workspace, the caller's caches as its
-        lists hold them now (an entry may have been replaced), and with ``weights`` the weights."""
-        ts = self._watched[: len(self.static_inputs) + 1] + [t for c in self.live_caches for t in c]
-        return tuple(map(Tensor.data_ptr, ts + self.weights if weights else ts))
+    def _tensors(self, weights: bool) -> list[Tensor]:
+        """What a replay must find where it was captured: the static inputs, the workspace, the caller's
+        caches as its lists hold them now (an entry may have been replaced), and with ``weights`` the
+        weights."""
+        return [*self.static_inputs, self.markov_ws, *(t for c in self.live_caches for t in c),
+                *(self.weights if weights else ())]
 
     def check(self, caches: Sequence[Sequence[Tensor]]) -> None:
         """Assert that ``caches`` (the engine's) are the ones this graph was captured with."""
@@ -396,14 +397,9 @@ class CUDAGraphStep(StaticStep):
     def _assert_unmoved(self, full: bool) -> None:
         """Assert that every captured tensor is still where it was and that the caller's caches still
         hold them; ``full``: the weights too (~500 tensors for an 8B pair)."""
-        if self._pointers(weights=full) != self._captured[: len(self._captured) if full else len(self._watched)]:
-            ran = ("; the replay ran on the captured tensors (their memory kept by the runner) and its result "
-                   "is discarded") if self.replays else ""
-            try:
-                self.check(self.live_caches)  # a cache replaced in the caller's lists
-            except AssertionError as e:
-                raise AssertionError(f"{e}{ran}") from None
-            raise AssertionError(f"CUDA graph replay after a captured input tensor was reallocated{ran}")
+        if tuple(map(Tensor.data_ptr, self._tensors(full))) != self._captured[: None if full else self._unweighted]:
+            self.check(self.live_caches)  # a cache replaced in the caller's lists
+            raise AssertionError("CUDA graph replay after a captured input tensor was reallocated")
 
     def _replay(self) -> Tensor:
         # Launched first, checked while the GPU runs it (the module's docstring): the host's scan of
@@ -411,7 +407,11 @@ class CUDAGraphStep(StaticStep):
         # this replay's result.
         self.graph.replay()
         self.replays += 1
-        self._assert_unmoved(full=not self._weights_checked)
+        try:
+            self._assert_unmoved(full=not self._weights_checked)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the replay ran on the captured tensors (their memory kept by the runner) "
+                                 "and its result is discarded") from None
         self._weights_checked = True
         return self.out
 
