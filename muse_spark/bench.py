@@ -145,6 +145,39 @@ def time_fn(fn, device, iters: int, warmup: int = 3) -> dict:
     return {"median_ms": statistics.median(times), "min_ms": min(times), "iters": iters}
 
 
+def host_description(device_type: str = "cpu") -> dict:
+    """Facts about the machine the run's host code ran on, to group runs by: the kernel release
+    (a sandbox's own kernel reports itself here: gVisor gives 4.4.0), the CPU model, the cores this
+    process may run on and the NUMA nodes; on CUDA, the driver version. The host's time to issue a
+    step differed by up to 6x between machine starts of the same kind (docs/benchmarks.md)."""
+    import platform
+
+    def read(path: str) -> str | None:
+        try:
+            return Path(path).read_text()
+        except OSError:
+            return None
+
+    cpuinfo = read("/proc/cpuinfo") or ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                  if line.lower().startswith("model name")), platform.processor() or None)
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    host = {"kernel": platform.release(), "machine": platform.machine(), "cpu_model": model,
+            "cpus": os.cpu_count(),
+            "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "numa_nodes": {n.name: (read(str(n / "cpulist")) or "").strip() for n in nodes}}
+    if device_type == "cuda":
+        import subprocess
+
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=20)
+            host["driver"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            host["driver"] = None
+    return host
+
+
 def host_issue_us(fn, device, iters: int, warmup: int = 3) -> float:
     """Median microseconds the host spends in ``fn()`` before it returns (the device's work it
     issued not awaited; synchronized between calls, so each starts on an idle device)."""
@@ -647,12 +680,14 @@ class Bench:
                 sec["aoti"][b] = time_fn(lambda: runner(*x), dev, a.iters)
                 if cuda:
 
-                    def fill_then_replay(sync: bool) -> None:
-                        """The runner's input copies, then the graph's launch (``sync``: once the copies are done)."""
+                    def fill_then_replay(sync: bool, replay: bool = True) -> None:
+                        """The runner's input copies, then the graph's launch (``sync``: once the copies are
+                        done; ``replay=False``: no launch)."""
                         runner._fill(*x)
                         if sync:
                             torch.cuda.current_stream(dev).synchronize()
-                        runner.graph.replay()
+                        if replay:
+                            runner.graph.replay()
 
                     sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
                     self.replays.setdefault(b, {})[label] = runner  # kept for interleaved_replays
@@ -668,7 +703,11 @@ class Bench:
                         # the launch right after the copies, and after waiting for them: the twenty-second
                         # session's step took 228-231 µs to issue against 60-70 for its parts alone
                         "fill_replay": host_issue_us(lambda: fill_then_replay(False), dev, a.iters),
-                        "fill_sync_replay": host_issue_us(lambda: fill_then_replay(True), dev, a.iters)}
+                        "fill_sync_replay": host_issue_us(lambda: fill_then_replay(True), dev, a.iters),
+                        # ... and the copies with that wait alone: fill_sync_replay less this is what the
+                        # launch costs after the copies (the twenty-third session: 261 µs against the
+                        # launch's 50 alone on one machine start, 40 against 6 on another)
+                        "fill_sync": host_issue_us(lambda: fill_then_replay(True, replay=False), dev, a.iters)}
                     # ... and what the device sees of them (CUDA events: the idle before the graph counts)
                     sec.setdefault("aoti_fill_replay", {})[b] = {
                         "then": time_fn(lambda: fill_then_replay(False), dev, a.iters),
@@ -891,7 +930,7 @@ class Bench:
     def environment(self) -> dict:
         import torch
 
-        env = {"torch": torch.__version__, "device": str(self.device)}
+        env = {"torch": torch.__version__, "device": str(self.device), "host": host_description(self.device.type)}
         if self.device.type == "cuda":
             p = torch.cuda.get_device_properties(self.device)
             env.update(gpu=p.name, compute_capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
@@ -971,6 +1010,10 @@ def render_markdown(result: dict) -> str:
         "",
         f"* Device: {env.get('gpu', env['device'])} (compute capability {env.get('compute_capability', '—')}), "
         f"torch {env['torch']}, Triton {env.get('triton')}.",
+        *([f"* Host: kernel {h.get('kernel')}, {h.get('cpu_model')}, {h.get('cpus_allowed')} of {h.get('cpus')} "
+           f"CPUs allowed, NUMA nodes {', '.join(f'{k} [{v}]' for k, v in h.get('numa_nodes', {}).items()) or '—'}"
+           + (f", driver {h.get('driver')}" if "driver" in h else "") + "."]
+          if (h := env.get("host")) else []),
         f"* Pair ({result['preset']}, random bf16 weights): target hidden {t['hidden_size']}, "
         f"{t['num_hidden_layers']} layers, {t['num_attention_heads']}/{t['num_key_value_heads']} heads, "
         f"head_dim {t['head_dim']}, FFN {t['intermediate_size']}, vocab {t['vocab_size']}; draft "
@@ -1042,7 +1085,9 @@ def render_markdown(result: dict) -> str:
         out += ["", "Host time to issue (median, the device idle at the call): "
                 + ", ".join(f"B={b}: the runner's step {v['step']:.0f} µs, the replay alone {v['replay']:.0f} µs"
                             + (f", the input copies then the replay {v['fill_replay']:.0f} µs (after waiting for the "
-                               f"copies {v['fill_sync_replay']:.0f} µs)" if "fill_replay" in v else "")
+                               f"copies {v['fill_sync_replay']:.0f} µs" if "fill_replay" in v else "")
+                            + (f"; the copies and that wait alone {v['fill_sync']:.0f} µs" if "fill_sync" in v else "")
+                            + (")" if "fill_replay" in v else "")
                             for b, v in sec["aoti_host_issue_us"].items()) + "."]
     for b, v in sec.get("aoti_fill_replay", {}).items():
         out += ["", f"The input copies and the replay as the device sees them, batch {b} (CUDA events): launched right "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,10 @@ def test_tiny_bench_runs_and_writes_json_and_markdown(tmp_path):
         assert floor["weight_bytes"] <= sec["bytes_per_step"][b]["weights"]
     text = md.read_text()
     assert "| 1 |" in text and "| 2 |" in text and res["command"] in text
+    host = res["env"]["host"]  # what the host code ran on, to group runs by (no driver on CPU)
+    assert host["kernel"] == platform.release() and host["cpus"] == os.cpu_count() and "driver" not in host
+    assert 1 <= host["cpus_allowed"] <= host["cpus"]
+    assert f"* Host: kernel {host['kernel']}, {host['cpu_model']}, {host['cpus_allowed']} of {host['cpus']} CPUs" in text
     assert res["config"]["aoti_order"] == "descending" and "captured and timed largest first" in text
 
     # The lines a GPU run adds when the aoti step and eager differ, or a recompile is skipped.
@@ -117,7 +122,9 @@ def test_the_interleaved_replays_and_the_idle_time_render():
     sec = result["sections"]
     sec["aoti_interleaved_replay"] = {"1": {"aoti": 5.6, "aoti no_rope_table": 5.46}}
     sec["aoti_host_issue_us"] = {"1": {"step": 61.4, "replay": 18.2},  # (a run before the copies-then-launch split)
-                                 "8": {"step": 230.6, "replay": 29.0, "fill_replay": 180.4, "fill_sync_replay": 62.5}}
+                                 "8": {"step": 230.6, "replay": 29.0, "fill_replay": 180.4, "fill_sync_replay": 62.5},
+                                 "32": {"step": 298.9, "replay": 50.1, "fill_replay": 185.3, "fill_sync_replay": 261.0,
+                                        "fill_sync": 91.2}}
     sec["aoti_fill_replay"] = {"8": {"then": {"median_ms": 5.4127}, "after_sync": {"median_ms": 5.3004}}}
     sec["aoti_runner_profile"] = {"1": {"kernel_ms": 5.41, "idle_ms": 0.25, "gaps": [], "calls": 3,
                                         "beyond_replay": {"Memcpy DtoD (Device -> Device)": [5.0, 0.0061]}}}
@@ -132,7 +139,9 @@ def test_the_interleaved_replays_and_the_idle_time_render():
         in text
     assert ("Host time to issue (median, the device idle at the call): B=1: the runner's step 61 µs, "
             "the replay alone 18 µs, B=8: the runner's step 231 µs, the replay alone 29 µs, the input copies then "
-            "the replay 180 µs (after waiting for the copies 62 µs).") in text
+            "the replay 180 µs (after waiting for the copies 62 µs), B=32: the runner's step 299 µs, the replay "
+            "alone 50 µs, the input copies then the replay 185 µs (after waiting for the copies 261 µs; the copies "
+            "and that wait alone 91 µs).") in text
     assert ("The input copies and the replay as the device sees them, batch 8 (CUDA events): launched right after "
             "the copies 5.413 ms, after the host waited for them 5.300 ms.") in text
     assert "Device idle between the events of a replay (torch.profiler): `aoti` B=1 0.121 ms, " \
