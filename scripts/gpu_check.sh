@@ -17,6 +17,8 @@
 #                                      # stage by stage, the fused attention with the table too)
 #   scripts/gpu_check.sh residual      # the linear + gated residual launch's kernel and eager tests, then
 #                                      # the batch-1 bench with it and without (--linear-residual both)
+#   scripts/gpu_check.sh launch        # a graph launch's host time after a graph, a kernel, a copy
+#                                      # (scripts/launch_probe.py: tells machine starts apart in seconds)
 #   scripts/gpu_check.sh chained       # the chained steps' GPU test (the Generator launching each step's
 #                                      # successor before reading its rows), then the batch-1 bench (its
 #                                      # aoti_chained figure)
@@ -122,6 +124,11 @@ chained)
     timeout "${BENCH_TIMEOUT:-240}" python3 scripts/bench.py --batches 1 --skip eager,compile \
         --deadline-s "${BENCH_DEADLINE:-200}" --json "$OUT/b1-chained.json" --markdown "$OUT/b1-chained.md" \
         2>&1 | tee "$OUT/bench-chained.log" | grep -v "^\s*$" | tail -30
+    ;;
+launch)
+    # what a graph launch costs the host by what the stream did before it (seconds; no engine)
+    timeout "${TEST_TIMEOUT:-120}" python3 scripts/launch_probe.py --json "$OUT/launch-probe.json" 2>&1 |
+        tee "$OUT/launch-probe.log"
     ;;
 *)
     echo "usage: $0 tests|engines|probe|bench|markov|triton-build|attention|boundaries|chain|rope|residual|chained" >&2

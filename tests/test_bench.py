@@ -285,3 +285,21 @@ def test_interleaved_replays_time_the_copy_in_the_same_rounds_and_give_the_ratio
     assert turns["roofline_ms"] == pytest.approx(4_000_000 / turns["copy_GBps"] / 1e6)
     assert turns["aoti_replay_over_roofline"] == pytest.approx(got["aoti"] / turns["roofline_ms"])
     assert bench.replays == {} and "copy in the same rounds" in logged[-1]
+
+
+def test_the_launch_probe_refuses_a_machine_without_cuda_and_renders_its_table():
+    """scripts/launch_probe.py (run on a GPU only): a clear refusal here, and its table from a result."""
+    script = ROOT / "scripts" / "launch_probe.py"
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "needs a CUDA device" in r.stderr
+    sys.path.insert(0, str(script.parent))
+    try:
+        from launch_probe import PREDECESSORS, render
+    finally:
+        sys.path.remove(str(script.parent))
+    row = {k: {"total_us": 10.0 + i, "launch_us": 5.0 + i} for i, k in enumerate(PREDECESSORS)}
+    text = render({"kernels": 320, "iters": 9, "alone_us": {k: 5.0 for k in PREDECESSORS},
+                   "graphs": {"serial": row, "forked": row}})
+    assert "| serial | 5.0 | 6.0 | 7.0 | 8.0 | 9.0 |" in text and "| forked |" in text
+    assert text.splitlines()[1] == "| graph | graph | kernel | kernel_sync | h2d | other_graph |"
