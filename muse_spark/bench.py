@@ -723,7 +723,14 @@ class Bench:
                     sec.setdefault("aoti_context_stream", {})[b] = {
                         "equals": bool(torch.equal(other(*xg), runner(*xg))),
                         "serial_replay": time_fn(other.graph.replay, dev, a.iters),
-                        "side_replay": time_fn(runner.graph.replay, dev, a.iters)}
+                        "side_replay": time_fn(runner.graph.replay, dev, a.iters),
+                        # the host's time to launch each after the input copies: whether the launch-after-
+                        # copies cost (185 µs on a slow machine start) comes with the forked graph
+                        "host_issue_us": {
+                            "serial_fill_replay": host_issue_us(lambda: (other._fill(*x), other.graph.replay()),
+                                                                dev, a.iters),
+                            "side_fill_replay": host_issue_us(lambda: (runner._fill(*x), runner.graph.replay()),
+                                                              dev, a.iters)}}
                     self.replays[b][f"{label} serial_context"] = other
                     cs = sec["aoti_context_stream"][b]
                     self.log(f"{label} B={b}: draft context on a second stream {cs['side_replay']['median_ms']:.3f} ms, "
@@ -1138,7 +1145,9 @@ def render_markdown(result: dict) -> str:
     for b, r in sec.get("aoti_context_stream", {}).items():  # the same packages, the draft context in line
         out += ["", f"Draft context on a second stream (the default on CUDA), batch {b}: replay "
                 f"{r['side_replay']['median_ms']:.3f} ms; in line on one stream {r['serial_replay']['median_ms']:.3f} ms "
-                f"(greedy step equal: {r['equals']})."]
+                f"(greedy step equal: {r['equals']})"
+                + (f"; the host's time to issue the input copies and the launch: {h['side_fill_replay']:.0f} µs, in line "
+                   f"{h['serial_fill_replay']:.0f} µs" if (h := r.get("host_issue_us")) else "") + "."]
     for b, got in sec.get("aoti_interleaved_replay", {}).items():  # the graphs timed in turns
         base = got.get("aoti")
         turns = sec.get("in_turns", {}).get(b, {})
