@@ -763,6 +763,9 @@ class Bench:
                                                          "min_ms": t["min_ms"] / steps}
                 sec.setdefault("aoti_step_host", {})[b] = time_fn(lambda: runner.step_host(*host), dev, a.iters)
                 sec.setdefault("aoti_step_host_equals_step", {})[b] = runner.step_host(*host) == runner(*x).tolist()
+                if cuda:  # step_host as one launch (its copies captured with the step), in turns with the plain form
+                    sec.setdefault("aoti_step_host_graph", {})[b] = self.host_graph_rounds(
+                        runner, fn, b, weights, caches, scratch, words, pool, programmatic, host)
                 if runner.markov_ws.numel():  # after every timed step: no Markov program gave up waiting
                     sec.setdefault("aoti_markov_error_flag", {})[b] = int(runner.markov_ws[MARKOV_ERROR_WORD])
                 issue = sec.get("aoti_host_issue_us", {}).get(b)
@@ -934,6 +937,28 @@ class Bench:
                                                     for k, v in row.items()))
         self.save()
 
+    def host_graph_rounds(self, runner, fn, b, weights, caches, scratch, words, pool, programmatic, host,
+                          rounds: int = 3) -> dict:
+        """``step_host`` through a runner with the host graph (the copy in, the step and the copy out in one
+        launch) against ``runner``'s plain form, timed in turns: → their medians of the rounds' medians,
+        whether their rows are equal, or the error that stopped it."""
+        from muse_spark.runtime.cuda_graph import CUDAGraphStep
+
+        try:
+            one = CUDAGraphStep(fn, b, weights, caches, scratch, self.device, pool=pool, markov_words=words,
+                                programmatic=programmatic, host_graph=True)
+            equals = one.step_host(*host) == runner.step_host(*host)
+            got: dict[str, list[float]] = {"one_launch": [], "plain": []}
+            for _ in range(rounds):
+                for name, r in (("one_launch", one), ("plain", runner)):
+                    got[name].append(time_fn(lambda: r.step_host(*host), self.device, self.a.iters)["median_ms"])
+        except Exception as e:  # (a run's other sections still count)
+            return {"error": f"{type(e).__name__}: {e}"[:500]}
+        res = {"equals": equals, **{k: statistics.median(v) for k, v in got.items()}}
+        self.log(f"step_host B={b} as one launch {res['one_launch']:.3f} ms, plain {res['plain']:.3f} ms "
+                 f"({res['one_launch'] / res['plain']:.3f}×, in turns; rows equal: {equals})")
+        return res
+
     def environment(self) -> dict:
         import torch
 
@@ -1096,6 +1121,11 @@ def render_markdown(result: dict) -> str:
                             + (f"; the copies and that wait alone {v['fill_sync']:.0f} µs" if "fill_sync" in v else "")
                             + (")" if "fill_replay" in v else "")
                             for b, v in sec["aoti_host_issue_us"].items()) + "."]
+    for b, v in sec.get("aoti_step_host_graph", {}).items():
+        out += ["", f"`step_host` as one launch (`MUSE_SPARK_HOST_GRAPH=1`: the copy in, the step and the copy out "
+                f"captured together), batch {b}: " + (f"failed: {v['error']}" if "error" in v else
+                f"{v['one_launch']:.3f} ms against the plain form's {v['plain']:.3f} ms, timed in turns "
+                f"({v['one_launch'] / v['plain']:.3f}×); rows equal: {v['equals']}") + "."]
     for b, v in sec.get("aoti_fill_replay", {}).items():
         out += ["", f"The input copies and the replay as the device sees them, batch {b} (CUDA events): launched right "
                 f"after the copies {v['then']['median_ms']:.3f} ms, after the host waited for them "

@@ -31,6 +31,7 @@ result comes back in one device→host copy into a pinned buffer.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Collection, Sequence
 
 import torch
@@ -141,6 +142,15 @@ class StaticStep:
         """Host values (sequences of ints / floats, or CPU tensors) → the static buffers, padding rows
         as ``_fill`` makes them: written into the pinned host twin of the packed inputs, then one
         asynchronous host→device copy of all five (no pageable staging, no device-to-device pass)."""
+        n = self._write_twin(anchor, anchor_pos, slots, seeds, temperature)
+        self.packed.copy_(self.host_packed, non_blocking=True)  # all five inputs, one copy
+        if self.copied_in is not None:
+            self.copied_in.record(torch.cuda.current_stream(self.device))
+        return n
+
+    def _write_twin(self, anchor, anchor_pos, slots, seeds, temperature) -> int:
+        """Host values → the pinned host twin of the packed inputs, padding rows included (once the
+        last copy from the twin has read it); the caller copies it in. → n."""
         n = len(anchor)
         if not 1 <= n <= self.bucket:
             raise ValueError(f"batch of {n} requests does not fit the bucket of {self.bucket}")
@@ -150,10 +160,7 @@ class StaticStep:
         for values, arr, fill in zip(inputs, self.host_arrays, self.padding):
             arr[:n] = values
             arr[n:] = fill
-        self.packed.copy_(self.host_packed, non_blocking=True)  # all five inputs, one copy
-        self._real_rows = n  # (the padding rows were written too)
-        if self.copied_in is not None:
-            self.copied_in.record(torch.cuda.current_stream(self.device))
+        self._real_rows = n  # (the padding rows are written too)
         return n
 
     def _to_host(self, out: Tensor, n: int) -> list[list[int]]:
@@ -328,6 +335,22 @@ def make_programmatic(graph: int, waiting: Collection[str], port: str = "program
     return rewritten, sum(1 for v in names.values() if v is not None)
 
 
+def driver_copy(dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
+    """``src``'s bytes into ``dst`` on ``stream``, one asynchronous copy through the driver
+    (``cuMemcpyAsync``; either side may be pinned host memory: unified addressing). Under capture it is
+    a memcpy node, without torch's bookkeeping of the pinned blocks a copy uses."""
+    from cuda.bindings import driver as cu
+
+    nbytes = src.numel() * src.element_size()
+    if dst.numel() * dst.element_size() != nbytes or not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError(f"driver_copy: {list(src.shape)} {src.dtype} into {list(dst.shape)} {dst.dtype}: "
+                         "both must be contiguous and of the same size in bytes")
+    err, = cu.cuMemcpyAsync(cu.CUdeviceptr(dst.data_ptr()), cu.CUdeviceptr(src.data_ptr()), nbytes,
+                            cu.CUstream(stream.cuda_stream))
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise EngineError(f"copying the step's {nbytes} bytes (cuMemcpyAsync) failed: {err!r}")
+
+
 def capture(fn: Callable, graph: torch.cuda.CUDAGraph | None = None, pool=None, warmup: int = 1,
             device: torch.device | None = None):
     """``fn`` captured in a CUDA graph → (the graph, what the captured call returned). First ``warmup``
@@ -356,7 +379,7 @@ class CUDAGraphStep(StaticStep):
     instantiated. ``programmatic_edges``: how many did."""
 
     def __init__(self, *args, pool=None, warmup: int = 2, programmatic: Collection[str] = (),
-                 pdl_port: str = "programmatic", **kw):
+                 pdl_port: str = "programmatic", host_graph: bool | None = None, **kw):
         super().__init__(*args, **kw)
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
@@ -368,6 +391,29 @@ class CUDAGraphStep(StaticStep):
             self.programmatic_edges, self.graph_kernels = make_programmatic(self.graph.raw_cuda_graph(),
                                                                             programmatic, pdl_port)
             self.graph.instantiate()
+        # ``step_host`` as one launch (``host_graph``; default: MUSE_SPARK_HOST_GRAPH=1, off): the copy
+        # in from the pinned twin, the step and the rows' copy out to a pinned buffer, captured together,
+        # so that nothing else is launched on the stream between two such steps (docs/aoti.md).
+        if host_graph is None:
+            host_graph = os.environ.get("MUSE_SPARK_HOST_GRAPH", "0") == "1"
+        self.host_graph = None
+        if host_graph:
+            self.host_graph_rows = torch.empty(self.out.shape, dtype=self.out.dtype, pin_memory=True)
+
+            def run_host() -> Tensor:
+                stream = torch.cuda.current_stream(self.device)
+                driver_copy(self.packed, self.host_packed, stream)
+                out = self._run()
+                driver_copy(self.host_graph_rows, out, stream)
+                return out
+
+            # No warm-up: the step has just run (above), and a run of this one would copy in a twin not yet
+            # written (a capture runs nothing).
+            self.host_graph, self._host_graph_out = capture(
+                run_host, torch.cuda.CUDAGraph(keep_graph=bool(programmatic)), pool, 0, self.device)
+            if programmatic:
+                make_programmatic(self.host_graph.raw_cuda_graph(), programmatic, pdl_port)
+                self.host_graph.instantiate()
         torch.cuda.synchronize(self.device)
         # What a replay reads and writes, as captured: their pointers, checked on every replay, and their
         # storages, kept: a tensor given other memory in place (``set_``) or replaced in the caller's cache
@@ -401,11 +447,11 @@ class CUDAGraphStep(StaticStep):
             self.check(self.live_caches)  # a cache replaced in the caller's lists
             raise AssertionError("CUDA graph replay after a captured input tensor was reallocated")
 
-    def _replay(self) -> Tensor:
+    def _replay(self, graph: torch.cuda.CUDAGraph | None = None) -> Tensor:
         # Launched first, checked while the GPU runs it (the module's docstring): the host's scan of
         # the pointers is off the step's latency, and a failed check raises before the caller sees
         # this replay's result.
-        self.graph.replay()
+        (graph or self.graph).replay()
         self.replays += 1
         try:
             self._assert_unmoved(full=not self._weights_checked)
@@ -416,3 +462,17 @@ class CUDAGraphStep(StaticStep):
         return self.out
 
     _execute = _replay
+
+    def step_host(self, anchor, anchor_pos, slots, seeds, temperature) -> list[list[int]]:
+        """``StaticStep.step_host``; with the host graph, one launch: the twin written, the graph
+        replayed (copy in, step, copy out), the host waits for it and reads the pinned rows."""
+        if self.host_graph is None:
+            return super().step_host(anchor, anchor_pos, slots, seeds, temperature)
+        n = self._write_twin(anchor, anchor_pos, slots, seeds, temperature)
+        self._replay(self.host_graph)
+        stream = torch.cuda.current_stream(self.device)
+        self.copied_in.record(stream)
+        self.copied_out.record(stream)
+        self.copied_out.synchronize()
+        # A flagged step runs again through the plain graph: the static inputs already hold its inputs.
+        return self._retried(self.host_graph_rows.numpy()[:n].tolist(), n)
