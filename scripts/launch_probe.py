@@ -28,32 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from muse_spark.bench import host_description  # noqa: E402
+from muse_spark.bench import host_description, host_issue_us  # noqa: E402
 
 PREDECESSORS = ("graph", "kernel", "kernel_sync", "h2d", "other_graph")
-
-
-def host_us(fn, iters: int, warmup: int = 5) -> float:
-    """Median µs the host spends in ``fn()``, the device idle at each call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def capture(kernels: int, forked: bool, dev: torch.device) -> tuple[torch.cuda.CUDAGraph, list]:
@@ -89,7 +73,7 @@ def probe(kernels: int, iters: int, dev: torch.device) -> dict:
 
     before = {"graph": lambda: None, "kernel": lambda: small.add_(1), "kernel_sync": sync_kernel,
               "h2d": lambda: staged.copy_(pinned, non_blocking=True), "other_graph": tiny.replay}
-    alone = {k: host_us(f, iters) for k, f in before.items()}
+    alone = {k: host_issue_us(f, dev, iters) for k, f in before.items()}
     result = {"kernels": kernels, "iters": iters, "alone_us": alone, "graphs": {}}
     for name in ("serial", "forked"):
         g, keep = capture(kernels, name == "forked", dev)
@@ -98,7 +82,7 @@ def probe(kernels: int, iters: int, dev: torch.device) -> dict:
             def pair(f=f, g=g):
                 f()
                 g.replay()
-            total = host_us(pair, iters)
+            total = host_issue_us(pair, dev, iters)
             row[k] = {"total_us": total, "launch_us": total - alone[k]}
         result["graphs"][name] = row
         del g, keep
