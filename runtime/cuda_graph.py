@@ -451,7 +451,7 @@ class CUDAGraphStep(StaticStep):
         # Launched first, checked while the GPU runs it (the module's docstring): the host's scan of
         # the pointers is off the step's latency, and a failed check raises before the caller sees
         # this replay's result.
-        (graph or self.graph).replay()
+        (self.graph if graph is None else graph).replay()
         self.replays += 1
         try:
             self._assert_unmoved(full=not self._weights_checked)
@@ -469,9 +469,11 @@ class CUDAGraphStep(StaticStep):
         if self.host_graph is None:
             return super().step_host(anchor, anchor_pos, slots, seeds, temperature)
         n = self._write_twin(anchor, anchor_pos, slots, seeds, temperature)
-        self._replay(self.host_graph)
         stream = torch.cuda.current_stream(self.device)
-        self.copied_in.record(stream)
+        try:
+            self._replay(self.host_graph)
+        finally:  # the graph reads the twin when it runs: not rewritten before, even after a failed check
+            self.copied_in.record(stream)
         self.copied_out.record(stream)
         self.copied_out.synchronize()
         # A flagged step runs again through the plain graph: the static inputs already hold its inputs.
