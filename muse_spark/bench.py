@@ -942,16 +942,19 @@ class Bench:
         """``step_host`` through a runner with the host graph (the copy in, the step and the copy out in one
         launch) against ``runner``'s plain form, timed in turns: → their medians of the rounds' medians,
         whether their rows are equal, or the error that stopped it."""
-        from muse_spark.runtime.cuda_graph import CUDAGraphStep
+        from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
+
+        def plain() -> list[list[int]]:  # (StaticStep's form: the plain graph, whatever MUSE_SPARK_HOST_GRAPH says)
+            return StaticStep.step_host(runner, *host)
 
         try:
             one = CUDAGraphStep(fn, b, weights, caches, scratch, self.device, pool=pool, markov_words=words,
                                 programmatic=programmatic, host_graph=True)
-            equals = one.step_host(*host) == runner.step_host(*host)
+            equals = one.step_host(*host) == plain()
             got: dict[str, list[float]] = {"one_launch": [], "plain": []}
             for _ in range(rounds):
-                for name, r in (("one_launch", one), ("plain", runner)):
-                    got[name].append(time_fn(lambda: r.step_host(*host), self.device, self.a.iters)["median_ms"])
+                for name, call in (("one_launch", lambda: one.step_host(*host)), ("plain", plain)):
+                    got[name].append(time_fn(call, self.device, self.a.iters)["median_ms"])
         except Exception as e:  # (a run's other sections still count)
             return {"error": f"{type(e).__name__}: {e}"[:500]}
         res = {"equals": equals, **{k: statistics.median(v) for k, v in got.items()}}
