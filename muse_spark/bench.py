@@ -680,14 +680,14 @@ class Bench:
                 sec["aoti"][b] = time_fn(lambda: runner(*x), dev, a.iters)
                 if cuda:
 
-                    def fill_then_replay(sync: bool, replay: bool = True) -> None:
-                        """The runner's input copies, then the graph's launch (``sync``: once the copies are
+                    def fill_then_replay(sync: bool, replay: bool = True, r=runner) -> None:
+                        """A runner's input copies, then its graph's launch (``sync``: once the copies are
                         done; ``replay=False``: no launch)."""
-                        runner._fill(*x)
+                        r._fill(*x)
                         if sync:
                             torch.cuda.current_stream(dev).synchronize()
                         if replay:
-                            runner.graph.replay()
+                            r.graph.replay()
 
                     sec["aoti_graph_replay"][b] = time_fn(runner.graph.replay, dev, a.iters)
                     self.replays.setdefault(b, {})[label] = runner  # kept for interleaved_replays
@@ -724,13 +724,13 @@ class Bench:
                         "equals": bool(torch.equal(other(*xg), runner(*xg))),
                         "serial_replay": time_fn(other.graph.replay, dev, a.iters),
                         "side_replay": time_fn(runner.graph.replay, dev, a.iters),
-                        # the host's time to launch each after the input copies: whether the launch-after-
-                        # copies cost (185 µs on a slow machine start) comes with the forked graph
+                        # the host's time to launch each after the input copies (the forked graph's: its
+                        # fill_replay above): whether the launch-after-copies cost (185 µs on a slow machine
+                        # start) comes with the forked graph
                         "host_issue_us": {
-                            "serial_fill_replay": host_issue_us(lambda: (other._fill(*x), other.graph.replay()),
-                                                                dev, a.iters),
-                            "side_fill_replay": host_issue_us(lambda: (runner._fill(*x), runner.graph.replay()),
-                                                              dev, a.iters)}}
+                            "serial_fill_replay": host_issue_us(lambda: fill_then_replay(False, r=other), dev,
+                                                                a.iters),
+                            "side_fill_replay": sec["aoti_host_issue_us"][b]["fill_replay"]}}
                     self.replays[b][f"{label} serial_context"] = other
                     cs = sec["aoti_context_stream"][b]
                     self.log(f"{label} B={b}: draft context on a second stream {cs['side_replay']['median_ms']:.3f} ms, "

@@ -383,14 +383,19 @@ class CUDAGraphStep(StaticStep):
         super().__init__(*args, **kw)
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+
+        def capture_step(fn: Callable, warmup: int) -> tuple[torch.cuda.CUDAGraph, Tensor, int, int]:
+            """``fn`` captured, its edges into ``programmatic`` kernels made programmatic → (graph, output,
+            edges rewritten, kernel nodes)."""
+            graph, out = capture(fn, torch.cuda.CUDAGraph(keep_graph=bool(programmatic)), pool, warmup, self.device)
+            edges = kernels = 0
+            if programmatic:
+                edges, kernels = make_programmatic(graph.raw_cuda_graph(), programmatic, pdl_port)
+                graph.instantiate()
+            return graph, out, edges, kernels
+
         # Warmed up before the capture: all rows are padding, so only the scratch slot is written.
-        self.graph, self.out = capture(self._run, torch.cuda.CUDAGraph(keep_graph=bool(programmatic)), pool,
-                                       warmup, self.device)
-        self.programmatic_edges = self.graph_kernels = 0
-        if programmatic:
-            self.programmatic_edges, self.graph_kernels = make_programmatic(self.graph.raw_cuda_graph(),
-                                                                            programmatic, pdl_port)
-            self.graph.instantiate()
+        self.graph, self.out, self.programmatic_edges, self.graph_kernels = capture_step(self._run, warmup)
         # ``step_host`` as one launch (``host_graph``; default: MUSE_SPARK_HOST_GRAPH=1, off): the copy
         # in from the pinned twin, the step and the rows' copy out to a pinned buffer, captured together,
         # so that nothing else is launched on the stream between two such steps (docs/aoti.md).
@@ -409,11 +414,7 @@ class CUDAGraphStep(StaticStep):
 
             # No warm-up: the step has just run (above), and a run of this one would copy in a twin not yet
             # written (a capture runs nothing).
-            self.host_graph, self._host_graph_out = capture(
-                run_host, torch.cuda.CUDAGraph(keep_graph=bool(programmatic)), pool, 0, self.device)
-            if programmatic:
-                make_programmatic(self.host_graph.raw_cuda_graph(), programmatic, pdl_port)
-                self.host_graph.instantiate()
+            self.host_graph, self._host_graph_out, _, _ = capture_step(run_host, 0)
         torch.cuda.synchronize(self.device)
         # What a replay reads and writes, as captured: their pointers, checked on every replay, and their
         # storages, kept: a tensor given other memory in place (``set_``) or replaced in the caller's cache
