@@ -31,11 +31,11 @@ result comes back in one device→host copy into a pinned buffer.
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Collection, Sequence
 
 import torch
 
+from muse_spark.models.layers import host_graph as host_graph_switch
 from muse_spark.runtime.engine import INPUT_NAMES, EngineError, host_step_inputs
 
 Tensor = torch.Tensor
@@ -400,7 +400,7 @@ class CUDAGraphStep(StaticStep):
         # in from the pinned twin, the step and the rows' copy out to a pinned buffer, captured together,
         # so that nothing else is launched on the stream between two such steps (docs/aoti.md).
         if host_graph is None:
-            host_graph = os.environ.get("MUSE_SPARK_HOST_GRAPH", "0") == "1"
+            host_graph = host_graph_switch()
         self.host_graph = None
         if host_graph:
             self.host_graph_rows = torch.empty(self.out.shape, dtype=self.out.dtype, pin_memory=True)

@@ -517,3 +517,16 @@ def test_a_flagged_chained_step_runs_again_from_its_own_inputs():
     h3 = runner.launch_host([5, 6], [10, 20], [0, 1], [4, 5], [0.0, 0.5])
     with pytest.raises(MarkovKernelError, match="failed twice in a row at batch bucket 2"):
         runner.rows(h3)
+
+
+def test_the_host_graph_switch_is_off_unless_asked_for_and_refuses_other_values(monkeypatch):
+    """``MUSE_SPARK_HOST_GRAPH`` (read by the CUDA-graph runners): unset off, ``1`` on, anything but 0/1 an error."""
+    from muse_spark.models.layers import host_graph
+
+    monkeypatch.delenv("MUSE_SPARK_HOST_GRAPH", raising=False)
+    assert host_graph() is False
+    monkeypatch.setenv("MUSE_SPARK_HOST_GRAPH", "1")
+    assert host_graph() is True
+    monkeypatch.setenv("MUSE_SPARK_HOST_GRAPH", "true")
+    with pytest.raises(ValueError, match="MUSE_SPARK_HOST_GRAPH='true': expected 0 or 1"):
+        host_graph()

@@ -396,6 +396,14 @@ def chained_steps() -> bool:
     return _switch("MUSE_SPARK_CHAINED_STEPS", default="1")
 
 
+def host_graph() -> bool:
+    """``MUSE_SPARK_HOST_GRAPH=1`` (opt-in; CUDA graphs only): a CUDA-graph runner also captures
+    ``step_host`` as one launch, the pinned copy in, the step and the copy out of its rows together
+    (``runtime.cuda_graph.CUDAGraphStep``; twenty-third session, not yet run on a GPU). A runtime
+    choice, read when the runners are made."""
+    return _switch("MUSE_SPARK_HOST_GRAPH")
+
+
 def linear_residual() -> bool:
     """``MUSE_SPARK_LINEAR_RESIDUAL=1``: where the Triton linear kernel takes a layer's output (o) or
     down projection, the gated residual and the norms after it run in the same launch
