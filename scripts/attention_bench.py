@@ -12,7 +12,9 @@ SDPA) and the fp32 einsum reference, each captured 16× in a CUDA graph and time
 step must read (the requests' lengths, not the window) over the measured copy bandwidth. Prints
 a table of µs, ratio to the roofline and the largest deviation from the reference; 37 layers
 (32 target + 5 draft) of this is the attention share of the speculative step. ``--sweep`` adds
-the kernel under each configuration of ``SWEEP`` (``launch_attention(config=...)``).
+the kernel under each configuration of ``SWEEP`` (``launch_attention(config=...)``). Every run times
+the bounds form under other splits and with 1–9 splits a program (``SPLITS``), each against the
+default's bits.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ SWEEP += [dict(MERGE_CHUNK=c, merge_warps=w) for c, w in ((16, 1), (16, 2), (8, 
 SWEEP += [dict(BLOCK_M=16, num_warps=w) for w in (2, 4)]
 # The mask in bounds form (models.layers.KeyBounds) under a few splits, timed in every run.
 BOUNDS_CONFIGS = [dict(SPLIT_T=64, BLOCK_T=64), dict(SPLIT_T=64, BLOCK_T=32), dict(SPLIT_T=256, BLOCK_T=64)]
+# Splits a program (SPLITS; the default lets the launcher choose, ``splits_per_program``), the bounds
+# form, timed in every run: the same bits as the default (checked), so only the time may differ.
+SPLITS_CONFIGS = [dict(SPLITS=g) for g in (1, 2, 3, 5, 9)]
 
 
 def _name(c: dict) -> str:
@@ -60,7 +65,9 @@ def main() -> int:
     from muse_spark.plugins.markov.bench import time_in_graph
     from muse_spark.models.layers import KeyBounds, _attend_sdpa, attend_reference, cache_rows
     from muse_spark.plugins import triton_ops
-    from muse_spark.plugins.attention.triton_kernel import DEFAULT_CONFIG, launch_attention
+    import triton
+
+    from muse_spark.plugins.attention.triton_kernel import DEFAULT_CONFIG, launch_attention, splits_per_program
 
     dev = torch.device("cuda")
     H, KV, dh, S, T = 32, 8, 128, a.queries, a.window
@@ -90,7 +97,7 @@ def main() -> int:
                       for c in SWEEP]
         cases += [(f"triton_bounds {_name(c)}", lambda c=c: launch_attention(q, kc, vc, kb.last, slots, config=c,
                                                                              window=kb.width))
-                  for c in BOUNDS_CONFIGS]
+                  for c in BOUNDS_CONFIGS + SPLITS_CONFIGS]
         for name, fn in cases:
             try:
                 us, how = time_in_graph([fn], reps=16, replays=a.iters)
@@ -103,8 +110,16 @@ def main() -> int:
             res[name] = dict(median_ms=us / 1e3, how=how, max_abs_err=err, x_roofline=us / 1e3 / roof_ms)
             if name == "triton":
                 default_out = got
-            elif name.startswith("triton_bounds"):  # other splits change the bits; the default's must not
-                res[name]["bits_equal_default"] = bool(torch.equal(got, default_out))
+            elif name == "triton_bounds":
+                bounds_out = got
+                res[name]["splits_per_program"] = splits_per_program(
+                    triton.cdiv(T, DEFAULT_CONFIG["SPLIT_T"]), triton.cdiv(S * H // KV, DEFAULT_CONFIG["BLOCK_M"]) * B * KV,
+                    torch.cuda.get_device_properties(dev).multi_processor_count)
+                print(f"B={B} {name}: {us:.1f} µs (splits a program: {res[name]['splits_per_program']})", flush=True)
+            elif name.startswith("triton_bounds"):
+                # other split sizes change the bits; splits a program must not (against the bounds default)
+                same = default_out if "SPLITS" not in name else bounds_out
+                res[name]["bits_equal_default"] = bool(torch.equal(got, same))
                 print(f"B={B} {name}: {us:.1f} µs (bits = default: {res[name]['bits_equal_default']})", flush=True)
             elif name.startswith("triton "):
                 res[name]["bits_equal_default"] = bool(torch.equal(got, default_out))

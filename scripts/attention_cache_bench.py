@@ -18,7 +18,9 @@ fused kernel out, so differences place its time (timing only: ``no_rope`` change
 * ``fused``: ``launch_attention(new_kv=...)``, the fused path;
 * ``fused_table``: the fused path reading the step's RoPE table (thirteenth session);
 * ``fused_no_rope``: the same without the rotation (no cos/sin/pow);
-* ``fused_no_store``: positions past the caches, so no program stores new keys (the barrier stays).
+* ``fused_no_store``: positions past the caches, so no program stores new keys (the barrier stays);
+* ``fused_table SPLITS=g`` (``--splits``): ``fused_table`` with g splits of the window a program
+  (the default lets the launcher choose: ``splits_per_program``); checked bit for bit against it.
 
 ``--ncu``: each kernel once, between cudaProfilerStart/Stop, for Nsight Compute.
 """
@@ -46,8 +48,10 @@ def main() -> int:
     p.add_argument("--window", type=int, default=1152)
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--ncu", action="store_true", help="run each kernel once inside a profiler range (for ncu)")
+    p.add_argument("--splits", default="1,3,9", help="SPLITS values timed beside the default (fused_table), comma-separated")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    a.splits = [int(g) for g in a.splits.split(",") if g]
     from muse_spark.bench import time_fn
     from muse_spark.plugins.attention.triton_kernel import launch_attention
     from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope_cache, launch_rope_table
@@ -71,8 +75,9 @@ def main() -> int:
     def attention(q, kc, vc):
         return launch_attention(q, kc, vc, pos, slots, window=T)
 
-    def fused(kc, vc, rope=True, positions=pos, table=None):
-        return launch_attention(x, kc, vc, pos, slots, window=T, new_kv=(v, positions, EPS, THETA, rope), table=table)
+    def fused(kc, vc, rope=True, positions=pos, table=None, config=None):
+        return launch_attention(x, kc, vc, pos, slots, window=T, new_kv=(v, positions, EPS, THETA, rope), table=table,
+                                config=config)
 
     q0 = norm_cache(*caches[0])
     variants = {
@@ -87,6 +92,9 @@ def main() -> int:
         "fused_no_rope": lambda kc, vc: fused(kc, vc, rope=False),
         "fused_no_store": lambda kc, vc: fused(kc, vc, positions=past),
     }
+    for g in a.splits:  # splits a program (the default: the launcher's choice, splits_per_program)
+        variants[f"fused_table SPLITS={g}"] = lambda kc, vc, g=g: fused(kc, vc, table=step["table"],
+                                                                         config=dict(SPLITS=g))
     same = torch.equal(fused(*caches[0]), attention(norm_cache(*caches[0]), *caches[0]))
     print(f"B={B}: fused output = norm_cache then attention, bit for bit: {same}", flush=True)
     step["table"] = launch_rope_table(pos, THETA, DH)
@@ -94,6 +102,19 @@ def main() -> int:
     print(f"B={B}: norm_cache with the step's RoPE table = without, bit for bit: {table_same}", flush=True)
     fused_table_same = torch.equal(fused(*caches[0], table=step["table"]), fused(*caches[0]))
     print(f"B={B}: fused with the step's RoPE table = without, bit for bit: {fused_table_same}", flush=True)
+    from muse_spark.plugins.attention.triton_kernel import DEFAULT_CONFIG, splits_per_program
+
+    chosen = splits_per_program(-(-T // DEFAULT_CONFIG["SPLIT_T"]), -(-(S * H // KV) // DEFAULT_CONFIG["BLOCK_M"]) * B * KV,
+                                torch.cuda.get_device_properties(dev).multi_processor_count)
+    splits_same = {}
+    for g in a.splits:  # output and caches bit for bit as the default's, from the same caches
+        runs = []
+        for config in (None, dict(SPLITS=g)):
+            kc, vc = (c.clone() for c in caches[0])
+            runs.append((fused(kc, vc, table=step["table"], config=config), kc, vc))
+        splits_same[g] = all(torch.equal(p, q) for p, q in zip(*runs))
+    print(f"B={B}: the launcher runs {chosen} splits a program; SPLITS=g gives the default's output and caches "
+          f"bit for bit: {splits_same}", flush=True)
     if a.ncu:
         for fn in variants.values():  # compiled and warm before the profiled range
             fn(*caches[0])
@@ -129,7 +150,9 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(dict(args=vars(a), fused_equals_default=same,
                                                 table_equals_in_place=table_same,
-                                                fused_table_equals_in_place=fused_table_same, us_per_layer=results),
+                                                fused_table_equals_in_place=fused_table_same,
+                                                splits_per_program=chosen, splits_equal_default=splits_same,
+                                                us_per_layer=results),
                                            indent=1))
     return 0
 

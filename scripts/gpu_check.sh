@@ -17,6 +17,8 @@
 #                                      # stage by stage, the fused attention with the table too)
 #   scripts/gpu_check.sh residual      # the linear + gated residual launch's kernel and eager tests, then
 #                                      # the batch-1 bench with it and without (--linear-residual both)
+#   scripts/gpu_check.sh splits        # the attention's splits a program (SPLITS): its tests, then
+#                                      # attention_bench.py and attention_cache_bench.py at batch 8 and 32
 #   scripts/gpu_check.sh launch        # a graph launch's host time after a graph, a kernel, a copy
 #                                      # (scripts/launch_probe.py: tells machine starts apart in seconds)
 #   scripts/gpu_check.sh chained       # the chained steps' GPU test (the Generator launching each step's
@@ -124,6 +126,19 @@ chained)
     timeout "${BENCH_TIMEOUT:-240}" python3 scripts/bench.py --batches 1 --skip eager,compile \
         --deadline-s "${BENCH_DEADLINE:-200}" --json "$OUT/b1-chained.json" --markdown "$OUT/b1-chained.md" \
         2>&1 | tee "$OUT/bench-chained.log" | grep -v "^\s*$" | tail -30
+    ;;
+splits)
+    # several splits of the window a program of the attention's partial kernel (SPLITS, the launcher's
+    # choice from batch 4): the attention tests (bits for every grouping), then one layer's attention
+    # (bounds form, SPLITS 1-9 beside the default) and the fused attention + cache write at batch 8 and 32
+    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rfEs -k "attention or splits" tests/test_gpu_kernels.py \
+        2>&1 | tee "$OUT/splits-tests.log" | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)"
+    timeout "${ATTENTION_TIMEOUT:-200}" python3 scripts/attention_bench.py --json "$OUT/attention.json" 2>&1 |
+        tee "$OUT/attention-bench.log" | grep -E "^B=|^\|"
+    for b in 8 32; do
+        timeout 150 python3 scripts/attention_cache_bench.py --batch $b --splits 1,2,3,5,9 \
+            --json "$OUT/attention-cache-b$b.json" 2>&1 | tee "$OUT/attention-cache-b$b.log" | grep -E "SPLITS|^fused"
+    done
     ;;
 launch)
     # what a graph launch costs the host by what the stream did before it (seconds; no engine)

@@ -768,6 +768,71 @@ def test_attention_early_kv_loads_give_the_same_bits(shape, split):
 
 
 @needs_kernels
+@pytest.mark.parametrize("form", ["mask", "bounds", "cache", "cache_table"])
+@pytest.mark.parametrize("shape", ["step", "one_request_many_splits"] + (["muse_spark_b8"] if BIG else []))
+def test_attention_splits_per_program_give_the_same_bits(shape, form):
+    """``SPLITS`` (a program of the partial kernel running several splits of the window in turn,
+    what the launcher picks at batch 4 and above on the H200) gives each split's partials as a
+    program of its own does: the output bit for bit, and with the K/V write folded in
+    (``new_kv``) the same caches, for every grouping of the splits, even ones that leave a
+    program's last splits past the window. Over NaN-filled caches read in place, with whole
+    splits nobody sees."""
+    from muse_spark.plugins.attention.triton_kernel import launch_attention
+    from muse_spark.plugins.head_norm_rope.triton_kernel import launch_rope_table
+    from muse_spark.plugins.triton_math import interpreting
+
+    from test_models import attention_case
+
+    B, S, H, KV, dh, T = ATTN_SHAPES[shape]
+    nsplit = -(-(T + 300) // 128)
+    groupings = sorted({1, 2, 3, nsplit - 1, nsplit, nsplit + 2} - {0})
+    if form in ("mask", "bounds"):
+        q, k, v, mask = attention_case(torch.bfloat16, DEV, B=B, S=S, H=H, KV=KV, dh=dh, T=T)
+        kc, vc, slots = cache_with_slots(k, v, extra_positions=300)
+        mask = torch.nn.functional.pad(mask, (0, 300))  # 300 more keys nobody sees (NaN in the caches)
+        kb = bounds_of(mask)
+        args = (q, kc, vc, mask, slots) if form == "mask" else (q, kc, vc, kb.last, slots)
+        extra = {} if form == "mask" else dict(window=kb.width)
+        outs = {g: launch_attention(*args, config=dict(SPLITS=g), interpret=interpreting(), **extra)
+                for g in groupings}
+        assert torch.isfinite(outs[1]).all()
+        for g in groupings:
+            assert torch.equal(outs[g], outs[1]), g
+        return
+    # the fused form: q/k norm, rotation and the new K/V written by the partial kernel
+    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B if B <= 2 else 2, S, H, KV, dh, 2, T + 300,
+                                                                     (T - S - 5, 100))
+    table = launch_rope_table(positions, 5e5, dh) if form == "cache_table" else None
+    got = {}
+    for g in groupings:
+        k2, v2 = kc.clone(), vc.clone()
+        out = launch_attention(x, k2, v2, last, slots, config=dict(SPLITS=g), interpret=interpreting(),
+                               window=T + 300, new_kv=(v, positions, 1e-6, 5e5, True), table=table)
+        got[g] = (out, k2, v2)
+    assert torch.isfinite(got[1][0]).all()
+    for g in groupings:
+        assert all(torch.equal(a, b) for a, b in zip(got[g], got[1])), g
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernel's module imports it)")
+def test_the_launcher_groups_splits_only_where_the_grid_outgrows_one_wave():
+    """``splits_per_program``: one split a program while a program per split fits in one wave of
+    the GPU (two programs an SM), so batch 1's kernel is the one it always was; past that, the
+    fewest splits a program that bring the grid into one wave, evened out over the programs."""
+    from muse_spark.plugins.attention.triton_kernel import splits_per_program as f
+
+    sms, nsplit = 132, 9  # the H200; the step's 1152-key window in 128-key splits
+    assert [f(nsplit, b * 8, sms) for b in (1, 2, 3, 4, 8, 16, 32)] == [1, 1, 1, 2, 3, 5, 9]
+    for b in range(1, 65):
+        g = f(nsplit, b * 8, sms)
+        groups = -(-nsplit // g)
+        assert 1 <= g <= nsplit and g == -(-nsplit // groups)  # evened out: 9 in 2 groups is 5 + 4, not 8 + 1
+        assert groups * b * 8 <= 2 * sms or g == nsplit  # one wave, unless even one group a program is more
+    assert f(1, 4096, sms) == 1 and f(nsplit, 64, 0) == 1  # one split; no GPU (the interpreter, CPU)
+    assert f(object(), 8, sms) == 1  # a size that is not an int (a symbolic one, in a dynamic export)
+
+
+@needs_kernels
 def test_attention_op_rejects_bad_inputs(tops):
     from test_models import attention_case
 
@@ -1071,6 +1136,19 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
                                     NORM_QK=True, EPS=1e-6, THETA=5e5, ROPE=True, TABLE=True), cfg["num_warps"])
     assert table.asm["cubin"] and table.metadata.shared <= 227 * 1024
     assert "ld.local" in fused.asm["ptx"] and "ld.local" not in table.asm["ptx"]
+    # several splits a program (SPLITS, the launcher's choice from batch 4 on the H200): each form
+    # compiles, fits, and the plain one stays free of contracted multiply-adds
+    grouped = [compile_for_hopper(ak._partial_kernel, dict(zip(n, t)), dict(c, SPLITS=3), cfg["num_warps"])
+               for n, t, c in ((names[:25], types[:25], dict(
+                   SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
+                   SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=True, BOUNDS=True)),
+                   (names + ["cos_ptr", "sin_ptr"], types + ["*fp32"] * 2, dict(
+                       SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
+                       SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=True, BOUNDS=True,
+                       NORM_QK=True, EPS=1e-6, THETA=5e5, ROPE=True, TABLE=True)))]
+    for k in grouped:
+        assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
+    assert "fma.rn.f32" not in grouped[0].asm["ptx"]
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")

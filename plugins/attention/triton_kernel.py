@@ -22,6 +22,14 @@ at batch 1 / 8 / 32 (docs/benchmarks.md). Here:
   programs per KV head and row block: enough to fill the GPU at batch 1), each keeping an online
   softmax (max, sum, fp32 accumulator); a second kernel merges the splits, one program (one
   warp) per output row, ``MERGE_CHUNK`` splits at a time;
+* past one wave of programs (two an SM), one program runs several splits in turn (``SPLITS``,
+  chosen by ``splits_per_program``: batch 1–3 one, batch 8 three, batch 32 all nine of a 1152-key
+  window). Each split's partials are computed exactly as by a program of its own, so the bits do
+  not change; what is shared is the program's fixed chain (the q block's loads, norm and
+  rotation, the bounds, the new K/V write). At batch 32 the one-split grid ran 2304 programs in
+  about nine waves, 152 µs a layer against a K/V roofline of about 33 (seventeenth session's
+  profile); with SPLITS = 1 the kernel's PTX is the one it always was (checked with Triton's
+  compiler for sm_90: the same instructions, registers renamed);
 * a split no row of the block may see is skipped without reading K or V, so the work follows
   the requests' lengths rather than the window's. ``EARLY_KV`` (the default): one mask load per
   split decides that, so each tile's K/V loads wait on nothing else (a visible split's masked
@@ -77,7 +85,28 @@ NEW_ROWS = 16  # new K/V rows per pass of the fused cache write (NORM_QK)
 # ``maxnreg`` (eager launches only; capping the partial kernel's ~227 registers at 96 or 64 was
 # slower at every batch on the H200).
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
-                      merge_warps=1, EARLY_KV=True)  # num_stages: Triton's default unless a sweep sets it
+                      merge_warps=1, EARLY_KV=True, SPLITS=0)  # num_stages: Triton's default unless a sweep sets it
+# SPLITS: splits of the window one program of the partial kernel runs in turn; 0 = ``splits_per_program``'s
+# choice. Any value gives the same bits (each split's partials are computed as by a program of its own).
+PROGRAMS_PER_SM = 2  # partial-kernel programs resident on an SM at once (~227 registers a thread, 4 warps)
+
+
+def splits_per_program(nsplit, others, sms: int) -> int:
+    """How many of its ``nsplit`` splits each program of the partial kernel runs, for a grid of
+    ``others`` (row blocks × requests × KV heads) programs per split on ``sms`` SMs: 1 while one
+    program per split fits in one wave (batch 1: 72 programs); else the fewest splits a program
+    that bring the grid into one wave, as evenly as the splits divide (at 1152 keys, 9 splits:
+    batch 4 by 2, 160 programs; batch 8 by 3, 192; batch 16 by 5, 256; batch 32 all 9, 256), so a program's fixed chain (the q
+    block's loads, norm and rotation, the bounds) is paid once for several splits instead of
+    the grid running in waves. Symbolic sizes (a dynamic export) get 1."""
+    if not all(isinstance(x, int) for x in (nsplit, others, sms)) or sms <= 0 or nsplit <= 1:
+        return 1
+    wave = PROGRAMS_PER_SM * sms
+    if nsplit * others <= wave:
+        return 1
+    groups = max(1, wave // max(others, 1))  # programs per (row block, request, KV head) one wave holds
+    each = triton.cdiv(nsplit, min(groups, nsplit))
+    return triton.cdiv(nsplit, triton.cdiv(nsplit, each))  # evened out: 9 splits in 2 → 5 + 4, not 8 + 1
 
 
 @triton.jit
@@ -150,80 +179,23 @@ def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok
 
 
 @triton.jit
-def _partial_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr,  # q [B, S, H, Dh]; k, v [N, >= T, KV, Dh]; mask [B, S, T] bool, or
-    # with BOUNDS last [B, S] int64 (key t visible to query (b, s) iff t ≤ last[b, s])
-    slot_ptr,  # [B] int64: the row of k/v request b reads (when HAS_SLOTS; else row b)
-    po_ptr, pm_ptr, pl_ptr,  # partials: acc [B*KV, NSPLIT, M, Dh] fp32, max and sum [B*KV, NSPLIT, M] fp32
-    S, T, M, KV, NSPLIT, N_ROWS,  # N_ROWS: k/v's rows (a slot outside [0, N_ROWS) reads nothing)
-    sq_b, sq_s, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sm_b, sm_s,
-    SCALE: tl.constexpr,  # constexpr: Inductor passes a float argument as fp64, which made the scores fp64
-    REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr,
-    IEEE_DOT: tl.constexpr, HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, PDL: tl.constexpr = 0,
-    BOUNDS: tl.constexpr = False,
-    # NORM_QK: q_ptr is the layer's raw q and k heads [B, S, H + KV, Dh]: q is normed and rotated here,
-    # and the new keys (normed, rotated) and values vn [B, S, KV, Dh] at positions pos [B, S] go into
-    # the caches first (``_store_new_kv``; T_CACHE: the caches' length): head_norm_rope's cache kernel
-    # folded in, one launch a layer fewer
-    vn_ptr=None, pos_ptr=None, svn_b=0, svn_s=0, svn_h=0, sp_b=0, sp_s=0, T_CACHE=0,
-    NORM_QK: tl.constexpr = False, EPS: tl.constexpr = 0.0, THETA: tl.constexpr = 0.0, ROPE: tl.constexpr = False,
-    KB: tl.constexpr = 16,  # (a literal: Inductor re-emits the kernel source without this module's globals)
-    # TABLE (with NORM_QK and ROPE): the angles' cos and sin are rows b·S + s of the step's RoPE
-    # table [B·S, Dh/2] fp32 (the qkv GEMM's launch writes it), not computed here: the same bits
-    cos_ptr=None, sin_ptr=None, TABLE: tl.constexpr = False,
-):
-    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
-    bk = tl.program_id(2) + pdl_enter(PDL)  # every load and store is addressed after the PDL wait
-    b = bk // KV
-    kvh = bk % KV
-    if HAS_SLOTS:  # read the cache row in place: no gathered copy of the window
-        kv_row = tl.load(slot_ptr + b).to(tl.int64)
-        row_ok = (kv_row >= 0) & (kv_row < N_ROWS)  # a slot outside the caches: no key is read, zeros out
-        kv_row = tl.where(row_ok, kv_row, 0)
-    else:
-        kv_row = b.to(tl.int64)
-    # row = s·REP + j: query head kvh·REP + j at position s (REP a constexpr: no division by a runtime S)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < M
-    s = rows // REP
-    head = kvh * REP + rows % REP
-    d = tl.arange(0, DH)
-    # Scalar base pointers (64-bit, once); every tensor of addresses adds one int32 offset to them
-    k_base = k_ptr + kv_row * sk_b + kvh * sk_h
-    v_base = v_ptr + kv_row * sv_b + kvh * sv_h
-    q_base = q_ptr + b.to(tl.int64) * sq_b
-    if NORM_QK:
-        HALF: tl.constexpr = DH // 2
-        dh2 = tl.arange(0, HALF)
-        qsrc = q_base + (s[:, None] * sq_s + head[:, None] * sq_h + dh2[None, :])
-        x1 = tl.load(qsrc, mask=rmask[:, None], other=0.0).to(tl.float32)
-        x2 = tl.load(qsrc + HALF, mask=rmask[:, None], other=0.0).to(tl.float32)
-        if TABLE:
-            qpos = 0.0  # (not read)
-        else:
-            qpos = tl.load(pos_ptr + b * sp_b + s * sp_s, mask=rmask, other=0).to(tl.float32)[:, None]
-        y1, y2 = _norm_rotate_rows(x1, x2, qpos, b * S + s, rmask, cos_ptr, sin_ptr, EPS, THETA, DH, ROPE,
-                                   q_ptr.dtype.element_ty, TABLE)
-        q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (BLOCK_M, DH))  # [y1 | y2]
-        # This split's new keys and values into the caches (the last split also takes positions past
-        # the window), then a barrier: the tiles below read them back (every row block of the split
-        # stores the same values, so none reads another's half-written row).
-        lo = split * SPLIT_T
-        hi = tl.where(split == NSPLIT - 1, T_CACHE, lo + SPLIT_T)
-        _store_new_kv(q_ptr, vn_ptr, pos_ptr, k_ptr, v_ptr, b, kvh, kv_row, row_ok, lo, hi, S, REP * KV, sq_b, sq_s,
-                      sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, EPS, THETA, DH, ROPE,
-                      KB, TABLE, cos_ptr, sin_ptr)
-        tl.debug_barrier()
-    else:
-        q = tl.load(q_base + (s[:, None] * sq_s + head[:, None] * sq_h + d[None, :]), mask=rmask[:, None], other=0.0)
+def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s, rows, rmask, d, last, row_ok,
+                   split, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE: tl.constexpr, DH: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr, IEEE_DOT: tl.constexpr,
+                   HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, BOUNDS: tl.constexpr, GUARD: tl.constexpr):
+    """One split of the window for the program's row block: its online softmax over the split's
+    tiles, and its partials (accumulator, max, sum) stored for the merge. ``GUARD``: the split may
+    lie past the last one (a program running several), and then reads and writes nothing."""
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DH), tl.float32)
     t_begin = split * SPLIT_T
     t_end = tl.minimum(t_begin + SPLIT_T, T)
+    if GUARD:  # a program's last splits may lie past the window
+        t_end = tl.where(split < NSPLIT, t_end, t_begin)
     if BOUNDS:  # key t is visible to row r iff t ≤ last[b, s(r)]: no mask tensor to read
-        last = tl.load(mask_ptr + b * sm_b + s * sm_s, mask=rmask, other=-1)  # [BLOCK_M] int64
+        if not GUARD:  # one split a program: loaded here, as the kernel always did
+            last = tl.load(mask_ptr + b * sm_b + s * sm_s, mask=rmask, other=-1)  # [BLOCK_M] int64
         if EARLY_KV:
             t_end = tl.where(t_begin <= tl.max(last, axis=0), t_end, t_begin)  # nobody sees the split: no tile
     elif EARLY_KV:
@@ -264,9 +236,101 @@ def _partial_kernel(
                         other=0.0)  # [BLOCK_T, DH]; unseen rows are 0, not garbage
             m_i, l_i, acc = _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE, BLOCK_M, DH, IEEE_DOT)
     base = (bk * NSPLIT + split).to(tl.int64) * M  # this (request, KV head, split)'s first row
+    if GUARD:
+        rmask = rmask & (split < NSPLIT)
     tl.store(po_ptr + base * DH + (rows[:, None] * DH + d[None, :]), acc, mask=rmask[:, None])
     tl.store(pm_ptr + base + rows, m_i, mask=rmask)
     tl.store(pl_ptr + base + rows, l_i, mask=rmask)
+
+
+@triton.jit
+def _partial_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr,  # q [B, S, H, Dh]; k, v [N, >= T, KV, Dh]; mask [B, S, T] bool, or
+    # with BOUNDS last [B, S] int64 (key t visible to query (b, s) iff t ≤ last[b, s])
+    slot_ptr,  # [B] int64: the row of k/v request b reads (when HAS_SLOTS; else row b)
+    po_ptr, pm_ptr, pl_ptr,  # partials: acc [B*KV, NSPLIT, M, Dh] fp32, max and sum [B*KV, NSPLIT, M] fp32
+    S, T, M, KV, NSPLIT, N_ROWS,  # N_ROWS: k/v's rows (a slot outside [0, N_ROWS) reads nothing)
+    sq_b, sq_s, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sm_b, sm_s,
+    SCALE: tl.constexpr,  # constexpr: Inductor passes a float argument as fp64, which made the scores fp64
+    REP: tl.constexpr, DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr,
+    IEEE_DOT: tl.constexpr, HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, PDL: tl.constexpr = 0,
+    BOUNDS: tl.constexpr = False,
+    # NORM_QK: q_ptr is the layer's raw q and k heads [B, S, H + KV, Dh]: q is normed and rotated here,
+    # and the new keys (normed, rotated) and values vn [B, S, KV, Dh] at positions pos [B, S] go into
+    # the caches first (``_store_new_kv``; T_CACHE: the caches' length): head_norm_rope's cache kernel
+    # folded in, one launch a layer fewer
+    vn_ptr=None, pos_ptr=None, svn_b=0, svn_s=0, svn_h=0, sp_b=0, sp_s=0, T_CACHE=0,
+    NORM_QK: tl.constexpr = False, EPS: tl.constexpr = 0.0, THETA: tl.constexpr = 0.0, ROPE: tl.constexpr = False,
+    KB: tl.constexpr = 16,  # (a literal: Inductor re-emits the kernel source without this module's globals)
+    # TABLE (with NORM_QK and ROPE): the angles' cos and sin are rows b·S + s of the step's RoPE
+    # table [B·S, Dh/2] fp32 (the qkv GEMM's launch writes it), not computed here: the same bits
+    cos_ptr=None, sin_ptr=None, TABLE: tl.constexpr = False,
+    # SPLITS: splits a program runs one after the other (unrolled; the grid's second dim is
+    # cdiv(NSPLIT, SPLITS)). Each split's partials are those of a program of its own, bit for bit:
+    # only the q block (and its norm and rotation), the bounds and the new K/V are shared.
+    SPLITS: tl.constexpr = 1,
+):
+    pid_m = tl.program_id(0)
+    split0 = tl.program_id(1) * SPLITS
+    bk = tl.program_id(2) + pdl_enter(PDL)  # every load and store is addressed after the PDL wait
+    b = bk // KV
+    kvh = bk % KV
+    if HAS_SLOTS:  # read the cache row in place: no gathered copy of the window
+        kv_row = tl.load(slot_ptr + b).to(tl.int64)
+        row_ok = (kv_row >= 0) & (kv_row < N_ROWS)  # a slot outside the caches: no key is read, zeros out
+        kv_row = tl.where(row_ok, kv_row, 0)
+    else:
+        kv_row = b.to(tl.int64)
+        row_ok = kv_row >= 0  # (not read)
+    # row = s·REP + j: query head kvh·REP + j at position s (REP a constexpr: no division by a runtime S)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    s = rows // REP
+    head = kvh * REP + rows % REP
+    d = tl.arange(0, DH)
+    # Scalar base pointers (64-bit, once); every tensor of addresses adds one int32 offset to them
+    k_base = k_ptr + kv_row * sk_b + kvh * sk_h
+    v_base = v_ptr + kv_row * sv_b + kvh * sv_h
+    q_base = q_ptr + b.to(tl.int64) * sq_b
+    if NORM_QK:
+        HALF: tl.constexpr = DH // 2
+        dh2 = tl.arange(0, HALF)
+        qsrc = q_base + (s[:, None] * sq_s + head[:, None] * sq_h + dh2[None, :])
+        x1 = tl.load(qsrc, mask=rmask[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(qsrc + HALF, mask=rmask[:, None], other=0.0).to(tl.float32)
+        if TABLE:
+            qpos = 0.0  # (not read)
+        else:
+            qpos = tl.load(pos_ptr + b * sp_b + s * sp_s, mask=rmask, other=0).to(tl.float32)[:, None]
+        y1, y2 = _norm_rotate_rows(x1, x2, qpos, b * S + s, rmask, cos_ptr, sin_ptr, EPS, THETA, DH, ROPE,
+                                   q_ptr.dtype.element_ty, TABLE)
+        q = tl.reshape(tl.permute(tl.join(y1, y2), (0, 2, 1)), (BLOCK_M, DH))  # [y1 | y2]
+        # This program's splits' new keys and values into the caches (the last split also takes
+        # positions past the window), then a barrier: the tiles below read them back (every row
+        # block of a split stores the same values, so none reads another's half-written row).
+        lo = split0 * SPLIT_T
+        if SPLITS == 1:
+            hi = tl.where(split0 == NSPLIT - 1, T_CACHE, lo + SPLIT_T)
+        else:
+            hi = tl.where(split0 + SPLITS >= NSPLIT, T_CACHE, lo + SPLITS * SPLIT_T)
+        _store_new_kv(q_ptr, vn_ptr, pos_ptr, k_ptr, v_ptr, b, kvh, kv_row, row_ok, lo, hi, S, REP * KV, sq_b, sq_s,
+                      sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, EPS, THETA, DH, ROPE,
+                      KB, TABLE, cos_ptr, sin_ptr)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_base + (s[:, None] * sq_s + head[:, None] * sq_h + d[None, :]), mask=rmask[:, None], other=0.0)
+    last = rows  # with BOUNDS and several splits a program: the bounds, loaded once for all of them
+    if BOUNDS and SPLITS > 1:
+        last = tl.load(mask_ptr + b * sm_b + s * sm_s, mask=rmask, other=-1)  # [BLOCK_M] int64
+    if SPLITS == 1:  # the kernel as it always was (the same PTX)
+        _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s, rows, rmask, d, last,
+                       row_ok, split0, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE, DH, BLOCK_M, BLOCK_T,
+                       SPLIT_T, IEEE_DOT, HAS_SLOTS, EARLY_KV, BOUNDS, False)
+    else:  # a loop, not unrolled: one copy of the split's code (unrolled copies spilled registers)
+        for i in range(SPLITS):
+            _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s, rows, rmask, d, last,
+                           row_ok, split0 + i, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE, DH, BLOCK_M, BLOCK_T,
+                           SPLIT_T, IEEE_DOT, HAS_SLOTS, EARLY_KV, BOUNDS, True)
 
 
 @triton.jit
@@ -356,6 +420,11 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     M = (H // KV) * S
     launch_opts = {"launch_pdl": True} if launch_pdl else {}
     nsplit = max(1, triton.cdiv(T, cfg["SPLIT_T"]))
+    row_blocks = triton.cdiv(M, cfg["BLOCK_M"])
+    splits = int(cfg["SPLITS"]) or (1 if interpret or q.device.type != "cuda" else splits_per_program(
+        nsplit, row_blocks * B * KV, torch.cuda.get_device_properties(q.device).multi_processor_count))
+    if splits < 1:
+        raise ValueError(f"attention config: SPLITS {splits} must be ≥ 1 (0: the launcher's choice)")
     if window is None:
         m8 = mask if mask.stride(-1) == 1 else mask.contiguous()  # bool: Triton loads its bytes as int1
     else:
@@ -374,13 +443,14 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     po = torch.empty((B * KV, nsplit, M, dh), dtype=torch.float32, device=q.device)
     pm = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
     pl = torch.empty((B * KV, nsplit, M), dtype=torch.float32, device=q.device)
-    wrap(_partial_kernel)[(triton.cdiv(M, cfg["BLOCK_M"]), nsplit, B * KV)](
+    wrap(_partial_kernel)[(row_blocks, triton.cdiv(nsplit, splits), B * KV)](
         q, k, v, m8, slots if slots is not None else m8, po, pm, pl, S, T, M, KV, nsplit, k.shape[0],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
         SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
         SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None, EARLY_KV=cfg["EARLY_KV"],
-        PDL=0 if interpret else int(pdl), BOUNDS=window is not None, num_warps=cfg["num_warps"], **launch_opts,
+        PDL=0 if interpret else int(pdl), BOUNDS=window is not None, SPLITS=splits, num_warps=cfg["num_warps"],
+        **launch_opts,
         **fused,
         **{opt: cfg[opt] for opt in ("num_stages", "maxnreg") if opt in cfg},  # eager launches only (the sweep)
     )
