@@ -16,6 +16,12 @@ and ``--poison`` fills the kernel's softmax partials and probability buffer with
 call: the tenth session saw, once, ids equal to the reference's with 2499 of 15000 probabilities
 off at B=3, Vd=1000 under ``1-request-blocks`` (docs/benchmarks.md), which points at a partial
 read before it was written; poisoned, such a read shows as NaN instead of the last call's value.
+Not in the probabilities, though (found in the twenty-fourth session): the merge drops a NaN
+max (max() returns the other operand, and the where() on ``ms > -inf`` drops its sum), so a
+slice's partials read too early make that row's probabilities wrong but finite, which is what
+the twentieth session saw. So with ``--poison`` the kernel also checks every partial and step
+word its final phase reads, and a read before the write raises (error flag 3), shown here as
+that seed's verdict.
 """
 
 from __future__ import annotations

@@ -1152,8 +1152,9 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-@pytest.mark.parametrize("variant", [{}, dict(COUNT_BARRIER=False, POLL_MAX=False), dict(MMA=False)],
-                         ids=["default", "sense_reversing_count_poll", "registers"])
+@pytest.mark.parametrize("variant", [{}, dict(COUNT_BARRIER=False, POLL_MAX=False), dict(MMA=False),
+                                     dict(CHECK_READS=True)],
+                         ids=["default", "sense_reversing_count_poll", "registers", "check_reads"])
 @pytest.mark.parametrize("batch", [1, 32])
 def test_markov_kernel_compiles_for_hopper(batch, variant):
     """The Markov kernel under its default launch configurations at the production shape (γ = 7,
@@ -1175,7 +1176,8 @@ def test_markov_kernel_compiles_for_hopper(batch, variant):
     consts = dict(RANK_P2=256, NS_P2=triton.next_power_of_2(ns), BLOCK_B=cfg["BLOCK_B"], BLOCK_V=cfg["BLOCK_V"],
                   BLOCK_R=32 if cfg["BLOCK_B"] == 1 else 64, FINAL_ROWS=8 if cfg["BLOCK_B"] == 1 else cfg["BLOCK_B"],
                   SALT=mk.SALT_KEY, HAS_MARKOV=True, RESIDENT=resident, GRID_SYNC=True, FINAL=True, IEEE_DOT=False,
-                  SPIN=mk.SPIN_LIMIT, COUNT_BARRIER=cfg["COUNT_BARRIER"], POLL_MAX=cfg["POLL_MAX"], MMA=mma)
+                  SPIN=mk.SPIN_LIMIT, COUNT_BARRIER=cfg["COUNT_BARRIER"], POLL_MAX=cfg["POLL_MAX"], MMA=mma,
+                  CHECK_READS=cfg.get("CHECK_READS", False))  # the poisoned diagnosis's check of the final reads
     k = compile_for_hopper(mk._markov_kernel, sig, consts, cfg["num_warps"],
                            multiples_of_16=("Vd", "stride_ub", "stride_uk", "RANK_W"))
     assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024

@@ -313,6 +313,7 @@ def _markov_kernel(
     FINAL_ROWS: tl.constexpr, SALT: tl.constexpr, HAS_MARKOV: tl.constexpr, RESIDENT: tl.constexpr,
     GRID_SYNC: tl.constexpr, FINAL: tl.constexpr, IEEE_DOT: tl.constexpr, SPIN: tl.constexpr,
     COUNT_BARRIER: tl.constexpr = False, POLL_MAX: tl.constexpr = False, MMA: tl.constexpr = False,
+    CHECK_READS: tl.constexpr = False,
 ):
     pid_v = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -413,11 +414,21 @@ def _markov_kernel(
             pm = (pair < BLOCK_B * GAMMA) & (row < B)
             msk = pm[:, None] & (sl < NS)[None, :]
             off = ((row * GAMMA + kk) * NS)[:, None] + sl[None, :]
-            words = tl.load(word_ptr + off, mask=msk, other=0, cache_modifier=".cg") & WORD_MASK
+            raw = tl.load(word_ptr + off, mask=msk, other=0, cache_modifier=".cg")
+            words = raw & WORD_MASK
             xs = tl.load(pi_ptr + plane + off, mask=msk, other=0, cache_modifier=".cg")
             ms = tl.load(pf_ptr + off, mask=msk, other=float("-inf"), cache_modifier=".cg")
             ns = tl.load(pi_ptr + off, mask=msk, other=0, cache_modifier=".cg")
             ss = tl.load(pf_ptr + plane + off, mask=msk, other=0.0, cache_modifier=".cg")
+            if CHECK_READS:
+                # (poisoned buffers, the diagnosis) a partial read before its write shows as NaN
+                # (floats) or -7 (ints), a word as another call's parity: error flag 3. Needed
+                # because the merge below hides a NaN max: max() drops it and the where() drops
+                # its sum, so the probabilities come out wrong but finite.
+                early = msk & ((ms != ms) | (ss != ss) | (ns < 0) | (xs < 0))
+                if GRID_SYNC:  # (with a launch per step, this launch's programs may read different epochs)
+                    early = early | (msk & (((raw >> 63) & 1) != parity))
+                tl.store(flag_ptr, 3, mask=tl.max(tl.max(early.to(tl.int32), axis=1), axis=0) > 0)
             # Single-operand reductions: with a multi-operand tl.reduce here, ids came out wrong
             # on the H200 at batch 16, Vd = 4096 while the chain itself was right.
             w = tl.max(words, axis=1)  # words of distinct slices never tie
@@ -511,7 +522,9 @@ def launch_markov_sample(
     shape (an engine's batch bucket), so that no call zeroes it again; None: a zeroed one per call.
     ``poison`` (diagnosis: ``scripts/markov_diag.py --poison``): fill the softmax partials and the
     probabilities with NaN (the partials' ints with −7) before the launch, so that a read of any of
-    them before its write shows in the results instead of reading the last call's values.
+    them before its write shows in the results instead of reading the last call's values; the
+    kernel then also checks every partial and step word its final phase reads (error flag 3,
+    raised with ``check``): a NaN max is otherwise dropped by the merge, not shown.
     """
     B, gamma, Vd = base_logits.shape
     rank = w1.shape[1]
@@ -567,7 +580,7 @@ def launch_markov_sample(
         RANK_P2=max(rank_p2, block_r), NS_P2=triton.next_power_of_2(ns), BLOCK_B=block_b, BLOCK_V=block_v,
         BLOCK_R=block_r, FINAL_ROWS=triton.next_power_of_2(gamma) if block_b == 1 else block_b, SALT=SALT_KEY,
         HAS_MARKOV=rank > 0, RESIDENT=resident, IEEE_DOT=w1.dtype == torch.float32 or interpret, SPIN=spin_limit,
-        COUNT_BARRIER=bool(cfg["COUNT_BARRIER"]), POLL_MAX=bool(cfg["POLL_MAX"]), MMA=mma,
+        COUNT_BARRIER=bool(cfg["COUNT_BARRIER"]), POLL_MAX=bool(cfg["POLL_MAX"]), MMA=mma, CHECK_READS=poison,
         num_warps=cfg["num_warps"],
     )
     args = (U, anchor.to(torch.int64), w1, w2, d2t.to(torch.int64), seeds.to(torch.int64),
@@ -589,6 +602,9 @@ def launch_markov_sample(
         parity = 1 - ((epoch - 1) & 1)
         step_words = words[CTL_WORDS:n_ws].view(B, gamma, ns)
         missing = (((step_words >> 63) & 1) != parity).nonzero().tolist()
+        if int(words[2]) == 3:
+            raise RuntimeError(f"markov kernel: the final phase read a softmax partial or step word before it was "
+                               f"written (error flag 3, poisoned buffers); grid {grid}, config {cfg}")
         raise RuntimeError(f"markov kernel: a program gave up waiting for the others (error flag "
                            f"{int(words[2])}: 1 = step words, 2 = final barrier); grid {grid}, config {cfg}; "
                            f"{len(missing)} step words never written (request, step, slice): {missing[:12]}")
