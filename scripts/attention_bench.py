@@ -112,8 +112,9 @@ def main() -> int:
                 default_out = got
             elif name == "triton_bounds":
                 bounds_out = got
+                row_blocks = triton.cdiv(S * H // KV, DEFAULT_CONFIG["BLOCK_M"])
                 res[name]["splits_per_program"] = splits_per_program(
-                    triton.cdiv(T, DEFAULT_CONFIG["SPLIT_T"]), triton.cdiv(S * H // KV, DEFAULT_CONFIG["BLOCK_M"]) * B * KV,
+                    triton.cdiv(T, DEFAULT_CONFIG["SPLIT_T"]), row_blocks * B * KV,
                     torch.cuda.get_device_properties(dev).multi_processor_count)
                 print(f"B={B} {name}: {us:.1f} µs (splits a program: {res[name]['splits_per_program']})", flush=True)
             elif name.startswith("triton_bounds"):

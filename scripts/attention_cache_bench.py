@@ -48,7 +48,8 @@ def main() -> int:
     p.add_argument("--window", type=int, default=1152)
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--ncu", action="store_true", help="run each kernel once inside a profiler range (for ncu)")
-    p.add_argument("--splits", default="1,3,9", help="SPLITS values timed beside the default (fused_table), comma-separated")
+    p.add_argument("--splits", default="1,3,9",
+                   help="SPLITS values timed beside the default (fused_table), comma-separated")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     a.splits = [int(g) for g in a.splits.split(",") if g]
@@ -104,7 +105,8 @@ def main() -> int:
     print(f"B={B}: fused with the step's RoPE table = without, bit for bit: {fused_table_same}", flush=True)
     from muse_spark.plugins.attention.triton_kernel import DEFAULT_CONFIG, splits_per_program
 
-    chosen = splits_per_program(-(-T // DEFAULT_CONFIG["SPLIT_T"]), -(-(S * H // KV) // DEFAULT_CONFIG["BLOCK_M"]) * B * KV,
+    row_blocks = -(-(S * H // KV) // DEFAULT_CONFIG["BLOCK_M"])
+    chosen = splits_per_program(-(-T // DEFAULT_CONFIG["SPLIT_T"]), row_blocks * B * KV,
                                 torch.cuda.get_device_properties(dev).multi_processor_count)
     splits_same = {}
     for g in a.splits:  # output and caches bit for bit as the default's, from the same caches

@@ -96,9 +96,9 @@ def splits_per_program(nsplit, others, sms: int) -> int:
     ``others`` (row blocks × requests × KV heads) programs per split on ``sms`` SMs: 1 while one
     program per split fits in one wave (batch 1: 72 programs); else the fewest splits a program
     that bring the grid into one wave, as evenly as the splits divide (at 1152 keys, 9 splits:
-    batch 4 by 2, 160 programs; batch 8 by 3, 192; batch 16 by 5, 256; batch 32 all 9, 256), so a program's fixed chain (the q
-    block's loads, norm and rotation, the bounds) is paid once for several splits instead of
-    the grid running in waves. Symbolic sizes (a dynamic export) get 1."""
+    batch 4 by 2, 160 programs; batch 8 by 3, 192; batch 16 by 5, 256; batch 32 all 9, 256), so
+    a program's fixed chain (the q block's loads, norm and rotation, the bounds) is paid once for
+    several splits instead of the grid running in waves. Symbolic sizes (a dynamic export) get 1."""
     if not all(isinstance(x, int) for x in (nsplit, others, sms)) or sms <= 0 or nsplit <= 1:
         return 1
     wave = PROGRAMS_PER_SM * sms
@@ -265,7 +265,7 @@ def _partial_kernel(
     # TABLE (with NORM_QK and ROPE): the angles' cos and sin are rows b·S + s of the step's RoPE
     # table [B·S, Dh/2] fp32 (the qkv GEMM's launch writes it), not computed here: the same bits
     cos_ptr=None, sin_ptr=None, TABLE: tl.constexpr = False,
-    # SPLITS: splits a program runs one after the other (unrolled; the grid's second dim is
+    # SPLITS: splits a program runs one after the other (a loop; the grid's second dim is
     # cdiv(NSPLIT, SPLITS)). Each split's partials are those of a program of its own, bit for bit:
     # only the q block (and its norm and rotation), the bounds and the new K/V are shared.
     SPLITS: tl.constexpr = 1,
