@@ -936,9 +936,14 @@ def test_attention_bounds_op_rejects_bad_inputs(tops):
 
 
 @needs_gpu
-def test_attention_kernel_compiles_into_an_aoti_package(tops, tmp_path):
+@pytest.mark.parametrize("splits", [0, 2], ids=["launcher_choice", "two_splits_a_program"])
+def test_attention_kernel_compiles_into_an_aoti_package(tops, tmp_path, monkeypatch, splits):
     """The attention op exported and compiled by AOTInductor: the package runs the same kernels as
-    eager, so it gives the same bits."""
+    eager, so it gives the same bits. Also with two of the window's three splits a program
+    (``SPLITS``, set while the op is traced: what the launcher picks for large batches), against
+    eager's one split a program."""
+    from muse_spark.plugins.attention import triton_kernel as ak
+
     from test_models import attention_case
 
     q, k, v, mask = attention_case(torch.bfloat16, DEV, T=300)
@@ -948,8 +953,10 @@ def test_attention_kernel_compiles_into_an_aoti_package(tops, tmp_path):
         def forward(self, q, k, v, mask, slots):
             return tops.attention(q, k, v, mask, slots)
 
-    ep = torch.export.export(Attn(), (q, kc, vc, mask, slots))
-    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "attn.pt2"))
+    with monkeypatch.context() as m:
+        m.setitem(ak.DEFAULT_CONFIG, "SPLITS", splits)
+        ep = torch.export.export(Attn(), (q, kc, vc, mask, slots))
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "attn.pt2"))
     from muse_spark.runtime.aoti_engine import load_package  # (torch's own loader can segfault: docs/aoti.md)
 
     run = load_package(path, torch.device(DEV))
