@@ -17,6 +17,7 @@
 #                                      # stage by stage, the fused attention with the table too)
 #   scripts/gpu_check.sh residual      # the linear + gated residual launch's kernel and eager tests, then
 #                                      # the batch-1 bench with it and without (--linear-residual both)
+#   scripts/gpu_check.sh first         # launch, splits, then the Markov kernel's poisoned diagnosis (one call)
 #   scripts/gpu_check.sh splits        # the attention's splits a program (SPLITS): its tests, then
 #                                      # attention_bench.py and attention_cache_bench.py at batch 8 and 32
 #   scripts/gpu_check.sh launch        # a graph launch's host time after a graph, a kernel, a copy
@@ -126,6 +127,16 @@ chained)
     timeout "${BENCH_TIMEOUT:-240}" python3 scripts/bench.py --batches 1 --skip eager,compile \
         --deadline-s "${BENCH_DEADLINE:-200}" --json "$OUT/b1-chained.json" --markdown "$OUT/b1-chained.md" \
         2>&1 | tee "$OUT/bench-chained.log" | grep -v "^\s*$" | tail -30
+    ;;
+first)
+    # the twenty-fourth session's changes first, in one call (≈ 5 min): the launch probe, the attention's
+    # splits a program (tests, then both attention benches), the Markov kernel's checked final reads
+    "$0" launch
+    "$0" splits
+    timeout "${MARKOV_TIMEOUT:-200}" python3 scripts/markov_diag.py --cases 7,8 --configs 1-request-blocks,default \
+        --poison --probs --calls 40 2>&1 | tee "$OUT/markov-diag-poison.log"
+    timeout 120 python3 scripts/markov_diag.py --cases 7 --configs 1-request-blocks --poison --probs --calls 40 \
+        --same-seed 2>&1 | tee "$OUT/markov-diag-same-seed.log"
     ;;
 splits)
     # several splits of the window a program of the attention's partial kernel (SPLITS, the launcher's
