@@ -70,9 +70,9 @@ from typing import Callable, Iterator
 import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
-from muse_spark.models.layers import (PDL_KERNELS, accept_kernels, attention_cache_fused, attention_path, linear_path,
-                                      linear_residual, pdl_active, pdl_gemm_trigger, pdl_trigger, qkv_epilogue,
-                                      rope_table)
+from muse_spark.models.layers import (PDL_KERNELS, accept_kernels, attention_cache_fused, attention_path,
+                                      attention_splits, linear_path, linear_residual, pdl_active, pdl_gemm_trigger,
+                                      pdl_trigger, qkv_epilogue, rope_table)
 from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
@@ -432,6 +432,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "accept_kernels": accept_kernels() and impl == "triton",
         # MUSE_SPARK_LINEAR_RESIDUAL=1 (opt-in): the o and down projections' launches do the gated residual too
         "linear_residual": linear_residual() and linear_path(device, target.dtype) == "triton" and impl != "inline",
+        # MUSE_SPARK_ATTENTION_SPLITS (0: the launcher's choice): splits of the window an attention program runs
+        "attention_splits": attention_splits() if attention_path(device, target.dtype) == "triton" else None,
         # MUSE_SPARK_ROPE_TABLE (on unless 0): the qkv GEMM's launch writes the RoPE table the norm kernel reads
         "rope_table": rope_table() and linear_path(device, target.dtype) == "triton",
         "pdl_kernels": list(PDL_KERNELS) if pdl else [],

@@ -47,21 +47,23 @@ PRESETS = {
 }
 TAUS = (1.0, 3.7, 6.17)
 # aoti step variants `--attention-cache both` / `--pdl both` / `--pdl-trigger both` / `--rope-table both` /
-# `--linear-residual both` / `--accept-kernels both`
+# `--linear-residual both` / `--accept-kernels both` / `--attention-splits both`
 # compile and time beside the default: name -> the kernel switches set in its compile workers and around the eager
 # step it is checked against. A step compiled with PDL (the default on sm_90+) gets its graphs' programmatic
 # edges (runtime.cuda_graph.make_programmatic), as the engine does. The RoPE table (thirteenth session), the
 # fused attention (fourteenth), PDL with the small kernels' trigger (fifteenth), the acceptance kernels
-# (twentieth) and the GEMMs' late trigger (twenty-first) are the defaults: their variants are the step without them.
+# (twentieth) and the GEMMs' late trigger (twenty-first) are the defaults: their variants are the step without them;
+# likewise several splits of the window an attention program (twenty-fourth; the variant: one split a program).
 VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "no_pdl": {"MUSE_SPARK_PDL": "0"},
             "pdl_wait_only": {"MUSE_SPARK_PDL_TRIGGER": "0"},
             "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}, "linear_residual": {"MUSE_SPARK_LINEAR_RESIDUAL": "1"},
             "no_accept_kernels": {"MUSE_SPARK_ACCEPT_KERNELS": "0"},
-            "pdl_gemm_wait_only": {"MUSE_SPARK_PDL_GEMM_TRIGGER": "0"}}
+            "pdl_gemm_wait_only": {"MUSE_SPARK_PDL_GEMM_TRIGGER": "0"},
+            "attention_one_split": {"MUSE_SPARK_ATTENTION_SPLITS": "1"}}
 # the variant's --option, where its name is not the option's
 VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache", "no_pdl": "pdl",
                   "pdl_wait_only": "pdl_trigger", "no_accept_kernels": "accept_kernels",
-                  "pdl_gemm_wait_only": "pdl_gemm_trigger"}
+                  "pdl_gemm_wait_only": "pdl_gemm_trigger", "attention_one_split": "attention_splits"}
 
 
 def preset_configs(name: str, layers: int | None = None, draft_layers: int | None = None):
@@ -1263,6 +1265,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accept-kernels", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step with Inductor's compile of the acceptance rule "
                         "(MUSE_SPARK_ACCEPT_KERNELS=0), beside the default (its three Triton kernels)")
+    p.add_argument("--attention-splits", choices=["off", "both"], default="off",
+                   help="both: also compile and time the aoti step with one split of the window an attention "
+                        "program (MUSE_SPARK_ATTENTION_SPLITS=1), beside the default (the launcher's choice: "
+                        "several from batch 4)")
     p.add_argument("--work-dir", default="/tmp/muse_spark_bench", help="where the aoti packages are compiled")
     p.add_argument("--json", default="docs/benchmarks.json")
     p.add_argument("--markdown", default="docs/benchmarks.md")

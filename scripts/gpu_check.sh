@@ -18,6 +18,7 @@
 #   scripts/gpu_check.sh residual      # the linear + gated residual launch's kernel and eager tests, then
 #                                      # the batch-1 bench with it and without (--linear-residual both)
 #   scripts/gpu_check.sh first         # launch, splits, then the Markov kernel's poisoned diagnosis (one call)
+#   scripts/gpu_check.sh splits-step   # the batch-8/32 bench with --attention-splits both (one split a program beside)
 #   scripts/gpu_check.sh splits        # the attention's splits a program (SPLITS): its tests, then
 #                                      # attention_bench.py and attention_cache_bench.py at batch 8 and 32
 #   scripts/gpu_check.sh launch        # a graph launch's host time after a graph, a kernel, a copy
@@ -137,6 +138,13 @@ first)
         --poison --probs --calls 40 2>&1 | tee "$OUT/markov-diag-poison.log"
     timeout 120 python3 scripts/markov_diag.py --cases 7 --configs 1-request-blocks --poison --probs --calls 40 \
         --same-seed 2>&1 | tee "$OUT/markov-diag-same-seed.log"
+    ;;
+splits-step)
+    # the whole step at batch 8 and 32 with the launcher's splits a program beside one split a program
+    # (MUSE_SPARK_ATTENTION_SPLITS=1), replayed in turns (batch 1 is the same kernel either way)
+    timeout "${BENCH_TIMEOUT:-570}" python3 scripts/bench.py --batches 8,32 --skip eager,compile --attention-splits both \
+        --deadline-s "${BENCH_DEADLINE:-500}" --json "$OUT/bench-splits.json" --markdown "$OUT/bench-splits.md" 2>&1 |
+        tee "$OUT/bench-splits.log"
     ;;
 splits)
     # several splits of the window a program of the attention's partial kernel (SPLITS, the launcher's

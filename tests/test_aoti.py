@@ -69,6 +69,7 @@ def test_build_reports_progress_and_writes_the_manifest(built):
     # PDL step graphs: CUDA (sm_90+) engines only
     assert a["pdl_kernels"] == [] and a["pdl_trigger"] is a["pdl_gemm_trigger"] is False
     assert a["rope_table"] is False
+    assert a["attention_splits"] is None  # the Triton attention's knob: not on CPU
     assert a["batch_buckets"] == [MAX_BATCH] and a["cache_slots"] == MAX_BATCH + 1
     assert a["markov_workspace_words"] == {str(MAX_BATCH): 0}  # the reference loop keeps no workspace
     assert "markov_workspace" in a["graph_inputs"]["step_draft"]
@@ -517,6 +518,20 @@ def test_a_flagged_chained_step_runs_again_from_its_own_inputs():
     h3 = runner.launch_host([5, 6], [10, 20], [0, 1], [4, 5], [0.0, 0.5])
     with pytest.raises(MarkovKernelError, match="failed twice in a row at batch bucket 2"):
         runner.rows(h3)
+
+
+def test_the_attention_splits_switch_is_the_launchers_choice_unless_set_and_refuses_other_values(monkeypatch):
+    """``MUSE_SPARK_ATTENTION_SPLITS``: unset 0 (the launcher chooses), a count as given, anything else an error."""
+    from muse_spark.models.layers import attention_splits
+
+    monkeypatch.delenv("MUSE_SPARK_ATTENTION_SPLITS", raising=False)
+    assert attention_splits() == 0
+    monkeypatch.setenv("MUSE_SPARK_ATTENTION_SPLITS", " 3 ")
+    assert attention_splits() == 3
+    for bad in ("auto", "-1", "1.5", ""):
+        monkeypatch.setenv("MUSE_SPARK_ATTENTION_SPLITS", bad)
+        with pytest.raises(ValueError, match="MUSE_SPARK_ATTENTION_SPLITS=.*expected 0 .*or a count"):
+            attention_splits()
 
 
 def test_the_host_graph_switch_is_off_unless_asked_for_and_refuses_other_values(monkeypatch):

@@ -193,6 +193,26 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
     assert len(rows) == 4 and all(len(row.split("|")) == 10 for row in rows)
 
 
+def test_every_variant_has_its_option_and_sets_a_known_switch():
+    """Each bench variant (VARIANTS) is asked for by a ``--<option> both`` the parser knows (its name, or
+    VARIANT_OPTION's), off by default, and sets only switches the project reads."""
+    import argparse
+
+    from muse_spark import bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    defaults = p.parse_args([])
+    known = set((ROOT / "muse_spark" / "models" / "layers.py").read_text().split('"'))
+    for name, env in bench.VARIANTS.items():
+        option = bench.VARIANT_OPTION.get(name, name)
+        assert getattr(defaults, option) == "off", name
+        flag = "--" + option.replace("_", "-")
+        assert getattr(p.parse_args([flag, "both"]), option) == "both", name
+        assert env and all(var in known for var in env), (name, env)
+    assert bench.VARIANTS["attention_one_split"] == {"MUSE_SPARK_ATTENTION_SPLITS": "1"}
+
+
 def test_a_jobs_switches_are_set_for_it_and_restored_after(monkeypatch):
     """A compile worker may take another job next: a job's environment is undone after it,
     including a variable that was unset before."""

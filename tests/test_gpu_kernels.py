@@ -815,6 +815,42 @@ def test_attention_splits_per_program_give_the_same_bits(shape, form):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernel's module imports it)")
+def test_the_attention_splits_come_from_the_config_then_the_switch_then_the_launcher(monkeypatch):
+    """What ``launch_attention`` passes as ``SPLITS`` and the grid it launches (through ``wrap``, no kernel
+    runs): an explicit config first, then ``MUSE_SPARK_ATTENTION_SPLITS``, then the launcher's choice
+    (1 without a GPU); a bad switch value or a negative config is refused."""
+    from muse_spark.plugins.attention import triton_kernel as ak
+
+    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES["straddle"]  # 300 keys: 3 splits
+    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
+    seen = []
+
+    class Record:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((grid, kw.get("SPLITS"))) if self.fn is ak._partial_kernel else None
+
+    def launch(**config):
+        seen.clear()
+        ak.launch_attention(x[:, :, :H], kc, vc, last, slots, wrap=Record, window=window, config=config or None)
+        return seen[0]
+
+    monkeypatch.delenv("MUSE_SPARK_ATTENTION_SPLITS", raising=False)
+    rows = -(-(S * H // KV) // ak.DEFAULT_CONFIG["BLOCK_M"])
+    assert launch() == ((rows, 3, B * KV), 1)  # CPU tensors: no GPU to size a wave by
+    monkeypatch.setenv("MUSE_SPARK_ATTENTION_SPLITS", "2")
+    assert launch() == ((rows, 2, B * KV), 2)
+    assert launch(SPLITS=3) == ((rows, 1, B * KV), 3)  # the config wins
+    monkeypatch.setenv("MUSE_SPARK_ATTENTION_SPLITS", "many")
+    with pytest.raises(ValueError, match="MUSE_SPARK_ATTENTION_SPLITS='many'"):
+        launch()
+    with pytest.raises(ValueError, match="SPLITS -1 must be ≥ 1"):
+        launch(SPLITS=-1)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernel's module imports it)")
 def test_the_launcher_groups_splits_only_where_the_grid_outgrows_one_wave():
     """``splits_per_program``: one split a program while a program per split fits in one wave of
     the GPU (two programs an SM), so batch 1's kernel is the one it always was; past that, the

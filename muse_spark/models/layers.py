@@ -368,6 +368,19 @@ def attention_cache_fused() -> bool:
     return _switch("MUSE_SPARK_ATTENTION_CACHE", default="1")
 
 
+def attention_splits() -> int:
+    """``MUSE_SPARK_ATTENTION_SPLITS``: how many splits of the window one program of the attention's
+    partial kernel runs in turn. ``0`` (the default): the launcher's choice by the grid's size
+    (``plugins.attention.triton_kernel.splits_per_program``: one a program up to batch 3 at the
+    step's shape, more from batch 4); N > 0: N. Every value gives the same bits; only the time
+    differs (``muse-spark bench --attention-splits both`` times one split a program beside the
+    default). A build records it in the engine's manifest."""
+    value = os.environ.get("MUSE_SPARK_ATTENTION_SPLITS", "0").strip()
+    if not value.isdigit():
+        raise ValueError(f"MUSE_SPARK_ATTENTION_SPLITS={value!r}: expected 0 (the launcher's choice) or a count ≥ 1")
+    return int(value)
+
+
 def rope_table() -> bool:
     """``MUSE_SPARK_ROPE_TABLE`` (on unless ``0``): where the Triton linear kernel takes the
     attention's qkv projection and the q/k norm kernel writes the caches, one more program of the

@@ -86,8 +86,9 @@ NEW_ROWS = 16  # new K/V rows per pass of the fused cache write (NORM_QK)
 # slower at every batch on the H200).
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
                       merge_warps=1, EARLY_KV=True, SPLITS=0)  # num_stages: Triton's default unless a sweep sets it
-# SPLITS: splits of the window one program of the partial kernel runs in turn; 0 = ``splits_per_program``'s
-# choice. Any value gives the same bits (each split's partials are computed as by a program of its own).
+# SPLITS: splits of the window one program of the partial kernel runs in turn; 0 = MUSE_SPARK_ATTENTION_SPLITS,
+# and where that is 0 too, ``splits_per_program``'s choice. Any value gives the same bits (each split's
+# partials are computed as by a program of its own).
 PROGRAMS_PER_SM = 2  # partial-kernel programs resident on an SM at once (~227 registers a thread, 4 warps)
 
 
@@ -421,10 +422,13 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     launch_opts = {"launch_pdl": True} if launch_pdl else {}
     nsplit = max(1, triton.cdiv(T, cfg["SPLIT_T"]))
     row_blocks = triton.cdiv(M, cfg["BLOCK_M"])
-    splits = int(cfg["SPLITS"]) or (1 if interpret or q.device.type != "cuda" else splits_per_program(
-        nsplit, row_blocks * B * KV, torch.cuda.get_device_properties(q.device).multi_processor_count))
-    if splits < 1:
-        raise ValueError(f"attention config: SPLITS {splits} must be ≥ 1 (0: the launcher's choice)")
+    if int(cfg["SPLITS"]) < 0:
+        raise ValueError(f"attention config: SPLITS {cfg['SPLITS']} must be ≥ 1 (0: the launcher's choice)")
+    from muse_spark.models.layers import attention_splits  # (MUSE_SPARK_ATTENTION_SPLITS; a lazy import: no cycle)
+
+    splits = int(cfg["SPLITS"]) or attention_splits() or (
+        1 if interpret or q.device.type != "cuda" else splits_per_program(
+            nsplit, row_blocks * B * KV, torch.cuda.get_device_properties(q.device).multi_processor_count))
     if window is None:
         m8 = mask if mask.stride(-1) == 1 else mask.contiguous()  # bool: Triton loads its bytes as int1
     else:
