@@ -89,7 +89,7 @@ DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_C
 # SPLITS: splits of the window one program of the partial kernel runs in turn; 0 = MUSE_SPARK_ATTENTION_SPLITS,
 # and where that is 0 too, ``splits_per_program``'s choice. Any value gives the same bits (each split's
 # partials are computed as by a program of its own).
-PROGRAMS_PER_SM = 2  # partial-kernel programs resident on an SM at once (~227 registers a thread, 4 warps)
+PROGRAMS_PER_SM = 2  # partial-kernel programs resident on an SM at once (227–253 registers a thread, 4 warps)
 
 
 def splits_per_program(nsplit, others, sms: int) -> int:
