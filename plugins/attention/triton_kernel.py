@@ -323,15 +323,12 @@ def _partial_kernel(
     last = rows  # with BOUNDS and several splits a program: the bounds, loaded once for all of them
     if BOUNDS and SPLITS > 1:
         last = tl.load(mask_ptr + b * sm_b + s * sm_s, mask=rmask, other=-1)  # [BLOCK_M] int64
-    if SPLITS == 1:  # the kernel as it always was (the same PTX)
+    # A loop, not unrolled (unrolled copies spilled registers); one split a program compiles to the
+    # kernel as it always was (the same PTX, checked for sm_90)
+    for i in range(SPLITS):
         _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s, rows, rmask, d, last,
-                       row_ok, split0, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE, DH, BLOCK_M, BLOCK_T,
-                       SPLIT_T, IEEE_DOT, HAS_SLOTS, EARLY_KV, BOUNDS, False)
-    else:  # a loop, not unrolled: one copy of the split's code (unrolled copies spilled registers)
-        for i in range(SPLITS):
-            _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s, rows, rmask, d, last,
-                           row_ok, split0 + i, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE, DH, BLOCK_M, BLOCK_T,
-                           SPLIT_T, IEEE_DOT, HAS_SLOTS, EARLY_KV, BOUNDS, True)
+                       row_ok, split0 + i, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE, DH, BLOCK_M, BLOCK_T,
+                       SPLIT_T, IEEE_DOT, HAS_SLOTS, EARLY_KV, BOUNDS, SPLITS > 1)
 
 
 @triton.jit
