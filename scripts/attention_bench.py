@@ -65,9 +65,7 @@ def main() -> int:
     from muse_spark.plugins.markov.bench import time_in_graph
     from muse_spark.models.layers import KeyBounds, _attend_sdpa, attend_reference, cache_rows
     from muse_spark.plugins import triton_ops
-    import triton
-
-    from muse_spark.plugins.attention.triton_kernel import DEFAULT_CONFIG, launch_attention, splits_per_program
+    from muse_spark.plugins.attention.triton_kernel import DEFAULT_CONFIG, launch_attention, program_splits
 
     dev = torch.device("cuda")
     H, KV, dh, S, T = 32, 8, 128, a.queries, a.window
@@ -112,10 +110,7 @@ def main() -> int:
                 default_out = got
             elif name == "triton_bounds":
                 bounds_out = got
-                row_blocks = triton.cdiv(S * H // KV, DEFAULT_CONFIG["BLOCK_M"])
-                res[name]["splits_per_program"] = splits_per_program(
-                    triton.cdiv(T, DEFAULT_CONFIG["SPLIT_T"]), row_blocks * B * KV,
-                    torch.cuda.get_device_properties(dev).multi_processor_count)
+                res[name]["splits_per_program"] = program_splits(B, S * H // KV, T, KV, dev)
                 print(f"B={B} {name}: {us:.1f} µs (splits a program: {res[name]['splits_per_program']})", flush=True)
             elif name.startswith("triton_bounds"):
                 # other split sizes change the bits; splits a program must not (against the bounds default)

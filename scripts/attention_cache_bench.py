@@ -103,11 +103,9 @@ def main() -> int:
     print(f"B={B}: norm_cache with the step's RoPE table = without, bit for bit: {table_same}", flush=True)
     fused_table_same = torch.equal(fused(*caches[0], table=step["table"]), fused(*caches[0]))
     print(f"B={B}: fused with the step's RoPE table = without, bit for bit: {fused_table_same}", flush=True)
-    from muse_spark.plugins.attention.triton_kernel import DEFAULT_CONFIG, splits_per_program
+    from muse_spark.plugins.attention.triton_kernel import program_splits
 
-    row_blocks = -(-(S * H // KV) // DEFAULT_CONFIG["BLOCK_M"])
-    chosen = splits_per_program(-(-T // DEFAULT_CONFIG["SPLIT_T"]), row_blocks * B * KV,
-                                torch.cuda.get_device_properties(dev).multi_processor_count)
+    chosen = program_splits(B, S * H // KV, T, KV, dev)
     splits_same = {}
     for g in a.splits:  # output and caches bit for bit as the default's, from the same caches
         runs = []

@@ -820,7 +820,8 @@ def test_attention_splits_per_program_give_the_same_bits(shape, form):
 def test_the_attention_splits_come_from_the_config_then_the_switch_then_the_launcher(monkeypatch):
     """What ``launch_attention`` passes as ``SPLITS`` and the grid it launches (through ``wrap``, no kernel
     runs): an explicit config first, then ``MUSE_SPARK_ATTENTION_SPLITS``, then the launcher's choice
-    (1 without a GPU); a bad switch value or a negative config is refused."""
+    (1 without a GPU); a bad switch value or a negative config is refused. ``program_splits`` (what
+    the attention benches report) gives the same count."""
     from muse_spark.plugins.attention import triton_kernel as ak
 
     B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES["straddle"]  # 300 keys: 3 splits
@@ -837,6 +838,7 @@ def test_the_attention_splits_come_from_the_config_then_the_switch_then_the_laun
     def launch(**config):
         seen.clear()
         ak.launch_attention(x[:, :, :H], kc, vc, last, slots, wrap=Record, window=window, config=config or None)
+        assert ak.program_splits(B, S * H // KV, window, KV, x.device, config or None) == seen[0][1]  # (the benches')
         return seen[0]
 
     monkeypatch.delenv("MUSE_SPARK_ATTENTION_SPLITS", raising=False)

@@ -369,6 +369,23 @@ def _combine_kernel(
     tl.store(out_ptr + ((b * S + s) * H + head) * DH + d, out.to(out_ptr.dtype.element_ty))
 
 
+def program_splits(B: int, M: int, T: int, KV: int, device: torch.device, config: dict | None = None,
+                   interpret: bool = False) -> int:
+    """The splits of the window a program of the partial kernel runs, as ``launch_attention`` launches
+    it for B requests × KV heads × M rows (query heads × queries of a KV head) over T keys: ``config``'s
+    SPLITS (over DEFAULT_CONFIG's), else ``MUSE_SPARK_ATTENTION_SPLITS``, else ``splits_per_program``
+    for this grid on ``device``'s SMs (1 without a GPU, or on the interpreter)."""
+    cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    if int(cfg["SPLITS"]) < 0:
+        raise ValueError(f"attention config: SPLITS {cfg['SPLITS']} must be ≥ 1 (0: the launcher's choice)")
+    from muse_spark.models.layers import attention_splits  # (MUSE_SPARK_ATTENTION_SPLITS; a lazy import: no cycle)
+
+    return int(cfg["SPLITS"]) or attention_splits() or (
+        1 if interpret or torch.device(device).type != "cuda" else splits_per_program(
+            max(1, triton.cdiv(T, cfg["SPLIT_T"])), triton.cdiv(M, cfg["BLOCK_M"]) * B * KV,
+            torch.cuda.get_device_properties(device).multi_processor_count))
+
+
 def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      slots: torch.Tensor | None = None, wrap=lambda f: f, interpret: bool = False,
                      config: dict | None = None, pdl: int = 0, launch_pdl: bool = False,
@@ -419,13 +436,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     launch_opts = {"launch_pdl": True} if launch_pdl else {}
     nsplit = max(1, triton.cdiv(T, cfg["SPLIT_T"]))
     row_blocks = triton.cdiv(M, cfg["BLOCK_M"])
-    if int(cfg["SPLITS"]) < 0:
-        raise ValueError(f"attention config: SPLITS {cfg['SPLITS']} must be ≥ 1 (0: the launcher's choice)")
-    from muse_spark.models.layers import attention_splits  # (MUSE_SPARK_ATTENTION_SPLITS; a lazy import: no cycle)
-
-    splits = int(cfg["SPLITS"]) or attention_splits() or (
-        1 if interpret or q.device.type != "cuda" else splits_per_program(
-            nsplit, row_blocks * B * KV, torch.cuda.get_device_properties(q.device).multi_processor_count))
+    splits = program_splits(B, M, T, KV, q.device, config, interpret)
     if window is None:
         m8 = mask if mask.stride(-1) == 1 else mask.contiguous()  # bool: Triton loads its bytes as int1
     else:
