@@ -413,7 +413,8 @@ class CUDAGraphStep(StaticStep):
                 return out
 
             # No warm-up: the step has just run (above), and a run of this one would copy in a twin not yet
-            # written (a capture runs nothing).
+            # written (a capture runs nothing). Its output is kept, as ``self.out`` is: the pool must not
+            # hand that memory to a later capture.
             self.host_graph, self._host_graph_out, _, _ = capture_step(run_host, 0)
         torch.cuda.synchronize(self.device)
         # What a replay reads and writes, as captured: their pointers, checked on every replay, and their

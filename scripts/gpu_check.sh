@@ -165,7 +165,7 @@ launch)
         tee "$OUT/launch-probe.log"
     ;;
 *)
-    echo "usage: $0 tests|engines|probe|bench|markov|triton-build|attention|boundaries|chain|rope|residual|chained" >&2
+    echo "usage: $0 tests|engines|probe|bench|markov|triton-build|attention|boundaries|chain|rope|residual|chained|first|splits|splits-step|launch" >&2
     exit 2
     ;;
 esac
