@@ -103,12 +103,16 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     _log("writing engine weights", quiet)
     save_canonical(target, tmp / "target.safetensors")
     save_canonical(draft, tmp / "draft.safetensors")
-    aoti = None
+    aoti = embedding = None
     if backend == "aoti":
         from muse_spark.builder.aoti import build_aoti
 
         aoti = build_aoti(target, draft, tmp, device=device, max_batch=max_batch, max_seq=max_seq,
                           log=lambda m: _log(m, quiet), **aoti_options)
+        from muse_spark.builder.embedder import embedding_section
+
+        # (for the C++ embedding: the weights' sources, the parts' weights, the caches; derived.safetensors)
+        embedding = embedding_section(target, draft, tmp, cache_slots=aoti["cache_slots"], max_seq=max_seq)
     tokenizer = None
     for src in (Path(target_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"):
         if src.is_file():
@@ -137,6 +141,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     }
     if aoti:
         manifest["aoti"] = aoti
+        manifest["embedding"] = embedding
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     tmp.rename(out)
     _log(f"engine written to {out} in {time.perf_counter() - t0:.1f}s", quiet)

@@ -1,0 +1,147 @@
+// muse_spark_generate: speculative generation from C++ over an aoti engine directory.
+//
+//   muse_spark_generate --engine DIR --prompt-ids 72,101,108 [--prompt-ids ...] [--max-tokens N]
+//                       [--temperature T] [--seed S] [--stop-ids a,b] [--ignore-eos] [--stream]
+//                       [--max-batch N] [--no-verify]
+//   muse_spark_generate --info
+//
+// One JSON object a line on stdout: with --stream, {"request": i, "tokens": [...]} as tokens come;
+// then, for each request, {"request": i, "output_ids": [...], "finish_reason": ..., "steps": ...,
+// "accepted_draft_tokens": ..., "error": ...}. An engine that cannot run here: the reason on stderr,
+// exit status 2. Bad arguments: exit status 64.
+#include <muse_spark/engine.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::vector<int64_t> parse_ids(const std::string& s, const std::string& flag) {
+  std::vector<int64_t> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (item.empty()) continue;
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size()) throw std::invalid_argument(flag + ": '" + item + "' is not an integer token id");
+    out.push_back(v);
+  }
+  return out;
+}
+
+std::string ids_json(const std::vector<int64_t>& ids) {
+  std::string s = "[";
+  for (size_t i = 0; i < ids.size(); ++i) s += (i ? ", " : "") + std::to_string(ids[i]);
+  return s + "]";
+}
+
+std::string quoted(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out + "\"";
+}
+
+int usage(const std::string& why) {
+  std::cerr << "muse_spark_generate: " << why << "\n"
+            << "usage: muse_spark_generate --engine DIR --prompt-ids IDS [--prompt-ids IDS ...] [--max-tokens N]\n"
+               "       [--temperature T] [--seed S] [--stop-ids IDS] [--ignore-eos] [--stream] [--max-batch N]\n"
+               "       [--no-verify]\n"
+               "       muse_spark_generate --info\n";
+  return 64;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string engine_dir;
+  std::vector<std::vector<int64_t>> prompts;
+  muse_spark::SamplingParams params;
+  muse_spark::OpenOptions options;
+  bool stream = false;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      auto value = [&]() -> std::string {
+        if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+        return argv[++i];
+      };
+      if (a == "--info") {
+        std::cout << "{\"package_layout\": " << quoted(muse_spark::package_layout())
+                  << ", \"embedding_version\": " << muse_spark::embedding_version()
+                  << ", \"torch\": " << quoted(muse_spark::torch_version()) << "}" << std::endl;
+        return 0;
+      } else if (a == "--engine") {
+        engine_dir = value();
+      } else if (a == "--prompt-ids") {
+        prompts.push_back(parse_ids(value(), a));
+      } else if (a == "--max-tokens") {
+        params.max_tokens = std::stoll(value());
+      } else if (a == "--temperature") {
+        params.temperature = std::stod(value());
+      } else if (a == "--seed") {
+        params.seed = std::stoull(value());
+      } else if (a == "--stop-ids") {
+        params.stop_token_ids = parse_ids(value(), a);
+      } else if (a == "--ignore-eos") {
+        params.ignore_eos = true;
+      } else if (a == "--stream") {
+        stream = true;
+      } else if (a == "--max-batch") {
+        options.max_batch = std::stoll(value());
+      } else if (a == "--no-verify") {
+        options.verify_hashes = false;
+      } else {
+        return usage("unknown argument " + a);
+      }
+    }
+  } catch (const std::exception& e) {
+    return usage(e.what());
+  }
+  if (engine_dir.empty()) return usage("--engine is required");
+  if (prompts.empty()) return usage("give at least one --prompt-ids");
+
+  std::unique_ptr<muse_spark::Engine> engine;
+  try {
+    engine = muse_spark::Engine::open(engine_dir, options);
+  } catch (const muse_spark::EngineError& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 2;
+  }
+  muse_spark::TokenCallback on_tokens = nullptr;
+  if (stream)
+    on_tokens = [](size_t r, const std::vector<int64_t>& tokens) {
+      std::cout << "{\"request\": " << r << ", \"tokens\": " << ids_json(tokens) << "}" << std::endl;
+    };
+  std::vector<muse_spark::Output> outs;
+  try {
+    outs = engine->generate(prompts, {params}, on_tokens);
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const auto& o = outs[i];
+    std::cout << "{\"request\": " << i << ", \"output_ids\": " << ids_json(o.tokens)
+              << ", \"finish_reason\": " << quoted(o.finish_reason) << ", \"steps\": " << o.steps
+              << ", \"accepted_draft_tokens\": " << o.accepted_draft_tokens;
+    if (!o.error.empty()) std::cout << ", \"error\": " << quoted(o.error);
+    std::cout << "}" << std::endl;
+  }
+  return 0;
+}
