@@ -4,7 +4,7 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -k speculative
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$ROOT/scripts/setup_venv.sh" "test,serve,onnx,kernels-cpu"
+source "$ROOT/scripts/setup_venv.sh" "test,serve,onnx,kernels-cpu,cxx"
 cd "$ROOT"
 "$PY" -m pytest -ra "$@"
 if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then

@@ -29,6 +29,21 @@ def random_pair(tmp_path_factory):
     return out / "target", out / "draft"
 
 
+# The CPU aoti engine the aoti and C++ embedding tests share (built once, by the CLI in another process).
+AOTI_MAX_BATCH, AOTI_MAX_SEQ = 3, 256
+
+
+@pytest.fixture(scope="session")
+def aoti_built(agreeing_pair, tmp_path_factory):
+    """→ (the engine directory, the build's stderr). An AOTInductor compile of the tiny pair takes about a
+    minute on two cores; lengths of ENGINE_PROMPTS straddle its prefill chunk (128)."""
+    out = tmp_path_factory.mktemp("aoti") / "engine"
+    r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend",
+                "aoti", "--device", "cpu", "--max-batch", AOTI_MAX_BATCH, "--max-seq", AOTI_MAX_SEQ)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out, r.stderr
+
+
 @pytest.fixture(scope="session")
 def agreeing_engine(agreeing_pair):
     return EagerEngine.from_checkpoints(*agreeing_pair, max_batch=8, max_seq=256)

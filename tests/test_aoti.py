@@ -22,7 +22,7 @@ from muse_spark.runtime.aoti_graphs import LAYOUT
 from conftest import ENGINE_PROMPTS as PROMPTS
 from conftest import chained_generation, cli_generate_ids, run_cli
 
-MAX_BATCH, MAX_SEQ = 3, 256
+from conftest import AOTI_MAX_BATCH as MAX_BATCH, AOTI_MAX_SEQ as MAX_SEQ
 # Lengths straddle the prefill chunk (128): one prompt takes two chunks, the last one padded.
 
 
@@ -30,12 +30,8 @@ cli = run_cli
 
 
 @pytest.fixture(scope="module")
-def built(agreeing_pair, tmp_path_factory):
-    out = tmp_path_factory.mktemp("aoti") / "engine"
-    r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
-            "--device", "cpu", "--max-batch", MAX_BATCH, "--max-seq", MAX_SEQ)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return out, r.stderr
+def built(aoti_built):
+    return aoti_built
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +72,7 @@ def test_build_reports_progress_and_writes_the_manifest(built):
     assert {g["file"] for g in a["graphs"].values()} == files
     # one layer package for every target layer: it takes one layer's weights
     assert a["graphs"]["step_layer_b3"] == {"file": "step_layer_b3.pt2", "fn": "layer", "batch": 3, "tokens": 6}
-    for name in sorted(files) + ["target.safetensors", "draft.safetensors", "tokenizer.json"]:
+    for name in sorted(files) + ["target.safetensors", "draft.safetensors", "derived.safetensors", "tokenizer.json"]:
         assert len(m["files"][name]) == 64  # sha256 of every engine file
     assert m["versions"]["torch"] == torch.__version__
 

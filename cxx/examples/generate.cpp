@@ -2,13 +2,14 @@
 //
 //   muse_spark_generate --engine DIR --prompt-ids 72,101,108 [--prompt-ids ...] [--max-tokens N]
 //                       [--temperature T] [--seed S] [--stop-ids a,b] [--ignore-eos] [--stream]
-//                       [--max-batch N] [--no-verify]
+//                       [--max-batch N] [--threads N] [--no-verify]
 //   muse_spark_generate --info
 //
 // One JSON object a line on stdout: with --stream, {"request": i, "tokens": [...]} as tokens come;
 // then, for each request, {"request": i, "output_ids": [...], "finish_reason": ..., "steps": ...,
 // "accepted_draft_tokens": ..., "error": ...}. An engine that cannot run here: the reason on stderr,
 // exit status 2. Bad arguments: exit status 64.
+#include <ATen/Parallel.h>
 #include <muse_spark/engine.h>
 
 #include <cstdlib>
@@ -61,7 +62,7 @@ int usage(const std::string& why) {
   std::cerr << "muse_spark_generate: " << why << "\n"
             << "usage: muse_spark_generate --engine DIR --prompt-ids IDS [--prompt-ids IDS ...] [--max-tokens N]\n"
                "       [--temperature T] [--seed S] [--stop-ids IDS] [--ignore-eos] [--stream] [--max-batch N]\n"
-               "       [--no-verify]\n"
+               "       [--threads N] [--no-verify]\n"
                "       muse_spark_generate --info\n";
   return 64;
 }
@@ -104,6 +105,10 @@ int main(int argc, char** argv) {
         stream = true;
       } else if (a == "--max-batch") {
         options.max_batch = std::stoll(value());
+      } else if (a == "--threads") {  // torch's intra-op threads (default: torch's choice)
+        int n = std::stoi(value());
+        if (n < 1) throw std::invalid_argument("--threads must be >= 1");
+        at::set_num_threads(n);
       } else if (a == "--no-verify") {
         options.verify_hashes = false;
       } else {

@@ -1,0 +1,260 @@
+"""The C++ embedding (cxx/): built with CMake against this torch, run on the aoti engine the CLI built.
+
+Its tokens must be the Python runtime's over the same engine, token for token (greedy, and sampled
+given the same seeds), with in-flight batching (more requests than slots, a prompt of two chunks),
+streaming, stop ids, and a bad request that fails alone; and it must refuse what the Python runtime
+refuses, with the same reasons.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from muse_spark.builder.embedder import DERIVED_FILE, EMBEDDING_VERSION, embedding_section
+from muse_spark.config import MuseSpark1xConfig
+from muse_spark.runtime import Generator, RequestError, SamplingParams, load_engine
+from muse_spark.runtime.aoti_graphs import LAYOUT, torch_dtype
+from muse_spark.runtime.engine import build_modules
+
+from conftest import AOTI_MAX_BATCH, ENGINE_PROMPTS, random_state_dict, small_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+# One request more than the engine's slots (the last joins when one leaves); one of two prompt chunks.
+PROMPTS = ENGINE_PROMPTS
+assert len(PROMPTS) > AOTI_MAX_BATCH and max(map(len, PROMPTS)) > 128
+
+
+def _tool(name: str) -> str | None:
+    return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+
+
+@pytest.fixture(scope="session")
+def cxx_build(tmp_path_factory) -> Path:
+    """cmake configure + build of cxx/ (as scripts/build_cxx.sh does) → the build directory."""
+    cmake = _tool("cmake")
+    if cmake is None:
+        pytest.skip("cmake is not installed (pip install -e .[cxx])")
+    if _tool("c++") is None and _tool("g++") is None:
+        pytest.skip("no C++ compiler (c++/g++) on this machine")
+    out = tmp_path_factory.mktemp("cxx")
+    for cmd in ([cmake, "-S", ROOT / "cxx", "-B", out, f"-DPython3_EXECUTABLE={sys.executable}"],
+                [cmake, "--build", out, "-j", str(os.cpu_count() or 2)]):
+        r = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    assert (out / "muse_spark_generate").is_file() and (out / "libmuse_spark_embed.so").is_file()
+    return out
+
+
+def cxx(build: Path, *args, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(build / "muse_spark_generate"), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def cxx_generate(build, engine_dir, prompts, *, max_tokens=24, temperature=0.0, seed=0, stop=(), ignore_eos=True,
+                 stream=False, extra=()) -> list[dict]:
+    """Run the example program (one torch thread, as this process) → its JSON lines."""
+    args = ["--engine", engine_dir, "--max-tokens", max_tokens, "--temperature", temperature, "--seed", seed,
+            "--threads", 1, *extra]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    if stop:
+        args += ["--stop-ids", ",".join(map(str, stop))]
+    if ignore_eos:
+        args.append("--ignore-eos")
+    if stream:
+        args.append("--stream")
+    r = cxx(build, *args)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def finals(lines: list[dict]) -> list[dict]:
+    return [x for x in lines if "output_ids" in x]
+
+
+@pytest.fixture(scope="module")
+def engine(aoti_built):
+    return load_engine(aoti_built[0])
+
+
+def python_generate(engine, prompts, **kw) -> list:
+    return Generator(engine).generate(prompts, SamplingParams(**kw))
+
+
+def same_as_python(lines: list[dict], reqs: list) -> None:
+    out = finals(lines)
+    assert [x["output_ids"] for x in out] == [r.output for r in reqs]
+    assert [x["finish_reason"] for x in out] == [r.finish_reason for r in reqs]
+    assert [x["steps"] for x in out] == [len(r.steps) for r in reqs]
+    assert [x["accepted_draft_tokens"] for x in out] == [sum(s.accepted for s in r.steps) for r in reqs]
+
+
+# ---- the build ------------------------------------------------------------------------------------
+def test_the_library_names_the_layout_and_torch_of_this_runtime(cxx_build):
+    r = cxx(cxx_build, "--info")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"package_layout": LAYOUT, "embedding_version": EMBEDDING_VERSION,
+                                    "torch": torch.__version__}
+
+
+# ---- the same tokens as the Python runtime ----------------------------------------------------------
+@pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.9, 7), (1.3, 2**64 - 5)],
+                         ids=["greedy", "sampled", "sampled_seed_past_int64"])
+def test_tokens_equal_the_python_runtime(cxx_build, aoti_built, engine, temperature, seed):
+    """Four requests on three slots (the last joins when one leaves), one prompt of two chunks."""
+    lines = cxx_generate(cxx_build, aoti_built[0], PROMPTS, max_tokens=30, temperature=temperature, seed=seed)
+    reqs = python_generate(engine, PROMPTS, max_tokens=30, temperature=temperature, seed=seed, ignore_eos=True)
+    same_as_python(lines, reqs)
+    assert all(len(r.output) == 30 for r in reqs)
+    assert sum(len(r.steps) for r in reqs) > len(reqs)  # speculative steps ran (not the prefill alone)
+
+
+def test_stop_ids_and_eos_end_requests_as_in_python(cxx_build, aoti_built, engine):
+    ref = python_generate(engine, PROMPTS, max_tokens=40, ignore_eos=True)
+    stop = ref[0].output[5]  # a token request 0 emits mid-way: it stops there
+    lines = cxx_generate(cxx_build, aoti_built[0], PROMPTS, max_tokens=40, stop=[stop], ignore_eos=False)
+    reqs = python_generate(engine, PROMPTS, max_tokens=40, stop_token_ids=(stop,))
+    same_as_python(lines, reqs)
+    assert reqs[0].finish_reason == "stop" and reqs[0].output[-1] == stop and len(reqs[0].output) <= 6
+
+
+def test_streamed_chunks_add_up_to_each_output(cxx_build, aoti_built):
+    lines = cxx_generate(cxx_build, aoti_built[0], PROMPTS, max_tokens=20, temperature=0.8, seed=3, stream=True)
+    chunks = [x for x in lines if "tokens" in x]
+    for x in finals(lines):
+        mine = [c["tokens"] for c in chunks if c["request"] == x["request"]]
+        assert len(mine[0]) == 1  # the prefill's token streams at once
+        assert sum(mine, []) == x["output_ids"]
+        assert len(mine) == x["steps"] + 1
+
+
+def test_a_bad_request_fails_alone(cxx_build, aoti_built, engine):
+    """An out-of-vocabulary prompt and one too long for the engine: each finishes with Python's reason;
+    the requests around them get the tokens they get without them."""
+    vocab = engine.tcfg.vocab_size
+    too_long = [5] * (engine.max_seq - 10)
+    good = [PROMPTS[0], PROMPTS[2]]
+    lines = finals(cxx_generate(cxx_build, aoti_built[0], [good[0], [1, vocab + 3], too_long, good[1]],
+                                max_tokens=20))
+    alone = finals(cxx_generate(cxx_build, aoti_built[0], good, max_tokens=20))
+    assert [lines[0], lines[3]] == [dict(alone[0], request=0), dict(alone[1], request=3)]
+    gen = Generator(engine)
+    for line, prompt in ((lines[1], [1, vocab + 3]), (lines[2], too_long)):
+        with pytest.raises(RequestError) as e:
+            gen.validate(prompt, SamplingParams(max_tokens=20))
+        assert line["finish_reason"] == "error" and line["output_ids"] == []
+        assert line["error"] == f"RequestError: {e.value}"
+
+
+def test_bad_arguments_get_the_usage(cxx_build, aoti_built):
+    for args in (["--engine", aoti_built[0]], ["--engine", aoti_built[0], "--prompt-ids", "1,x"], ["--bogus"]):
+        r = cxx(cxx_build, *args)
+        assert r.returncode == 64 and "usage: muse_spark_generate" in r.stderr
+
+
+# ---- refusals -------------------------------------------------------------------------------------
+def edited(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    edit(m, dst)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def _flip(d: Path, name: str) -> None:
+    data = bytearray((d / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (d / name).write_bytes(bytes(data))
+
+
+REFUSALS = {
+    "another_torch": (lambda m, d: m["versions"].update(torch="2.11.0+cu130"),
+                      r"compiled with torch 2\.11\.0\+cu130, this runtime has torch"),
+    "a_changed_package": (lambda m, d: _flip(d, "step_layer_b3.pt2"),
+                          r"step_layer_b3\.pt2 does not match the manifest's hash"),
+    "changed_derived_weights": (lambda m, d: _flip(d, DERIVED_FILE),
+                                r"derived\.safetensors does not match the manifest's hash"),
+    "a_missing_file": (lambda m, d: (d / "step_verify_b3.pt2").unlink(), r"engine file step_verify_b3\.pt2 is missing"),
+    "an_older_layout": (lambda m, d: m["aoti"].update(layout="layered-4"),
+                        r"built by another muse-spark \(the packages' layout 'layered-4'"),
+    "no_embedding_section": (lambda m, d: m.pop("embedding"), r"lacks its 'embedding' section"),
+    "an_eager_engine": (lambda m, d: m.update(backend="eager"), r"backend 'eager' is not an aoti engine"),
+    "a_cuda_engine": (lambda m, d: m["device"].update(kind="cuda", compute_capability=[9, 0]),
+                      r"compiled for 'cuda' and cannot run on 'cpu'|no CUDA device is available"),
+    "another_schema": (lambda m, d: m.update(schema_version=2), r"schema version 2 is not supported"),
+    "a_malformed_section": (lambda m, d: m["embedding"].pop("weight_sources"), r"the manifest is malformed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_refuses_an_engine_it_cannot_run(cxx_build, aoti_built, tmp_path, case):
+    edit, why = REFUSALS[case]
+    d = edited(aoti_built[0], tmp_path / "e", edit)
+    r = cxx(cxx_build, "--engine", d, "--prompt-ids", "1,2,3")
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.startswith("error: ") and __import__("re").search(why, r.stderr), r.stderr
+
+
+def test_refuses_a_directory_without_an_engine(cxx_build, tmp_path):
+    r = cxx(cxx_build, "--engine", tmp_path / "nothing", "--prompt-ids", "1")
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    r = cxx(cxx_build, "--engine", tmp_path, "--prompt-ids", "1")
+    assert r.returncode == 2 and "manifest.json is missing" in r.stderr
+
+
+# ---- the manifest's embedding section (no C++) --------------------------------------------------
+def test_the_embedding_section_names_what_the_python_runtime_feeds(aoti_built, engine):
+    """Each weight source, read and cast, is the tensor the Python engine feeds its packages; the parts'
+    weight indices are its LayeredStep's; the caches are its caches."""
+    d = aoti_built[0]
+    m = json.loads((d / "manifest.json").read_text())
+    emb = m["embedding"]
+    files = {name: load_file(str(d / name)) for name in {s[0] for s in emb["weight_sources"]}}
+    assert set(files) == {"target.safetensors", "draft.safetensors", DERIVED_FILE}
+    for (name, shape, dtype), (file, key), mine in zip(m["aoti"]["weights"], emb["weight_sources"], engine.weights,
+                                                     strict=True):
+        t = files[file][key].to(torch_dtype(dtype))
+        assert list(t.shape) == shape and torch.equal(t, mine), name
+    derived = set(files[DERIVED_FILE])
+    assert derived and all(n.endswith(("g_attn", "g_ffn", "sync_attn", "sync_ffn")) for n in derived)
+    step = next(iter(engine.runners.values())).fn
+    assert emb["head_weights"] == step.head_idx and emb["layer_weights"] == step.layer_idx
+    assert emb["aux_layer_ids"] == sorted(step.aux_layer_ids)
+    for which, k in (("target", engine.target_cache.k), ("draft", engine.draft_cache.k)):
+        c = emb["caches"][which]
+        assert c["layers"] == len(k) and c["shape"] == list(k[0].shape) and c["dtype"] == str(k[0].dtype)[6:]
+    names = [w[0] for w in m["aoti"]["weights"]]
+    pe = emb["prefill_embed"]
+    assert names[pe["embedding"]] == "target.model.embed_tokens.weight"
+    assert names[pe["norm"]] == "target.model.layers.0.self_attn.pre_qkv_proj_norm.weight"
+    assert pe["eps"] == engine.tcfg.rms_norm_eps and pe["zero_centered"] == engine.tcfg.norm_zero_centered_gamma
+
+
+def test_the_embedding_section_with_tied_embeddings_and_unweighted_norms(tmp_path):
+    """No lm_head of its own (tied: the head reads the embedding, one source) and norms without weights
+    (prefill_embed's norm is null); the residual gates' derived values are the modules'."""
+    tcfg, dcfg = small_configs()
+    tcfg = MuseSpark1xConfig.from_dict({**tcfg.to_dict(), "tie_word_embeddings": True, "norm_affine": False,
+                                        "residual_multiplier": 0.75})
+    dcfg = type(dcfg).from_dict({**dcfg.to_dict(), "norm_affine": False})
+    target, draft = build_modules(tcfg, dcfg, random_state_dict(tcfg, 0), random_state_dict(dcfg, 1), tcfg.dtype,
+                                  "cpu")
+    emb = embedding_section(target, draft, tmp_path, cache_slots=3, max_seq=32)
+    assert emb["prefill_embed"]["norm"] is None
+    sources = [tuple(s) for s in emb["weight_sources"]]
+    assert ("target.safetensors", "lm_head.weight") not in sources
+    assert sources.count(("target.safetensors", "model.embed_tokens.weight")) == 1
+    derived = load_file(str(tmp_path / DERIVED_FILE))
+    layer = target.model.layers[1]
+    assert torch.equal(derived["target.model.layers.1.g_attn"], layer.g_attn)
+    assert torch.equal(derived["target.model.layers.1.g_attn"], 0.75 * layer.attn_residual_gate.float())
+    assert emb["caches"]["target"] == {"layers": 3, "shape": [3, 32, 1, 8], "dtype": "float32"}
