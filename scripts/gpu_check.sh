@@ -21,6 +21,8 @@
 #   scripts/gpu_check.sh splits-step   # the batch-8/32 bench with --attention-splits both (one split a program beside)
 #   scripts/gpu_check.sh splits        # the attention's splits a program (SPLITS): its tests, then
 #                                      # attention_bench.py and attention_cache_bench.py at batch 8 and 32
+#   scripts/gpu_check.sh cxx           # the C++ embedding's tests: CPU and CUDA engines (carry .whl/ for its
+#                                      # JSON header: the nlohmann-json wheel)
 #   scripts/gpu_check.sh launch        # a graph launch's host time after a graph, a kernel, a copy
 #                                      # (scripts/launch_probe.py: tells machine starts apart in seconds)
 #   scripts/gpu_check.sh chained       # the chained steps' GPU test (the Generator launching each step's
@@ -159,13 +161,20 @@ splits)
             --json "$OUT/attention-cache-b$b.json" 2>&1 | tee "$OUT/attention-cache-b$b.log" | grep -E "SPLITS|^fused"
     done
     ;;
+cxx)
+    # the C++ embedding (docs/cxx.md): built with CMake against this machine's torch (its JSON header from
+    # the nlohmann-json wheel carried in .whl/), then run on a CPU and a CUDA engine beside the Python runtime
+    ls .whl/nlohmann_json-*.whl >/dev/null 2>&1 && python3 -m pip install --no-deps -q .whl/nlohmann_json-*.whl
+    timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfEs tests/test_gpu_cxx.py tests/test_cxx.py 2>&1 |
+        tee "$OUT/cxx-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
+    ;;
 launch)
     # what a graph launch costs the host by what the stream did before it (seconds; no engine)
     timeout "${TEST_TIMEOUT:-120}" python3 scripts/launch_probe.py --json "$OUT/launch-probe.json" 2>&1 |
         tee "$OUT/launch-probe.log"
     ;;
 *)
-    echo "usage: $0 tests|engines|probe|bench|markov|triton-build|attention|boundaries|chain|rope|residual|chained|first|splits|splits-step|launch" >&2
+    echo "usage: $0 tests|engines|probe|bench|markov|triton-build|attention|boundaries|chain|rope|residual|chained|first|splits|splits-step|launch|cxx" >&2
     exit 2
     ;;
 esac

@@ -45,6 +45,14 @@ def aoti_built(agreeing_pair, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def cxx_build(tmp_path_factory):
+    """The C++ embedding (cxx/), built once with CMake against this torch → its build directory."""
+    from cxx_utils import build_cxx
+
+    return build_cxx(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def agreeing_engine(agreeing_pair):
     return EagerEngine.from_checkpoints(*agreeing_pair, max_batch=8, max_seq=256)
 

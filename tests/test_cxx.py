@@ -9,10 +9,7 @@ refuses, with the same reasons.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +23,7 @@ from muse_spark.runtime.aoti_graphs import LAYOUT, torch_dtype
 from muse_spark.runtime.engine import build_modules
 
 from conftest import AOTI_MAX_BATCH, ENGINE_PROMPTS, random_state_dict, small_configs
+from cxx_utils import cxx, cxx_generate, finals, python_generate, same_as_python
 
 ROOT = Path(__file__).resolve().parents[1]
 # One request more than the engine's slots (the last joins when one leaves); one of two prompt chunks.
@@ -33,69 +31,9 @@ PROMPTS = ENGINE_PROMPTS
 assert len(PROMPTS) > AOTI_MAX_BATCH and max(map(len, PROMPTS)) > 128
 
 
-def _tool(name: str) -> str | None:
-    return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
-
-
-@pytest.fixture(scope="session")
-def cxx_build(tmp_path_factory) -> Path:
-    """cmake configure + build of cxx/ (as scripts/build_cxx.sh does) → the build directory."""
-    cmake = _tool("cmake")
-    if cmake is None:
-        pytest.skip("cmake is not installed (pip install -e .[cxx])")
-    if _tool("c++") is None and _tool("g++") is None:
-        pytest.skip("no C++ compiler (c++/g++) on this machine")
-    out = tmp_path_factory.mktemp("cxx")
-    for cmd in ([cmake, "-S", ROOT / "cxx", "-B", out, f"-DPython3_EXECUTABLE={sys.executable}"],
-                [cmake, "--build", out, "-j", str(os.cpu_count() or 2)]):
-        r = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    assert (out / "muse_spark_generate").is_file() and (out / "libmuse_spark_embed.so").is_file()
-    return out
-
-
-def cxx(build: Path, *args, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(build / "muse_spark_generate"), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def cxx_generate(build, engine_dir, prompts, *, max_tokens=24, temperature=0.0, seed=0, stop=(), ignore_eos=True,
-                 stream=False, extra=()) -> list[dict]:
-    """Run the example program (one torch thread, as this process) → its JSON lines."""
-    args = ["--engine", engine_dir, "--max-tokens", max_tokens, "--temperature", temperature, "--seed", seed,
-            "--threads", 1, *extra]
-    for p in prompts:
-        args += ["--prompt-ids", ",".join(map(str, p))]
-    if stop:
-        args += ["--stop-ids", ",".join(map(str, stop))]
-    if ignore_eos:
-        args.append("--ignore-eos")
-    if stream:
-        args.append("--stream")
-    r = cxx(build, *args)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return [json.loads(line) for line in r.stdout.splitlines()]
-
-
-def finals(lines: list[dict]) -> list[dict]:
-    return [x for x in lines if "output_ids" in x]
-
-
 @pytest.fixture(scope="module")
 def engine(aoti_built):
     return load_engine(aoti_built[0])
-
-
-def python_generate(engine, prompts, **kw) -> list:
-    return Generator(engine).generate(prompts, SamplingParams(**kw))
-
-
-def same_as_python(lines: list[dict], reqs: list) -> None:
-    out = finals(lines)
-    assert [x["output_ids"] for x in out] == [r.output for r in reqs]
-    assert [x["finish_reason"] for x in out] == [r.finish_reason for r in reqs]
-    assert [x["steps"] for x in out] == [len(r.steps) for r in reqs]
-    assert [x["accepted_draft_tokens"] for x in out] == [sum(s.accepted for s in r.steps) for r in reqs]
 
 
 # ---- the build ------------------------------------------------------------------------------------

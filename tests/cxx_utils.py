@@ -1,0 +1,85 @@
+"""The C++ embedding's test helpers: build it with CMake (a session fixture, in conftest.py), run its example."""
+
+from __future__ import annotations
+
+# (python_generate and same_as_python compare with the Python runtime's Generator)
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from muse_spark.runtime import Generator, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool(name: str) -> str | None:
+    return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+
+
+def build_cxx(tmp_path_factory) -> Path:
+    """cmake configure + build of cxx/ into a fresh directory (as scripts/build_cxx.sh does) → that directory.
+    Skips, saying why, where the tools or the libraries it needs are missing."""
+    cmake = _tool("cmake")
+    if cmake is None:
+        pytest.skip("cmake is not installed (pip install -e .[cxx])")
+    if _tool("c++") is None and _tool("g++") is None:
+        pytest.skip("no C++ compiler (c++/g++) on this machine")
+    out = tmp_path_factory.mktemp("cxx")
+    for cmd in ([cmake, "-S", ROOT / "cxx", "-B", out, f"-DPython3_EXECUTABLE={sys.executable}"],
+                [cmake, "--build", out, "-j", str(os.cpu_count() or 2)]):
+        r = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=900)
+        for missing, why in (("Could NOT find OpenSSL", "OpenSSL's libcrypto development files are not installed"),
+                             ("the nlohmann-json package", "the nlohmann-json package is not installed "
+                                                           "(pip install -e .[cxx])")):
+            if r.returncode and missing in r.stdout + r.stderr:
+                pytest.skip(f"the C++ embedding cannot be built here: {why}")
+        assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    assert (out / "muse_spark_generate").is_file() and (out / "libmuse_spark_embed.so").is_file()
+    return out
+
+
+def cxx(build: Path, *args, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(build / "muse_spark_generate"), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def cxx_generate(build, engine_dir, prompts, *, max_tokens=24, temperature=0.0, seed=0, stop=(), ignore_eos=True,
+                 stream=False, extra=()) -> list[dict]:
+    """Run the example program (one torch thread, as this process) → its JSON lines."""
+    args = ["--engine", engine_dir, "--max-tokens", max_tokens, "--temperature", temperature, "--seed", seed,
+            "--threads", 1, *extra]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    if stop:
+        args += ["--stop-ids", ",".join(map(str, stop))]
+    if ignore_eos:
+        args.append("--ignore-eos")
+    if stream:
+        args.append("--stream")
+    r = cxx(build, *args)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def finals(lines: list[dict]) -> list[dict]:
+    return [x for x in lines if "output_ids" in x]
+
+
+def python_generate(engine, prompts, **kw) -> list:
+    return Generator(engine).generate(prompts, SamplingParams(**kw))
+
+
+def same_as_python(lines: list[dict], reqs: list) -> None:
+    out = finals(lines)
+    assert [x["output_ids"] for x in out] == [r.output for r in reqs]
+    assert [x["finish_reason"] for x in out] == [r.finish_reason for r in reqs]
+    assert [x["steps"] for x in out] == [len(r.steps) for r in reqs]
+    assert [x["accepted_draft_tokens"] for x in out] == [sum(s.accepted for s in r.steps) for r in reqs]
+
+
