@@ -142,6 +142,17 @@ def test_refuses_an_engine_it_cannot_run(cxx_build, aoti_built, tmp_path, case):
     assert r.stderr.startswith("error: ") and __import__("re").search(why, r.stderr), r.stderr
 
 
+def test_refuses_more_slots_than_the_engine_has_and_a_manifest_that_is_not_one(cxx_build, aoti_built, tmp_path):
+    r = cxx(cxx_build, "--engine", aoti_built[0], "--prompt-ids", "1", "--max-batch", AOTI_MAX_BATCH + 1)
+    assert r.returncode == 2 and f"max_batch {AOTI_MAX_BATCH + 1} must be in [1, {AOTI_MAX_BATCH}]" in r.stderr
+    (tmp_path / "manifest.json").write_text("[1, 2]")
+    r = cxx(cxx_build, "--engine", tmp_path, "--prompt-ids", "1")
+    assert r.returncode == 2 and "the manifest is malformed" in r.stderr, r.stderr
+    (tmp_path / "manifest.json").write_text("{not json")
+    r = cxx(cxx_build, "--engine", tmp_path, "--prompt-ids", "1")
+    assert r.returncode == 2 and "manifest.json is not valid JSON" in r.stderr, r.stderr
+
+
 def test_refuses_a_directory_without_an_engine(cxx_build, tmp_path):
     r = cxx(cxx_build, "--engine", tmp_path / "nothing", "--prompt-ids", "1")
     assert r.returncode == 2 and "does not exist" in r.stderr

@@ -209,9 +209,9 @@ struct Engine::Impl {
   std::string where() const { return dir; }
 
   std::unique_ptr<Loader> load(const std::string& name) {
-    const json& graphs = manifest["aoti"]["graphs"];
+    const json& graphs = manifest.at("aoti").at("graphs");
     if (!graphs.contains(name)) throw EngineError(dir + ": the manifest lists no package '" + name + "'");
-    std::string path = dir + "/" + graphs[name]["file"].get<std::string>();
+    std::string path = dir + "/" + graphs.at(name).at("file").get<std::string>();
     try {
       return std::make_unique<Loader>(path, "model", /*run_single_threaded=*/false, /*num_runners=*/1,
                                       device.is_cuda() ? device.index() : static_cast<c10::DeviceIndex>(-1));
@@ -379,19 +379,19 @@ void check_manifest(const std::string& dir, const json& m, at::Device& device) {
                       "(build one with `muse-spark build --backend aoti`)");
   if (!m.contains("aoti") || !m["aoti"].is_object())
     throw EngineError(dir + ": manifest lacks its 'aoti' section; rebuild the engine");
-  std::string layout = m["aoti"].value("layout", "");
+  std::string layout = m.at("aoti").value("layout", "");
   if (layout != kLayout)
     throw EngineError(dir + ": this aoti engine was built by another muse-spark (the packages' layout '" + layout +
                       "', this library's is '" + kLayout + "'); rebuild it");
   if (!m.contains("embedding") || !m["embedding"].is_object())
     throw EngineError(dir + ": manifest lacks its 'embedding' section (the engine was built by a muse-spark "
                       "without the C++ embedding); rebuild it");
-  int ev = m["embedding"].value("version", -1);
+  int ev = m.at("embedding").value("version", -1);
   if (ev != kEmbeddingVersion)
     throw EngineError(dir + ": the manifest's embedding section is version " + std::to_string(ev) +
                       ", this library reads version " + std::to_string(kEmbeddingVersion) + "; rebuild the engine");
   // device kind, then torch, then compute capability: runtime/aoti_engine.py check_compatibility
-  std::string kind = m["device"].value("kind", "cpu");
+  std::string kind = m.at("device").value("kind", "cpu");
   if (kind == "cuda") {
 #ifdef MUSE_SPARK_CUDA
     if (!at::hasCUDA() || at::cuda::device_count() == 0)
@@ -405,14 +405,14 @@ void check_manifest(const std::string& dir, const json& m, at::Device& device) {
   } else {
     throw EngineError(dir + ": unknown device kind '" + kind + "'");
   }
-  std::string built_torch = m["versions"].value("torch", "");
+  std::string built_torch = m.at("versions").value("torch", "");
   if (built_torch != MUSE_SPARK_TORCH_VERSION)
     throw EngineError(dir + ": engine was compiled with torch " + built_torch + ", this runtime has torch " +
                       MUSE_SPARK_TORCH_VERSION + ": AOTInductor packages are tied to the torch that compiled them; "
                       "rebuild the engine");
 #ifdef MUSE_SPARK_CUDA
   if (device.is_cuda()) {
-    const json& cc = m["device"]["compute_capability"];
+    const json& cc = m.at("device").at("compute_capability");
     const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device.index());
     std::string mine = std::to_string(prop->major) + "." + std::to_string(prop->minor);
     if (!cc.is_array() || cc.size() != 2 || cc[0].get<int>() != prop->major || cc[1].get<int>() != prop->minor) {
@@ -420,7 +420,7 @@ void check_manifest(const std::string& dir, const json& m, at::Device& device) {
                               ? std::to_string(cc[0].get<int>()) + "." + std::to_string(cc[1].get<int>())
                               : std::string("?");
       throw EngineError(dir + ": engine was compiled for compute capability " + built + " (" +
-                        m["device"].value("name", "?") + "), this device (" + prop->name + ") is " + mine +
+                        m.at("device").value("name", "?") + "), this device (" + prop->name + ") is " + mine +
                         ": its kernels cannot run here; rebuild the engine on it");
     }
   }
@@ -453,8 +453,8 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
     check_manifest(e.dir, m, e.device);
     const int64_t engine_batch = m.at("max_batch").get<int64_t>();
     if (options.max_batch < 0 || options.max_batch > engine_batch)
-      throw EngineError(e.dir + ": max_batch " + std::to_string(options.max_batch) + " exceeds the engine's " +
-                        std::to_string(engine_batch));
+      throw EngineError(e.dir + ": max_batch " + std::to_string(options.max_batch) + " must be in [1, " +
+                        std::to_string(engine_batch) + "] (the engine's max_batch; 0: all of them)");
     if (options.verify_hashes) verify_files(e.dir, m);
     const json& a = m.at("aoti");
     const json& emb = m.at("embedding");
