@@ -93,8 +93,42 @@ def test_a_bad_request_fails_alone(cxx_build, aoti_built, engine):
         assert line["error"] == f"RequestError: {e.value}"
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_requests_arriving_and_cancelled_over_time_as_in_python(cxx_build, aoti_built, engine, monkeypatch,
+                                                                temperature):
+    """The Generator API: requests join at later scheduler iterations (one waits for a slot), one is
+    cancelled mid-run, one before it was admitted; the Python Generator driven the same way (unchained,
+    as the C++ one steps) gives the same tokens, finish reasons and steps."""
+    arrivals, cancels = [0, 0, 3, 5], [(1, 4), (3, 5)]
+    args = ["--arrivals", ",".join(map(str, arrivals))]
+    for i, k in cancels:
+        args += ["--cancel", f"{i}@{k}"]
+    lines = cxx_generate(cxx_build, aoti_built[0], PROMPTS, max_tokens=30, temperature=temperature, seed=11,
+                         stream=True, extra=args)
+    monkeypatch.setenv("MUSE_SPARK_CHAINED_STEPS", "0")
+    gen, reqs, k = Generator(engine), [None] * len(PROMPTS), 0
+    params = SamplingParams(max_tokens=30, temperature=temperature, seed=11, ignore_eos=True)
+    while k <= max(arrivals + [c[1] for c in cancels]) or gen.has_work():
+        for i, p in enumerate(PROMPTS):
+            if arrivals[i] == k:
+                reqs[i] = gen.add(p, params)
+        for i, when in cancels:
+            if when == k:
+                gen.cancel(reqs[i])
+        if gen.has_work():
+            gen.step()
+        k += 1
+    same_as_python(lines, reqs)
+    assert [r.finish_reason for r in reqs] == ["length", "cancelled", "length", "cancelled"]
+    assert 0 < len(reqs[1].output) < 30 and reqs[3].output == []
+    for x in finals(lines):
+        assert sum((c["tokens"] for c in lines if "tokens" in c and c["request"] == x["request"]), []) == x["output_ids"]
+
+
 def test_bad_arguments_get_the_usage(cxx_build, aoti_built):
-    for args in (["--engine", aoti_built[0]], ["--engine", aoti_built[0], "--prompt-ids", "1,x"], ["--bogus"]):
+    for args in (["--engine", aoti_built[0]], ["--engine", aoti_built[0], "--prompt-ids", "1,x"], ["--bogus"],
+                 ["--engine", aoti_built[0], "--prompt-ids", "1", "--arrivals", "0,1"],
+                 ["--engine", aoti_built[0], "--prompt-ids", "1", "--cancel", "3@1"]):
         r = cxx(cxx_build, *args)
         assert r.returncode == 64 and "usage: muse_spark_generate" in r.stderr
 

@@ -3,7 +3,12 @@
 //   muse_spark_generate --engine DIR --prompt-ids 72,101,108 [--prompt-ids ...] [--max-tokens N]
 //                       [--temperature T] [--seed S] [--stop-ids a,b] [--ignore-eos] [--stream]
 //                       [--max-batch N] [--threads N] [--no-verify]
+//                       [--arrivals K0,K1,...] [--cancel I@K ...]
 //   muse_spark_generate --info
+//
+// Without --arrivals/--cancel every prompt is a request from the start (Engine::generate). With them,
+// a muse_spark::Generator takes the requests over time: before scheduler iteration K, prompt i joins
+// where --arrivals gives it K (default 0), and request I is cancelled where --cancel says I@K.
 //
 // One JSON object a line on stdout: with --stream, {"request": i, "tokens": [...]} as tokens come;
 // then, for each request, {"request": i, "output_ids": [...], "finish_reason": ..., "steps": ...,
@@ -12,7 +17,9 @@
 #include <ATen/Parallel.h>
 #include <muse_spark/engine.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -58,11 +65,46 @@ std::string quoted(const std::string& s) {
   return out + "\"";
 }
 
+// Requests over time through a Generator: before iteration k, the prompts arriving at k are added (a bad
+// one fails alone), the cancels due at k are made, then one scheduler step runs if there is work.
+std::vector<muse_spark::Output> over_time(muse_spark::Engine& engine, const std::vector<std::vector<int64_t>>& prompts,
+                                          const muse_spark::SamplingParams& params,
+                                          std::vector<int64_t> arrivals,
+                                          const std::vector<std::pair<size_t, int64_t>>& cancels,
+                                          const muse_spark::TokenCallback& on_tokens) {
+  if (arrivals.empty()) arrivals.assign(prompts.size(), 0);
+  muse_spark::Generator gen(engine);
+  std::vector<muse_spark::Output> outs(prompts.size());
+  std::vector<int64_t> id(prompts.size(), -1);
+  std::map<int64_t, size_t> index;
+  int64_t last = *std::max_element(arrivals.begin(), arrivals.end());
+  for (const auto& c : cancels) last = std::max(last, c.second);
+  for (int64_t k = 0; k <= last || gen.has_work(); ++k) {
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      if (arrivals[i] != k) continue;
+      try {
+        id[i] = gen.add(prompts[i], params);
+        index[id[i]] = i;
+      } catch (const muse_spark::RequestError& e) {
+        outs[i].finish_reason = "error";
+        outs[i].error = std::string("RequestError: ") + e.what();
+      }
+    }
+    for (const auto& c : cancels)
+      if (c.second == k && id[c.first] >= 0) gen.cancel(id[c.first]);
+    if (gen.has_work())
+      for (const auto& ev : gen.step())
+        if (on_tokens && !ev.tokens.empty()) on_tokens(index.at(ev.request), ev.tokens);
+  }
+  for (const auto& [request, i] : index) outs[i] = gen.output(request);
+  return outs;
+}
+
 int usage(const std::string& why) {
   std::cerr << "muse_spark_generate: " << why << "\n"
             << "usage: muse_spark_generate --engine DIR --prompt-ids IDS [--prompt-ids IDS ...] [--max-tokens N]\n"
                "       [--temperature T] [--seed S] [--stop-ids IDS] [--ignore-eos] [--stream] [--max-batch N]\n"
-               "       [--threads N] [--no-verify]\n"
+               "       [--threads N] [--no-verify] [--arrivals K0,K1,...] [--cancel I@K ...]\n"
                "       muse_spark_generate --info\n";
   return 64;
 }
@@ -75,6 +117,8 @@ int main(int argc, char** argv) {
   muse_spark::SamplingParams params;
   muse_spark::OpenOptions options;
   bool stream = false;
+  std::vector<int64_t> arrivals;
+  std::vector<std::pair<size_t, int64_t>> cancels;  // (prompt index, iteration)
   try {
     for (int i = 1; i < argc; ++i) {
       std::string a = argv[i];
@@ -109,6 +153,12 @@ int main(int argc, char** argv) {
         int n = std::stoi(value());
         if (n < 1) throw std::invalid_argument("--threads must be >= 1");
         at::set_num_threads(n);
+      } else if (a == "--arrivals") {
+        arrivals = parse_ids(value(), a);
+      } else if (a == "--cancel") {
+        std::vector<int64_t> ik = parse_ids([&] { std::string v = value(); std::replace(v.begin(), v.end(), '@', ','); return v; }(), a);
+        if (ik.size() != 2 || ik[0] < 0 || ik[1] < 0) throw std::invalid_argument("--cancel takes I@K");
+        cancels.emplace_back(static_cast<size_t>(ik[0]), ik[1]);
       } else if (a == "--no-verify") {
         options.verify_hashes = false;
       } else {
@@ -120,6 +170,10 @@ int main(int argc, char** argv) {
   }
   if (engine_dir.empty()) return usage("--engine is required");
   if (prompts.empty()) return usage("give at least one --prompt-ids");
+  if (!arrivals.empty() && arrivals.size() != prompts.size())
+    return usage("--arrivals needs one iteration per --prompt-ids");
+  for (const auto& c : cancels)
+    if (c.first >= prompts.size()) return usage("--cancel names a request past the prompts");
 
   std::unique_ptr<muse_spark::Engine> engine;
   try {
@@ -135,7 +189,11 @@ int main(int argc, char** argv) {
     };
   std::vector<muse_spark::Output> outs;
   try {
-    outs = engine->generate(prompts, {params}, on_tokens);
+    if (arrivals.empty() && cancels.empty()) {
+      outs = engine->generate(prompts, {params}, on_tokens);
+    } else {
+      outs = over_time(*engine, prompts, params, arrivals, cancels, on_tokens);
+    }
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;

@@ -168,7 +168,7 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& weight
 }
 
 struct Request {
-  size_t index = 0;
+  int64_t id = 0;
   std::vector<int64_t> prompt;
   SamplingParams params;
   int64_t seed = 0;  // as the graphs take it: int64 (two's complement of the uint64)
@@ -189,6 +189,7 @@ struct Engine::Impl {
   at::ScalarType dtype = at::kBFloat16;
   int64_t gamma = 0, max_seq = 0, max_batch = 0, vocab = 0, prefill_chunk = 0, scratch_slot = 0;
   std::set<int64_t> eos;
+  bool has_generator = false;  // one Generator at a time owns the slots and caches
   Tensors weights;
   std::vector<int64_t> head_idx;
   std::vector<std::vector<int64_t>> layer_idx;
@@ -582,8 +583,7 @@ int64_t Engine::vocab_size() const { return impl_->vocab; }
 std::string Engine::device() const { return impl_->device.str(); }
 
 // Generator.validate, message for message.
-void Engine::validate(const std::vector<int64_t>& prompt, const SamplingParams& p) const {
-  const Impl& e = *impl_;
+static void validate_request(const Engine::Impl& e, const std::vector<int64_t>& prompt, const SamplingParams& p) {
   auto list = [](const std::vector<int64_t>& v) {
     std::ostringstream o;
     o << "[";
@@ -619,22 +619,24 @@ void Engine::validate(const std::vector<int64_t>& prompt, const SamplingParams& 
                        std::to_string(e.max_seq));
 }
 
-// Generator.generate over Generator.step (the unchained form: each step's rows are read before
-// the next is launched), with the same admission order, slots and emitted tokens.
-std::vector<Output> Engine::generate(const std::vector<std::vector<int64_t>>& prompts,
-                                     const std::vector<SamplingParams>& params, const TokenCallback& on_tokens) {
-  Impl& e = *impl_;
-  if (params.size() != prompts.size() && params.size() != 1)
-    throw std::invalid_argument("generate: give one SamplingParams for all prompts or one per prompt (" +
-                                std::to_string(prompts.size()) + " prompts, " + std::to_string(params.size()) +
-                                " params)");
-  c10::InferenceMode guard;
-  std::vector<Request> reqs(prompts.size());
+void Engine::validate(const std::vector<int64_t>& prompt, const SamplingParams& p) const {
+  validate_request(*impl_, prompt, p);
+}
+
+// ---- the generator: runtime/generator.py's Generator, its unchained form (each step's rows are read
+// before the next step is launched), with the same admission order, slots and emitted tokens ------------
+struct Generator::Impl {
+  Engine::Impl& e;
+  std::map<int64_t, Request> requests;  // by id
   std::vector<Request*> waiting, active;
   std::vector<int64_t> free_slots;
-  for (int64_t s = e.max_batch - 1; s >= 0; --s) free_slots.push_back(s);  // pop_back() gives slot 0 first
+  int64_t next_id = 0;
 
-  auto finish = [&](Request& r, const std::string& reason) {
+  explicit Impl(Engine::Impl& engine) : e(engine) {
+    for (int64_t s = e.max_batch - 1; s >= 0; --s) free_slots.push_back(s);  // pop_back() gives slot 0 first
+  }
+
+  void finish(Request& r, const std::string& reason) {
     if (r.finished) return;
     r.finished = true;
     r.out.finish_reason = reason;
@@ -643,67 +645,60 @@ std::vector<Output> Engine::generate(const std::vector<std::vector<int64_t>>& pr
       free_slots.push_back(r.slot);
       r.slot = -1;
     }
-  };
-  // Generator._emit: append tokens, clipped at the first stop token (kept) and at max_tokens.
-  auto emit = [&](Request& r, const std::vector<int64_t>& tokens) {
-    int64_t room = r.params.max_tokens - static_cast<int64_t>(r.out.tokens.size());
-    std::vector<int64_t> out;
-    for (size_t i = 0; i < tokens.size() && static_cast<int64_t>(i) < room; ++i) {
-      out.push_back(tokens[i]);
-      if (r.stop.count(tokens[i])) break;
-    }
-    r.out.tokens.insert(r.out.tokens.end(), out.begin(), out.end());
-    if (on_tokens && !out.empty()) on_tokens(r.index, out);
-    if (!out.empty() && r.stop.count(out.back())) finish(r, "stop");
-    else if (static_cast<int64_t>(r.out.tokens.size()) >= r.params.max_tokens) finish(r, "length");
-  };
-
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    Request& r = reqs[i];
-    r.index = i;
-    r.prompt = prompts[i];
-    r.params = params.size() == 1 ? params[0] : params[i];
-    try {
-      validate(r.prompt, r.params);
-    } catch (const RequestError& ex) {
-      r.out.error = std::string("RequestError: ") + ex.what();
-      finish(r, "error");
-      continue;
-    }
-    r.stop.insert(r.params.stop_token_ids.begin(), r.params.stop_token_ids.end());
-    if (!r.params.ignore_eos) r.stop.insert(e.eos.begin(), e.eos.end());
-    r.seed = static_cast<int64_t>(r.params.seed);
-    r.temperature = r.params.temperature < kGreedyBelow ? 0.0 : r.params.temperature;
-    waiting.push_back(&r);
   }
 
-  auto unfinished = [&] {
-    return std::any_of(reqs.begin(), reqs.end(), [](const Request& r) { return !r.finished; });
-  };
-  while (unfinished()) {
-    if (!waiting.empty() && !free_slots.empty()) {  // Generator._admit
-      while (!waiting.empty() && !free_slots.empty()) {
-        Request& r = *waiting.front();
-        waiting.erase(waiting.begin());
-        r.slot = free_slots.back();
-        free_slots.pop_back();
-        int64_t first;
-        try {
-          first = e.prefill(r.prompt, r.slot, r.seed, r.temperature);
-        } catch (const std::exception& ex) {  // this request fails alone; its slot is freed
-          r.out.error = ex.what();
-          finish(r, "error");
-          continue;
-        }
-        r.anchor = first;
-        r.position = static_cast<int64_t>(r.prompt.size());
-        active.push_back(&r);
-        emit(r, {first});
-      }
-      continue;
+  // Generator._emit: append tokens, clipped at the first stop token (kept) and at max_tokens.
+  Event emit(Request& r, const std::vector<int64_t>& tokens) {
+    Event ev;
+    ev.request = r.id;
+    int64_t room = r.params.max_tokens - static_cast<int64_t>(r.out.tokens.size());
+    for (size_t i = 0; i < tokens.size() && static_cast<int64_t>(i) < room; ++i) {
+      ev.tokens.push_back(tokens[i]);
+      if (r.stop.count(tokens[i])) break;
     }
+    r.out.tokens.insert(r.out.tokens.end(), ev.tokens.begin(), ev.tokens.end());
+    if (!ev.tokens.empty() && r.stop.count(ev.tokens.back())) finish(r, "stop");
+    else if (static_cast<int64_t>(r.out.tokens.size()) >= r.params.max_tokens) finish(r, "length");
+    ev.finished = r.finished;
+    ev.finish_reason = r.out.finish_reason;
+    return ev;
+  }
+
+  // Generator._admit: prefill queued requests while slots are free; a failure fails that request alone.
+  std::vector<Event> admit() {
+    std::vector<Event> events;
+    while (!waiting.empty() && !free_slots.empty()) {
+      Request& r = *waiting.front();
+      waiting.erase(waiting.begin());
+      r.slot = free_slots.back();
+      free_slots.pop_back();
+      int64_t first;
+      try {
+        first = e.prefill(r.prompt, r.slot, r.seed, r.temperature);
+      } catch (const std::exception& ex) {
+        r.out.error = ex.what();
+        finish(r, "error");
+        Event ev;
+        ev.request = r.id;
+        ev.finished = true;
+        ev.finish_reason = "error";
+        ev.error = r.out.error;
+        events.push_back(ev);
+        continue;
+      }
+      r.anchor = first;
+      r.position = static_cast<int64_t>(r.prompt.size());
+      active.push_back(&r);
+      events.push_back(emit(r, {first}));
+    }
+    return events;
+  }
+
+  // Generator._step: one speculative step over every active request.
+  std::vector<Event> step() {
+    std::vector<Event> events;
     std::vector<Request*> batch = active;
-    if (batch.empty()) break;
+    if (batch.empty()) return events;
     auto rows = e.step(batch);
     for (size_t i = 0; i < batch.size(); ++i) {
       Request& r = *batch[i];
@@ -711,16 +706,86 @@ std::vector<Output> Engine::generate(const std::vector<std::vector<int64_t>>& pr
       int64_t n = row[static_cast<size_t>(e.gamma)], bonus = row[static_cast<size_t>(e.gamma + 1)];
       std::vector<int64_t> emitted(row.begin(), row.begin() + n);
       emitted.push_back(bonus);
-      emit(r, emitted);
+      events.push_back(emit(r, emitted));
       r.out.steps += 1;
       r.out.accepted_draft_tokens += n;
       r.anchor = bonus;
       r.position += n + 1;
     }
+    return events;
   }
-  std::vector<Output> outs;
-  outs.reserve(reqs.size());
-  for (Request& r : reqs) outs.push_back(std::move(r.out));
+
+  Request& get(int64_t id) {
+    auto it = requests.find(id);
+    if (it == requests.end()) throw std::out_of_range("no request " + std::to_string(id) + " in this generator");
+    return it->second;
+  }
+};
+
+Generator::Generator(Engine& engine) : impl_(std::make_unique<Impl>(*engine.impl_)) {
+  if (engine.impl_->has_generator)
+    throw std::logic_error("this engine already has a Generator: one at a time owns its slots and caches");
+  engine.impl_->has_generator = true;
+}
+
+Generator::~Generator() { impl_->e.has_generator = false; }
+
+int64_t Generator::add(const std::vector<int64_t>& prompt, const SamplingParams& params) {
+  Impl& g = *impl_;
+  validate_request(g.e, prompt, params);
+  int64_t id = g.next_id++;
+  Request& r = g.requests[id];
+  r.id = id;
+  r.prompt = prompt;
+  r.params = params;
+  r.stop.insert(params.stop_token_ids.begin(), params.stop_token_ids.end());
+  if (!params.ignore_eos) r.stop.insert(g.e.eos.begin(), g.e.eos.end());
+  r.seed = static_cast<int64_t>(params.seed);  // (two's complement: Python's seed − 2⁶⁴ past 2⁶³)
+  // temperatures below 1e-5 are greedy (as in vLLM): z/T would overflow fp32
+  r.temperature = params.temperature < kGreedyBelow ? 0.0 : params.temperature;
+  g.waiting.push_back(&r);
+  return id;
+}
+
+void Generator::cancel(int64_t id) {
+  Impl& g = *impl_;
+  Request& r = g.get(id);
+  g.waiting.erase(std::remove(g.waiting.begin(), g.waiting.end(), &r), g.waiting.end());
+  g.finish(r, "cancelled");
+}
+
+bool Generator::has_work() const { return !impl_->waiting.empty() || !impl_->active.empty(); }
+
+std::vector<Event> Generator::step() {
+  c10::InferenceMode guard;
+  Impl& g = *impl_;
+  if (!g.waiting.empty() && !g.free_slots.empty()) return g.admit();
+  return g.step();
+}
+
+const Output& Generator::output(int64_t id) const { return impl_->get(id).out; }
+
+std::vector<Output> Engine::generate(const std::vector<std::vector<int64_t>>& prompts,
+                                     const std::vector<SamplingParams>& params, const TokenCallback& on_tokens) {
+  if (params.size() != prompts.size() && params.size() != 1)
+    throw std::invalid_argument("generate: give one SamplingParams for all prompts or one per prompt (" +
+                                std::to_string(prompts.size()) + " prompts, " + std::to_string(params.size()) +
+                                " params)");
+  Generator gen(*this);
+  std::vector<Output> outs(prompts.size());
+  std::map<int64_t, size_t> index;  // request id → prompt index
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    try {
+      index[gen.add(prompts[i], params.size() == 1 ? params[0] : params[i])] = i;
+    } catch (const RequestError& ex) {  // this request fails alone
+      outs[i].finish_reason = "error";
+      outs[i].error = std::string("RequestError: ") + ex.what();
+    }
+  }
+  while (gen.has_work())
+    for (const Event& ev : gen.step())
+      if (on_tokens && !ev.tokens.empty()) on_tokens(index.at(ev.request), ev.tokens);
+  for (const auto& [id, i] : index) outs[i] = gen.output(id);
   return outs;
 }
 

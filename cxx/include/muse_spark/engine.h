@@ -45,7 +45,7 @@ struct SamplingParams {
 
 struct Output {
   std::vector<int64_t> tokens;  // the generated ids (the first from the prompt's prefill)
-  std::string finish_reason;    // "stop", "length" or "error"
+  std::string finish_reason;    // "stop", "length", "cancelled" or "error"; empty while it runs
   std::string error;            // why, for "error" (the request alone failed)
   int64_t steps = 0;            // speculative steps the request took part in
   int64_t accepted_draft_tokens = 0;
@@ -76,8 +76,9 @@ class Engine {
   // Throws RequestError, with the Python runtime's message, for a request that cannot be served.
   void validate(const std::vector<int64_t>& prompt, const SamplingParams& params) const;
 
-  // Generate every request. A request that fails validation or whose prefill fails finishes with
-  // "error" and its reason; the others are served. `params` has one entry per prompt, or one for all.
+  // Generate every request (a Generator over this engine, run until all have finished). A request
+  // that fails validation or whose prefill fails finishes with "error" and its reason; the others
+  // are served. `params` has one entry per prompt, or one for all.
   std::vector<Output> generate(const std::vector<std::vector<int64_t>>& prompts,
                                const std::vector<SamplingParams>& params,
                                const TokenCallback& on_tokens = nullptr);
@@ -85,7 +86,40 @@ class Engine {
   struct Impl;
 
  private:
+  friend class Generator;
   explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// What one scheduler iteration did for one request.
+struct Event {
+  int64_t request = -1;         // the id add() returned
+  std::vector<int64_t> tokens;  // emitted now (clipped at a stop token and max_tokens)
+  bool finished = false;
+  std::string finish_reason;    // once finished: "stop", "length", "cancelled" or "error"
+  std::string error;
+};
+
+// Requests that arrive and leave over time (runtime/generator.py's Generator): add() validates a
+// request and queues it; each step() either admits queued requests (their prefill: the first token)
+// while slots are free, or runs one speculative step over every active request. One Generator at a
+// time owns an engine's slots and caches.
+class Generator {
+ public:
+  explicit Generator(Engine& engine);  // throws std::logic_error if the engine already has one
+  ~Generator();
+  Generator(const Generator&) = delete;
+  Generator& operator=(const Generator&) = delete;
+
+  int64_t add(const std::vector<int64_t>& prompt, const SamplingParams& params);  // throws RequestError
+  void cancel(int64_t request);  // a queued or active request finishes "cancelled", its slot freed
+  bool has_work() const;         // requests queued or active
+  std::vector<Event> step();     // one iteration: the requests that emitted tokens or finished
+  const Output& output(int64_t request) const;  // everything a request has emitted so far
+
+  struct Impl;
+
+ private:
   std::unique_ptr<Impl> impl_;
 };
 
