@@ -207,8 +207,6 @@ struct Engine::Impl {
   };
   std::vector<Bucket> buckets;  // ascending
 
-  std::string where() const { return dir; }
-
   std::unique_ptr<Loader> load(const std::string& name) {
     const json& graphs = manifest.at("aoti").at("graphs");
     if (!graphs.contains(name)) throw EngineError(dir + ": the manifest lists no package '" + name + "'");
