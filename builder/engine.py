@@ -4,7 +4,9 @@ The ``eager`` backend stores the canonical (stacked, validated, converted)
 weights as safetensors next to the configs and the tokenizer; the manifest
 records what DESIGN.md §4 asks for (schema, backend, device, versions,
 configs, checkpoint tensor hashes, dtype, γ, limits, batch buckets, plugin
-versions, tokenizer and a sha256 of every engine file).
+versions, tokenizer and a sha256 of every engine file). The ``migraphx`` backend
+writes the same files (its runtime compiles the step through MIGraphX on ROCm:
+``runtime/migraphx_engine.py``); ``aoti`` adds its packages (``builder/aoti.py``).
 """
 
 from __future__ import annotations
@@ -71,8 +73,12 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     ``fast_compile``, ``plugins``, ``jobs`` — see ``builder/aoti.py``."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} (expected one of {list(BACKENDS)})")
-    if backend not in ("eager", "aoti"):
-        raise ValueError(f"backend {backend!r} is not available in this build yet; use --backend eager or aoti")
+    if backend == "tensorrt":
+        raise ValueError("backend 'tensorrt' is not implemented (TensorRT cannot be installed in this workplace); "
+                         "use --backend aoti on NVIDIA GPUs")
+    if backend == "migraphx" and torch.device(device).type == "cuda" and torch.version.hip is None:
+        _log("note: a migraphx engine compiles its step through MIGraphX on ROCm GPUs only; on this CUDA "
+             "build of torch it will run the plain eager path (--backend aoti is the NVIDIA path)", quiet)
     if aoti_options and backend != "aoti":
         raise ValueError(f"options {sorted(aoti_options)} apply to --backend aoti only")
     if max_batch < 1:

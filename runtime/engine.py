@@ -161,8 +161,8 @@ class EagerEngine:
                  max_batch: int | None = None, **kw) -> "EagerEngine":
         d = Path(engine_dir)
         m = read_manifest(d)
-        if m["backend"] != "eager":
-            raise EngineError(f"{d}: backend {m['backend']!r} is not an eager engine")
+        if m["backend"] != cls.backend:
+            raise EngineError(f"{d}: backend {m['backend']!r} is not an {cls.backend} engine")
         verify_files(d, m)
         check_plugins(m)
         tcfg, dcfg = configs_from_manifest(m)
