@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from muse_spark.runtime.aoti_graphs import (EMBED, INPUT_NORM, LAYER_PREFIX, SpecPair, _Layered, weight_names,
