@@ -162,7 +162,8 @@ class EagerEngine:
         d = Path(engine_dir)
         m = read_manifest(d)
         if m["backend"] != cls.backend:
-            raise EngineError(f"{d}: backend {m['backend']!r} is not an {cls.backend} engine")
+            raise EngineError(f"{d}: this is a {m['backend']!r} engine; {cls.__name__} loads {cls.backend!r} "
+                              f"engines (muse_spark.runtime.load_engine loads any)")
         verify_files(d, m)
         check_plugins(m)
         tcfg, dcfg = configs_from_manifest(m)

@@ -9,7 +9,10 @@ The compiled step is the eager step's body (``EagerEngine.step``) traced whole (
 graph break would fall back to Python between MIGraphX programs) over a static key window, every
 query attending over ``[0, max_seq)`` with the position mask as the aoti packages do, so one
 compiled graph serves every step of a batch size; each batch size compiles once. The KV caches
-are static addresses (written in place). The prompt's prefill runs eager (its chunk lengths vary).
+are static addresses (written in place). The plugins run their reference functions inline
+(``plugin_impl("inline")``), so the captured graph holds aten ops only; on ROCm the attention and
+linear layers run their reference forms too (the Triton kernels are the NVIDIA path:
+``models.layers.attention_path``). The prompt's prefill runs eager (its chunk lengths vary).
 
 Not verified here: this workplace has no AMD GPU and ``migraphx`` is a PyPI placeholder. What is
 tested (``tests/test_migraphx.py``, on CPU) is everything up to the backend: the build, the
@@ -24,6 +27,7 @@ import logging
 
 import torch
 
+from muse_spark.plugins.dispatch import plugin_impl
 from muse_spark.runtime.engine import EagerEngine
 
 log = logging.getLogger(__name__)
@@ -86,4 +90,7 @@ class MIGraphXEngine(EagerEngine):
             return EagerEngine.step.__wrapped__(self, anchor, anchor_pos, slots, seeds, temperature, kv_len)
         if kv_len > self.max_seq:
             raise ValueError(f"kv_len {kv_len} exceeds the engine's max_seq {self.max_seq}")
-        return self.compiled(anchor, anchor_pos, slots, seeds, temperature)
+        # The plugins' reference functions inline, so that the graph MIGraphX gets holds aten ops only,
+        # not the Python-registered muse_spark ops it cannot compile.
+        with plugin_impl("inline"):
+            return self.compiled(anchor, anchor_pos, slots, seeds, temperature)

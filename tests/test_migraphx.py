@@ -74,6 +74,24 @@ def test_the_compiled_step_gives_the_eager_engines_tokens(built, eager):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2
 
 
+def test_the_graph_the_backend_gets_holds_aten_ops_only(built, eager):
+    """What MIGraphX would be handed: one whole-step graph per batch size, of aten ops (the plugins'
+    reference functions traced through, no Python-registered muse_spark op), computing the eager tokens."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    engine = MIGraphXEngine.from_dir(built, compile_backend=backend)
+    assert outputs(engine) == outputs(eager)
+    assert len(graphs) >= 2
+    for targets in graphs:
+        assert targets and not [t for t in targets if "muse_spark" in t]
+        assert any(t.startswith("aten.") or "built-in" in t or "torch" in t for t in targets)
+
+
 def test_reasons_it_cannot_compile_here():
     assert "ROCm GPUs" in migraphx_unavailable(torch.device("cpu"))
     if torch.version.hip is None:
@@ -81,7 +99,7 @@ def test_reasons_it_cannot_compile_here():
 
 
 def test_other_backends_engines_are_refused_by_name(built, tmp_path):
-    with pytest.raises(EngineError, match="backend 'migraphx' is not an eager engine"):
+    with pytest.raises(EngineError, match="this is a 'migraphx' engine; EagerEngine loads 'eager' engines"):
         EagerEngine.from_dir(built)
     r = run_cli("build", "--target", built, "--draft", built, "--out", tmp_path / "t", "--backend", "tensorrt")
     assert r.returncode != 0 and "backend 'tensorrt' is not implemented" in r.stderr

@@ -203,9 +203,15 @@ def attention_kernel() -> str:
     return name
 
 
+def nvidia(device) -> bool:
+    """Whether ``device`` is an NVIDIA GPU: a CUDA device of a CUDA (not ROCm/HIP) build of torch."""
+    return torch.device(device).type == "cuda" and torch.version.hip is None
+
+
 def attention_path(device, dtype: torch.dtype) -> str:
-    """What ``attend`` runs for this device and compute dtype: the kernel name, or ``reference``."""
-    fused = torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    """What ``attend`` runs for this device and compute dtype: the kernel name, or ``reference``
+    (CPU; fp32; ROCm, where the fused Triton path is not used: DESIGN.md §1)."""
+    fused = nvidia(device) and dtype in (torch.bfloat16, torch.float16)
     return attention_kernel() if fused else "reference"
 
 
@@ -326,8 +332,8 @@ def linear_kernel() -> str:
 
 def linear_path(device, dtype: torch.dtype) -> str:
     """What ``linear`` runs for this device and compute dtype with few rows: ``triton`` or ``cublas``
-    on CUDA in bf16/fp16, else ``reference`` (``F.linear``)."""
-    fused = torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    on CUDA in bf16/fp16, else ``reference`` (``F.linear``; ROCm too)."""
+    fused = nvidia(device) and dtype in (torch.bfloat16, torch.float16)
     return linear_kernel() if fused else "reference"
 
 
