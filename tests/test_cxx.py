@@ -23,7 +23,7 @@ from muse_spark.runtime.aoti_graphs import LAYOUT, torch_dtype
 from muse_spark.runtime.engine import build_modules
 
 from conftest import AOTI_MAX_BATCH, ENGINE_PROMPTS, random_state_dict, small_configs
-from cxx_utils import cxx, cxx_generate, finals, python_generate, same_as_python
+from cxx_utils import cxx, cxx_generate, finals, info, python_generate, same_as_python
 
 ROOT = Path(__file__).resolve().parents[1]
 # One request more than the engine's slots (the last joins when one leaves); one of two prompt chunks.
@@ -38,10 +38,24 @@ def engine(aoti_built):
 
 # ---- the build ------------------------------------------------------------------------------------
 def test_the_library_names_the_layout_and_torch_of_this_runtime(cxx_build):
-    r = cxx(cxx_build, "--info")
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"package_layout": LAYOUT, "embedding_version": EMBEDDING_VERSION,
-                                    "torch": torch.__version__}
+    got = info(cxx_build)
+    assert got == {"package_layout": LAYOUT, "embedding_version": EMBEDDING_VERSION, "torch": torch.__version__,
+                   "checks_hashes": got["checks_hashes"]}
+    if not got["checks_hashes"]:
+        pytest.skip("this machine has no OpenSSL libcrypto to build the hash check with (the tokens are tested)")
+
+
+def test_a_build_without_openssl_opens_engines_only_unchecked(cxx_build, aoti_built, tmp_path_factory):
+    """Without libcrypto the library still builds; it refuses to open an engine with its hashes unchecked
+    unless told to (--no-verify), and then gives the same tokens."""
+    from cxx_utils import build_cxx
+
+    bare = build_cxx(tmp_path_factory, "-DCMAKE_DISABLE_FIND_PACKAGE_OpenSSL=ON")
+    assert info(bare)["checks_hashes"] is False
+    r = cxx(bare, "--engine", aoti_built[0], "--prompt-ids", "1,2,3")
+    assert r.returncode == 2 and "cannot check the engine files' hashes" in r.stderr and "--no-verify" in r.stderr
+    assert (finals(cxx_generate(bare, aoti_built[0], PROMPTS[:2], max_tokens=12))
+            == finals(cxx_generate(cxx_build, aoti_built[0], PROMPTS[:2], max_tokens=12)))
 
 
 # ---- the same tokens as the Python runtime ----------------------------------------------------------
@@ -170,8 +184,11 @@ REFUSALS = {
 @pytest.mark.parametrize("case", sorted(REFUSALS))
 def test_refuses_an_engine_it_cannot_run(cxx_build, aoti_built, tmp_path, case):
     edit, why = REFUSALS[case]
+    checked = info(cxx_build)["checks_hashes"]
+    if "hash" in why and not checked:
+        pytest.skip("this build has no hash check (no OpenSSL libcrypto here)")
     d = edited(aoti_built[0], tmp_path / "e", edit)
-    r = cxx(cxx_build, "--engine", d, "--prompt-ids", "1,2,3")
+    r = cxx(cxx_build, "--engine", d, "--prompt-ids", "1,2,3", *([] if checked else ["--no-verify"]))
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert r.stderr.startswith("error: ") and __import__("re").search(why, r.stderr), r.stderr
 

@@ -129,7 +129,8 @@ int main(int argc, char** argv) {
       if (a == "--info") {
         std::cout << "{\"package_layout\": " << quoted(muse_spark::package_layout())
                   << ", \"embedding_version\": " << muse_spark::embedding_version()
-                  << ", \"torch\": " << quoted(muse_spark::torch_version()) << "}" << std::endl;
+                  << ", \"torch\": " << quoted(muse_spark::torch_version())
+                  << ", \"checks_hashes\": " << (muse_spark::checks_hashes() ? "true" : "false") << "}" << std::endl;
         return 0;
       } else if (a == "--engine") {
         engine_dir = value();

@@ -10,7 +10,9 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#ifdef MUSE_SPARK_SHA256
 #include <openssl/evp.h>
+#endif
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <nlohmann/json.hpp>
@@ -47,6 +49,7 @@ constexpr int kEmbeddingVersion = 1;          // builder/embedder.py EMBEDDING_V
 constexpr int kMarkovErrorWord = 2;           // runtime/aoti_graphs.py MARKOV_ERROR_WORD (documentation)
 constexpr double kGreedyBelow = 1e-5;         // runtime/generator.py GREEDY_BELOW
 
+#ifdef MUSE_SPARK_SHA256
 std::string hex_sha256(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw EngineError("cannot read " + path);
@@ -69,6 +72,7 @@ std::string hex_sha256(const std::string& path) {
   }
   return out;
 }
+#endif
 
 at::ScalarType dtype_from_name(const std::string& name, const std::string& where) {
   static const std::map<std::string, at::ScalarType> names = {
@@ -426,16 +430,28 @@ void check_manifest(const std::string& dir, const json& m, at::Device& device) {
 #endif
 }
 
-void verify_files(const std::string& dir, const json& m) {
+// Every file the manifest lists exists; with `hashes`, each matches its sha256 (runtime/engine.py).
+void verify_files(const std::string& dir, const json& m, bool hashes) {
+#ifndef MUSE_SPARK_SHA256
+  if (hashes)
+    throw EngineError(dir + ": this build of the library cannot check the engine files' hashes (OpenSSL's "
+                      "libcrypto was not found when it was built): rebuild it with OpenSSL, or open the engine "
+                      "with verify_hashes = false (--no-verify)");
+#endif
   for (auto& [name, digest] : m.at("files").items()) {
     std::string path = dir + "/" + name;
     std::ifstream probe(path);
     if (!probe) throw EngineError(dir + ": engine file " + name + " is missing");
+    if (!hashes) continue;
+#ifdef MUSE_SPARK_SHA256
     std::string actual = hex_sha256(path), want = digest.get<std::string>();
     if (actual != want)
       throw EngineError(dir + ": engine file " + name + " does not match the manifest's hash (expected sha256 " +
                         want.substr(0, 16) + "…, got " + actual.substr(0, 16) +
                         "…): the engine is corrupted or was modified");
+#else
+    (void)digest;
+#endif
   }
 }
 
@@ -454,7 +470,7 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
     if (options.max_batch < 0 || options.max_batch > engine_batch)
       throw EngineError(e.dir + ": max_batch " + std::to_string(options.max_batch) + " must be in [1, " +
                         std::to_string(engine_batch) + "] (the engine's max_batch; 0: all of them)");
-    if (options.verify_hashes) verify_files(e.dir, m);
+    verify_files(e.dir, m, options.verify_hashes);
     const json& a = m.at("aoti");
     const json& emb = m.at("embedding");
     e.dtype = dtype_from_name(m.at("dtype").get<std::string>(), e.dir);
@@ -790,5 +806,12 @@ std::vector<Output> Engine::generate(const std::vector<std::vector<int64_t>>& pr
 const char* package_layout() { return kLayout; }
 int embedding_version() { return kEmbeddingVersion; }
 const char* torch_version() { return MUSE_SPARK_TORCH_VERSION; }
+bool checks_hashes() {
+#ifdef MUSE_SPARK_SHA256
+  return true;
+#else
+  return false;
+#endif
+}
 
 }  // namespace muse_spark

@@ -129,5 +129,7 @@ const char* package_layout();
 int embedding_version();
 // torch.__version__ of the torch this library was built against.
 const char* torch_version();
+// Whether this build can check an engine's file hashes (OpenSSL's libcrypto found at build time).
+bool checks_hashes();
 
 }  // namespace muse_spark
