@@ -103,7 +103,8 @@ struct Event {
 // Requests that arrive and leave over time (runtime/generator.py's Generator): add() validates a
 // request and queues it; each step() either admits queued requests (their prefill: the first token)
 // while slots are free, or runs one speculative step over every active request. One Generator at a
-// time owns an engine's slots and caches.
+// time owns an engine's slots and caches; the engine must outlive it. Neither is thread-safe: one
+// thread drives an engine and its generator.
 class Generator {
  public:
   explicit Generator(Engine& engine);  // throws std::logic_error if the engine already has one
