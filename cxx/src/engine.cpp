@@ -26,8 +26,8 @@
 #include <sstream>
 
 #ifdef MUSE_SPARK_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
 #endif
 
 #ifndef MUSE_SPARK_TORCH_VERSION
@@ -397,9 +397,9 @@ void check_manifest(const std::string& dir, const json& m, at::Device& device) {
   std::string kind = m.at("device").value("kind", "cpu");
   if (kind == "cuda") {
 #ifdef MUSE_SPARK_CUDA
-    if (!at::hasCUDA() || at::cuda::device_count() == 0)
+    if (c10::cuda::device_count() == 0)
       throw EngineError(dir + ": engine device is cuda but no CUDA device is available");
-    device = at::Device(at::kCUDA, at::cuda::current_device());
+    device = at::Device(at::kCUDA, c10::cuda::current_device());
 #else
     throw EngineError(device_kind_error(dir, "cuda", "cpu") + " (this library was built without CUDA)");
 #endif
@@ -416,14 +416,17 @@ void check_manifest(const std::string& dir, const json& m, at::Device& device) {
 #ifdef MUSE_SPARK_CUDA
   if (device.is_cuda()) {
     const json& cc = m.at("device").at("compute_capability");
-    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device.index());
-    std::string mine = std::to_string(prop->major) + "." + std::to_string(prop->minor);
-    if (!cc.is_array() || cc.size() != 2 || cc[0].get<int>() != prop->major || cc[1].get<int>() != prop->minor) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, device.index()) != cudaSuccess)
+      throw EngineError(dir + ": the properties of CUDA device " + std::to_string(device.index()) +
+                        " cannot be read");
+    std::string mine = std::to_string(prop.major) + "." + std::to_string(prop.minor);
+    if (!cc.is_array() || cc.size() != 2 || cc[0].get<int>() != prop.major || cc[1].get<int>() != prop.minor) {
       std::string built = cc.is_array() && cc.size() == 2
                               ? std::to_string(cc[0].get<int>()) + "." + std::to_string(cc[1].get<int>())
                               : std::string("?");
       throw EngineError(dir + ": engine was compiled for compute capability " + built + " (" +
-                        m.at("device").value("name", "?") + "), this device (" + prop->name + ") is " + mine +
+                        m.at("device").value("name", "?") + "), this device (" + prop.name + ") is " + mine +
                         ": its kernels cannot run here; rebuild the engine on it");
     }
   }
