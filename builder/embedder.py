@@ -45,19 +45,19 @@ def embedding_section(target, draft, out_dir: Path, *, cache_slots: int, max_seq
     for name, t in zip(names, tensors):
         root, _, key = name.partition(".")
         file, keys = files[root]
+        same = (t.data_ptr(), t.dtype, tuple(t.shape))  # (a tied weight: the same tensor under another name)
         if key in keys:
             src = [file, key]
-        elif (t.data_ptr(), t.dtype, tuple(t.shape)) in seen and t.numel():  # a tied weight: the same tensor
-            src = seen[(t.data_ptr(), t.dtype, tuple(t.shape))]
+        elif same in seen and t.numel():
+            src = seen[same]
         else:
             derived[name] = t.detach().contiguous().cpu().clone()
             src = [DERIVED_FILE, name]
-        seen.setdefault((t.data_ptr(), t.dtype, tuple(t.shape)), src)
+        seen.setdefault(same, src)
         sources.append(src)
     save_file(derived, str(out_dir / DERIVED_FILE))
 
-    layers = target.cfg.num_hidden_layers
-    parts = _Layered(names, layers, target.aux_layer_ids, None)
+    parts = _Layered(names, target.cfg.num_hidden_layers, target.aux_layer_ids, None)
     where = {n: i for i, n in enumerate(names)}
     norm = f"{LAYER_PREFIX}0.{INPUT_NORM}"
 

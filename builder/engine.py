@@ -23,6 +23,7 @@ import torch
 import muse_spark
 from muse_spark.checkpoint import file_sha256, load_pair, save_canonical, tensors_hash
 from muse_spark.config import dtype_name
+from muse_spark.models.layers import nvidia
 from muse_spark.plugins import PLUGIN_VERSIONS
 from muse_spark.runtime.engine import ENGINE_FORMAT, SCHEMA_VERSION
 
@@ -76,7 +77,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     if backend == "tensorrt":
         raise ValueError("backend 'tensorrt' is not implemented (TensorRT cannot be installed in this workplace); "
                          "use --backend aoti on NVIDIA GPUs")
-    if backend == "migraphx" and torch.device(device).type == "cuda" and torch.version.hip is None:
+    if backend == "migraphx" and nvidia(device):
         _log("note: a migraphx engine compiles its step through MIGraphX on ROCm GPUs only; on this CUDA "
              "build of torch it will run the plain eager path (--backend aoti is the NVIDIA path)", quiet)
     if aoti_options and backend != "aoti":

@@ -87,7 +87,7 @@ class MIGraphXEngine(EagerEngine):
     def step(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> torch.Tensor:
         """``EagerEngine.step``; compiled, over the static window (``kv_len`` only guards it)."""
         if self.compiled is None:
-            return EagerEngine.step.__wrapped__(self, anchor, anchor_pos, slots, seeds, temperature, kv_len)
+            return super().step(anchor, anchor_pos, slots, seeds, temperature, kv_len)
         if kv_len > self.max_seq:
             raise ValueError(f"kv_len {kv_len} exceeds the engine's max_seq {self.max_seq}")
         # The plugins' reference functions inline, so that the graph MIGraphX gets holds aten ops only,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 # (python_generate and same_as_python compare with the Python runtime's Generator)
 
+import functools
 import json
 import os
 import shutil
@@ -47,6 +48,7 @@ def cxx(build: Path, *args, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@functools.cache
 def info(build: Path) -> dict:
     """The build's ``--info``: the layout, embedding version and torch it accepts, whether it checks hashes."""
     r = cxx(build, "--info")

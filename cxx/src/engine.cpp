@@ -223,8 +223,6 @@ struct Engine::Impl {
     }
   }
 
-  static Tensors run(Loader& part, const Tensors& inputs) { return part.run(inputs); }
-
   // LayeredPrefill / LayeredStep's layers: → (h, the aux streams); after_aux runs once the last
   // aux layer has run.
   std::pair<at::Tensor, Tensors> layers(Loader& layer, at::Tensor stream, at::Tensor x, const at::Tensor& positions,
@@ -233,7 +231,7 @@ struct Engine::Impl {
     for (size_t i = 0; i < layer_idx.size(); ++i) {
       Tensors in = pick(weights, layer_idx[i]);
       append(in, {tk[i], tv[i], stream, x, positions, slots});
-      Tensors out = run(layer, in);
+      Tensors out = layer.run(in);
       stream = out.at(0);
       x = out.at(1);
       if (aux.count(static_cast<int64_t>(i))) aux_streams.push_back(stream);
@@ -271,7 +269,7 @@ struct Engine::Impl {
       in.push_back(h);
       append(in, aux_streams);
       append(in, {positions, slots, last, seeds, temps});
-      first = run(*prefill_finish, in).at(0);
+      first = prefill_finish->run(in).at(0);
     }
     return first.to(at::kCPU).item<int64_t>();
   }
@@ -304,19 +302,19 @@ struct Engine::Impl {
     append(in, dk);
     append(in, dv);
     append(in, {b.markov_ws, a, ap, sl, sd, tp, positions});
-    Tensors drafted = run(*b.draft, in);  // ids, probs, stream, x
+    Tensors drafted = b.draft->run(in);  // ids, probs, stream, x
     auto context = [&](const Tensors& aux_streams) {
       Tensors c = head;
       append(c, dk);
       append(c, dv);
       append(c, aux_streams);
       append(c, {positions, sl});
-      run(*b.context, c);
+      b.context->run(c);
     };
     auto [h, aux_streams] = layers(*b.layer, drafted.at(2), drafted.at(3), positions, sl, context);
     Tensors v = head;
     append(v, {b.markov_ws, h, drafted.at(0), drafted.at(1), positions, sd, tp});
-    at::Tensor packed = run(*b.verify, v).at(0).to(at::kCPU).contiguous();
+    at::Tensor packed = b.verify->run(v).at(0).to(at::kCPU).contiguous();
     std::vector<std::vector<int64_t>> rows;
     const int64_t W = packed.size(1);
     const int64_t* p = packed.data_ptr<int64_t>();
@@ -542,8 +540,9 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
       const json& c = emb.at("caches").at(which);
       auto opts = at::TensorOptions().dtype(dtype_from_name(c.at("dtype").get<std::string>(), e.dir)).device(e.device);
       std::vector<int64_t> shape = c.at("shape").get<std::vector<int64_t>>();
-      Tensors& k = std::string(which) == "target" ? e.tk : e.dk;
-      Tensors& v = std::string(which) == "target" ? e.tv : e.dv;
+      const bool target = std::string(which) == "target";
+      Tensors& k = target ? e.tk : e.dk;
+      Tensors& v = target ? e.tv : e.dv;
       for (int64_t i = 0; i < c.at("layers").get<int64_t>(); ++i) {
         k.push_back(at::zeros(shape, opts));
         v.push_back(at::zeros(shape, opts));
