@@ -6,7 +6,8 @@ records what DESIGN.md §4 asks for (schema, backend, device, versions,
 configs, checkpoint tensor hashes, dtype, γ, limits, batch buckets, plugin
 versions, tokenizer and a sha256 of every engine file). The ``migraphx`` backend
 writes the same files (its runtime compiles the step through MIGraphX on ROCm:
-``runtime/migraphx_engine.py``); ``aoti`` adds its packages (``builder/aoti.py``).
+``runtime/migraphx_engine.py``); ``aoti`` adds its packages (``builder/aoti.py``), ``tensorrt``
+its parts as ONNX graphs and TensorRT plans (``builder/tensorrt.py``; unverified here).
 """
 
 from __future__ import annotations
@@ -75,8 +76,12 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} (expected one of {list(BACKENDS)})")
     if backend == "tensorrt":
-        raise ValueError("backend 'tensorrt' is not implemented (TensorRT cannot be installed in this workplace); "
-                         "use --backend aoti on NVIDIA GPUs")
+        if torch.device(device).type != "cuda":
+            raise ValueError("--backend tensorrt builds plans for a CUDA GPU: give --device cuda "
+                             "(`muse-spark export-onnx` writes the device-free ONNX graphs)")
+        from muse_spark.builder.tensorrt import require_tensorrt
+
+        require_tensorrt()  # (before anything is loaded: the reason a build cannot start)
     if backend == "migraphx" and nvidia(device):
         _log("note: a migraphx engine compiles its step through MIGraphX on ROCm GPUs only; on this CUDA "
              "build of torch it will run the plain eager path (--backend aoti is the NVIDIA path)", quiet)
@@ -110,7 +115,11 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     _log("writing engine weights", quiet)
     save_canonical(target, tmp / "target.safetensors")
     save_canonical(draft, tmp / "draft.safetensors")
-    aoti = embedding = None
+    aoti = embedding = trt = None
+    if backend == "tensorrt":
+        from muse_spark.builder.tensorrt import build_tensorrt
+
+        trt = build_tensorrt(target, draft, tmp, max_batch=max_batch, max_seq=max_seq, log=lambda m: _log(m, quiet))
     if backend == "aoti":
         from muse_spark.builder.aoti import build_aoti
 
@@ -141,7 +150,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
         "gamma": gamma,
         "max_seq": max_seq,
         "max_batch": max_batch,
-        "batch_buckets": aoti["batch_buckets"] if aoti else default_buckets(max_batch),
+        "batch_buckets": (aoti or trt)["batch_buckets"] if (aoti or trt) else default_buckets(max_batch),
         "plugins": dict(PLUGIN_VERSIONS),
         "tokenizer": tokenizer,
         "files": files,
@@ -149,6 +158,8 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     if aoti:
         manifest["aoti"] = aoti
         manifest["embedding"] = embedding
+    if trt:
+        manifest["tensorrt"] = trt
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     tmp.rename(out)
     _log(f"engine written to {out} in {time.perf_counter() - t0:.1f}s", quiet)

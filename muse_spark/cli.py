@@ -2,6 +2,7 @@
 
     muse-spark make-tiny OUT [--kind random|agreeing] [--seed N]
     muse-spark build --target DIR --draft DIR --out DIR [--backend eager] [--device cpu|cuda]
+    muse-spark export-onnx --target DIR --draft DIR --out DIR [--max-batch 8] [--max-seq 1024]
     muse-spark generate (--engine DIR | --target DIR --draft DIR) (--prompt TEXT | --prompt-ids 1,2,3)
     muse-spark triton-repo --engine DIR --out REPO [--model-name muse_spark] [--instances N]
     muse-spark serve --repo REPO [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002] [--host 127.0.0.1]
@@ -58,6 +59,25 @@ def cmd_build(a) -> int:
     build_engine(a.target, a.draft, a.out, backend=a.backend, device=a.device, max_batch=a.max_batch,
                  max_seq=a.max_seq, dtype=a.dtype, **aoti)
     print(f"engine: {a.out}")
+    return 0
+
+
+# ---- export-onnx ----------------------------------------------------------------------------
+def cmd_export_onnx(a) -> int:
+    from muse_spark.builder.onnx_export import export_onnx
+    from muse_spark.checkpoint import load_pair
+
+    if a.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {a.max_batch}")
+    out = Path(a.out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; give a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    target, draft = load_pair(a.target, a.draft, a.dtype, "cpu")
+    section = export_onnx(target, draft, out, max_batch=a.max_batch, max_seq=a.max_seq,
+                          log=lambda m: print(f"[export-onnx] {m}", file=sys.stderr, flush=True))
+    (out / "onnx.json").write_text(json.dumps(section, indent=2) + "\n")
+    print(f"onnx graphs: {out} ({len(section['graphs'])} parts; their inputs and outputs: {out / 'onnx.json'})")
     return 0
 
 
@@ -162,6 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="aoti: the plugin kernels compiled in. auto (default): the Triton kernels on CUDA, falling "
                         "back to the reference functions if they fail to compile; inline: the reference functions")
     b.set_defaults(fn=cmd_build)
+
+    x = sub.add_parser("export-onnx", help="the engine's parts as ONNX graphs with muse_spark plugin nodes "
+                                          "(the tensorrt backend's input)")
+    x.add_argument("--target", required=True)
+    x.add_argument("--draft", required=True)
+    x.add_argument("--out", required=True)
+    x.add_argument("--max-batch", type=int, default=8)
+    x.add_argument("--max-seq", type=int, default=1024)
+    x.add_argument("--dtype", default=None, help="override the checkpoint's torch_dtype")
+    x.set_defaults(fn=cmd_export_onnx)
 
     g = sub.add_parser("generate", help="speculative generation")
     g.add_argument("--engine")

@@ -39,6 +39,10 @@ def load_engine(engine_dir: str | Path, device: str | None = None, **kw):
         from muse_spark.runtime.aoti_engine import AOTIEngine  # loads torch._inductor: only when needed
 
         return AOTIEngine.from_dir(engine_dir, device=device, **kw)
+    if backend == "tensorrt":
+        from muse_spark.runtime.tensorrt_engine import TensorRTEngine
+
+        return TensorRTEngine.from_dir(engine_dir, device=device, **kw)
     if backend == "migraphx":
         from muse_spark.runtime.migraphx_engine import MIGraphXEngine
 

@@ -53,10 +53,11 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
-def check_compatibility(manifest: dict, here: dict, where: str = "engine") -> None:
-    """Refuse, with the reason, an aoti engine this machine cannot run (``here`` = ``machine_info``)."""
-    if "aoti" not in manifest:
-        raise EngineError(f"{where}: manifest lacks its 'aoti' section; rebuild the engine")
+def check_compatibility(manifest: dict, here: dict, where: str = "engine", section: str = "aoti") -> None:
+    """Refuse, with the reason, an aoti (or ``section``: tensorrt) engine this machine cannot run
+    (``here`` = ``machine_info``)."""
+    if section not in manifest:
+        raise EngineError(f"{where}: manifest lacks its {section!r} section; rebuild the engine")
     built_dev = manifest.get("device", {})
     if built_dev.get("kind") != here["kind"]:
         raise EngineError(
@@ -171,14 +172,15 @@ def _part(d: Path, graphs: dict | None, name: str, device, single_threaded: bool
 
 
 def load_step(d: str | Path, graphs: dict | None, bucket: int, target, draft, device,
-              single_threaded: bool = False, side_stream: bool | None = None) -> LayeredStep:
+              single_threaded: bool = False, side_stream: bool | None = None, loader=None) -> LayeredStep:
     """Bucket ``bucket``'s speculative step from its four packages in ``d`` (``graphs``: the
     manifest's file names; None: the builder's default names). ``side_stream``: run the draft
     context on a second CUDA stream beside the last target layers and the verification
-    (``LayeredStep``); None: as ``MUSE_SPARK_CONTEXT_STREAM`` says (on unless ``0``); CUDA only."""
+    (``LayeredStep``); None: as ``MUSE_SPARK_CONTEXT_STREAM`` says (on unless ``0``); CUDA only.
+    ``loader``: part name → the callable part (default: its AOTI package in ``d``)."""
     d, names = Path(d), weight_names(SpecPair(target, draft))
-    parts = [_part(d, graphs, f"step_{p}_b{bucket}", device, single_threaded)
-             for p in ("draft", "layer", "verify", "context")]
+    loader = loader or (lambda name: _part(d, graphs, name, device, single_threaded))
+    parts = [loader(f"step_{p}_b{bucket}") for p in ("draft", "layer", "verify", "context")]
     device = torch.device(device)
     if side_stream is None:
         side_stream = context_stream()
@@ -187,10 +189,11 @@ def load_step(d: str | Path, graphs: dict | None, bucket: int, target, draft, de
                        side=side)
 
 
-def load_prefill(d: str | Path, graphs: dict | None, target, draft, device) -> LayeredPrefill:
+def load_prefill(d: str | Path, graphs: dict | None, target, draft, device, loader=None) -> LayeredPrefill:
     d, names = Path(d), weight_names(SpecPair(target, draft))
+    loader = loader or (lambda name: _part(d, graphs, name, device))
     return LayeredPrefill(names, target.cfg.num_hidden_layers, target.aux_layer_ids, embed_and_norm(target),
-                          _part(d, graphs, "prefill_layer", device), _part(d, graphs, "prefill_finish", device))
+                          loader("prefill_layer"), loader("prefill_finish"))
 
 
 def markov_words(aoti: dict, bucket: int, where) -> int:
@@ -206,11 +209,12 @@ def markov_words(aoti: dict, bucket: int, where) -> int:
 # ---- the engine -------------------------------------------------------------------------------
 class AOTIEngine(EagerEngine):
     backend = "aoti"
+    section = "aoti"  # the manifest's section that describes the parts
 
     def __init__(self, target, draft, *, engine_dir: str | Path, manifest: dict, device, max_batch: int,
                  tokenizer_path=None, cuda_graphs: bool = True):
         # Not EagerEngine.__init__: the caches have one scratch slot more (padding rows write it).
-        a = manifest["aoti"]
+        a = manifest[self.section]
         self.target, self.draft = target, draft
         self.tcfg, self.dcfg = target.cfg, draft.cfg
         self.gamma = self.dcfg.block_size
@@ -244,13 +248,14 @@ class AOTIEngine(EagerEngine):
         if self.buckets[-1] < max_batch:
             self.buckets.append(min(b for b in a["batch_buckets"] if b >= max_batch))
         words = {b: markov_words(a, b, engine_dir) for b in self.buckets}
-        self.prefill_fn = load_prefill(d, a["graphs"], target, draft, self.device)
+        self.prefill_fn = load_prefill(d, a["graphs"], target, draft, self.device, loader=self.part_loader(d, a))
         self.runners: dict[int, StaticStep] = {}
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.pdl_kernels = programmatic_kernels(a) if self.cuda_graphs else ()
         with torch.inference_mode():
             for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
-                fn = load_step(d, a["graphs"], b, target, draft, self.device, single_threaded=self.cuda_graphs)
+                fn = load_step(d, a["graphs"], b, target, draft, self.device, single_threaded=self.cuda_graphs,
+                               loader=self.part_loader(d, a))
                 if self.cuda_graphs:
                     self.runners[b] = CUDAGraphStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
                                                     pool=pool, markov_words=words[b], programmatic=self.pdl_kernels)
@@ -259,20 +264,29 @@ class AOTIEngine(EagerEngine):
                                                  markov_words=words[b])
 
     # ---- construction -----------------------------------------------------------------
+    def part_loader(self, d: Path, section: dict):
+        """Part name → the callable part; None: the AOTI packages (``load_step``'s default)."""
+        return None
+
+    @classmethod
+    def check_section(cls, manifest: dict, where: str) -> None:
+        """A backend's own refusals, after the common ones (``check_compatibility``)."""
+
     @classmethod
     def from_dir(cls, engine_dir: str | Path, device: str | None = None, dtype: str | None = None,
                  max_batch: int | None = None, cuda_graphs: bool = True) -> "AOTIEngine":
         d = Path(engine_dir)
         m = read_manifest(d)
-        if m["backend"] != "aoti":
-            raise EngineError(f"{d}: backend {m['backend']!r} is not an aoti engine")
+        if m["backend"] != cls.backend:
+            raise EngineError(f"{d}: backend {m['backend']!r} is not an {cls.backend} engine")
         built_kind = m.get("device", {}).get("kind", "cpu")
         dev = torch.device(device or built_kind)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise EngineError(f"{d}: engine device is cuda but no CUDA device is available")
-        check_compatibility(m, machine_info(dev), str(d))
+        check_compatibility(m, machine_info(dev), str(d), cls.section)
+        cls.check_section(m, str(d))
         if dtype is not None and parse_dtype(dtype) != parse_dtype(m["dtype"]):
-            raise EngineError(f"{d}: an aoti engine runs in the dtype it was compiled for ({m['dtype']}), "
+            raise EngineError(f"{d}: an {cls.backend} engine runs in the dtype it was compiled for ({m['dtype']}), "
                               f"not {dtype}; rebuild it with --dtype {dtype}")
         if max_batch is not None and not 1 <= max_batch <= m["max_batch"]:
             raise EngineError(f"{d}: max_batch {max_batch} exceeds the engine's {m['max_batch']}")

@@ -1,0 +1,183 @@
+"""The engine's ONNX parts (``builder.onnx_export``) run on CPU with ``onnx.reference``.
+
+This is how the ``tensorrt`` backend's input is tested where TensorRT cannot run: each part's ONNX
+graph, its ``muse_spark`` plugin nodes computed by the plugins' reference functions
+(``PLUGIN_OPS``), composed by the very ``LayeredStep`` / ``LayeredPrefill`` that compose the AOTI
+packages, so a step from the ONNX graphs can be compared with the eager engine's, bit for bit in
+float32. (``onnx.reference`` is numpy, written for checking, not speed: tiny models only.)
+
+The plugin nodes' contract (the schemas a TensorRT plugin implements, ``builder.tensorrt``):
+
+* ``GatedResidualAdd(stream, branch, gate, norm_weight, branch_norm_weight)`` → ``(stream_out,
+  normed)``, attributes ``eps``, ``zero_centered``, ``apply_norm``, ``out_dtype`` (an ONNX
+  ``TensorProto`` type), ``norm_branch``: ``torch.ops.muse_spark.gated_residual_add``.
+* ``MarkovSample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature,
+  head_w, head_b)`` → ``(ids, probs)``, attributes ``head_type``, ``topk``:
+  ``torch.ops.muse_spark.markov_sample``.
+
+An input the op takes as None is an empty tensor (shape [0]); every node also carries
+``plugin_namespace = "muse_spark"``, by which TensorRT's ONNX parser finds the plugin.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PLUGIN_DOMAIN = "muse_spark"
+ONNX_LAYOUT = "onnx-1"
+# Per part: the indices of its (non-weight) inputs it writes, returned in this order after its outputs.
+MUTATED = {"layer": (0, 1), "step_draft": (0, 1, 2), "step_context": (0, 1), "prefill_finish": (0, 1),
+           "step_verify": ()}
+RETURNS = {"layer": "tuple", "step_draft": "tuple", "step_context": "none", "prefill_finish": "tensor",
+           "step_verify": "tensor"}
+
+_TORCH_TO_ONNX = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16, torch.int64: 7, torch.int32: 6}
+
+
+def onnx_dtype(dtype) -> int:
+    """A torch dtype (or an ONNX ``TensorProto`` type already) → its ONNX ``TensorProto`` type."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_TO_ONNX:
+            raise ValueError(f"no ONNX type for {dtype}")
+        return _TORCH_TO_ONNX[dtype]
+    return int(dtype)
+
+
+def torch_of_onnx(code: int) -> torch.dtype:
+    for t, c in _TORCH_TO_ONNX.items():
+        if c == int(code):
+            return t
+    raise ValueError(f"ONNX type {code} is not one the plugins take")
+
+
+def register_plugin_schemas() -> None:
+    """Register the ``muse_spark`` nodes' schemas with ``onnx.defs`` (once a process), so that
+    exporters and checkers know their inputs, outputs and attributes."""
+    import onnx
+    from onnx.defs import OpSchema
+
+    if onnx.defs.has("GatedResidualAdd", PLUGIN_DOMAIN):
+        return
+    A, P = OpSchema.AttrType, OpSchema.FormalParameterOption
+    types = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int64)"]
+
+    def schema(name, inputs, outputs, attrs, doc):
+        attrs = attrs + [("plugin_namespace", A.STRING)]  # (TensorRT's ONNX parser: the plugin's namespace)
+        onnx.defs.register_schema(OpSchema(
+            name, PLUGIN_DOMAIN, 1, doc=doc,
+            inputs=[OpSchema.FormalParameter(n, f"I{i}", param_option=P.Single) for i, n in enumerate(inputs)],
+            outputs=[OpSchema.FormalParameter(n, f"O{i}") for i, n in enumerate(outputs)],
+            type_constraints=[(f"I{i}", types, "") for i in range(len(inputs))]
+            + [(f"O{i}", types, "") for i in range(len(outputs))],
+            attributes=[OpSchema.Attribute(a, t, a) for a, t in attrs]))
+
+    schema("GatedResidualAdd", ["stream", "branch", "gate", "norm_weight", "branch_norm_weight"],
+           ["stream_out", "normed"],
+           [("eps", A.FLOAT), ("zero_centered", A.INT), ("apply_norm", A.INT), ("out_dtype", A.INT),
+            ("norm_branch", A.INT)], "muse_spark::gated_residual_add: the gated FP32 residual add and the norm after it")
+    schema("MarkovSample", "base_logits hidden anchor w1 w2 d2t seeds positions temperature head_w head_b".split(),
+           ["ids", "probs"], [("head_type", A.STRING), ("topk", A.INT)],
+           "muse_spark::markov_sample: the draft's γ-step Markov loop, keyed Gumbel sampling")
+
+
+# ---- numpy <-> torch (onnx.reference holds bfloat16 as ml_dtypes' numpy type) --------------------
+def to_torch(a) -> torch.Tensor:
+    a = np.asarray(a)
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a).copy())
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        import onnx.helper
+
+        return t.view(torch.int16).numpy().view(onnx.helper.tensor_dtype_to_np_dtype(16))
+    return t.numpy()
+
+
+def plugin_ops() -> list[type]:
+    """``onnx.reference`` implementations of the ``muse_spark`` nodes: the plugins' references."""
+    from onnx.reference.op_run import OpRun
+
+    from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
+    from muse_spark.plugins.markov.reference import markov_sample_ref
+
+    def opt(a):  # an input the op took as None: an empty tensor in the graph
+        return None if a is None or np.asarray(a).size == 0 else to_torch(a)
+
+    class GatedResidualAdd(OpRun):
+        op_domain = PLUGIN_DOMAIN
+
+        def _run(self, stream, branch, gate, norm_weight=None, branch_norm_weight=None, eps=None,
+                 zero_centered=None, apply_norm=None, out_dtype=None, norm_branch=None, plugin_namespace=None):
+            out, normed = gated_residual_add_ref(to_torch(stream), to_torch(branch), to_torch(gate), opt(norm_weight),
+                                                 float(eps), bool(zero_centered), bool(apply_norm),
+                                                 torch_of_onnx(out_dtype), opt(branch_norm_weight), bool(norm_branch))
+            return to_numpy(out), to_numpy(normed)
+
+    class MarkovSample(OpRun):
+        op_domain = PLUGIN_DOMAIN
+
+        def _run(self, base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_w=None,
+                 head_b=None, head_type=None, topk=None, plugin_namespace=None):
+            head_type = head_type.decode() if isinstance(head_type, bytes) else head_type
+            ids, probs = markov_sample_ref(*(to_torch(a) for a in (base_logits, hidden, anchor, w1, w2, d2t, seeds,
+                                                                    positions, temperature)),
+                                           head_type, opt(head_w), opt(head_b), int(topk))
+            return to_numpy(ids), to_numpy(probs)
+
+    class GatherElements(OpRun):
+        # onnx.reference's own does not normalize a negative axis (it compares the index's shape
+        # with the data's around axis -1 as a slice bound, and refuses valid inputs): numpy's
+        # take_along_axis is the operator's definition
+        op_domain = ""
+
+        def _run(self, data, indices, axis=None):
+            return (np.take_along_axis(data, indices.astype(np.int64), axis=int(axis or 0) % data.ndim),)
+
+    return [GatedResidualAdd, MarkovSample, GatherElements]
+
+
+class OnnxPart:
+    """One ONNX part, called as the AOTI package of the same name is (``part(weights, *inputs)`` →
+    its outputs), on ``onnx.reference``; the caches it returns are written back into its inputs."""
+
+    def __init__(self, path: str | Path, fn: str):
+        import onnx
+        from onnx.reference import ReferenceEvaluator
+
+        self.path, self.fn = Path(path), fn
+        model = onnx.load(str(self.path))
+        self.inputs = [i.name for i in model.graph.input]
+        self.outputs = [o.name for o in model.graph.output]
+        self.session = ReferenceEvaluator(model, new_ops=plugin_ops())
+
+    def __call__(self, weights, *inputs):
+        leaves = part_leaves(self.path, len(self.inputs), weights, inputs)
+        out = self.session.run(None, {n: to_numpy(t) for n, t in zip(self.inputs, leaves)})
+        return finish_part(self.fn, inputs, [to_torch(a) for a in out])
+
+
+def part_leaves(path: Path, n: int, weights, inputs) -> list[torch.Tensor]:
+    """A part's call as its graph's flat inputs (the weights, then every input's tensors in order)."""
+    leaves = torch.utils._pytree.tree_leaves((list(weights), *inputs))
+    if len(leaves) != n:
+        raise ValueError(f"{path.name}: {len(leaves)} inputs given, the graph takes {n}")
+    return leaves
+
+
+def finish_part(fn: str, inputs, outs: list[torch.Tensor]):
+    """A part's graph outputs → what its AOTI package returns: the updated caches (the last
+    outputs, ``MUTATED[fn]``) written back into the inputs they replace, then the part's own
+    outputs as ``SpecPair.<fn>`` returns them."""
+    dst = torch.utils._pytree.tree_leaves([inputs[i] for i in MUTATED[fn]])
+    k = len(outs) - len(dst)
+    for d, new in zip(dst, outs[k:]):
+        d.copy_(new.to(d.dtype))
+    own = outs[:k]
+    return {"tuple": tuple(own), "tensor": own[0] if own else None, "none": None}[RETURNS[fn]]
