@@ -17,11 +17,12 @@ from muse_spark.runtime.engine import EagerEngine  # noqa: E402
 MAX_SEQ, SLOTS, CHUNK = 48, 2, 8
 
 
-@pytest.fixture(scope="module")
-def fp32_pair(tmp_path_factory):
-    # float32: onnx.reference computes in numpy, whose bfloat16 matmuls round otherwise than torch's
-    out = tmp_path_factory.mktemp("fp32")
-    make_tiny(out, kind="agreeing", seed=0, dtype="float32")
+@pytest.fixture(scope="module", params=["vanilla", "gated", "rnn"])
+def fp32_pair(request, tmp_path_factory):
+    # float32: onnx.reference computes in numpy, whose bfloat16 matmuls round otherwise than torch's.
+    # Every Markov head type: the gated and rnn heads give MarkovSample its head weight and bias inputs.
+    out = tmp_path_factory.mktemp(f"fp32-{request.param}")
+    make_tiny(out, kind="agreeing", seed=0, dtype="float32", head_type=request.param)
     return out / "target", out / "draft"
 
 
