@@ -100,36 +100,52 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def _absent(a):  # an input the op took as None: an empty tensor in the graph
+    return None if a is None or np.asarray(a).size == 0 else to_torch(a)
+
+
+def gated_residual_add_np(stream, branch, gate, norm_weight, branch_norm_weight, eps, zero_centered, apply_norm,
+                          out_dtype, norm_branch):
+    """``GatedResidualAdd`` on numpy arrays: ``gated_residual_add_ref``."""
+    from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
+
+    out, normed = gated_residual_add_ref(to_torch(stream), to_torch(branch), to_torch(gate), _absent(norm_weight),
+                                         float(eps), bool(zero_centered), bool(apply_norm), torch_of_onnx(out_dtype),
+                                         _absent(branch_norm_weight), bool(norm_branch))
+    return to_numpy(out), to_numpy(normed)
+
+
+def markov_sample_np(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_w, head_b,
+                     head_type, topk):
+    """``MarkovSample`` on numpy arrays: ``markov_sample_ref``."""
+    from muse_spark.plugins.markov.reference import markov_sample_ref
+
+    head_type = head_type.decode() if isinstance(head_type, bytes) else head_type
+    ids, probs = markov_sample_ref(*(to_torch(a) for a in (base_logits, hidden, anchor, w1, w2, d2t, seeds, positions,
+                                                            temperature)),
+                                   head_type, _absent(head_w), _absent(head_b), int(topk))
+    return to_numpy(ids), to_numpy(probs)
+
+
 def plugin_ops() -> list[type]:
     """``onnx.reference`` implementations of the ``muse_spark`` nodes: the plugins' references."""
     from onnx.reference.op_run import OpRun
 
-    from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
-    from muse_spark.plugins.markov.reference import markov_sample_ref
-
-    def opt(a):  # an input the op took as None: an empty tensor in the graph
-        return None if a is None or np.asarray(a).size == 0 else to_torch(a)
-
     class GatedResidualAdd(OpRun):
         op_domain = PLUGIN_DOMAIN
 
-        def _run(self, stream, branch, gate, norm_weight=None, branch_norm_weight=None, eps=None,
-                 zero_centered=None, apply_norm=None, out_dtype=None, norm_branch=None, plugin_namespace=None):
-            out, normed = gated_residual_add_ref(to_torch(stream), to_torch(branch), to_torch(gate), opt(norm_weight),
-                                                 float(eps), bool(zero_centered), bool(apply_norm),
-                                                 torch_of_onnx(out_dtype), opt(branch_norm_weight), bool(norm_branch))
-            return to_numpy(out), to_numpy(normed)
+        def _run(self, stream, branch, gate, norm_weight, branch_norm_weight, eps=None, zero_centered=None,
+                 apply_norm=None, out_dtype=None, norm_branch=None, plugin_namespace=None):
+            return gated_residual_add_np(stream, branch, gate, norm_weight, branch_norm_weight, eps, zero_centered,
+                                         apply_norm, out_dtype, norm_branch)
 
     class MarkovSample(OpRun):
         op_domain = PLUGIN_DOMAIN
 
-        def _run(self, base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_w=None,
-                 head_b=None, head_type=None, topk=None, plugin_namespace=None):
-            head_type = head_type.decode() if isinstance(head_type, bytes) else head_type
-            ids, probs = markov_sample_ref(*(to_torch(a) for a in (base_logits, hidden, anchor, w1, w2, d2t, seeds,
-                                                                    positions, temperature)),
-                                           head_type, opt(head_w), opt(head_b), int(topk))
-            return to_numpy(ids), to_numpy(probs)
+        def _run(self, base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_w, head_b,
+                 head_type=None, topk=None, plugin_namespace=None):
+            return markov_sample_np(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_w,
+                                    head_b, head_type, topk)
 
     class GatherElements(OpRun):
         # onnx.reference's own does not normalize a negative axis (it compares the index's shape
@@ -143,19 +159,69 @@ def plugin_ops() -> list[type]:
     return [GatedResidualAdd, MarkovSample, GatherElements]
 
 
+_ORT_DOMAIN = "ai.onnx.contrib"  # (onnxruntime-extensions' Python ops live in this domain)
+
+
+def register_onnxruntime_ops() -> str:
+    """The ``muse_spark`` nodes as onnxruntime-extensions Python ops (float32 graphs: their input
+    types are fixed), computed by the plugins' references (``plugin_ops``); → the extensions'
+    library for ``SessionOptions.register_custom_ops_library``. Once a process."""
+    from onnxruntime_extensions import PyCustomOpDef as T
+    from onnxruntime_extensions import get_library_path, onnx_op
+
+    if not _ORT_REGISTERED:
+        f, i, text = T.dt_float, T.dt_int64, T.dt_string
+        onnx_op(op_type="GatedResidualAdd", inputs=[f] * 5, outputs=[f, f],
+                attrs={"eps": f, "zero_centered": i, "apply_norm": i, "out_dtype": i, "norm_branch": i,
+                       "plugin_namespace": text})(_without_namespace(gated_residual_add_np))
+        onnx_op(op_type="MarkovSample", inputs=[f, f, i, f, f, i, i, i, f, f, f], outputs=[i, f],
+                attrs={"head_type": text, "topk": i, "plugin_namespace": text})(_without_namespace(markov_sample_np))
+        _ORT_REGISTERED.append(True)
+    return get_library_path()
+
+
+_ORT_REGISTERED: list = []
+
+
+def _without_namespace(fn):
+    def op(*inputs, plugin_namespace=None, **attrs):
+        return fn(*inputs, **attrs)
+
+    return op
+
+
 class OnnxPart:
     """One ONNX part, called as the AOTI package of the same name is (``part(weights, *inputs)`` →
-    its outputs), on ``onnx.reference``; the caches it returns are written back into its inputs."""
+    its outputs), on ``onnx.reference`` or (``runtime="onnxruntime"``, float32 graphs) on
+    onnxruntime with its extensions' Python ops for the plugin nodes (moved to their domain in a
+    copy of the graph); the caches it returns are written back into its inputs."""
 
-    def __init__(self, path: str | Path, fn: str):
+    def __init__(self, path: str | Path, fn: str, runtime: str = "reference"):
         import onnx
-        from onnx.reference import ReferenceEvaluator
 
-        self.path, self.fn = Path(path), fn
+        self.path, self.fn, self.runtime = Path(path), fn, runtime
         model = onnx.load(str(self.path))
         self.inputs = [i.name for i in model.graph.input]
         self.outputs = [o.name for o in model.graph.output]
-        self.session = ReferenceEvaluator(model, new_ops=plugin_ops())
+        if runtime == "reference":
+            from onnx.reference import ReferenceEvaluator
+
+            self.session = ReferenceEvaluator(model, new_ops=plugin_ops())
+        elif runtime == "onnxruntime":
+            import onnxruntime as ort
+
+            for node in model.graph.node:
+                if node.domain == PLUGIN_DOMAIN:
+                    node.domain = _ORT_DOMAIN
+            for imp in model.opset_import:
+                if imp.domain == PLUGIN_DOMAIN:
+                    imp.domain = _ORT_DOMAIN
+            options = ort.SessionOptions()
+            options.register_custom_ops_library(register_onnxruntime_ops())
+            self.session = ort.InferenceSession(model.SerializeToString(), options,
+                                                providers=["CPUExecutionProvider"])
+        else:
+            raise ValueError(f"unknown ONNX runtime {runtime!r} (expected 'reference' or 'onnxruntime')")
 
     def __call__(self, weights, *inputs):
         leaves = part_leaves(self.path, len(self.inputs), weights, inputs)

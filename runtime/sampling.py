@@ -106,7 +106,9 @@ def accept(
     # u < p/q  ⇔  u·q < p  (q > 0 for every sampled token; q = 0 would reject)
     ok_sample = u * q_t < p_t
 
-    ok = torch.where(greedy_row[:, None], ok_greedy, ok_sample)
+    # (a select in logic ops, not a where on booleans: the same values, and an ONNX Where over bool
+    # tensors has no onnxruntime CPU kernel)
+    ok = (greedy_row[:, None] & ok_greedy) | (~greedy_row[:, None] & ok_sample)
     n = torch.cumprod(ok.to(torch.int64), -1).sum(-1)  # [B] leading accepts
 
     # ---- bonus -------------------------------------------------------------------------

@@ -63,7 +63,13 @@ def test_every_part_is_exported_with_its_plugin_nodes(exported):
         assert g["outputs"] >= g["mutated"]
 
 
-def test_onnx_parts_compose_to_the_eager_step_and_prefill(fp32_pair, exported):
+@pytest.mark.parametrize("runtime", ["reference", "onnxruntime"])
+def test_onnx_parts_compose_to_the_eager_step_and_prefill(fp32_pair, exported, runtime):
+    """On onnx.reference, and on onnxruntime (a production runtime, with its own type and shape
+    checks) with the plugin nodes as onnxruntime-extensions Python ops."""
+    if runtime == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+        pytest.importorskip("onnxruntime_extensions")
     from muse_spark.runtime.aoti_graphs import (LayeredPrefill, LayeredStep, SpecPair, embed_and_norm,
                                                 weight_names, weight_tensors)
     from muse_spark.runtime.onnx_parts import OnnxPart
@@ -77,7 +83,7 @@ def test_onnx_parts_compose_to_the_eager_step_and_prefill(fp32_pair, exported):
 
     def part(name):
         g = section["graphs"][name]
-        return OnnxPart(out / g["file"], g["fn"])
+        return OnnxPart(out / g["file"], g["fn"], runtime)
 
     L, aux_ids = b.tcfg.num_hidden_layers, b.target.aux_layer_ids
     step = LayeredStep(names, L, aux_ids, part("step_draft_b1"), part("step_layer_b1"), part("step_verify_b1"),
