@@ -1,10 +1,11 @@
-"""The engine's ONNX parts (``builder.onnx_export``) run on CPU with ``onnx.reference``.
+"""The engine's ONNX parts (``builder.onnx_export``) run on CPU with ``onnx.reference`` or onnxruntime.
 
 This is how the ``tensorrt`` backend's input is tested where TensorRT cannot run: each part's ONNX
 graph, its ``muse_spark`` plugin nodes computed by the plugins' reference functions
-(``PLUGIN_OPS``), composed by the very ``LayeredStep`` / ``LayeredPrefill`` that compose the AOTI
-packages, so a step from the ONNX graphs can be compared with the eager engine's, bit for bit in
-float32. (``onnx.reference`` is numpy, written for checking, not speed: tiny models only.)
+(``plugin_ops``; on onnxruntime the same functions as onnxruntime-extensions Python ops),
+composed by the very ``LayeredStep`` / ``LayeredPrefill`` that compose the AOTI packages, so a step
+from the ONNX graphs can be compared with the eager engine's: its rows bit for bit, in float32.
+(``onnx.reference`` is numpy, written for checking, not speed: tiny models only.)
 
 The plugin nodes' contract (the schemas a TensorRT plugin implements, ``builder.tensorrt``):
 

@@ -1,7 +1,7 @@
 """The ``tensorrt`` backend's input, up to the boundary that runs here: the engine's parts exported as
 ONNX graphs with ``muse_spark`` plugin nodes (``builder.onnx_export``), run on CPU with
-``onnx.reference`` (``runtime.onnx_parts``) and composed as the runtime composes the AOTI packages,
-give the eager engine's steps and prefill and write the same caches."""
+``onnx.reference`` and onnxruntime (``runtime.onnx_parts``) and composed as the runtime composes the
+AOTI packages, give the eager engine's steps and prefill and write the same caches."""
 
 from __future__ import annotations
 
