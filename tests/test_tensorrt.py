@@ -73,3 +73,23 @@ def test_runtime_refuses_an_engine_it_cannot_run(agreeing_pair, tmp_path):
         m.update(tensorrt={"graphs": {}}, device={"kind": "cuda", "name": "x", "compute_capability": [9, 0]})
         with pytest.raises(EngineError, match="needs TensorRT's Python package"):
             TensorRTEngine.check_section(m, str(d))
+
+
+def test_a_presets_graphs_export_without_weights(tmp_path):
+    """scripts/export_onnx_preset.py: the graphs of a benchmark preset's shapes, from modules on the
+    meta device (the weights are graph inputs: no checkpoint is needed)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "export_onnx_preset.py"
+    out = tmp_path / "onnx"
+    r = subprocess.run([sys.executable, str(script), "--out", str(out), "--preset", "tiny", "--max-batch", "2",
+                        "--max-seq", "64"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    section = json.loads((out / "onnx.json").read_text())
+    assert len(section["graphs"]) == 10 and section["batch_buckets"] == [1, 2]
+    assert all((out / g["file"]).stat().st_size > 0 for g in section["graphs"].values())
+    assert "10 graphs in" in r.stdout
+    r = subprocess.run([sys.executable, str(script), "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 2 and "exists and is not empty" in r.stderr
