@@ -161,6 +161,7 @@ def plugin_ops() -> list[type]:
 
 
 _ORT_DOMAIN = "ai.onnx.contrib"  # (onnxruntime-extensions' Python ops live in this domain)
+_ORT_REGISTERED: list = []  # (True once the ops are registered: they are global to the process)
 
 
 def register_onnxruntime_ops() -> str:
@@ -179,9 +180,6 @@ def register_onnxruntime_ops() -> str:
                 attrs={"head_type": text, "topk": i, "plugin_namespace": text})(_without_namespace(markov_sample_np))
         _ORT_REGISTERED.append(True)
     return get_library_path()
-
-
-_ORT_REGISTERED: list = []
 
 
 def _without_namespace(fn):
