@@ -66,6 +66,22 @@ def versions() -> dict:
     return v
 
 
+def check_max_batch(max_batch: int) -> None:
+    if max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+
+
+def check_max_seq(target, draft, max_seq: int) -> None:
+    """--max-seq against the pair: room for a step's γ + 1 tokens after an anchor, within the target's positions."""
+    gamma = draft.cfg.block_size
+    if max_seq < gamma + 2:
+        raise ValueError(f"--max-seq must be at least γ+2 = {gamma + 2}, got {max_seq}")
+    if max_seq > target.cfg.max_position_embeddings:
+        raise ValueError(
+            f"--max-seq {max_seq} exceeds the target's max_position_embeddings {target.cfg.max_position_embeddings}"
+        )
+
+
 def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path, *, backend: str = "eager",
                  device: str = "cpu", max_batch: int = 8, max_seq: int = 1024, dtype: str | None = None,
                  overwrite: bool = True, quiet: bool = False, **aoti_options) -> dict:
@@ -87,19 +103,13 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
              "build of torch it will run the plain eager path (--backend aoti is the NVIDIA path)", quiet)
     if aoti_options and backend != "aoti":
         raise ValueError(f"options {sorted(aoti_options)} apply to --backend aoti only")
-    if max_batch < 1:
-        raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
+    check_max_batch(max_batch)
     t0 = time.perf_counter()
     out = Path(out)
     _log(f"loading checkpoints {target_dir} + {draft_dir}", quiet)
     target, draft = load_pair(target_dir, draft_dir, dtype, "cpu")
     gamma = draft.cfg.block_size
-    if max_seq < gamma + 2:
-        raise ValueError(f"--max-seq must be at least γ+2 = {gamma + 2}, got {max_seq}")
-    if max_seq > target.cfg.max_position_embeddings:
-        raise ValueError(
-            f"--max-seq {max_seq} exceeds the target's max_position_embeddings {target.cfg.max_position_embeddings}"
-        )
+    check_max_seq(target, draft, max_seq)
     dev = device_info(device)
     if out.exists():
         if not overwrite:
@@ -135,6 +145,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
             shutil.copy(src, tmp / "tokenizer.json")
             tokenizer = "tokenizer.json"
             break
+    parts = aoti or trt  # (the section that plans the compiled parts, if any)
     files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     manifest = {
         "format": ENGINE_FORMAT,
@@ -150,7 +161,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
         "gamma": gamma,
         "max_seq": max_seq,
         "max_batch": max_batch,
-        "batch_buckets": (aoti or trt)["batch_buckets"] if (aoti or trt) else default_buckets(max_batch),
+        "batch_buckets": parts["batch_buckets"] if parts else default_buckets(max_batch),
         "plugins": dict(PLUGIN_VERSIONS),
         "tokenizer": tokenizer,
         "files": files,

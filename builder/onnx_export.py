@@ -88,8 +88,9 @@ def translation_table() -> dict:
             torch.ops.prims.prod.default: prod}
 
 
-def export_part(job: dict, tcfg, dcfg, path: Path) -> dict:
-    """One part (a ``builder.aoti.graph_jobs`` job) → ``path`` (.onnx); → its graph entry."""
+def export_part(job: dict, tcfg, dcfg, path: Path, table: dict) -> dict:
+    """One part (a ``builder.aoti.graph_jobs`` job) → ``path`` (.onnx); → its graph entry.
+    ``table``: ``translation_table()``."""
     import onnx
 
     from muse_spark.builder.aoti import fake_inputs
@@ -103,12 +104,12 @@ def export_part(job: dict, tcfg, dcfg, path: Path) -> dict:
     with plugin_impl("op"):
         ep = torch.export.export(FunctionalPart(GraphFn(pair, job["fn"], names)), args, strict=False)
     program = torch.onnx.export(ep, dynamo=True, optimize=False, opset_version=OPSET,
-                                custom_translation_table=translation_table(), verbose=False)
+                                custom_translation_table=table, verbose=False)
     model = program.model_proto
     onnx.save(model, str(path))
-    n_in = len(model.graph.input)
-    if n_in != len(torch.utils._pytree.tree_leaves(args)):
-        raise RuntimeError(f"{path.name}: the ONNX graph has {n_in} inputs, the part {len(torch.utils._pytree.tree_leaves(args))}"
+    n_in, n_args = len(model.graph.input), len(torch.utils._pytree.tree_leaves(args))
+    if n_in != n_args:
+        raise RuntimeError(f"{path.name}: the ONNX graph has {n_in} inputs, the part {n_args}"
                            " (an input the graph does not read was dropped?)")
     return {"file": path.name, "fn": job["fn"], "batch": job["batch"], "tokens": job["tokens"],
             "inputs": n_in, "outputs": len(model.graph.output), "mutated": len(MUTATED[job["fn"]]),
@@ -123,8 +124,10 @@ def export_onnx(target, draft, out_dir: Path, *, max_batch: int, max_seq: int, b
     ``cache_slots``: the caches' slots (default ``max_batch + 1``: a scratch slot for padding rows, as
     the ``aoti`` engine's)."""
     from muse_spark.builder.aoti import graph_jobs, graph_plan
+    from muse_spark.builder.engine import check_max_seq
     from muse_spark.runtime.aoti_graphs import SpecPair
 
+    check_max_seq(target, draft, max_seq)
     if draft.cfg.dspark_draft_topk:
         raise ValueError("the MarkovSample plugin takes no dspark_draft_topk; it is not exported")
     device = "cpu"  # (the graphs are device-free: a TensorRT build places them)
@@ -135,11 +138,34 @@ def export_onnx(target, draft, out_dir: Path, *, max_batch: int, max_seq: int, b
     jobs = graph_jobs(target.cfg, draft.cfg, wspecs, device=device, max_seq=max_seq, cache_slots=cache_slots,
                       buckets=buckets, prefill_chunk=chunk, impl="op", cache_dtype=cache_dtype, configs={},
                       out_dir=Path(out_dir))
-    graphs = {}
+    graphs, table = {}, translation_table()
     for i, job in enumerate(jobs, 1):
-        graphs[job["name"]] = entry = export_part(job, target.cfg, draft.cfg, Path(out_dir) / f"{job['name']}.onnx")
+        graphs[job["name"]] = entry = export_part(job, target.cfg, draft.cfg, Path(out_dir) / f"{job['name']}.onnx",
+                                                  table)
         log(f"onnx [{i}/{len(jobs)}] {job['name']}: {entry['inputs']} inputs, {entry['outputs']} outputs, "
             f"plugin nodes {entry['plugin_nodes'] or 'none'} ({entry['seconds']} s)")
     return {"layout": ONNX_LAYOUT, "opset": OPSET, "plugin_domain": PLUGIN_DOMAIN, "graphs": graphs,
             "batch_buckets": buckets, "prefill_chunk": chunk, "cache_slots": cache_slots, "scratch_slot": cache_slots - 1,
             "cache_dtype": cache_dtype, "weights": wspecs}
+
+
+def new_out_dir(out: str | Path, max_batch: int) -> Path:
+    """An export's checks before anything is loaded: ``max_batch``, and ``out`` new or empty (made)."""
+    from muse_spark.builder.engine import check_max_batch
+
+    check_max_batch(max_batch)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; give a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def export_onnx_dir(target, draft, out: Path, *, max_batch: int, max_seq: int,
+                    log: Callable[[str], None] = lambda m: None) -> dict:
+    """``export_onnx`` into ``out`` (``new_out_dir``), with its section as ``onnx.json`` beside the graphs."""
+    import json
+
+    section = export_onnx(target, draft, out, max_batch=max_batch, max_seq=max_seq, log=log)
+    (out / "onnx.json").write_text(json.dumps(section, indent=2) + "\n")
+    return section

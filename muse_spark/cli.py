@@ -64,19 +64,13 @@ def cmd_build(a) -> int:
 
 # ---- export-onnx ----------------------------------------------------------------------------
 def cmd_export_onnx(a) -> int:
-    from muse_spark.builder.onnx_export import export_onnx
+    from muse_spark.builder.onnx_export import export_onnx_dir, new_out_dir
     from muse_spark.checkpoint import load_pair
 
-    if a.max_batch < 1:
-        raise ValueError(f"--max-batch must be >= 1, got {a.max_batch}")
-    out = Path(a.out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; give a new folder")
-    out.mkdir(parents=True, exist_ok=True)
+    out = new_out_dir(a.out, a.max_batch)
     target, draft = load_pair(a.target, a.draft, a.dtype, "cpu")
-    section = export_onnx(target, draft, out, max_batch=a.max_batch, max_seq=a.max_seq,
-                          log=lambda m: print(f"[export-onnx] {m}", file=sys.stderr, flush=True))
-    (out / "onnx.json").write_text(json.dumps(section, indent=2) + "\n")
+    section = export_onnx_dir(target, draft, out, max_batch=a.max_batch, max_seq=a.max_seq,
+                              log=lambda m: print(f"[export-onnx] {m}", file=sys.stderr, flush=True))
     print(f"onnx graphs: {out} ({len(section['graphs'])} parts; their inputs and outputs: {out / 'onnx.json'})")
     return 0
 

@@ -9,15 +9,13 @@ them) need only the shapes. On CPU, no checkpoint.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 
 def main() -> int:
     from muse_spark.bench import PRESETS, preset_configs
-    from muse_spark.builder.onnx_export import export_onnx
+    from muse_spark.builder.onnx_export import export_onnx_dir, new_out_dir
     from muse_spark.runtime.aoti_graphs import build_pair
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -26,21 +24,19 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=1)
     p.add_argument("--max-seq", type=int, default=2048)
     a = p.parse_args()
-    out = Path(a.out)
-    if out.exists() and any(out.iterdir()):
-        print(f"error: {out} exists and is not empty", file=sys.stderr)
+    try:
+        out = new_out_dir(a.out, a.max_batch)
+        pair = build_pair(*preset_configs(a.preset))  # (on the meta device: shapes, no weights)
+        t0 = time.perf_counter()
+        section = export_onnx_dir(pair.target, pair.draft, out, max_batch=a.max_batch, max_seq=a.max_seq,
+                                  log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    pair = build_pair(*preset_configs(a.preset))  # (on the meta device: shapes, no weights)
-    t0 = time.perf_counter()
-    section = export_onnx(pair.target, pair.draft, out, max_batch=a.max_batch, max_seq=a.max_seq,
-                          log=lambda m: print(m, file=sys.stderr, flush=True))
-    (out / "onnx.json").write_text(json.dumps(section, indent=2) + "\n")
     sizes = {g["file"]: (out / g["file"]).stat().st_size for g in section["graphs"].values()}
     print(f"{len(sizes)} graphs in {time.perf_counter() - t0:.1f} s, {min(sizes.values()) / 1e6:.2f}–"
           f"{max(sizes.values()) / 1e6:.2f} MB each: {out}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

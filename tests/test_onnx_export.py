@@ -45,22 +45,21 @@ def test_every_part_is_exported_with_its_plugin_nodes(exported):
     assert sorted(section["graphs"]) == ["prefill_finish", "prefill_layer", "step_context_b1", "step_draft_b1",
                                          "step_layer_b1", "step_verify_b1"]
     assert len(lines) == 6 and all(line.startswith("onnx [") for line in lines)
-    nodes = {name: {(n.domain, n.op_type) for n in onnx.load(str(out / g["file"])).graph.node}
-             for name, g in section["graphs"].items()}
-    assert ("muse_spark", "GatedResidualAdd") in nodes["step_layer_b1"]
-    assert ("muse_spark", "MarkovSample") in nodes["step_draft_b1"]
-    for name, g in section["graphs"].items():  # TensorRT's ONNX parser finds a plugin by name and namespace
-        for n in onnx.load(str(out / g["file"])).graph.node:
+    nodes = {}
+    for name, g in section["graphs"].items():
+        model = onnx.load(str(out / g["file"]))
+        nodes[name] = {(n.domain, n.op_type) for n in model.graph.node}
+        for n in model.graph.node:  # TensorRT's ONNX parser finds a plugin by name and namespace
             if n.domain == "muse_spark":
                 attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
                 assert attrs["plugin_namespace"] == b"muse_spark" and len(n.input) == {"GatedResidualAdd": 5,
                                                                                       "MarkovSample": 11}[n.op_type]
-    for name, g in section["graphs"].items():
-        model = onnx.load(str(out / g["file"]))
         onnx.checker.check_model(model)  # (the plugin schemas are registered by the export)
         # weights are graph inputs, not initializers: an 8B target is not copied into every graph
         assert not any(i.dims and len(i.raw_data) > 1 << 16 for i in model.graph.initializer)
         assert g["outputs"] >= g["mutated"]
+    assert ("muse_spark", "GatedResidualAdd") in nodes["step_layer_b1"]
+    assert ("muse_spark", "MarkovSample") in nodes["step_draft_b1"]
 
 
 @pytest.mark.parametrize("runtime", ["reference", "onnxruntime"])
@@ -70,26 +69,23 @@ def test_onnx_parts_compose_to_the_eager_step_and_prefill(fp32_pair, exported, r
     if runtime == "onnxruntime":
         pytest.importorskip("onnxruntime")
         pytest.importorskip("onnxruntime_extensions")
-    from muse_spark.runtime.aoti_graphs import (LayeredPrefill, LayeredStep, SpecPair, embed_and_norm,
-                                                weight_names, weight_tensors)
+    from muse_spark.runtime.aoti_engine import load_prefill, load_step
+    from muse_spark.runtime.aoti_graphs import SpecPair, weight_names, weight_tensors
     from muse_spark.runtime.onnx_parts import OnnxPart
 
     out, section, _ = exported
     a = EagerEngine.from_checkpoints(*fp32_pair, max_batch=SLOTS, max_seq=MAX_SEQ)
     b = EagerEngine.from_checkpoints(*fp32_pair, max_batch=SLOTS, max_seq=MAX_SEQ)
     pair = SpecPair(b.target, b.draft)
-    names = weight_names(pair)
-    weights = weight_tensors(pair, names)
+    weights = weight_tensors(pair, weight_names(pair))
 
     def part(name):
         g = section["graphs"][name]
         return OnnxPart(out / g["file"], g["fn"], runtime)
 
-    L, aux_ids = b.tcfg.num_hidden_layers, b.target.aux_layer_ids
-    step = LayeredStep(names, L, aux_ids, part("step_draft_b1"), part("step_layer_b1"), part("step_verify_b1"),
-                       part("step_context_b1"), b.gamma)
-    prefill = LayeredPrefill(names, L, aux_ids, embed_and_norm(b.target), part("prefill_layer"),
-                             part("prefill_finish"))
+    # (the runtime's own composition of an aoti engine's parts, each part an ONNX graph here)
+    step = load_step(out, section["graphs"], 1, b.target, b.draft, "cpu", loader=part)
+    prefill = load_prefill(out, section["graphs"], b.target, b.draft, "cpu", loader=part)
     caches_b = (b.target_cache.k, b.target_cache.v, b.draft_cache.k, b.draft_cache.v)
     no_ws = torch.empty(0, dtype=torch.int64)  # the reference Markov loop keeps no workspace
     accepted = 0
