@@ -9,6 +9,13 @@
   when ``lm_head`` or ``d2t`` is missing;
 * every missing, unexpected or misshaped tensor is an error naming the tensor
   with its expected and actual shape; NaN/Inf in weights is reported;
+* dtypes are checked, not converted silently: every floating weight must have the
+  config's ``torch_dtype`` (vectors — norm weights, residual gates, biases — may also
+  be float32), so an int8 or fp16 ``q_proj`` in a bf16 checkpoint is refused with its
+  name and dtypes; ``d2t`` must be an integer tensor. ``--dtype`` then converts the
+  checked weights (it overrides the compute dtype, not what the files must hold);
+* a file or folder that cannot be read (permission denied, a folder where a file
+  should be, …) is a ``CheckpointError`` naming the path and the reason;
 * memory: safetensors maps the files; tensors are converted one at a time and
   assigned into modules built on the meta device (``load_state_dict(assign=True)``),
   so the process never holds two full copies of the weights.
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Iterator
@@ -26,7 +34,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig, load_config, parse_dtype
+from muse_spark.config import (MuseSpark1xConfig, MuseSparkDSparkConfig, dtype_name, load_config, missing_note,
+                               os_error_reason, parse_dtype)
 from muse_spark.models.draft import MuseSparkDSparkForCausalLM
 from muse_spark.models.target import MuseSpark1xForCausalLM
 
@@ -38,30 +47,61 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message says which file/tensor and why."""
 
 
+def unreadable(path: str | Path, e: OSError, what: str = "") -> CheckpointError:
+    """The error for a file-system call that failed on ``path`` (``e.filename`` when it names another)."""
+    where = e.filename if isinstance(e.filename, str) and e.filename else str(path)
+    return CheckpointError(f"cannot read {what + ' ' if what else ''}{where}: {os_error_reason(e)}")
+
+
+def check_readable_file(path: str | Path, what: str = "") -> None:
+    """Open ``path`` for reading once, so a permission problem or a folder in place of the file is
+    reported as what it is (safetensors reports an unreadable file as missing)."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise unreadable(path, e, what) from None
+
+
 # ---- raw tensor access ------------------------------------------------------------------
 class TensorSource:
     """Lazily reads named tensors from one safetensors file or a sharded set."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
-        if not self.dir.is_dir():
-            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        try:
+            if not self.dir.is_dir():
+                if self.dir.exists():
+                    raise CheckpointError(f"checkpoint directory {self.dir} is not a directory")
+                raise CheckpointError(f"checkpoint directory {self.dir} does not exist{missing_note(self.dir)}")
+            # (listed here, not globbed: a glob takes an unreadable folder for an empty one)
+            entries = sorted(os.listdir(self.dir))
+        except OSError as e:
+            raise unreadable(self.dir, e, "checkpoint directory") from None
         index = self.dir / INDEX_NAME
         self.where: dict[str, Path] = {}
-        if index.is_file():
+        if INDEX_NAME in entries:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except OSError as e:
+                raise unreadable(index, e) from None
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{index}: malformed index ({e})") from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: malformed index (weight_map is not an object)")
+            checked: set[Path] = set()
             for name, shard in weight_map.items():
-                path = self.dir / shard
-                if not path.is_file():
-                    raise CheckpointError(f"{index}: tensor {name!r} points to missing shard {shard!r}")
+                path = self.dir / str(shard)
+                if path not in checked:
+                    if not path.exists():
+                        raise CheckpointError(f"{index}: tensor {name!r} points to missing shard {shard!r}")
+                    check_readable_file(path, "checkpoint shard")
+                    checked.add(path)
                 self.where[name] = path
         else:
-            files = sorted(self.dir.glob("*.safetensors"))
+            files = [self.dir / n for n in entries if n.endswith(".safetensors")]
             if not files:
-                pickles = [p.name for p in self.dir.iterdir() if p.suffix in PICKLE_SUFFIXES]
+                pickles = [n for n in entries if Path(n).suffix in PICKLE_SUFFIXES]
                 if pickles:
                     raise CheckpointError(
                         f"{self.dir}: pickle checkpoints are refused (found {pickles}); "
@@ -77,6 +117,7 @@ class TensorSource:
 
     @staticmethod
     def _keys(path: Path) -> list[str]:
+        check_readable_file(path, "checkpoint file")
         try:
             with safe_open(str(path), framework="pt") as f:
                 return list(f.keys())
@@ -201,6 +242,29 @@ def _iter_canonical(source: TensorSource, cfg: MuseSpark1xConfig) -> Iterator[tu
     yield from groups.items()
 
 
+def _is_integer(t: torch.Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def check_dtype(directory, ck_name: str, name: str, t: torch.Tensor, cfg: MuseSpark1xConfig) -> None:
+    """A checkpoint tensor's dtype against the checkpoint's: ``d2t`` integer; every other tensor the
+    config's ``torch_dtype``, except that vectors (norm weights, residual gates, biases) may be float32."""
+    if name == "draft_id_to_target_id":
+        if not _is_integer(t):
+            raise CheckpointError(f"{directory}: tensor {ck_name!r} has dtype {dtype_name(t.dtype)}, expected an "
+                                  "integer dtype (int64 or int32: d2t holds vocabulary offsets)")
+        return
+    want = cfg.dtype
+    if t.dtype == want or (t.dim() <= 1 and t.dtype == torch.float32):
+        return
+    also = " (or float32 for a vector)" if t.dim() <= 1 and want != torch.float32 else ""
+    raise CheckpointError(
+        f"{directory}: tensor {ck_name!r} has dtype {dtype_name(t.dtype)}, expected {dtype_name(want)}{also}, the "
+        f"checkpoint's torch_dtype; mixed or quantized weights are not converted silently (convert the checkpoint "
+        f"or correct its config's torch_dtype)"
+    )
+
+
 def _check_finite(name: str, t: torch.Tensor) -> None:
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         n_nan = int(torch.isnan(t).sum())
@@ -232,9 +296,12 @@ def load_state_dict(directory: str | Path, cfg: MuseSpark1xConfig, dtype: torch.
             if missing:
                 raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}")
             pieces = [(have[part], source.get(have[part])) for part in order]
+            for ck, piece in pieces:  # (before the stacking, which would promote a mixed set)
+                check_dtype(directory, ck, name, piece, cfg)
             tensor = _stack_checked(directory, pieces, order, cfg)
         else:
             tensor = source.get(parts[0][1])
+            check_dtype(directory, parts[0][1], name, tensor, cfg)
         shape = expect[name]
         if tuple(tensor.shape) != shape:
             raise CheckpointError(

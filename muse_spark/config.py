@@ -8,6 +8,7 @@ checkpoint fails at load time and never half-way through a build.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 from dataclasses import dataclass, field
@@ -39,6 +40,36 @@ def parse_dtype(name: str | torch.dtype, what: str = "dtype") -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+_OS_REASONS = {
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied (operation not permitted)",
+    errno.ENOENT: "no such file or directory",
+    errno.ENOTDIR: "a component of the path is not a directory",
+    errno.EISDIR: "is a directory, expected a file",
+    errno.ELOOP: "too many levels of symbolic links",
+    errno.EROFS: "read-only file system",
+    errno.ENOSPC: "no space left on device",
+}
+
+
+def os_error_reason(e: OSError) -> str:
+    """A failed file-system call's reason in words (``permission denied``, …), for messages
+    that name the path themselves."""
+    return _OS_REASONS.get(e.errno, e.strerror or str(e))
+
+
+def missing_note(path: str | Path) -> str:
+    """For a folder path that is not there: `` (… is a file, not a directory)`` when it or one of its
+    parents exists but is not a folder, else ``""``."""
+    for parent in (Path(path), *Path(path).parents):
+        try:
+            if parent.exists():
+                return "" if parent.is_dir() else f" ({parent} is a file, not a directory)"
+        except OSError:
+            return ""
+    return ""
 
 
 @dataclass(frozen=True)
@@ -238,6 +269,12 @@ class MuseSpark1xConfig:
     def qkv_out(self) -> int:
         return 2 * self.q_size + 2 * self.kv_size if self.attn_output_gate else self.q_size + 2 * self.kv_size
 
+    def kv_cache_bytes(self, slots: int, max_seq: int, dtype: torch.dtype | str | None = None) -> int:
+        """Bytes of the K and V caches the runtime allocates for this model: per layer,
+        ``[slots, max_seq, num_key_value_heads, head_dim]`` each, in ``dtype`` (default: torch_dtype)."""
+        itemsize = torch.empty((), dtype=parse_dtype(dtype) if dtype is not None else self.dtype).element_size()
+        return 2 * self.num_hidden_layers * slots * max_seq * self.num_key_value_heads * self.head_dim * itemsize
+
     @property
     def output_multiplier(self) -> float:
         m = self.metap
@@ -398,12 +435,20 @@ class MuseSparkDSparkConfig(MuseSpark1xConfig):
 def _read_config_json(path: str | Path) -> tuple[Any, str]:
     """A checkpoint directory or a config.json path → (parsed JSON, its path for messages)."""
     p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise FileNotFoundError(f"no config.json at {p}")
     try:
-        return json.loads(p.read_text()), str(p)
+        if p.is_dir():
+            p = p / "config.json"
+        if p.is_dir():
+            raise ValueError(f"{p}: is a directory, expected the config file")
+        if not p.is_file():
+            raise FileNotFoundError(f"no config.json at {p}{missing_note(p)}")
+        text = p.read_text()
+    except OSError as e:  # (FileNotFoundError above is raised as is: it names the file)
+        if isinstance(e, FileNotFoundError) and e.errno is None:
+            raise
+        raise ValueError(f"cannot read {e.filename or p}: {os_error_reason(e)}") from None
+    try:
+        return json.loads(text), str(p)
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not valid JSON: {e}") from None
 

@@ -244,3 +244,61 @@ def test_loading_does_not_copy_the_weights(tmp_path, agreeing_pair):
     grown = _rss_anon_mb() - before
     assert grown < 0.35 * nbytes / 2**20, f"anonymous memory grew by {grown:.0f} MB for {nbytes / 2**20:.0f} MB"
     assert float(target.model.embed_tokens.weight.float().sum()) != 0.0
+
+
+# ---- dtypes: checked, not converted silently -----------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float16, torch.float32])
+def test_a_weight_of_another_dtype_is_refused(agreeing_pair, tmp_path, dtype):
+    name = "model.layers.1.self_attn.q_proj.weight"
+
+    def edit(t):
+        t[name] = t[name].to(dtype)
+
+    d = clone(agreeing_pair[0], tmp_path / "target", edit)
+    got = str(dtype).removeprefix("torch.")
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has dtype {got}, expected bfloat16, the checkpoint's "
+                                              "torch_dtype"):
+        load_target(d)
+    with pytest.raises(CheckpointError, match=f"has dtype {got}"):
+        load_target(d, dtype="float32")  # (--dtype converts checked weights; it does not widen the check)
+
+
+def test_a_float_d2t_is_refused(agreeing_pair, tmp_path):
+    d = clone(agreeing_pair[1], tmp_path / "draft", lambda t: t.__setitem__("d2t", t["d2t"].float()))
+    with pytest.raises(CheckpointError, match=r"tensor 'd2t' has dtype float32, expected an integer dtype"):
+        load_draft(d)
+    d = clone(agreeing_pair[1], tmp_path / "draft32", lambda t: t.__setitem__("d2t", t["d2t"].to(torch.int32)))
+    assert load_draft(d).d2t.dtype == torch.int64
+
+
+def test_vectors_may_be_float32_in_a_bf16_checkpoint(agreeing_pair, tmp_path):
+    def edit(t):
+        t["model.norm.weight"] = t["model.norm.weight"].float()  # (the residual gates already are)
+
+    target = load_target(clone(agreeing_pair[0], tmp_path / "target", edit))
+    assert target.model.norm.weight.dtype == torch.bfloat16
+
+    def fp16_norm(t):
+        t["model.norm.weight"] = t["model.norm.weight"].half()
+
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' has dtype float16, expected bfloat16 \(or float32 "
+                                              r"for a vector\)"):
+        load_target(clone(agreeing_pair[0], tmp_path / "t16", fp16_norm))
+
+
+def test_float32_pairs_load_and_convert(tmp_path):
+    from muse_spark.builder.tiny import make_tiny
+
+    make_tiny(tmp_path, kind="random", seed=2, dtype="float32")
+    target, draft = load_pair(tmp_path / "target", tmp_path / "draft")
+    assert target.dtype == draft.dtype == torch.float32
+    target, draft = load_pair(tmp_path / "target", tmp_path / "draft", dtype="bfloat16")
+    assert target.dtype == draft.dtype == torch.bfloat16
+
+
+def test_a_folder_in_place_of_the_checkpoint_file(agreeing_pair, tmp_path):
+    d = clone(agreeing_pair[0], tmp_path / "target")
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match=f"cannot read checkpoint file {d / 'model.safetensors'}: is a directory"):
+        load_target(d)
