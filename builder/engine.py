@@ -8,27 +8,60 @@ versions, tokenizer and a sha256 of every engine file). The ``migraphx`` backend
 writes the same files (its runtime compiles the step through MIGraphX on ROCm:
 ``runtime/migraphx_engine.py``); ``aoti`` adds its packages (``builder/aoti.py``), ``tensorrt``
 its parts as ONNX graphs and TensorRT plans (``builder/tensorrt.py``; unverified here).
+
+A build never leaves a half-written engine at ``--out``, nor loses the engine
+that was there:
+
+* everything is checked before anything is written: the checkpoints (names,
+  shapes, dtypes), the tokenizer (it must load), ``--max-seq`` against the
+  target, and ``--max-batch`` against the device's memory (the KV caches the
+  runtime allocates for ``max_batch × max_seq`` beside the weights);
+* the engine is written into a private temporary folder beside ``--out``
+  (``.<name>.building-<random>``, same file system), then swapped in by renames:
+  the old engine is moved aside (``.<name>.replaced-<random>``), the new one
+  renamed to ``--out``, the old one removed. A failure before the swap leaves the
+  old engine untouched; SIGTERM/SIGHUP during a build remove the temporary
+  folder, then end the process as the signal would; during the swap they wait
+  until it is done;
+* builds into one ``--out`` are serialized by an exclusive ``flock`` on
+  ``<out>.lock`` beside it (kept: removing a lock file races with its next
+  user). A second build waits for the first, saying so, then replaces its
+  engine. Under the lock, what a killed build left (temporary folders, an engine
+  moved aside but never replaced) is cleaned up: an engine moved aside while
+  ``--out`` is missing is restored first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
+import fcntl
 import json
+import os
+import secrets
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 import muse_spark
-from muse_spark.checkpoint import file_sha256, load_pair, save_canonical, tensors_hash
-from muse_spark.config import dtype_name
+from muse_spark.checkpoint import CheckpointError, file_sha256, load_pair, save_canonical, tensors_hash, unreadable
+from muse_spark.config import dtype_name, missing_note, os_error_reason
 from muse_spark.models.layers import nvidia
 from muse_spark.plugins import PLUGIN_VERSIONS
-from muse_spark.runtime.engine import ENGINE_FORMAT, SCHEMA_VERSION
+from muse_spark.runtime.engine import ENGINE_FORMAT, SCHEMA_VERSION, cache_memory_shortfall, device_memory
 
 BACKENDS = ("eager", "aoti", "tensorrt", "migraphx")
+TEMP_TAG, ASIDE_TAG = ".building-", ".replaced-"  # .<name>.building-<random>, .<name>.replaced-<random>
+
+
+class BuildError(ValueError):
+    """A build that cannot run or cannot write its engine; the message names the path and why."""
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -82,10 +115,212 @@ def check_max_seq(target, draft, max_seq: int) -> None:
         )
 
 
+def check_memory(target, draft, *, backend: str, device: str, max_batch: int, max_seq: int) -> None:
+    """--max-batch × --max-seq against the device's memory: the KV caches the runtime allocates
+    (``max_batch`` slots; an aoti engine one more, for padded rows) beside the weights."""
+    weights = sum(t.numel() * t.element_size() for m in (target, draft) for t in m.state_dict().values())
+    why = cache_memory_shortfall(target.cfg, draft.cfg, target.dtype, max_batch=max_batch, max_seq=max_seq,
+                                 extra_slots=1 if backend == "aoti" else 0, other_bytes=weights,
+                                 memory=device_memory(device, available=False), device=device, what="in total")
+    if why:
+        raise BuildError(f"--max-batch {max_batch} does not fit: {why} (give a smaller --max-batch or --max-seq)")
+
+
+def read_tokenizer(target_dir, draft_dir, vocab_size: int) -> tuple[Path, bytes] | None:
+    """The pair's ``tokenizer.json`` (the target's, else the draft's) → (its path, its bytes), checked
+    by loading it as the runtime will; None when neither folder has one."""
+    for src in (Path(target_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"):
+        try:
+            if not src.exists():
+                continue
+            data = src.read_bytes()
+        except OSError as e:
+            raise unreadable(src, e, "tokenizer") from None
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_str(data.decode("utf-8"))
+        except Exception as e:  # (tokenizers raises plain Exception; a bad encoding raises UnicodeDecodeError)
+            raise CheckpointError(f"{src}: not a readable tokenizer.json ({str(e).strip()}); fix or remove it") from None
+        top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+        if top >= vocab_size:
+            raise CheckpointError(f"{src}: the tokenizer has token id {top}, outside the target's vocabulary "
+                                  f"[0, {vocab_size}): it is not this model's tokenizer")
+        return src, data
+    return None
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """The refusals about --out: not a link, and a folder that is missing, empty or an engine
+    (replaced only with ``overwrite``)."""
+    try:
+        if out.is_symlink():
+            raise BuildError(f"{out} is a symbolic link; give the folder it points to ({out.resolve()}) as --out")
+        if not out.exists():
+            return
+        if not overwrite:
+            raise FileExistsError(f"{out} exists")
+        if not out.is_dir():
+            raise FileExistsError(f"{out} exists and is not a directory; refusing to overwrite it")
+        if any(out.iterdir()) and not (out / "manifest.json").is_file():
+            raise FileExistsError(f"{out} exists and is not an engine directory; refusing to overwrite it")
+    except OSError as e:
+        if isinstance(e, FileExistsError) and e.errno is None:
+            raise
+        raise BuildError(f"cannot use {e.filename or out} as --out: {os_error_reason(e)}") from None
+
+
+def _leftovers(out: Path, tag: str) -> list[Path]:
+    prefix = f".{out.name}{tag}"
+    try:
+        return sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix))
+    except OSError:
+        return []
+
+
+def _remove(path: Path, log) -> None:
+    def failed(_fn, p, exc):
+        log(f"warning: could not remove {p}: {exc[1] if isinstance(exc, tuple) else exc}")
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, onerror=failed)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def recover(out: Path, log) -> None:
+    """Under the lock: what a killed build into ``out`` left. An engine moved aside while ``out`` is
+    missing (killed between the swap's two renames) is restored; temporary folders, engines moved
+    aside and the ``<out>.partial`` of older builders are removed."""
+    aside = _leftovers(out, ASIDE_TAG)
+    if not out.exists() and not out.is_symlink():
+        for p in sorted(aside, key=lambda p: p.stat().st_mtime, reverse=True):
+            if (p / "manifest.json").is_file():
+                os.rename(p, out)
+                log(f"restored the engine a killed build had moved aside ({p.name} → {out.name})")
+                aside.remove(p)
+                break
+    for p in _leftovers(out, TEMP_TAG) + aside + [out.with_name(out.name + ".partial")]:
+        if p.exists() or p.is_symlink():
+            log(f"removing {p.name}, left by a build that did not finish")
+            _remove(p, log)
+
+
+@contextlib.contextmanager
+def out_lock(out: Path, log):
+    """An exclusive ``flock`` on ``<out>.lock``: one build into ``out`` at a time; the others wait."""
+    path = out.with_name(out.name + ".lock")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        raise BuildError(f"cannot write beside --out: {e.filename or path}: {os_error_reason(e)}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another build into {out} to finish (it holds {path})")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            log("the other build finished; this one replaces its engine")
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
+def _new_temp(out: Path) -> Path:
+    """A new private folder beside ``out`` (made with the umask's mode, as ``out`` would be)."""
+    while True:
+        tmp = out.with_name(f".{out.name}{TEMP_TAG}{secrets.token_hex(4)}")
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
+class _Signals:
+    """While a build runs in the main thread: SIGTERM and SIGHUP (where they would just end the
+    process) raise ``_Terminated`` so the build's ``finally`` removes its temporary folder, and then
+    end the process as the signal would have; inside ``swap()`` they (and SIGINT) wait until the
+    swap is done."""
+
+    class _Terminated(BaseException):
+        pass
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.saved: dict = {}
+        self.swapping = False
+        self.pending: int | None = None
+
+    def _handler(self, signum, frame):
+        if self.swapping:
+            self.pending = signum
+            return
+        raise self._Terminated(signum)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) == signal.SIG_DFL:
+                    self.saved[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        for sig, old in self.saved.items():
+            signal.signal(sig, old)
+        if isinstance(exc, self._Terminated):
+            os.kill(os.getpid(), exc.args[0])  # (the default action again: the process ends here)
+            raise SystemExit(128 + exc.args[0])
+        return False
+
+    @contextlib.contextmanager
+    def swap(self):
+        main = threading.current_thread() is threading.main_thread()
+        old_int = signal.getsignal(signal.SIGINT) if main else None
+        if main and old_int is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._handler)
+        self.swapping = True
+        try:
+            yield
+        finally:
+            self.swapping = False
+            if main and old_int is signal.default_int_handler:
+                signal.signal(signal.SIGINT, old_int)
+            if self.pending is not None:
+                signum, self.pending = self.pending, None
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
+                if signum in self.saved:
+                    raise self._Terminated(signum)
+
+
+def swap_in(tmp: Path, out: Path, log) -> None:
+    """Rename the finished ``tmp`` to ``out``: an old engine is moved aside first and removed after;
+    if the new one cannot be renamed in, the old one is put back."""
+    aside = None
+    if out.exists():
+        aside = out.with_name(f".{out.name}{ASIDE_TAG}{secrets.token_hex(4)}")
+        os.rename(out, aside)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if aside is not None:
+            os.rename(aside, out)
+        raise
+    if aside is not None:
+        _remove(aside, log)
+
+
+_WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+
+
 def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path, *, backend: str = "eager",
                  device: str = "cpu", max_batch: int = 8, max_seq: int = 1024, dtype: str | None = None,
                  overwrite: bool = True, quiet: bool = False, **aoti_options) -> dict:
-    """Build an engine directory; returns its manifest.
+    """Build an engine directory; returns its manifest. (The module's docstring: how ``out`` is
+    replaced atomically, and how builds into one ``out`` are serialized.)
 
     ``aoti_options`` (backend ``aoti`` only): ``buckets``, ``prefill_chunk``,
     ``fast_compile``, ``plugins``, ``jobs`` — see ``builder/aoti.py``."""
@@ -105,46 +340,75 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
         raise ValueError(f"options {sorted(aoti_options)} apply to --backend aoti only")
     check_max_batch(max_batch)
     t0 = time.perf_counter()
+    log = lambda m: _log(m, quiet)  # noqa: E731
     out = Path(out)
-    _log(f"loading checkpoints {target_dir} + {draft_dir}", quiet)
+    check_out(out, overwrite)  # (again under the lock: a refusal now saves loading the checkpoints)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTDIR):
+            raise BuildError(f"cannot create the folder of --out {out.parent}: a component of the path is not a "
+                             f"directory{missing_note(out.parent)}") from None
+        raise BuildError(f"cannot create the folder of --out {e.filename or out.parent}: {os_error_reason(e)}") from None
+    log(f"loading checkpoints {target_dir} + {draft_dir}")
     target, draft = load_pair(target_dir, draft_dir, dtype, "cpu")
     gamma = draft.cfg.block_size
     check_max_seq(target, draft, max_seq)
     dev = device_info(device)
-    if out.exists():
-        if not overwrite:
-            raise FileExistsError(f"{out} exists")
-        if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
-            raise FileExistsError(f"{out} exists and is not an engine directory; refusing to overwrite it")
-        shutil.rmtree(out)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    _log("hashing checkpoint tensors", quiet)
+    check_memory(target, draft, backend=backend, device=device, max_batch=max_batch, max_seq=max_seq)
+    tokenizer = read_tokenizer(target_dir, draft_dir, target.cfg.vocab_size)
+    log("hashing checkpoint tensors")
     hashes = {"target": tensors_hash(target_dir), "draft": tensors_hash(draft_dir)}
-    _log("writing engine weights", quiet)
+    with _Signals() as signals, out_lock(out, log):
+        try:
+            recover(out, log)
+        except OSError as e:
+            raise BuildError(f"cannot clean up beside --out {out}: {e.filename}: {os_error_reason(e)}") from None
+        check_out(out, overwrite)
+        tmp = None
+        try:
+            tmp = _new_temp(out)
+            manifest = _write_engine(tmp, target, draft, target_dir, draft_dir, backend=backend, device=device,
+                                     dev=dev, max_batch=max_batch, max_seq=max_seq, gamma=gamma, hashes=hashes,
+                                     tokenizer=tokenizer, log=log, aoti_options=aoti_options)
+            with signals.swap():
+                swap_in(tmp, out, log)
+        except OSError as e:
+            if e.errno not in _WRITE_ERRNOS:
+                raise
+            where = e.filename or out
+            raise BuildError(f"cannot write the engine {out}: {where}: {os_error_reason(e)}") from None
+        finally:
+            if tmp is not None and tmp.exists():
+                _remove(tmp, log)
+    log(f"engine written to {out} in {time.perf_counter() - t0:.1f}s")
+    return manifest
+
+
+def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, device, dev, max_batch, max_seq,
+                  gamma, hashes, tokenizer, log, aoti_options) -> dict:
+    """The engine's files and manifest, written into ``tmp``; → the manifest."""
+    log("writing engine weights")
     save_canonical(target, tmp / "target.safetensors")
     save_canonical(draft, tmp / "draft.safetensors")
     aoti = embedding = trt = None
     if backend == "tensorrt":
         from muse_spark.builder.tensorrt import build_tensorrt
 
-        trt = build_tensorrt(target, draft, tmp, max_batch=max_batch, max_seq=max_seq, log=lambda m: _log(m, quiet))
+        trt = build_tensorrt(target, draft, tmp, max_batch=max_batch, max_seq=max_seq, log=log)
     if backend == "aoti":
         from muse_spark.builder.aoti import build_aoti
 
-        aoti = build_aoti(target, draft, tmp, device=device, max_batch=max_batch, max_seq=max_seq,
-                          log=lambda m: _log(m, quiet), **aoti_options)
+        aoti = build_aoti(target, draft, tmp, device=device, max_batch=max_batch, max_seq=max_seq, log=log,
+                          **aoti_options)
         from muse_spark.builder.embedder import embedding_section
 
         # (for the C++ embedding: the weights' sources, the parts' weights, the caches; derived.safetensors)
         embedding = embedding_section(target, draft, tmp, cache_slots=aoti["cache_slots"], max_seq=max_seq)
-    tokenizer = None
-    for src in (Path(target_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"):
-        if src.is_file():
-            shutil.copy(src, tmp / "tokenizer.json")
-            tokenizer = "tokenizer.json"
-            break
+    tokenizer_name = None
+    if tokenizer is not None:
+        (tmp / "tokenizer.json").write_bytes(tokenizer[1])  # (the bytes that were checked)
+        tokenizer_name = "tokenizer.json"
     parts = aoti or trt  # (the section that plans the compiled parts, if any)
     files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     manifest = {
@@ -163,7 +427,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
         "max_batch": max_batch,
         "batch_buckets": parts["batch_buckets"] if parts else default_buckets(max_batch),
         "plugins": dict(PLUGIN_VERSIONS),
-        "tokenizer": tokenizer,
+        "tokenizer": tokenizer_name,
         "files": files,
     }
     if aoti:
@@ -172,6 +436,4 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     if trt:
         manifest["tensorrt"] = trt
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.rename(out)
-    _log(f"engine written to {out} in {time.perf_counter() - t0:.1f}s", quiet)
     return manifest
