@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -76,11 +78,40 @@ def cmd_export_onnx(a) -> int:
 
 
 # ---- generate -------------------------------------------------------------------------------
+_ID_SPACE = " \t\r\n"
+
+
 def _parse_ids(text: str) -> list[int]:
+    """``--prompt-ids``: comma-separated ASCII decimal token ids, spaces allowed around them;
+    a negative id, an empty entry or any other character is an error."""
+    if text.strip(_ID_SPACE) == "":
+        raise ValueError("--prompt-ids is empty: give comma-separated token ids such as 1,2,3")
+    ids = []
+    for i, entry in enumerate(text.split(",")):
+        s = entry.strip(_ID_SPACE)
+        if s == "":
+            raise ValueError(f"--prompt-ids has an empty entry (entry {i + 1} of {text!r}): give comma-separated "
+                             "token ids such as 1,2,3")
+        if s[0] == "-" and s[1:].isascii() and s[1:].isdigit():
+            raise ValueError(f"--prompt-ids: token ids are integers >= 0, got {s}")
+        if not (s.isascii() and s.isdigit()):  # (int() would also take other scripts' digits, + and 1_000)
+            raise ValueError(f"--prompt-ids must be comma-separated integers (ASCII digits 0-9), got {s!r} in {text!r}")
+        if len(s.lstrip("0")) > 18:
+            raise ValueError(f"--prompt-ids: token id {s[:19]}... ({len(s)} digits) is outside the vocabulary")
+        ids.append(int(s))
+    return ids
+
+
+def _utf8_text(text: str, option: str) -> str:
+    """Command-line text that was not valid UTF-8 reaches Python as lone surrogates: refuse it clearly."""
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = ord(text[e.start])
+        what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"code point U+{ch:04X}"
+        raise ValueError(f"{option} is not valid UTF-8 text ({what} at character {e.start}); "
+                         "pass token ids with --prompt-ids instead") from None
+    return text
 
 
 def cmd_generate(a) -> int:
@@ -88,21 +119,24 @@ def cmd_generate(a) -> int:
 
     if bool(a.engine) == bool(a.target or a.draft):
         return _die("give either --engine DIR or both --target DIR and --draft DIR")
+    if not a.engine and not (a.target and a.draft):
+        return _die("--target and --draft must be given together")
+    if (a.prompt is None) == (a.prompt_ids is None):
+        return _die("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    # The prompt is checked before the (slower) engine load.
+    text = _utf8_text(a.prompt, "--prompt") if a.prompt is not None else None
+    ids = _parse_ids(a.prompt_ids) if a.prompt_ids is not None else None
     if a.engine:
         engine = load_engine(a.engine, device=a.device, dtype=a.dtype)
     else:
-        if not (a.target and a.draft):
-            return _die("--target and --draft must be given together")
         engine = EagerEngine.from_checkpoints(a.target, a.draft, device=a.device or "cpu", dtype=a.dtype, max_batch=1)
     tok = load_tokenizer(engine.tokenizer_path)
-    if (a.prompt is None) == (a.prompt_ids is None):
-        return _die("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
-    if a.prompt is not None:
+    if text is not None:
         if tok is None:
             return _die("this engine has no tokenizer: use --prompt-ids")
-        prompt = tok.encode(a.prompt).ids
+        prompt = tok.encode(text).ids
     else:
-        prompt = _parse_ids(a.prompt_ids)
+        prompt = ids
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed, ignore_eos=a.ignore_eos)
     gen = Generator(engine)
     try:
@@ -217,15 +251,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _os_error_message(e: OSError) -> str:
+    """``<path>: permission denied`` for an OSError about a path; the error's own text otherwise."""
+    if e.filename is None or not e.strerror:
+        return str(e)
+    reason = e.strerror[:1].lower() + e.strerror[1:]
+    if e.errno == errno.ENOTDIR:
+        reason += " (a part of the path is a file)"
+    if e.filename2 is not None:
+        return f"{e.filename} -> {e.filename2}: {reason}"
+    return f"{e.filename}: {reason}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from safetensors import SafetensorError
+
     from muse_spark.checkpoint import CheckpointError
     from muse_spark.runtime.engine import EngineError
 
     try:
         return args.fn(args)
-    except (CheckpointError, EngineError, ValueError, FileNotFoundError, FileExistsError) as e:
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly
+        try:  # (so the flush at exit does not fail again)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
+    except OSError as e:  # permission denied, a missing path, a file where a folder should be, ...
+        return _die(_os_error_message(e))
+    except (CheckpointError, EngineError, ValueError) as e:  # (RequestError and the builders' errors are ValueErrors)
         return _die(str(e))
+    except SafetensorError as e:  # (a weights file that could not be written or read)
+        return _die(f"safetensors: {e}")
+    except KeyboardInterrupt:
+        return _die("interrupted", 130)
 
 
 if __name__ == "__main__":

@@ -51,8 +51,13 @@ def load_engine(engine_dir: str | Path, device: str | None = None, **kw):
 
 
 def load_tokenizer(path: str | Path | None):
+    """The ``tokenizers`` tokenizer at ``path``, or None where there is no file; a file that is not a
+    tokenizer raises ``EngineError``."""
     if path is None or not Path(path).is_file():
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # (tokenizers raises plain Exception)
+        raise EngineError(f"{path}: not a readable tokenizer.json ({e})") from None

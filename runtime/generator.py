@@ -7,16 +7,26 @@ the other active requests; they leave as soon as they finish, freeing their
 slot. Each step costs one device→host copy (draft tokens, accepted counts,
 bonus tokens), from which the host emits tokens, clipped at stop tokens and
 ``max_tokens``.
+
+Thread safety: one ``Generator`` may be shared by several threads. Every public
+method that reads or changes its requests (``add``, ``cancel``, ``has_work``,
+``step``, ``run``, ``generate``, ``stream``/``iter_request``) holds the
+generator's re-entrant lock, so concurrent callers take turns step by step and
+every request gets exactly the tokens it gets alone. ``iter_request`` takes the
+lock for each step, never across a ``yield``; ``generate`` takes it for each
+step too, so the requests of several threads share the steps (in-flight
+batching) instead of waiting for each other's whole runs. A single driving
+thread (the Triton scheduler) pays one uncontended lock acquire per call.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
-
 
 
 GREEDY_BELOW = 1e-5
@@ -55,11 +65,20 @@ class Request:
     anchor: int = -1
     position: int = -1  # the anchor's position (tokens before it are cached)
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | cancelled | error
+    finish_reason: str | None = None  # stop | length | cancelled | error (or the reason given to cancel)
     error: str | None = None
     t_start: float = 0.0
     t_end: float = 0.0
     pending: list[int] = field(default_factory=list)  # emitted, not yet streamed
+
+    @classmethod
+    def ended(cls, prompt: list[int], params: SamplingParams | None, reason: str) -> Request:
+        """A request that never ran, already finished with ``reason`` and no tokens (the final answer
+        for one a server ends before it is queued)."""
+        now = time.perf_counter()
+        return cls(-1, list(prompt) if isinstance(prompt, (list, tuple)) else [],
+                   params if isinstance(params, SamplingParams) else SamplingParams(), frozenset(),
+                   finished=True, finish_reason=reason, t_start=now, t_end=now)
 
     def stats(self, gamma: int) -> dict:
         accepted = [s.accepted for s in self.steps]
@@ -79,6 +98,16 @@ class Request:
 
 
 class Generator:
+    """Request slots, scheduling and streaming over one engine.
+
+    Safe to share between threads: a re-entrant lock serializes ``add``, ``cancel``,
+    ``has_work``, ``step``, ``run`` and each step that ``generate`` and ``stream``/``iter_request``
+    take (never held across a ``yield``), so concurrent callers interleave at step boundaries and
+    each request's tokens are exactly those it gets alone. The lists ``waiting``, ``active`` and
+    ``free_slots`` are the generator's state: read them under ``with gen.lock:`` when other
+    threads drive it. ``generate`` is all-or-nothing: it checks every prompt and its params
+    before it queues any, so a ``RequestError`` leaves the generator as it was."""
+
     def __init__(self, engine):
         self.engine = engine
         self.gamma = engine.gamma
@@ -90,12 +119,20 @@ class Generator:
         self.eos = frozenset(engine.tcfg.eos_token_id)
         self.step_times: list[float] = []
         self._inflight = None  # (handle, batch): a chained step launched, its rows not read yet
+        self.lock = threading.RLock()  # held by every public method that reads or changes the requests
 
     # ---- validation ------------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
-        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+        if not isinstance(prompt, (list, tuple)):
+            raise RequestError(f"a prompt must be a list of token ids, got {type(prompt).__name__}")
+        if len(prompt) == 0:
             raise RequestError("the prompt is empty")
-        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab]
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        not_int = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool)]
+        if not_int:
+            raise RequestError(f"prompt token ids must be integers, got {type(not_int[0]).__name__} {not_int[0]!r}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab]
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab})")
         if not isinstance(params.max_tokens, int) or params.max_tokens < 1:
@@ -117,7 +154,15 @@ class Generator:
 
     # ---- requests --------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams | None = None) -> Request:
-        params = params or SamplingParams()
+        """Queue one request (it is prefilled when a slot is free). A bad request raises
+        ``RequestError`` and queues nothing."""
+        checked = self._check(prompt, params)
+        with self.lock:
+            return self._enqueue([checked])[0]
+
+    def _check(self, prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams, frozenset[int]]:
+        """Validate one request → (its prompt, its normalized params, its stop ids); changes nothing."""
+        params = SamplingParams() if params is None else params
         self.validate(prompt, params)
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -125,19 +170,24 @@ class Generator:
         seed = params.seed - 2**64 if params.seed >= 2**63 else params.seed  # stored as int64
         # Temperatures below 1e-5 are greedy (as in vLLM): z/T would overflow fp32.
         temperature = 0.0 if params.temperature < GREEDY_BELOW else float(params.temperature)
-        req = Request(next(self._ids), list(prompt),
-                      SamplingParams(**{**params.__dict__, "seed": seed, "temperature": temperature}),
-                      frozenset(stop))
-        self.waiting.append(req)
-        return req
+        return list(prompt), SamplingParams(**{**params.__dict__, "seed": seed, "temperature": temperature}), \
+            frozenset(stop)
 
-    def cancel(self, req: Request) -> None:
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self._finish(req, "cancelled")
+    def _enqueue(self, checked: list[tuple[list[int], SamplingParams, frozenset[int]]]) -> list[Request]:
+        reqs = [Request(next(self._ids), prompt, params, stop) for prompt, params, stop in checked]
+        self.waiting.extend(reqs)
+        return reqs
+
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """End ``req`` now (its slot is freed) with finish reason ``reason``; a finished request stays as it is."""
+        with self.lock:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self._finish(req, reason)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.active)
+        with self.lock:
+            return bool(self.waiting or self.active)
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.finished:
@@ -199,13 +249,14 @@ class Generator:
         batch that changes (a request finished or cancelled, one waiting to be admitted) is not
         chained again until it is stepped afresh. Outputs are those of unchained steps, token for
         token: the chained step computes exactly what the next call would have launched."""
-        if self._inflight is None and self.waiting and self.free_slots:
-            return self._admit()
-        try:
-            return self._step()
-        except BaseException:
-            self._inflight = None  # (an engine failure: nothing chained survives it)
-            raise
+        with self.lock:
+            if self._inflight is None and self.waiting and self.free_slots:
+                return self._admit()
+            try:
+                return self._step()
+            except BaseException:
+                self._inflight = None  # (an engine failure: nothing chained survives it)
+                raise
 
     def _step(self) -> list[Request]:
         eng, g = self.engine, self.gamma
@@ -262,16 +313,43 @@ class Generator:
         return any(r.params.max_tokens - len(r.output) > g + 1 for r in batch)
 
     def run(self) -> None:
-        while self.has_work():
-            self.step()
+        while True:
+            with self.lock:
+                if not (self.waiting or self.active):
+                    return
+                self.step()
 
     # ---- conveniences ------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[Request]:
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        reqs = [self.add(p, sp) for p, sp in zip(prompts, plist)]
-        while any(not r.finished for r in reqs):
-            self.step()
-        return reqs
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Request]:
+        """Run ``prompts`` to the end, in-flight batched → their requests, in order. ``params``: one
+        ``SamplingParams`` for all, or a list with one per prompt. Every prompt and its params are
+        checked before any is queued: a ``RequestError`` (naming the prompt's index) queues none."""
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(f"prompts must be a list of prompts (lists of token ids), got {type(prompts).__name__}")
+        if prompts and all(isinstance(p, int) for p in prompts):
+            raise RequestError("prompts must be a list of prompts (lists of token ids), got a list of integers: "
+                               "for one prompt, pass [prompt]")
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one SamplingParams "
+                                   "for all the prompts or a list with one per prompt")
+            plist = list(params)
+        else:
+            plist = [params] * len(prompts)
+        checked = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            try:
+                checked.append(self._check(p, sp))
+            except RequestError as e:
+                raise (RequestError(f"prompt {i} of {len(prompts)}: {e}") if len(prompts) > 1 else e) from None
+        with self.lock:
+            reqs = self._enqueue(checked)
+        while True:
+            with self.lock:  # per step: other threads' steps interleave (and advance these requests too)
+                if all(r.finished for r in reqs):
+                    return reqs
+                self.step()
 
     def stream(self, prompt: list[int], params: SamplingParams | None = None) -> Iterator[list[int]]:
         """Yield lists of token ids as steps accept them (the first from prefill)."""
@@ -279,18 +357,22 @@ class Generator:
 
     def iter_request(self, req: Request) -> Iterator[list[int]]:
         """Drive the scheduler until ``req`` finishes, yielding its tokens as they come;
-        closing the iterator early cancels the request and frees its slot."""
+        closing the iterator early cancels the request and frees its slot. The lock is taken
+        for each step and released before each ``yield``."""
         try:
             while True:
-                if req.pending:
+                with self.lock:
                     chunk, req.pending = req.pending, []
+                    done = req.finished
+                    if not chunk and not done:
+                        if not (self.waiting or self.active):
+                            raise RequestError(f"request {req.id} is not queued in this Generator")
+                        self.step()
+                        continue
+                if chunk:
                     yield chunk
-                if req.finished:
-                    if req.pending:
-                        chunk, req.pending = req.pending, []
-                        yield chunk
+                if done:
                     return
-                self.step()
         finally:
             if not req.finished:
                 self.cancel(req)
