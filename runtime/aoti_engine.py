@@ -37,8 +37,8 @@ from muse_spark.models.layers import chained_steps, context_stream
 from muse_spark.runtime.aoti_graphs import (LAYOUT, LayeredPrefill, embed_and_norm, LayeredStep, SpecPair, weight_names, weight_specs,
                                             weight_tensors)
 from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep, StepHandle
-from muse_spark.runtime.engine import (EagerEngine, EngineError, build_modules, check_plugins, configs_from_manifest,
-                                       read_manifest, verify_files)
+from muse_spark.runtime.engine import (EagerEngine, EngineError, build_modules, check_cache_memory, check_plugins,
+                                       configs_from_manifest, read_manifest, verify_files)
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +300,9 @@ class AOTIEngine(EagerEngine):
             target, draft = build_modules(tcfg, dcfg, target_sd, draft_sd, dt, dev)
         except (RuntimeError, ValueError, OSError) as e:
             raise EngineError(f"{d}: engine weights cannot be loaded: {e}") from None
+        # (one slot more than max_batch: the scratch slot padding rows write)
+        check_cache_memory(d, tcfg, dcfg, dt, max_batch=max_batch or m["max_batch"], max_seq=m["max_seq"],
+                           device=dev, extra_slots=1)
         tok = d / m["tokenizer"] if m.get("tokenizer") else None
         return cls(target, draft, engine_dir=d, manifest=m, device=dev, max_batch=max_batch or m["max_batch"],
                    tokenizer_path=tok, cuda_graphs=cuda_graphs)
