@@ -18,6 +18,13 @@ Why it exists:
   a JSON error if no response has started, a final ``data: {"error": ...}``
   event for an event stream already relaying).
 
+Two hooks let the launcher add what tritonserver's HTTP cannot do itself:
+``check_body(path, body)`` may refuse an inference request's body with 400
+before it is forwarded (tritonserver casts JSON integers to the input's type
+without a range check); and an inference error whose message starts with
+``unavailable:`` (a full queue: this python backend answers every model error
+with 400) is relayed as 503 with ``Retry-After``.
+
 Everything else is a plain reverse proxy: any method and path, headers passed
 through except hop-by-hop ones, status and body relayed as they come (chunk by
 chunk, so Server-Sent Events are not buffered). A client that goes away closes
@@ -76,6 +83,15 @@ def _error(status: int, message: str, *, close: bool = False) -> web.Response:
     return resp
 
 
+def _says_unavailable(body: bytes) -> bool:
+    """Whether a model's error body says ``unavailable: …`` (a full queue: retry later)."""
+    try:
+        message = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(message, str) and message.startswith("unavailable:")
+
+
 def _forwarded(headers, drop) -> list[tuple[str, str]]:
     named = {h.strip().lower() for v in headers.getall("Connection", []) for h in v.split(",")}
     return [(k, v) for k, v in headers.items() if k.lower() not in drop and k.lower() not in named]
@@ -85,12 +101,14 @@ class HttpFront:
     """Reverse proxy on ``host:port`` to ``upstream`` (``http://127.0.0.1:PORT``), see the module doc."""
 
     def __init__(self, *, host: str, port: int, upstream: str, max_request_bytes: int = 1 << 20,
+                 check_body: Callable[[str, bytes], str | None] | None = None,
                  log: Callable[[str], None] = print):
         if max_request_bytes < 0:
             raise ValueError(f"max_request_bytes must be >= 0, not {max_request_bytes}")
         self.host, self.requested_port = host, port
         self.upstream = upstream.rstrip("/")
         self.max_request_bytes = max_request_bytes
+        self._check_body = check_body
         self._log = log
         self._ready, self._reason = True, ""
         self._stopping = False
@@ -264,6 +282,10 @@ class HttpFront:
             body = await self._read_body(request)
             if body is None:
                 return self._refuse(request, 413, self._too_large(self.max_request_bytes, at_least=True))
+            if self._check_body is not None and _INFER_PATH.match(request.path):
+                problem = self._check_body(request.path, body)
+                if problem is not None:
+                    return self._refuse(request, 400, problem)
             ex = _Exchange(asyncio.current_task())
             self._inflight.add(ex)
             try:
@@ -282,11 +304,17 @@ class HttpFront:
             async with self._session.request(
                     request.method, URL(self.upstream + request.raw_path, encoded=True), data=body or None,
                     headers=_forwarded(request.headers, _NOT_FORWARDED), allow_redirects=False) as up:
+                error = await up.read() if up.status == 400 and _INFER_PATH.match(request.path) else None
+                if error is not None and _says_unavailable(error):
+                    return web.Response(body=error, status=503, content_type="application/json",
+                                        headers={"Retry-After": "1"})
                 resp = web.StreamResponse(status=up.status, reason=up.reason)
                 for k, v in _forwarded(up.headers, _HOP_BY_HOP):
                     resp.headers.add(k, v)
                 ex.sse = up.content_type == "text/event-stream"
                 await self._write(request, resp)
+                if error is not None:  # (already read)
+                    await self._write(request, resp, error)
                 async for chunk in up.content.iter_any():  # as it arrives: events are not held back
                     await self._write(request, resp, chunk)
                     ex.tail = (ex.tail + chunk)[-2:]
@@ -299,7 +327,8 @@ class HttpFront:
             return await self._end(request, resp, ex, 503, ex.failure)
         except aiohttp.ClientConnectorError as e:
             message = f"the model server is not reachable ({e})"
-            self._log(f"http front: {request.method} {request.path}: {message}")
+            if _INFER_PATH.match(request.path):  # (health checks while tritonserver starts are expected)
+                self._log(f"http front: {request.method} {request.path}: {message}")
             return await self._end(request, resp, ex, 503, message)
         except (aiohttp.ClientError, OSError) as e:
             message = f"the model server broke off the request ({type(e).__name__}: {e})"

@@ -14,6 +14,16 @@ touch nothing else. ``config.pbtxt`` parameters: ``engine_dir`` (required),
 ``device`` (optional override of the engine's device), ``max_queue``,
 ``torch_threads`` (CPU threads of this instance; default torch's).
 
+Shutdown: ``muse-spark serve`` names a file in ``MUSE_SPARK_SERVE_DRAIN_FILE``
+and writes the grace period (seconds) into it when it is asked to stop; a
+watcher thread then drains the scheduler (``Scheduler.drain``), so every request
+gets its final response before tritonserver unloads the model.
+
+numpy: the python backend stub of ``nvidia-pytriton`` is built for numpy 1.x
+and corrupts every tensor under numpy 2 (``stub_env.py`` says how); the model
+refuses to load there rather than serve wrong tokens. ``muse-spark serve`` runs
+the stub with numpy 1.x even where the environment has numpy 2.
+
 Metrics (on Triton's metrics endpoint, labelled by model and instance):
 ``muse_spark_requests_total{outcome=completed|rejected|cancelled|failed}``,
 ``muse_spark_generated_tokens_total``, ``muse_spark_steps_total``,
@@ -25,7 +35,10 @@ length − 1), and the gauges ``muse_spark_active_requests``,
 from __future__ import annotations
 
 import json
+import os
+import threading
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from muse_spark.runtime import RequestError, load_engine, load_tokenizer
@@ -33,6 +46,7 @@ from muse_spark.serving.protocol import StreamDecoder, parse_request, response_a
 from muse_spark.serving.scheduler import Scheduler
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+DRAIN_FILE_ENV = "MUSE_SPARK_SERVE_DRAIN_FILE"
 
 
 def _log(msg: str, error: bool = False) -> None:
@@ -46,6 +60,10 @@ def _log(msg: str, error: bool = False) -> None:
 
 
 def _error(message: str, kind: str):
+    # This python backend does not pass an error's code on to the client (HTTP answers 400, gRPC gives no
+    # status), so the kind also leads the message: the HTTP front answers "unavailable: …" with 503.
+    if kind == "unavailable":
+        message = f"unavailable: {message}"
     codes = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "cancelled": "CANCELLED", "internal": "INTERNAL"}
     code = getattr(pb_utils.TritonError, codes.get(kind, "INTERNAL"), None)
     return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
@@ -143,6 +161,11 @@ class _Metrics:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        if int(np.__version__.split(".", 1)[0]) >= 2:
+            raise pb_utils.TritonModelException(
+                f"muse_spark: this python backend stub was built for numpy 1.x and, under numpy "
+                f"{np.__version__}, corrupts every tensor (it reads each dtype's item size as 0); start the "
+                f"server with `muse-spark serve`, which runs the stub with numpy 1.x, or install numpy<2")
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         if not pb_utils.using_decoupled_model_transaction_policy(config):
@@ -168,6 +191,12 @@ class TritonPythonModel:
                                    on_change=self.metrics.update if self.metrics else None,
                                    log=lambda m: _log(m, error=True))
         self.scheduler.start()
+        if self.metrics is not None:
+            self.metrics.update(self.scheduler.counters, self.scheduler.occupancy)  # free slots from the start
+        self._stop_watch = threading.Event()
+        if os.environ.get(DRAIN_FILE_ENV):
+            threading.Thread(target=self._watch_drain, args=(os.environ[DRAIN_FILE_ENV],), daemon=True,
+                             name="muse-spark-drain").start()
         e = self.engine
         _log(f"muse_spark: {args['model_instance_name']} serves engine {engine_dir} (γ={e.gamma}, "
              f"max_batch={e.max_batch}, max_seq={e.max_seq}, device={e.device}, "
@@ -177,7 +206,8 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = parse_request(lambda name: _input(request, name), self.tokenizer)
+                parsed = parse_request(lambda name: _input(request, name), self.tokenizer,
+                                       parameters=request.parameters())
             except RequestError as e:
                 self.scheduler.reject(_ResponseSink(sender, False, None, 0), str(e))
                 continue
@@ -189,7 +219,19 @@ class TritonPythonModel:
             self.scheduler.submit(parsed.prompt, parsed.params, sink)
         return None  # decoupled: the responses go through the senders
 
+    def _watch_drain(self, path: str) -> None:
+        while not self._stop_watch.wait(0.05):
+            try:
+                with open(path) as f:
+                    grace = float(f.read().strip() or 0)
+            except (OSError, ValueError):
+                continue
+            _log(f"muse_spark: draining: running requests may go on for {grace:g} s")
+            self.scheduler.drain(grace)
+            return
+
     def finalize(self) -> None:
+        self._stop_watch.set()
         self.scheduler.stop()
         if self.metrics is not None:
             self.metrics.close()

@@ -16,6 +16,12 @@ Footguns handled here rather than in the model:
   exception that would leave a decoupled request without its final response.
 * numpy scalars are not ``int``: values are converted to Python types before
   they reach ``Generator.validate``.
+* Triton's ``generate`` endpoint turns JSON fields that name no input into
+  request *parameters* and would let the model ignore them (``top_p`` sent to a
+  model without it): any parameter outside Triton's own ``triton_*`` is refused.
+* It also casts JSON integers to the input's type without a range check
+  (``4294967297`` arrives as INT32 ``1``). ``check_generate_json`` refuses such
+  a body first; ``muse-spark serve``'s HTTP front calls it before forwarding.
 * Streaming text: decoding each step's ids alone splits multi-byte characters.
   ``StreamDecoder`` decodes a small window and holds back a trailing U+FFFD
   until the character completes, so the streamed pieces concatenate to the
@@ -24,6 +30,7 @@ Footguns handled here rather than in the model:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -59,7 +66,8 @@ INPUTS: tuple[TensorSpec, ...] = (
 OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_output", "TYPE_STRING", (1,), doc="generated text (the step's new text when streaming)"),
     TensorSpec("output_ids", "TYPE_INT32", (-1,), doc="generated ids (the step's new ids when streaming)"),
-    TensorSpec("finish_reason", "TYPE_STRING", (1,), doc="'stop' | 'length' on the final response, else ''"),
+    TensorSpec("finish_reason", "TYPE_STRING", (1,),
+               doc="'stop' | 'length' | 'shutdown' on the final response, else ''"),
     TensorSpec("num_steps", "TYPE_INT32", (1,), doc="speculative steps so far"),
     TensorSpec("accepted_draft_tokens", "TYPE_INT32", (1,), doc="draft tokens accepted so far"),
     TensorSpec("mean_accepted_per_step", "TYPE_FP32", (1,), doc="accepted draft tokens per step"),
@@ -98,14 +106,58 @@ def _strings(arr: np.ndarray) -> list[str]:
     return out
 
 
-def parse_request(get: Callable[[str], np.ndarray | None], tokenizer) -> ParsedRequest:
+def check_parameters(parameters: str | dict | None) -> None:
+    """Refuse request parameters this model does not have (all but Triton's own ``triton_*``)."""
+    if isinstance(parameters, str):
+        try:
+            parameters = json.loads(parameters or "{}")
+        except json.JSONDecodeError:
+            raise RequestError(f"the request parameters are not valid JSON: {parameters[:80]!r}") from None
+    unknown = sorted(k for k in (parameters or {}) if not k.startswith("triton_"))
+    if unknown:
+        known = ", ".join(s.name for s in INPUTS)
+        raise RequestError(f"unknown request field{'s' * (len(unknown) > 1)} {', '.join(unknown)}; this model "
+                           f"takes {known}")
+
+
+_INT_RANGES = {"TYPE_INT32": (-(2**31), 2**31 - 1), "TYPE_UINT64": (0, 2**64 - 1)}
+
+
+def check_generate_json(body: bytes) -> str | None:
+    """The error of a ``generate`` JSON body whose integers do not fit their input's type, else None.
+
+    (Bodies that are not JSON objects are left to Triton, which answers them itself.)"""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(payload, dict):
+        return None
+    for spec in INPUTS:
+        bounds = _INT_RANGES.get(spec.dtype)
+        if bounds is None or spec.name not in payload:
+            continue
+        stack = [payload[spec.name]]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, list):
+                stack.extend(v)
+            elif isinstance(v, int) and not isinstance(v, bool) and not bounds[0] <= v <= bounds[1]:
+                return (f"{spec.name} value {v} does not fit its type {spec.dtype[5:]} "
+                        f"[{bounds[0]}, {bounds[1]}]")
+    return None
+
+
+def parse_request(get: Callable[[str], np.ndarray | None], tokenizer, parameters=None) -> ParsedRequest:
     """Build the prompt and sampling parameters of one request.
 
     ``get(name)`` returns the input tensor as a numpy array, or None when the
-    request lacks it. Raises ``RequestError`` with a client-facing message.
-    The limits that need the engine (vocabulary, sequence length) are checked
-    by ``Generator.add``.
+    request lacks it; ``parameters`` are the request's parameters (a dict or
+    Triton's JSON string). Raises ``RequestError`` with a client-facing
+    message. The limits that need the engine (vocabulary, sequence length) are
+    checked by ``Generator.add``.
     """
+    check_parameters(parameters)
     text, ids = get("text_input"), get("input_ids")
     if text is not None and ids is not None:
         raise RequestError("give either text_input or input_ids, not both")

@@ -22,6 +22,7 @@ from pathlib import Path
 MODEL_TEMPLATE = Path(__file__).with_name("model.py")
 MARKER = "# written by muse-spark triton-repo"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
 
 
 class RepoError(ValueError):
@@ -77,6 +78,8 @@ def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str
         raise RepoError(f"--instances must be >= 1, got {instances}")
     if max_queue < 1:
         raise RepoError(f"--max-queue must be >= 1, got {max_queue}")
+    if device is not None and not _DEVICE_RE.match(device):
+        raise RepoError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     if torch_threads is not None and torch_threads < 1:
         raise RepoError(f"--torch-threads must be >= 1, got {torch_threads}")
     engine_dir = Path(engine_dir).resolve()

@@ -1,8 +1,9 @@
 """In-flight batching for the Triton model: one thread owns the ``Generator``.
 
-Triton calls ``execute`` on its own threads; ``Generator`` is not thread-safe.
-So ``execute`` only *submits* (prompt, params, sink) to an inbox, and a single
-scheduler thread does everything else:
+Triton calls ``execute`` on its own threads. ``execute`` only *submits*
+(prompt, params, sink) to an inbox and returns, and a single scheduler thread
+drives the ``Generator`` (so its lock is never contended) and does everything
+else:
 
     loop:
         take the inbox → Generator.add (a bad request fails its sink alone)
@@ -16,6 +17,12 @@ once and its slot goes to the next waiting one. Every request gets exactly one
 final call on its sink — ``deliver(..., finished)`` or ``fail`` — whatever
 happens (bad input, cancellation, engine error, shutdown): in decoupled mode a
 request without its final response would hang its client and block shutdown.
+
+Shutdown: ``drain(grace)`` stops taking requests (new ones and those still
+waiting for a slot end at once), lets the running ones go on for ``grace``
+seconds and then ends them; ``stop()`` ends everything left. A request ended so
+gets a normal final response with the tokens it has and finish reason
+``shutdown``.
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ class Scheduler:
         self._inbox: deque[tuple[list[int] | None, SamplingParams | None, Sink]] = deque()
         self._live: dict[int, tuple[Request, Sink]] = {}
         self._stopping = False
+        self._drain_deadline: float | None = None
+        self._queued = 0  # requests taken from the inbox that may still wait for a slot (see submit)
         self._last_poll = 0.0
         self._occupancy = Occupancy(0, 0, len(self.gen.free_slots))
         self._thread = threading.Thread(target=self._run, name="muse-spark-scheduler", daemon=True)
@@ -88,17 +97,23 @@ class Scheduler:
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
         with self._cond:
-            queued = len(self._inbox) + self._occupancy.waiting
-            if self._stopping:
-                refusal = "the model is shutting down"
+            # Counted under the lock, with what the scheduler thread has taken but not yet admitted, so
+            # no burst of submissions gets past max_queue.
+            queued = len(self._inbox) + self._queued
+            if self._stopping or self._drain_deadline is not None:
+                self.counters.outcomes["cancelled"] += 1
+                shutdown = True
             elif queued >= self.max_queue:
                 self.counters.outcomes["rejected"] += 1
-                refusal = f"the request queue is full ({queued} requests waiting); retry later"
+                shutdown = False
             else:
                 self._inbox.append((prompt, params, sink))
                 self._cond.notify()
                 return
-        _safe_fail(sink, refusal, "unavailable")
+        if shutdown:
+            _safe_end(sink, Request.ended(prompt, params, "shutdown"))
+        else:
+            _safe_fail(sink, f"the request queue is full ({queued} requests waiting); retry later", "unavailable")
 
     def reject(self, sink: Sink, message: str, kind: str = "invalid") -> None:
         """Answer a request that failed before it could be submitted (counted with the others)."""
@@ -108,8 +123,15 @@ class Scheduler:
             self._cond.notify()
         _safe_fail(sink, message, kind)
 
+    def drain(self, grace: float) -> None:
+        """Take no more requests; end those waiting for a slot now and the running ones after ``grace`` s."""
+        with self._cond:
+            if self._drain_deadline is None:
+                self._drain_deadline = time.monotonic() + max(0.0, grace)
+                self._cond.notify()
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Fail everything still queued or running, then end the thread."""
+        """End everything still queued or running (finish reason ``shutdown``), then end the thread."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -133,10 +155,14 @@ class Scheduler:
                         break
                     incoming = list(self._inbox)
                     self._inbox.clear()
+                    self._queued += sum(1 for prompt, _, _ in incoming if prompt is not None)
+                    deadline = self._drain_deadline
                 for prompt, params, sink in incoming:
                     if prompt is not None:  # (None, None, sink): an already answered rejection
                         self._add(prompt, params, sink)
                 self._drop_cancelled()
+                if deadline is not None:
+                    self._drain(deadline)
                 if self.gen.has_work():
                     self._step()
                 self._publish()
@@ -151,11 +177,27 @@ class Scheduler:
             self._stopping = True
             leftover = list(self._inbox)
             self._inbox.clear()
-        for prompt, _, sink in leftover:
+        for prompt, params, sink in leftover:
             if prompt is not None:
-                _safe_fail(sink, "the model is shutting down", "unavailable")
-        self._fail_all("the model is shutting down", "unavailable")
+                self._count("cancelled")
+                _safe_end(sink, Request.ended(prompt, params, "shutdown"))
+        self._end_all("shutdown", waiting_only=False)
         self._publish()
+
+    def _drain(self, deadline: float) -> None:
+        """While draining: nobody waits for a slot; past the deadline nobody runs."""
+        self._end_all("shutdown", waiting_only=time.monotonic() < deadline)
+
+    def _end_all(self, reason: str, *, waiting_only: bool) -> None:
+        """End live requests with a final response of finish reason ``reason`` (the tokens they have)."""
+        for req, sink in list(self._live.values()):
+            if waiting_only and req.slot >= 0:
+                continue
+            self.gen.cancel(req, reason)
+            self._live.pop(req.id, None)
+            self._count("cancelled")
+            req.pending = []
+            _safe_end(sink, req)
 
     def _add(self, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
         try:
@@ -233,12 +275,22 @@ class Scheduler:
 
     def _publish(self) -> None:
         occ = Occupancy(len(self.gen.active), len(self.gen.waiting), len(self.gen.free_slots))
+        with self._cond:
+            self._queued = occ.waiting
         self._occupancy = occ
         if self._on_change is not None:
             try:
                 self._on_change(self.counters, occ)
             except Exception:
                 self._log(f"muse_spark metrics update failed:\n{traceback.format_exc()}")
+
+
+def _safe_end(sink: Sink, req: Request) -> None:
+    """The final response of a request ended by the server (its tokens so far, its finish reason)."""
+    try:
+        sink.deliver(req, [])
+    except Exception:
+        pass  # the client is gone
 
 
 def _safe_fail(sink: Sink, message: str, kind: str) -> None:

@@ -22,10 +22,16 @@ What it takes to run a model that imports ``muse_spark`` and torch:
   this interpreter's ``LIBDIR`` (it must be built with ``--enable-shared``).
 * **Libraries.** ``nvidia_pytriton.libs`` goes on ``LD_LIBRARY_PATH``.
 
-The server binds 127.0.0.1 unless ``--host`` says otherwise, runs in its own
-process group (so a terminal's Ctrl-C reaches it once, through us), dies with
-us (PR_SET_PDEATHSIG), and gets SIGINT/SIGTERM/SIGHUP forwarded; our exit
-status is its exit status.
+* **numpy.** The stub is built for numpy 1.x; where this environment has
+  numpy 2 it runs in an overlay environment with numpy 1.x (``stub_env.py``).
+
+Clients reach HTTP through our front (``front.py``: a request-size bound, since
+tritonserver's own HTTP server dies on large bodies; readiness and errors while
+the model process restarts); tritonserver's HTTP listens on a private loopback
+port. gRPC and metrics are tritonserver's own. tritonserver runs in its own
+process group, dies with us (PR_SET_PDEATHSIG) and is supervised
+(``supervisor.py``: a graceful drain on SIGINT/SIGTERM/SIGHUP, a restart when a
+model process dies).
 """
 
 from __future__ import annotations
@@ -34,13 +40,14 @@ import argparse
 import importlib.util
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from muse_spark.serving.stub_env import StubEnvError, numpy1_site, write_overlay
+from muse_spark.serving.supervisor import Supervisor, free_port, port_in_use
 
 
 class ServingError(RuntimeError):
@@ -105,14 +112,16 @@ def prepare_backend_dir(install: TritonInstall, workdir: Path) -> Path:
     return workdir / "backends"
 
 
-def server_env(install: TritonInstall, base: dict | None = None) -> dict:
+def server_env(install: TritonInstall, base: dict | None = None, python_bin: Path | None = None) -> dict:
+    """tritonserver's environment; ``python_bin`` (default: this interpreter's) is the ``bin`` directory whose
+    ``python3`` the stub takes its environment from."""
     env = dict(os.environ if base is None else base)
     libpath = [str(install.libs), str(python_library_dir())]
     if env.get("LD_LIBRARY_PATH"):
         libpath.append(env["LD_LIBRARY_PATH"])
     env["LD_LIBRARY_PATH"] = ":".join(libpath)
-    # The stub resolves its prefix from `python3` on PATH: make that this interpreter.
-    bindir = Path(sys.executable).parent
+    # The stub resolves its prefix from `python3` on PATH: make that this interpreter (or its overlay).
+    bindir = python_bin or Path(sys.executable).parent
     if not (bindir / "python3").exists():
         raise ServingError(f"{bindir} has no `python3`, which Triton's python stub looks up on PATH to find this "
                            f"environment; run muse-spark with a venv's or distribution's python3")
@@ -150,13 +159,14 @@ def _engine_dirs(config_text: str) -> list[str]:
 def server_command(install: TritonInstall, repo: Path, backend_dir: Path, *, host: str, http_port: int,
                    grpc_port: int, metrics_port: int, exit_timeout: int = 10, log_verbose: int = 0,
                    extra: list[str] = ()) -> list[str]:
+    """tritonserver's command line; its HTTP binds loopback only (clients come through the front)."""
     return [
         str(install.binary),
         f"--model-repository={repo}",
         f"--backend-directory={backend_dir}",
         # Our config.pbtxt is complete; auto-complete would load the model (and torch) twice.
         "--disable-auto-complete-config",
-        f"--http-address={host}", f"--http-port={http_port}",
+        "--http-address=127.0.0.1", f"--http-port={http_port}",
         f"--grpc-address={host}", f"--grpc-port={grpc_port}",
         f"--metrics-address={host}", f"--metrics-port={metrics_port}",
         f"--exit-timeout-secs={exit_timeout}",
@@ -165,58 +175,51 @@ def server_command(install: TritonInstall, repo: Path, backend_dir: Path, *, hos
     ]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def run(cmd: list[str], env: dict) -> int:
-    """Run tritonserver in the foreground, forwarding signals; → its exit status (128+N if killed by N)."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-
-    def forward(signum, _frame):
-        if proc.poll() is None:
-            proc.send_signal(signum)
-
-    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, forward) for s in forwarded}
-    try:
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:  # only if a handler was replaced under us; keep waiting
-                continue
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return 128 - rc if rc < 0 else rc
+def _log(msg: str) -> None:
+    print(f"muse-spark serve: {msg}", file=sys.stderr, flush=True)
 
 
 def serve(repo: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
-          metrics_port: int = 8002, exit_timeout: int = 10, log_verbose: int = 0, extra: list[str] = ()) -> int:
+          metrics_port: int = 8002, exit_timeout: float = 10, max_request_bytes: int = 1 << 20,
+          stub_numpy: str | None = None, log_verbose: int = 0, extra: list[str] = ()) -> int:
+    from muse_spark.serving.front import FrontError, HttpFront  # aiohttp: only when serving
+    from muse_spark.serving.protocol import check_generate_json  # imports torch (via the runtime)
+
     repo = Path(repo).resolve()
     models = check_repository(repo)
     install = TritonInstall.find()
-    env = server_env(install)
+    for name, port in (("HTTP", http_port), ("gRPC", grpc_port), ("metrics", metrics_port)):
+        if port_in_use(host, port):
+            raise ServingError(f"the {name} port {host}:{port} is in use; choose another with --{name.lower()}-port")
     workdir = Path(tempfile.mkdtemp(prefix="muse-spark-triton-"))
+    front = None
     try:
+        try:
+            numpy_site = numpy1_site(stub_numpy, _log)
+        except StubEnvError as e:
+            raise ServingError(str(e)) from None
+        env = server_env(install, python_bin=write_overlay(workdir, numpy_site) if numpy_site else None)
+        drain_file = workdir / "draining"
+        env["MUSE_SPARK_SERVE_DRAIN_FILE"] = str(drain_file)
         backend_dir = prepare_backend_dir(install, workdir)
-        cmd = server_command(install, repo, backend_dir, host=host, http_port=http_port, grpc_port=grpc_port,
-                             metrics_port=metrics_port, exit_timeout=exit_timeout, log_verbose=log_verbose,
-                             extra=extra)
-        print(f"muse-spark serve: tritonserver with {', '.join(models)} from {repo}: "
-              f"HTTP {host}:{http_port}, gRPC {host}:{grpc_port}, metrics {host}:{metrics_port}",
-              file=sys.stderr, flush=True)
-        return run(cmd, env)
+        upstream = free_port()
+        front = HttpFront(host=host, port=http_port, upstream=f"http://127.0.0.1:{upstream}",
+                          max_request_bytes=max_request_bytes, check_body=lambda _path, body: check_generate_json(body),
+                          log=_log)
+        try:
+            front.start()
+        except FrontError as e:
+            raise ServingError(f"{e}; choose another with --http-port") from None
+        # tritonserver waits for requests in flight this long after the drain's grace period.
+        cmd = server_command(install, repo, backend_dir, host=host, http_port=upstream, grpc_port=grpc_port,
+                             metrics_port=metrics_port, exit_timeout=int(exit_timeout) + 30,
+                             log_verbose=log_verbose, extra=extra)
+        _log(f"tritonserver with {', '.join(models)} from {repo}: HTTP {host}:{http_port}, gRPC {host}:{grpc_port}, "
+             f"metrics {host}:{metrics_port}" + (f" (stub numpy from {numpy_site})" if numpy_site else ""))
+        return Supervisor(cmd, env, front, drain_file=drain_file, grace_s=exit_timeout, log=_log).run()
     finally:
+        if front is not None:
+            front.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -226,19 +229,57 @@ def add_serve_command(sub) -> None:
                        epilog="arguments after `--` go to tritonserver unchanged")
     s.add_argument("--repo", required=True, help="model repository (from `muse-spark triton-repo`)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    s.add_argument("--http-port", type=int, default=8000)
-    s.add_argument("--grpc-port", type=int, default=8001)
-    s.add_argument("--metrics-port", type=int, default=8002)
-    s.add_argument("--exit-timeout", type=int, default=10, help="seconds to let in-flight requests finish on exit")
+    s.add_argument("--http-port", type=_port, default=8000)
+    s.add_argument("--grpc-port", type=_port, default=8001)
+    s.add_argument("--metrics-port", type=_port, default=8002)
+    s.add_argument("--exit-timeout", type=_seconds, default=10.0,
+                   help="on SIGINT/SIGTERM, seconds running requests may go on before they end with finish "
+                        "reason 'shutdown' (default 10)")
+    s.add_argument("--max-request-bytes", type=_positive, default=1 << 20,
+                   help="largest HTTP request body accepted (default 1 MiB); larger ones get HTTP 413")
+    s.add_argument("--stub-numpy", default=None, metavar="WHEEL_OR_DIR",
+                   help="a numpy 1.x wheel (or a directory holding numpy/) for Triton's python backend stub, "
+                        "where this environment has numpy 2 and pip cannot fetch one")
     s.add_argument("--log-verbose", type=int, default=0)
     s.add_argument("tritonserver_args", nargs="*", help=argparse.SUPPRESS)
     s.set_defaults(fn=cmd_serve)
 
 
+def _port(text: str) -> int:
+    port = _int(text, "a port")
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port must be in [1, 65535], got {port}")
+    return port
+
+
+def _positive(text: str) -> int:
+    n = _int(text, "a positive integer")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _int(text: str, what: str) -> int:
+    if not text.strip().isascii() or not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds in [0, 3600], got {text}")
+    return value
+
+
 def cmd_serve(a) -> int:
     try:
         return serve(a.repo, host=a.host, http_port=a.http_port, grpc_port=a.grpc_port,
-                     metrics_port=a.metrics_port, exit_timeout=a.exit_timeout, log_verbose=a.log_verbose,
+                     metrics_port=a.metrics_port, exit_timeout=a.exit_timeout,
+                     max_request_bytes=a.max_request_bytes, stub_numpy=a.stub_numpy, log_verbose=a.log_verbose,
                      extra=a.tritonserver_args)
     except ServingError as e:
         print(f"muse-spark: error: {e}", file=sys.stderr)

@@ -251,7 +251,7 @@ def test_forwards_json_status_codes_headers_and_binary(front, upstream):
     assert call(front, "GET", "/v2/health/live")[0] == 200
     assert call(front, "GET", "/v2/models/m/versions/1/ready")[0] == 200
     assert call(front, "GET", "/v2/repository/index")[0] == 404  # the upstream's 404, relayed
-    assert front.inflight == 0
+    wait_for(lambda: front.inflight == 0, what="no request in flight")  # (its bookkeeping ends just after the response)
 
 
 def test_sse_events_arrive_incrementally(front, upstream):
@@ -393,7 +393,7 @@ def test_fail_inflight_ends_a_waiting_request_with_503(front, upstream):
     assert result["at"] - t0 < 2.0
     assert result["value"] == (503, {"error": "the model process died"})
     wait_for(lambda: upstream.disconnects == ["/v2/models/m/generate"], what="the upstream request to close")
-    assert front.inflight == 0
+    wait_for(lambda: front.inflight == 0, what="no request in flight")
     assert front.fail_inflight("nothing left") == 0
 
 
@@ -412,7 +412,7 @@ def test_fail_inflight_ends_a_stream_with_an_error_event(front, upstream):
     assert rest and rest[-1][1] == {"error": "the model process died"}
     assert all("i" in data for _, data in rest[:-1]) and len(rest) < 100
     wait_for(lambda: upstream.disconnects == ["/v2/models/m/generate_stream"], what="the upstream stream to close")
-    assert front.inflight == 0
+    wait_for(lambda: front.inflight == 0, what="no request in flight")
 
 
 def test_fail_inflight_cuts_a_plain_body_short(front, upstream):
@@ -479,7 +479,7 @@ def test_upstream_gone_gives_json_errors(front, upstream):
     assert status == 503 and "not reachable" in data["error"]
     status, _, body = call(front, "GET", "/v2/health/ready")
     assert status == 503 and "not reachable" in json.loads(body)["error"]
-    assert front.inflight == 0
+    wait_for(lambda: front.inflight == 0, what="no request in flight")
 
 
 # ---- starting and stopping ----

@@ -10,38 +10,30 @@ tritonclient is not installed.
 
 from __future__ import annotations
 
-import json
-import queue
 import random
-import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from muse_spark.builder.engine import build_engine
 from muse_spark.cli import main as cli_main
-from muse_spark.runtime import Generator, SamplingParams, load_engine, load_tokenizer
+from muse_spark.runtime import SamplingParams, load_engine
 from muse_spark.serving.protocol import StreamDecoder
 from muse_spark.serving.repo import RepoError, render_config, write_repository
 from muse_spark.serving.scheduler import Scheduler
-from muse_spark.serving.server import ServingError, TritonInstall, check_repository, server_env
+from muse_spark.serving.server import ServingError, check_repository
+from serving_utils import (MODEL, Collector, Reference, all_slots_free, generate, generate_stream, grpc_stream, ids_of,
+                           one_torch_thread, start_server, stop_server, tail, wait_for)
 
-MODEL = "muse_spark"
 MAX_BATCH, MAX_SEQ, GAMMA = 8, 512, 5
-START_TIMEOUT = 180
+
+
+def slots_free(m: dict) -> bool:
+    return all_slots_free(m, MAX_BATCH)
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
@@ -57,206 +49,14 @@ def ref(engine_dir):
     return Reference(engine_dir)
 
 
-@contextmanager
-def one_torch_thread():
-    """The server and this process share the CPU: with torch's default (one thread per
-    core) both, OpenMP oversubscription slows every step 10-50x on 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-class Reference:
-    """The runtime in this process: what the server must return."""
-
-    def __init__(self, engine_dir):
-        self.engine = load_engine(engine_dir)
-        self.tok = load_tokenizer(self.engine.tokenizer_path)
-        self.gen = Generator(self.engine)
-        self._lock = threading.Lock()
-
-    def run(self, prompt, **params):
-        with self._lock, one_torch_thread():
-            return self.gen.generate([list(prompt)], SamplingParams(**params))[0]
-
-    def chunks(self, prompt, **params):
-        """The token chunks a stream yields: one per scheduler step."""
-        with self._lock, one_torch_thread():
-            return list(self.gen.iter_request(self.gen.add(list(prompt), SamplingParams(**params))))
-
-    def text(self, ids):
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-
-@dataclass
-class Server:
-    http: str
-    grpc: str
-    metrics: str
-    proc: subprocess.Popen
-    log: Path
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def server(engine_dir, tmp_path_factory):
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed (extra: serve)")
-    try:
-        server_env(TritonInstall.find())  # the binary, the stub, libpython, python3 on PATH
-    except ServingError as e:
-        pytest.skip(f"tritonserver cannot run here: {e}")
-    work = tmp_path_factory.mktemp("triton")
-    repo = work / "repo"
-    assert cli_main(["triton-repo", "--engine", str(engine_dir), "--out", str(repo), "--torch-threads", "1"]) == 0
-    http, grpc, metrics = _free_ports(3)
-    log = work / "server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "muse_spark.cli", "serve", "--repo", str(repo), "--http-port", str(http),
-             "--grpc-port", str(grpc), "--metrics-port", str(metrics)], stdout=f, stderr=subprocess.STDOUT)
-    srv = Server(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"http://127.0.0.1:{metrics}/metrics", proc, log)
-    deadline = time.monotonic() + START_TIMEOUT
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"muse-spark serve exited with {proc.returncode}:\n{_tail(log)}")
-        try:
-            with urllib.request.urlopen(f"{srv.http}/v2/models/{MODEL}/ready", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except (urllib.error.URLError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"the server was not ready after {START_TIMEOUT}s:\n{_tail(log)}")
-        time.sleep(0.5)
+    srv = start_server(engine_dir, tmp_path_factory.mktemp("triton"))
     yield srv
     # Clean exit on SIGTERM: forwarded to tritonserver, which unloads the model and exits 0.
-    proc.send_signal(signal.SIGTERM)
-    try:
-        rc = proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"muse-spark serve did not exit within 60s of SIGTERM:\n{_tail(log)}")
-    assert rc == 0, f"muse-spark serve exited with {rc}:\n{_tail(log)}"
-    assert "successfully unloaded" in log.read_text(errors="replace")
-
-
-def _tail(path: Path, n: int = 60) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-
-
-# ---- clients ----------------------------------------------------------------------------------
-def generate(srv: Server, payload: dict, timeout: float = 120) -> tuple[int, dict]:
-    """POST /generate → (HTTP status, JSON body)."""
-    req = urllib.request.Request(f"{srv.http}/v2/models/{MODEL}/generate", json.dumps(payload).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def generate_stream(srv: Server, payload: dict, stop_after: int | None = None, timeout: float = 120):
-    """POST /generate_stream → (HTTP status, the events); closes the connection after ``stop_after`` events."""
-    req = urllib.request.Request(f"{srv.http}/v2/models/{MODEL}/generate_stream", json.dumps(payload).encode(),
-                                 {"Content-Type": "application/json"})
-    events = []
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for line in r:
-                if line.startswith(b"data:"):
-                    events.append(json.loads(line[5:]))
-                    if stop_after is not None and len(events) >= stop_after:
-                        break
-            return r.status, events
-    except urllib.error.HTTPError as e:
-        return e.code, [json.loads(e.read() or b"{}")]
-
-
-def ids_of(body: dict) -> list[int]:
-    ids = body["output_ids"]  # the generate endpoint turns one-element arrays into scalars
-    return [ids] if isinstance(ids, int) else list(ids)
-
-
-def grpc_stream(srv: Server, inputs: dict, cancel_after: int | None = None, timeout: float = 120):
-    """One request over a gRPC stream → list of (output_ids, text, finish_reason) or an error string last."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(srv.grpc)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    tensors = []
-    for name, value in inputs.items():
-        arr = np.asarray(value)
-        arr = arr.reshape(1, -1) if arr.ndim <= 1 else arr
-        t = grpcclient.InferInput(name, list(arr.shape), "BYTES" if arr.dtype.kind in "OSU" else
-                                  np_to_triton_dtype(arr.dtype))
-        t.set_data_from_numpy(arr.astype(object) if arr.dtype.kind in "SU" else arr)
-        tensors.append(t)
-    out = []
-    try:
-        client.async_stream_infer(MODEL, tensors, enable_empty_final_response=True)
-        while True:
-            result, error = results.get(timeout=timeout)
-            if error is not None:
-                out.append(str(error))
-                break
-            final = result.get_response().parameters["triton_final_response"].bool_param
-            ids = result.as_numpy("output_ids")
-            if ids is not None:
-                out.append((ids.reshape(-1).tolist(), result.as_numpy("text_output").reshape(-1)[0].decode(),
-                            result.as_numpy("finish_reason").reshape(-1)[0].decode()))
-            if final:
-                break
-            if cancel_after is not None and len(out) >= cancel_after:
-                break
-    finally:
-        client.stop_stream(cancel_requests=cancel_after is not None)
-        client.close()
-    return out
-
-
-def metrics(srv: Server) -> dict[str, float]:
-    with urllib.request.urlopen(srv.metrics, timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^(\w+)\{([^}]*)\} (\S+)$", line)
-        if m and f'model="{MODEL}"' in m.group(2):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-            key = m.group(1) + (f":{labels['outcome']}" if "outcome" in labels else "")
-            out[key] = out.get(key, 0.0) + float(m.group(3))
-    return out
-
-
-def wait_for(srv: Server, check, what: str, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(srv)
-        if check(m):
-            return m
-        if time.monotonic() > deadline:
-            pytest.fail(f"metrics never showed {what}: {m}")
-        time.sleep(0.1)
-
-
-def all_slots_free(m: dict) -> bool:
-    return (m.get("muse_spark_free_slots") == MAX_BATCH and m.get("muse_spark_active_requests") == 0
-            and m.get("muse_spark_waiting_requests") == 0)
+    rc = stop_server(srv)
+    assert rc == 0, f"muse-spark serve exited with {rc}:\n{tail(srv.log)}"
+    assert "successfully unloaded" in srv.log.read_text(errors="replace")
 
 
 # ---- the repository (no server) ---------------------------------------------------------------
@@ -293,25 +93,6 @@ def test_serve_refuses_a_missing_or_broken_repository(tmp_path, capsys):
     (tmp_path / "repo" / MODEL / "config.pbtxt").write_text(render_config(MODEL, tmp_path / "gone"))
     with pytest.raises(ServingError, match="engine directory .* is missing"):
         check_repository(tmp_path / "repo")
-
-
-class Collector:
-    """A real Sink that keeps what the scheduler hands it."""
-
-    def __init__(self, cancel_after: int | None = None):
-        self.chunks, self.error, self.done, self.cancel_after = [], None, threading.Event(), cancel_after
-
-    def deliver(self, req, new_tokens):
-        self.chunks.append(list(new_tokens))
-        if req.finished:
-            self.done.set()
-
-    def fail(self, message, kind):
-        self.error = (kind, message)
-        self.done.set()
-
-    def cancelled(self):
-        return self.cancel_after is not None and len(self.chunks) >= self.cancel_after
 
 
 def test_stream_decoder_holds_back_split_characters(ref):
@@ -352,7 +133,7 @@ def _scheduler_batches_requests(engine_dir, ref):
     sched.stop()
 
 
-def test_scheduler_refuses_past_its_queue_and_answers_everything_on_stop(engine_dir):
+def test_scheduler_refuses_past_its_queue_and_ends_everything_on_stop(engine_dir):
     sched = Scheduler(load_engine(engine_dir), max_queue=2)  # not started: requests stay queued
     queued = [Collector() for _ in range(2)]
     for sink in queued:
@@ -361,10 +142,12 @@ def test_scheduler_refuses_past_its_queue_and_answers_everything_on_stop(engine_
     sched.submit([1, 2, 3], SamplingParams(max_tokens=4), refused)
     assert refused.error[0] == "unavailable" and "queue is full" in refused.error[1]
     sched.stop()
-    assert all(s.error and s.error[0] == "unavailable" for s in queued)
+    # Each queued request gets one final response, finish reason shutdown, no tokens; so does a late one.
     late = Collector()
     sched.submit([1], SamplingParams(max_tokens=1), late)
-    assert late.error[0] == "unavailable" and "shutting down" in late.error[1]
+    for sink in [*queued, late]:
+        assert sink.error is None and sink.finish_reason == "shutdown" and sink.chunks == [[]]
+    assert sched.counters.outcomes == {"completed": 0, "rejected": 1, "cancelled": 3, "failed": 0}
 
 
 # ---- the server ---------------------------------------------------------------------------------
@@ -449,7 +232,7 @@ def test_sixteen_concurrent_requests_with_different_parameters(server, ref):
         assert status == 200
         assert ids == want, (prompt, params, stream)
         assert text == ref.text(want)
-    wait_for(server, all_slots_free, "all slots free")
+    wait_for(server, slots_free, "all slots free")
 
 
 BAD_REQUESTS = [
@@ -480,11 +263,11 @@ def test_bad_requests_get_errors_while_the_server_keeps_serving(server, ref):
     status, events = holder["result"]
     assert status == 200 and sum((ids_of(e) for e in events), []) == ref.run(
         [3, 1, 4, 1, 5], max_tokens=300, ignore_eos=True).output
-    wait_for(server, all_slots_free, "all slots free")
+    wait_for(server, slots_free, "all slots free")
 
 
 def test_a_cancelled_stream_frees_its_slot(server):
-    before = wait_for(server, all_slots_free, "all slots free")
+    before = wait_for(server, slots_free, "all slots free")
     long = {"input_ids": [2, 7, 1, 8], "max_tokens": MAX_SEQ - 20, "ignore_eos": True, "stream": True}
     # HTTP: the client reads two events and hangs up.
     status, events = generate_stream(server, long, stop_after=2)
@@ -494,14 +277,14 @@ def test_a_cancelled_stream_frees_its_slot(server):
                                "max_tokens": np.array([[MAX_SEQ - 20]], np.int32),
                                "ignore_eos": np.array([[True]]), "stream": np.array([[True]])}, cancel_after=2)
     assert len(out) == 2
-    after = wait_for(server, lambda m: all_slots_free(m) and m["muse_spark_requests_total:cancelled"]
+    after = wait_for(server, lambda m: slots_free(m) and m["muse_spark_requests_total:cancelled"]
                      >= before["muse_spark_requests_total:cancelled"] + 2, "two cancellations and free slots")
     assert after["muse_spark_requests_total:completed"] == before["muse_spark_requests_total:completed"]
 
 
 def test_metrics_count_the_requests(server):
     key = "nv_inference_request_success"
-    before = wait_for(server, all_slots_free, "all slots free")
+    before = wait_for(server, slots_free, "all slots free")
     for n in (3, 4):
         assert generate(server, {"input_ids": [n], "max_tokens": n})[0] == 200
     assert generate(server, {"input_ids": [300], "max_tokens": 2})[0] == 400
@@ -534,6 +317,6 @@ def test_load_loop_ends_without_failure_or_leaked_slot(server, ref):
     elapsed = time.perf_counter() - t0
     bad = [(job, res) for job, res in zip(jobs, results) if res[0] != 200 or res[1] != full[tuple(job[0])][:job[1]]]
     assert not bad, f"{len(bad)} of 200 requests failed, e.g. {bad[:3]}"
-    m = wait_for(server, all_slots_free, "all slots free after the load loop")
+    m = wait_for(server, slots_free, "all slots free after the load loop")
     assert m["muse_spark_requests_total:failed"] == 0
     print(f"load loop: 200 requests at concurrency 16 in {elapsed:.1f}s")
