@@ -23,6 +23,8 @@
 #                                      # attention_bench.py and attention_cache_bench.py at batch 8 and 32
 #   scripts/gpu_check.sh cxx           # the C++ embedding's tests: CPU and CUDA engines (carry .whl/ for its
 #                                      # JSON header: the nlohmann-json wheel)
+#   scripts/gpu_check.sh serving       # the Triton server on the GPU: exact outputs and its throughput beside
+#                                      # the in-process runtime (carry .whl/: scripts/device_wheels.py)
 #   scripts/gpu_check.sh launch        # a graph launch's host time after a graph, a kernel, a copy
 #                                      # (scripts/launch_probe.py: tells machine starts apart in seconds)
 #   scripts/gpu_check.sh chained       # the chained steps' GPU test (the Generator launching each step's
@@ -167,6 +169,20 @@ cxx)
     ls .whl/nlohmann_json-*.whl >/dev/null 2>&1 && python3 -m pip install --no-deps -q .whl/nlohmann_json-*.whl
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfEs tests/test_gpu_cxx.py tests/test_cxx.py 2>&1 |
         tee "$OUT/cxx-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
+    ;;
+serving)
+    # the Triton server on the GPU beside the in-process runtime (tests/test_gpu_serving.py runs
+    # benchmarks/serving.py; its JSON lands in $OUT/serving-*). Carry .whl/ from
+    # `python scripts/device_wheels.py .whl`: nvidia-pytriton, and numpy 1.x for the stub where the
+    # environment has numpy 2 and no package index.
+    if ls .whl/nvidia_pytriton-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-deps --no-compile --target /tmp/site .whl/nvidia_pytriton-*.whl &&
+            export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    stub=$(ls .whl/numpy-1.*.whl 2>/dev/null | head -1)
+    [ -n "$stub" ] && export STUB_NUMPY="$PWD/$stub"
+    OUT="$OUT" timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -rfEs -s tests/test_gpu_serving.py 2>&1 |
+        tee "$OUT/serving-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|tok/s|[0-9]+ (passed|failed)"
     ;;
 launch)
     # what a graph launch costs the host by what the stream did before it (seconds; no engine)
