@@ -1,4 +1,4 @@
-// Muse Spark DSpark: C++ embedding of an `aoti` engine directory (DESIGN.md §6).
+// Muse Spark DSpark: C++ embedding of an `aoti` engine directory (docs/cxx.md; docs/design.md, section 8).
 //
 // The library loads an engine built by `muse-spark build --backend aoti` with the AOTI C++
 // package loader and runs lossless speculative generation over it: prompt chunks through the
