@@ -13,7 +13,7 @@ backend writes (``target.safetensors``, ``draft.safetensors``):
   and the draft context K/V of the block's tokens (which the runtime runs on a
   second stream beside the last layers and the verification).
 
-The parts are ``runtime/aoti_graphs.py``'s ``SpecPair`` functions, with the
+The parts are ``muse_spark/graphs/parts.py``'s ``SpecPair`` functions, with the
 weights and the KV caches as inputs (see that module for why). **One layer
 package serves every target layer**: the layers share one structure and their
 weights are inputs, so a 32-layer target compiles one layer, not 32 unrolled
@@ -73,7 +73,7 @@ from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
 from muse_spark.models.layers import (PDL_KERNELS, accept_kernels, attention_cache_fused, attention_path,
                                       attention_splits, linear_path, linear_residual, pdl_active, pdl_gemm_trigger,
                                       pdl_trigger, qkv_epilogue, rope_table)
-from muse_spark.runtime.aoti_graphs import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
+from muse_spark.graphs.parts import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
 PLUGIN_IMPLS = ("auto", "inline", "triton")
@@ -387,7 +387,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         f"prefill chunk {chunk}; static key window {max_seq}")
     if impl == "triton" and draft.cfg.dspark_draft_topk:
         raise ValueError("the fused Markov kernel does not support dspark_draft_topk; build with plugins='inline'")
-    from muse_spark.runtime.aoti_graphs import SpecPair
+    from muse_spark.graphs.parts import SpecPair
 
     wspecs = weight_specs(SpecPair(target, draft))
     configs = inductor_configs(device, fast_compile)

@@ -1,7 +1,7 @@
 """What a program outside this Python runtime needs to drive an ``aoti`` engine's packages.
 
 The C++ embedding (``cxx/``, DESIGN.md §6) loads the packages with the AOTI C++
-loader and calls them as ``runtime/aoti_graphs.py``'s ``LayeredPrefill`` and
+loader and calls them as ``muse_spark/graphs/parts.py``'s ``LayeredPrefill`` and
 ``LayeredStep`` do. It holds no model code, so the builder writes down, in the
 manifest's ``embedding`` section, everything the Python runtime derives from its
 reference modules:
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from muse_spark.runtime.aoti_graphs import (EMBED, INPUT_NORM, LAYER_PREFIX, SpecPair, _Layered, weight_names,
+from muse_spark.graphs.parts import (EMBED, INPUT_NORM, LAYER_PREFIX, SpecPair, _Layered, weight_names,
                                             weight_tensors)
 
 DERIVED_FILE = "derived.safetensors"

@@ -54,7 +54,7 @@ from muse_spark.checkpoint import CheckpointError, file_sha256, load_pair, save_
 from muse_spark.config import dtype_name, missing_note, os_error_reason
 from muse_spark.models.layers import nvidia
 from muse_spark.plugins import PLUGIN_VERSIONS
-from muse_spark.runtime.engine import ENGINE_FORMAT, SCHEMA_VERSION, cache_memory_shortfall, device_memory
+from muse_spark.engine_format import ENGINE_FORMAT, SCHEMA_VERSION, cache_memory_shortfall, device_memory
 
 BACKENDS = ("eager", "aoti", "tensorrt", "migraphx")
 TEMP_TAG, ASIDE_TAG = ".building-", ".replaced-"  # .<name>.building-<random>, .<name>.replaced-<random>

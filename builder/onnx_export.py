@@ -4,13 +4,13 @@ DESIGN.md §1: ``tensorrt`` is "ONNX with plugin nodes → TensorRT ONNX parser 
 This module writes the ONNX half. Each part the ``aoti`` engine compiles (``graph_plan_names``:
 ``prefill_layer``, ``prefill_finish``, and per batch bucket ``step_draft``, ``step_layer``,
 ``step_verify``, ``step_context``) is exported with ``torch.export`` exactly as for AOTInductor
-(``runtime.aoti_graphs.SpecPair``, the same flat weight inputs), with the plugins as their
+(``graphs.parts.SpecPair``, the same flat weight inputs), with the plugins as their
 ``torch.ops.muse_spark`` custom ops (``plugin_impl("op")``), then translated by
 ``torch.onnx.export`` (the dynamo exporter) with those ops mapped to nodes of the ``muse_spark``
-domain (``runtime.onnx_parts`` gives their contract): ``GatedResidualAdd`` and ``MarkovSample``, each
+domain (``graphs.onnx_parts`` gives their contract): ``GatedResidualAdd`` and ``MarkovSample``, each
 with the ``plugin_namespace`` attribute by which TensorRT's ONNX parser finds the plugin of that
 name (``muse_spark::GatedResidualAdd``), and fixed inputs (an empty tensor where the op had None). A TensorRT build
-(``builder.tensorrt``) implements them as plugins; ``runtime.onnx_parts`` runs them on CPU with
+(``builder.tensorrt``) implements them as plugins; ``graphs.onnx_parts`` runs them on CPU with
 ``onnx.reference`` and the plugins' reference functions.
 
 What differs from the AOTI packages:
@@ -34,8 +34,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from muse_spark.runtime.aoti_graphs import GraphFn, build_pair, weight_specs
-from muse_spark.runtime.onnx_parts import MUTATED, ONNX_LAYOUT, PLUGIN_DOMAIN, onnx_dtype, register_plugin_schemas
+from muse_spark.graphs.parts import GraphFn, build_pair, weight_specs
+from muse_spark.graphs.onnx_parts import MUTATED, ONNX_LAYOUT, PLUGIN_DOMAIN, register_plugin_schemas
+from muse_spark.plugins.onnx_types import onnx_dtype
 
 OPSET = 18
 
@@ -125,7 +126,7 @@ def export_onnx(target, draft, out_dir: Path, *, max_batch: int, max_seq: int, b
     the ``aoti`` engine's)."""
     from muse_spark.builder.aoti import graph_jobs, graph_plan
     from muse_spark.builder.engine import check_max_seq
-    from muse_spark.runtime.aoti_graphs import SpecPair
+    from muse_spark.graphs.parts import SpecPair
 
     check_max_seq(target, draft, max_seq)
     if draft.cfg.dspark_draft_topk:

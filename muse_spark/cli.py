@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors import SafetensorError
 
     from muse_spark.checkpoint import CheckpointError
-    from muse_spark.runtime.engine import EngineError
+    from muse_spark.engine_format import EngineError
 
     try:
         return args.fn(args)

@@ -76,18 +76,18 @@ def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, te
 
 
 def accept_reference(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos):
-    """The acceptance rule's reference: ``runtime.sampling.accept`` on
+    """The acceptance rule's reference: ``plugins.acceptance.reference.accept`` on
     ``models.layers.output_transform(raw_logits, multiplier, soft_cap)`` → (n [B], bonus [B]) int64.
     Also ``muse_spark::accept_triton``'s fallback where its kernels do not run."""
     from muse_spark.models.layers import output_transform
-    from muse_spark.runtime.sampling import accept as accept_rule
+    from muse_spark.plugins.acceptance.reference import accept as accept_rule
 
     return accept_rule(output_transform(raw_logits, multiplier, soft_cap), draft_ids, draft_probs, d2t, temperature,
                        seeds, anchor_pos)
 
 
 def accept(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos):
-    """The acceptance rule (``runtime.sampling.accept``) on the target head's output before its
+    """The acceptance rule (``plugins.acceptance.reference.accept``) on the target head's output before its
     transform (``models.layers.output_transform(raw_logits, multiplier, soft_cap)``): the reference
     (``"op"``, ``"inline"``, and ``"triton"`` with ``MUSE_SPARK_ACCEPT_KERNELS=0``), or under
     ``"triton"`` by default (``models.layers.accept_kernels``) ``muse_spark::accept_triton``'s

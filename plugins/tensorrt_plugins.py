@@ -5,7 +5,7 @@ Written against TensorRT's quickly deployable plugin API (``tensorrt.plugin``, T
 with this project's Triton kernels (``plugins.triton_ops``, through ``plugins.dispatch``), on
 tensors viewed in place with ``torch.as_tensor``. The ONNX parser maps a node to the plugin of its
 ``op_type`` in the namespace of its ``plugin_namespace`` attribute: ``muse_spark::GatedResidualAdd``
-and ``muse_spark::MarkovSample``. Their contract is ``runtime.onnx_parts``' (an input the torch op
+and ``muse_spark::MarkovSample``. Their contract is ``graphs.onnx_parts``' (an input the torch op
 takes as None is an empty tensor).
 
 **Unverified here**: TensorRT does not install in this workplace (its wheels come from NVIDIA's
@@ -23,7 +23,7 @@ import tensorrt.plugin as trtp
 import torch
 
 from muse_spark.plugins import dispatch
-from muse_spark.runtime.onnx_parts import torch_of_onnx
+from muse_spark.plugins.onnx_types import torch_of_onnx
 
 # ONNX TensorProto type codes (the nodes' out_dtype) → TensorRT's
 _TRT = {1: trt.float32, 10: trt.float16, 16: trt.bfloat16, 7: trt.int64}

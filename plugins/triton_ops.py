@@ -23,7 +23,7 @@ Importing this module imports Triton and registers
   q over the caches in one launch of the attention's partial kernel (the default,
   ``MUSE_SPARK_ATTENTION_CACHE=0`` off: the layers call it where both kernels fit and the mask is in
   bounds form);
-* ``muse_spark::accept_triton`` — the speculative step's acceptance rule (``runtime.sampling.accept``)
+* ``muse_spark::accept_triton`` — the speculative step's acceptance rule (``plugins.acceptance.reference.accept``)
   on the target head's output, in three kernels (``plugins/acceptance``);
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
   which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
@@ -172,7 +172,7 @@ def markov_workspace_words(B: int, gamma: int, Vd: int, vocab: int, rank: int, h
 
 
 def check_accept_inputs(logits, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos) -> None:
-    """The shapes ``runtime.sampling.accept`` takes, or a ValueError naming the argument."""
+    """The shapes ``plugins.acceptance.reference.accept`` takes, or a ValueError naming the argument."""
     if logits.dim() != 3 or logits.shape[1] < 1:
         raise ValueError(f"accept: expected logits [B, γ+1, V], got {list(logits.shape)}")
     if not logits.dtype.is_floating_point:
@@ -195,7 +195,7 @@ def check_accept_inputs(logits, draft_ids, draft_probs, d2t, temperature, seeds,
 def _accept_op(logits: torch.Tensor, multiplier: float, draft_ids: torch.Tensor, draft_probs: torch.Tensor,
                d2t: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                anchor_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``runtime.sampling.accept`` on ``output_transform(logits, multiplier, None)`` → (n, bonus) [B]
+    """``plugins.acceptance.reference.accept`` on ``output_transform(logits, multiplier, None)`` → (n, bonus) [B]
     int64. d2t must map the draft ids into distinct target ids (``checkpoint.check_d2t``)."""
     check_accept_inputs(logits, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos)
     if not _runs_kernels(logits):
@@ -496,6 +496,6 @@ def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, te
 
 
 def accept(logits, multiplier, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos):
-    """``muse_spark::accept_triton`` (``runtime.sampling.accept`` on the target head's raw output)."""
+    """``muse_spark::accept_triton`` (``plugins.acceptance.reference.accept`` on the target head's raw output)."""
     return torch.ops.muse_spark.accept_triton(logits, float(multiplier), draft_ids, draft_probs, d2t, temperature,
                                               seeds, anchor_pos)

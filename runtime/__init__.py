@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from muse_spark.runtime.engine import EagerEngine, EngineError, read_manifest
+from muse_spark.engine_format import EngineError, read_manifest
+from muse_spark.runtime.engine import EagerEngine
 from muse_spark.runtime.generator import Generator, Request, RequestError, SamplingParams, StepRecord
 
 __all__ = [

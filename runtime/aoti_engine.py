@@ -5,7 +5,7 @@ device kind, compute capability, torch version), the files against their
 hashes, then loads the canonical weights once and the packages (a prompt
 chunk: ``prefill_layer``, ``prefill_finish``; a step per batch bucket:
 ``step_draft_b{B}``, ``step_layer_b{B}``, ``step_verify_b{B}``, ``step_context_b{B}``), which take
-those weights and the KV caches as inputs (``runtime/aoti_graphs.py`` says
+those weights and the KV caches as inputs (``muse_spark/graphs/parts.py`` says
 why); the one layer package runs every target layer. On CUDA each bucket's
 step (all its package calls; the draft context on a second stream beside the
 last layers and the verification, ``MUSE_SPARK_CONTEXT_STREAM``) is captured in
@@ -34,11 +34,12 @@ from safetensors.torch import load_file
 
 from muse_spark.config import dtype_name, parse_dtype
 from muse_spark.models.layers import chained_steps, context_stream
-from muse_spark.runtime.aoti_graphs import (LAYOUT, LayeredPrefill, embed_and_norm, LayeredStep, SpecPair, weight_names, weight_specs,
+from muse_spark.graphs.parts import (LAYOUT, LayeredPrefill, embed_and_norm, LayeredStep, SpecPair, weight_names, weight_specs,
                                             weight_tensors)
 from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep, StepHandle
-from muse_spark.runtime.engine import (EagerEngine, EngineError, build_modules, check_cache_memory, check_plugins,
-                                       configs_from_manifest, read_manifest, verify_files)
+from muse_spark.engine_format import (EngineError, check_cache_memory, check_plugins, configs_from_manifest,
+                                      read_manifest, verify_files)
+from muse_spark.runtime.engine import EagerEngine, build_modules
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,8 @@ from typing import Callable, Collection, Sequence
 import torch
 
 from muse_spark.models.layers import host_graph as host_graph_switch
-from muse_spark.runtime.engine import INPUT_NAMES, EngineError, host_step_inputs
+from muse_spark.engine_format import EngineError
+from muse_spark.runtime.engine import INPUT_NAMES, host_step_inputs
 
 Tensor = torch.Tensor
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from muse_spark.runtime.aoti_engine import AOTIEngine
-from muse_spark.runtime.engine import EngineError
-from muse_spark.runtime.onnx_parts import finish_part, part_leaves
+from muse_spark.engine_format import EngineError
+from muse_spark.graphs.onnx_parts import finish_part, part_leaves
 
 
 def import_tensorrt():

@@ -16,7 +16,7 @@ import time
 def main() -> int:
     from muse_spark.bench import PRESETS, preset_configs
     from muse_spark.builder.onnx_export import export_onnx_dir, new_out_dir
-    from muse_spark.runtime.aoti_graphs import build_pair
+    from muse_spark.graphs.parts import build_pair
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)

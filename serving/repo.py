@@ -70,7 +70,7 @@ def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str
     Other models already in ``out`` are left alone; a model directory of the same
     name is replaced only if this command wrote it.
     """
-    from muse_spark.runtime.engine import read_manifest  # imports torch: keep the CLI parser light
+    from muse_spark.engine_format import read_manifest  # imports torch: keep the CLI parser light
 
     if not _NAME_RE.match(model_name):
         raise RepoError(f"model name {model_name!r} must be letters, digits, '_', '.', '-'")

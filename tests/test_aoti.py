@@ -17,7 +17,7 @@ import torch
 
 from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingParams, load_engine
 from muse_spark.runtime.aoti_engine import AOTIEngine, check_compatibility, machine_info
-from muse_spark.runtime.aoti_graphs import LAYOUT
+from muse_spark.graphs.parts import LAYOUT
 
 from conftest import ENGINE_PROMPTS as PROMPTS
 from conftest import chained_generation, cli_generate_ids, run_cli
@@ -116,7 +116,7 @@ def test_layered_parts_compose_to_the_eager_step_and_prefill(agreeing_pair):
     """The parts the builder compiles (draft, one layer reused for every layer, verify, context), run
     uncompiled over the reference modules and composed as the runtime composes them, give the
     eager engine's step and prefill token for token and write the same caches."""
-    from muse_spark.runtime.aoti_graphs import (GraphFn, LayeredPrefill, LayeredStep, SpecPair, embed_and_norm,
+    from muse_spark.graphs.parts import (GraphFn, LayeredPrefill, LayeredStep, SpecPair, embed_and_norm,
                                                 part_weight_names, weight_names, weight_tensors)
 
     a = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=MAX_BATCH, max_seq=MAX_SEQ)

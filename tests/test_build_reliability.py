@@ -29,7 +29,7 @@ import muse_spark.runtime.engine as rt
 from muse_spark.builder.engine import BuildError, build_engine
 from muse_spark.checkpoint import CheckpointError, TensorSource, load_pair
 from muse_spark.runtime import EngineError, load_engine
-from muse_spark.runtime.engine import cache_bytes
+from muse_spark.engine_format import cache_bytes
 
 from conftest import run_cli
 
@@ -332,7 +332,7 @@ def test_a_load_checks_the_caches_fit_before_allocating(engine, tmp_path, monkey
     with pytest.raises(EngineError, match="max_batch 1000000000"):
         load_engine(engine, max_batch=10**9)
     m = json.loads((engine / "manifest.json").read_text())
-    from muse_spark.runtime.engine import configs_from_manifest
+    from muse_spark.engine_format import configs_from_manifest
     from muse_spark.config import parse_dtype
 
     tcfg, dcfg = configs_from_manifest(m)

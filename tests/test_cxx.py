@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from muse_spark.builder.embedder import DERIVED_FILE, EMBEDDING_VERSION, embedding_section
 from muse_spark.config import MuseSpark1xConfig
 from muse_spark.runtime import Generator, RequestError, SamplingParams, load_engine
-from muse_spark.runtime.aoti_graphs import LAYOUT, torch_dtype
+from muse_spark.graphs.parts import LAYOUT, torch_dtype
 from muse_spark.runtime.engine import build_modules
 
 from conftest import AOTI_MAX_BATCH, ENGINE_PROMPTS, random_state_dict, small_configs

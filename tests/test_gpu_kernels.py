@@ -2404,13 +2404,13 @@ ACCEPT_CASES = {  # B, γ, V, Vd, temperatures, chunk
 @pytest.mark.parametrize("case", list(ACCEPT_CASES))
 @pytest.mark.parametrize("special", [False, True], ids=["plain", "nan_inf_rows"])
 def test_accept_kernels_give_the_reference_n_and_bonus(case, special):
-    """The three acceptance kernels (``launch_accept``) against ``runtime.sampling.accept`` on the
+    """The three acceptance kernels (``launch_accept``) against ``plugins.acceptance.reference.accept`` on the
     transformed logits: the same n and bonus token for greedy and sampled requests in one batch,
     over several seeds, one or many vocabulary chunks, with the sanitize cases (NaN entries, +inf
     entries, a row all −inf)."""
     from muse_spark.models.layers import output_transform
     from muse_spark.plugins.acceptance.triton_kernel import launch_accept
-    from muse_spark.runtime.sampling import accept
+    from muse_spark.plugins.acceptance.reference import accept
 
     B, gamma, V, Vd, temps, chunk = ACCEPT_CASES[case]
     mult = 0.75
@@ -2426,7 +2426,7 @@ def test_accept_kernels_give_the_reference_n_and_bonus(case, special):
 def test_accept_op_runs_the_kernels_and_refuses_bad_shapes(tops):
     """``muse_spark::accept_triton`` (fp32 logits, no multiplier) equals the reference; wrong shapes
     are refused with the argument named."""
-    from muse_spark.runtime.sampling import accept
+    from muse_spark.plugins.acceptance.reference import accept
 
     logits, ids, probs, d2t, temp, seeds, anchor = accept_operands(3, 4, 500, 120, [0.0, 1.0, 0.7], 5,
                                                                    logits_dtype=torch.float32)

@@ -1,6 +1,6 @@
 """The ``tensorrt`` backend's input, up to the boundary that runs here: the engine's parts exported as
 ONNX graphs with ``muse_spark`` plugin nodes (``builder.onnx_export``), run on CPU with
-``onnx.reference`` and onnxruntime (``runtime.onnx_parts``) and composed as the runtime composes the
+``onnx.reference`` and onnxruntime (``graphs.onnx_parts``) and composed as the runtime composes the
 AOTI packages, give the eager engine's steps and prefill and write the same caches."""
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def test_onnx_parts_compose_to_the_eager_step_and_prefill(fp32_pair, exported, r
         pytest.importorskip("onnxruntime")
         pytest.importorskip("onnxruntime_extensions")
     from muse_spark.runtime.aoti_engine import load_prefill, load_step
-    from muse_spark.runtime.aoti_graphs import SpecPair, weight_names, weight_tensors
-    from muse_spark.runtime.onnx_parts import OnnxPart
+    from muse_spark.graphs.parts import SpecPair, weight_names, weight_tensors
+    from muse_spark.graphs.onnx_parts import OnnxPart
 
     out, section, _ = exported
     a = EagerEngine.from_checkpoints(*fp32_pair, max_batch=SLOTS, max_seq=MAX_SEQ)

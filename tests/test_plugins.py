@@ -347,11 +347,11 @@ def test_linear_residual_op_on_cpu_is_its_two_references():
 @pytest.mark.parametrize("soft_cap", [None, 4.0])
 def test_dispatch_accept_is_the_rule_on_the_transformed_logits(impl, soft_cap, kernels, monkeypatch):
     """``dispatch.accept`` (what step_verify calls, on the head's raw output) gives
-    ``runtime.sampling.accept`` on ``output_transform(raw, multiplier, soft_cap)``; under ``"triton"``
+    ``plugins.acceptance.reference.accept`` on ``output_transform(raw, multiplier, soft_cap)``; under ``"triton"``
     with ``MUSE_SPARK_ACCEPT_KERNELS=0`` it is that same reference code; with the kernels on, the op
     falls back to it on the CPU, and under TRITON_INTERPRET=1 its kernels give the same n and bonus."""
     from muse_spark.models.layers import output_transform
-    from muse_spark.runtime.sampling import accept
+    from muse_spark.plugins.acceptance.reference import accept
 
     if impl == "triton" and kernels == "1":
         pytest.importorskip("triton")  # muse_spark::accept_triton's module imports it

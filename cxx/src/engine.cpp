@@ -1,7 +1,7 @@
 // The C++ embedding of an aoti engine: see include/muse_spark/engine.h, and docs/cxx.md.
 //
 // It mirrors the Python runtime over the same packages: runtime/aoti_engine.py (the checks, the
-// prompt chunks), runtime/aoti_graphs.py (LayeredPrefill, LayeredStep: the order of the parts and
+// prompt chunks), muse_spark/graphs/parts.py (LayeredPrefill, LayeredStep: the order of the parts and
 // their flat inputs), runtime/cuda_graph.py (StaticStep: padding rows, the Markov workspace and
 // its retry) and runtime/generator.py (admission, the emitted tokens, stop and length). What the
 // Python runtime derives from its modules, the builder wrote into the manifest's "embedding"
@@ -44,9 +44,9 @@ namespace {
 
 constexpr const char* kFormat = "muse-spark-engine";
 constexpr int kSchemaVersion = 1;
-constexpr const char* kLayout = "layered-5";  // runtime/aoti_graphs.py LAYOUT
+constexpr const char* kLayout = "layered-5";  // muse_spark/graphs/parts.py LAYOUT
 constexpr int kEmbeddingVersion = 1;          // builder/embedder.py EMBEDDING_VERSION
-constexpr int kMarkovErrorWord = 2;           // runtime/aoti_graphs.py MARKOV_ERROR_WORD (documentation)
+constexpr int kMarkovErrorWord = 2;           // muse_spark/graphs/parts.py MARKOV_ERROR_WORD (documentation)
 constexpr double kGreedyBelow = 1e-5;         // runtime/generator.py GREEDY_BELOW
 
 #ifdef MUSE_SPARK_SHA256

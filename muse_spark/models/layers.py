@@ -348,7 +348,7 @@ def _switch(name: str, default: str = "0") -> bool:
 def accept_kernels() -> bool:
     """``MUSE_SPARK_ACCEPT_KERNELS`` (on unless ``0``): a Triton build's step_verify package runs the
     acceptance rule in three Triton kernels (``muse_spark::accept_triton``, plugins/acceptance) instead
-    of Inductor's compile of ``runtime.sampling.accept`` (~20 kernels; ``0`` keeps that). On the H200 a
+    of Inductor's compile of ``plugins.acceptance.reference.accept`` (~20 kernels; ``0`` keeps that). On the H200 a
     batch-1 step with them took 19 µs of acceptance kernels against ≈ 45 (nineteenth session), the
     greedy step equal to eager; the default since the twentieth session's GPU tests
     (docs/benchmarks.md). A build records it in the engine's manifest."""
@@ -401,7 +401,7 @@ def rope_table() -> bool:
 def context_stream() -> bool:
     """``MUSE_SPARK_CONTEXT_STREAM`` (on unless ``0``): an aoti engine on CUDA runs each step's draft
     context K/V (``step_context``) on a second stream, beside the target layers after the last aux
-    layer and the verification (``runtime.aoti_graphs.LayeredStep``), so that its short kernels
+    layer and the verification (``graphs.parts.LayeredStep``), so that its short kernels
     overlap the target head's weight stream. The same packages either way, and the same results; a
     runtime choice, not recorded in the manifest."""
     return _switch("MUSE_SPARK_CONTEXT_STREAM", default="1")

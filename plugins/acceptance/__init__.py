@@ -1,1 +1,1 @@
-"""The lossless acceptance rule of a speculative step (``runtime.sampling.accept``) in three kernels."""
+"""The lossless acceptance rule of a speculative step (``plugins.acceptance.reference.accept``) in three kernels."""

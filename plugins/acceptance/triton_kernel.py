@@ -1,4 +1,4 @@
-"""Triton kernels of the acceptance rule: ``runtime.sampling.accept`` (the spec) in three launches.
+"""Triton kernels of the acceptance rule: ``plugins.acceptance.reference.accept`` (the spec) in three launches.
 
 The spec, per request b with γ drafts t_1 … t_γ (target ids) drawn from q_0 … q_{γ−1} (draft
 vocabulary, scattered into the target's through d2t) and the target logits z_0 … z_γ [V]:
@@ -214,7 +214,7 @@ def _finish_kernel(temp_ptr, rv_ptr, ri_ptr, pv_ptr, pi_ptr, ar_ptr, nb_ptr, n_p
 def launch_accept(logits: torch.Tensor, multiplier: float, draft_ids: torch.Tensor, draft_probs: torch.Tensor,
                   d2t: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, anchor_pos: torch.Tensor,
                   wrap=lambda f: f, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``runtime.sampling.accept(output_transform(logits, multiplier, None), ...)`` → (n, bonus) [B] int64.
+    """``plugins.acceptance.reference.accept(output_transform(logits, multiplier, None), ...)`` → (n, bonus) [B] int64.
 
     logits [B, γ+1, V] (any float dtype; last dim contiguous), draft_ids [B, γ] int64,
     draft_probs [B, γ, Vd] fp32, d2t [Vd] int64 (injective into [0, V): ``checkpoint.check_d2t``),

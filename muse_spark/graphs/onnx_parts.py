@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from muse_spark.plugins.onnx_types import torch_of_onnx
+
 PLUGIN_DOMAIN = "muse_spark"
 ONNX_LAYOUT = "onnx-1"
 # Per part: the indices of its (non-weight) inputs it writes, returned in this order after its outputs.
@@ -34,25 +36,6 @@ MUTATED = {"layer": (0, 1), "step_draft": (0, 1, 2), "step_context": (0, 1), "pr
            "step_verify": ()}
 RETURNS = {"layer": "tuple", "step_draft": "tuple", "step_context": "none", "prefill_finish": "tensor",
            "step_verify": "tensor"}
-
-_TORCH_TO_ONNX = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16, torch.int64: 7, torch.int32: 6}
-
-
-def onnx_dtype(dtype) -> int:
-    """A torch dtype (or an ONNX ``TensorProto`` type already) → its ONNX ``TensorProto`` type."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _TORCH_TO_ONNX:
-            raise ValueError(f"no ONNX type for {dtype}")
-        return _TORCH_TO_ONNX[dtype]
-    return int(dtype)
-
-
-def torch_of_onnx(code: int) -> torch.dtype:
-    for t, c in _TORCH_TO_ONNX.items():
-        if c == int(code):
-            return t
-    raise ValueError(f"ONNX type {code} is not one the plugins take")
-
 
 def register_plugin_schemas() -> None:
     """Register the ``muse_spark`` nodes' schemas with ``onnx.defs`` (once a process), so that

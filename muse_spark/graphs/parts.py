@@ -1,9 +1,9 @@
 """The two functions an ``aoti`` engine compiles, written once over the reference modules.
 
 The builder exports these with ``torch.export`` and compiles them with
-AOTInductor; the runtime uses the same module to name the weights it feeds the
-compiled graphs and to check what a package expects. (Runtime code, so the
-builder imports it, never the other way round.)
+AOTInductor (or exports them to ONNX); the runtime uses the same module to name
+the weights it feeds the compiled graphs, to check what a package expects and to
+compose the parts into a step. Both import it; it imports neither.
 
 Why the graphs look like this:
 
@@ -33,7 +33,7 @@ from torch import nn
 from muse_spark.models.draft import MuseSparkDSparkForCausalLM
 from muse_spark.models.target import KVCache, MuseSpark1xForCausalLM
 from muse_spark.plugins import dispatch
-from muse_spark.runtime.sampling import sample_tokens
+from muse_spark.plugins.acceptance.reference import sample_tokens
 
 EMBED = "target.model.embed_tokens.weight"
 # The packages' calling convention; an engine of another layout is refused ("rebuild it").
