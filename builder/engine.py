@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 import muse_spark
+from muse_spark.builder.limits import check_max_batch, check_max_seq
 from muse_spark.checkpoint import CheckpointError, file_sha256, load_pair, save_canonical, tensors_hash, unreadable
 from muse_spark.config import dtype_name, missing_note, os_error_reason
 from muse_spark.models.layers import nvidia
@@ -97,22 +98,6 @@ def versions() -> dict:
     except ImportError:
         v["triton"] = None
     return v
-
-
-def check_max_batch(max_batch: int) -> None:
-    if max_batch < 1:
-        raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
-
-
-def check_max_seq(target, draft, max_seq: int) -> None:
-    """--max-seq against the pair: room for a step's γ + 1 tokens after an anchor, within the target's positions."""
-    gamma = draft.cfg.block_size
-    if max_seq < gamma + 2:
-        raise ValueError(f"--max-seq must be at least γ+2 = {gamma + 2}, got {max_seq}")
-    if max_seq > target.cfg.max_position_embeddings:
-        raise ValueError(
-            f"--max-seq {max_seq} exceeds the target's max_position_embeddings {target.cfg.max_position_embeddings}"
-        )
 
 
 def check_memory(target, draft, *, backend: str, device: str, max_batch: int, max_seq: int) -> None:

@@ -38,7 +38,7 @@ def test_export_onnx_writes_every_part_and_their_names(agreeing_pair, tmp_path):
     # a folder that holds something is not written into
     r = run_cli("export-onnx", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out)
     assert r.returncode == 2 and "exists and is not empty" in r.stderr
-    # the build's limits (builder.engine.check_max_seq)
+    # the build's limits (builder.limits.check_max_seq)
     r = run_cli("export-onnx", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", tmp_path / "o2",
                 "--max-seq", "3")
     assert r.returncode == 2 and "--max-seq must be at least γ+2" in r.stderr
