@@ -1,6 +1,6 @@
 """What a program outside this Python runtime needs to drive an ``aoti`` engine's packages.
 
-The C++ embedding (``cxx/``, DESIGN.md §6) loads the packages with the AOTI C++
+The C++ embedding (``cxx/``, docs/cxx.md) loads the packages with the AOTI C++
 loader and calls them as ``muse_spark/graphs/parts.py``'s ``LayeredPrefill`` and
 ``LayeredStep`` do. It holds no model code, so the builder writes down, in the
 manifest's ``embedding`` section, everything the Python runtime derives from its

@@ -2,7 +2,7 @@
 
 The ``eager`` backend stores the canonical (stacked, validated, converted)
 weights as safetensors next to the configs and the tokenizer; the manifest
-records what DESIGN.md §4 asks for (schema, backend, device, versions,
+records what docs/design.md lists (schema, backend, device, versions,
 configs, checkpoint tensor hashes, dtype, γ, limits, batch buckets, plugin
 versions, tokenizer and a sha256 of every engine file). The ``migraphx`` backend
 writes the same files (its runtime compiles the step through MIGraphX on ROCm:

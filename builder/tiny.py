@@ -1,7 +1,7 @@
 """Tiny Muse Spark + DSpark checkpoint pairs, generated locally (no downloads).
 
 ``make_tiny(out, kind)`` writes ``out/target`` and ``out/draft`` as HF-style
-checkpoints (config.json, model.safetensors with the seed's *unstacked* names,
+checkpoints (config.json, model.safetensors with vLLM's *unstacked* names,
 tokenizer.json) in small odd sizes, so every shape bug shows up.
 
 * ``random``: all weights random; the draft rarely agrees with the target.

@@ -2,10 +2,10 @@
 
 * safetensors only, one file or sharded with ``model.safetensors.index.json``;
   pickle checkpoints (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) are refused;
-* the seed's names and stacking: ``q/k/v/o_gate_proj`` → ``qkv_proj``,
+* vLLM's Muse Spark DSpark names and stacking: ``q/k/v/o_gate_proj`` → ``qkv_proj``,
   ``gate/up_proj`` → ``gate_up_proj``; for the draft ``d2t`` →
   ``draft_id_to_target_id``, ``t2d`` ignored, ``embed_tokens``/``mask_embedding``
-  dropped, ``model.`` prefixed to everything but ``lm_head``; the seed's errors
+  dropped, ``model.`` prefixed to everything but ``lm_head``; vLLM's errors
   when ``lm_head`` or ``d2t`` is missing;
 * every missing, unexpected or misshaped tensor is an error naming the tensor
   with its expected and actual shape; NaN/Inf in weights is reported;
@@ -191,7 +191,7 @@ def expected_shapes(cfg: MuseSpark1xConfig) -> dict[str, tuple[int, ...]]:
     return s
 
 
-# ---- name mapping (the seed's WeightsMapper) -------------------------------------------
+# ---- name mapping (vLLM's WeightsMapper) -------------------------------------------
 _STACKED_QKV = ("q_proj", "k_proj", "v_proj", "o_gate_proj")
 _STACKED_FFN = ("gate_proj", "up_proj")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -221,7 +221,7 @@ def _draft_rename(source: TensorSource) -> dict[str, str]:
     return out
 
 
-# The seed's stacked mapping: per-layer suffix → (stacked suffix, part).
+# vLLM's stacked mapping: per-layer suffix → (stacked suffix, part).
 _STACKED = {
     **{f"self_attn.{p}.weight": ("self_attn.qkv_proj.weight", p) for p in _STACKED_QKV},
     **{f"feed_forward.{p}.weight": ("feed_forward.gate_up_proj.weight", p) for p in _STACKED_FFN},

@@ -1,6 +1,6 @@
 """Frozen, validated configs for the Muse Spark target and the DSpark draft.
 
-Both are parsed from HF-style ``config.json`` files (DESIGN.md §2–3). Every
+Both are parsed from HF-style ``config.json`` files (docs/design.md). Every
 inconsistency is a ``ValueError`` naming the field and the values, so a bad
 checkpoint fails at load time and never half-way through a build.
 """
@@ -306,7 +306,7 @@ class MuseSparkDSparkConfig(MuseSpark1xConfig):
     confidence_head_with_markov: bool = False
     dspark_draft_topk: int | None = None
     # Positional mode of the draft layers, when the checkpoint records it apart
-    # from ``use_rope`` (the seed's per-layer rotary_emb); must equal use_rope.
+    # from ``use_rope`` (vLLM's per-layer rotary_emb); must equal use_rope.
     layer_use_rope: tuple[bool, ...] | None = None
     # Per-layer KV geometry (num_key_value_heads, head_dim), when recorded.
     layer_kv_geometry: tuple[tuple[int, int], ...] | None = None
@@ -385,7 +385,7 @@ class MuseSparkDSparkConfig(MuseSpark1xConfig):
                 f"got {self.dspark_draft_topk}"
             )
         if not self.sample_from_anchor:
-            raise ValueError(f"{where}: sample_from_anchor=false is not supported (DESIGN.md §3)")
+            raise ValueError(f"{where}: sample_from_anchor=false is not supported")
         if self.layer_use_rope is not None:
             if len(self.layer_use_rope) != self.num_hidden_layers or any(
                 u != self.use_rope for u in self.layer_use_rope

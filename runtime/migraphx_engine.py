@@ -1,4 +1,4 @@
-"""The ``migraphx`` engine: the ROCm fallback (DESIGN.md §1).
+"""The ``migraphx`` engine: the ROCm fallback (docs/design.md).
 
 An engine directory like the eager backend's (the canonical weights, the manifest), run by the
 reference modules; where ``torch_migraphx`` is installed on a ROCm GPU, the speculative step is

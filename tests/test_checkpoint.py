@@ -1,4 +1,4 @@
-"""Checkpoint loading: the seed's names and errors, broken checkpoints, round trips."""
+"""Checkpoint loading: vLLM's names and errors, broken checkpoints, round trips."""
 
 import json
 import shutil
@@ -176,7 +176,7 @@ def test_sharded_checkpoint_loads_identically(agreeing_pair, tmp_path):
 
 
 def test_save_then_load_round_trip(agreeing_pair, tmp_path):
-    """Canonical weights saved back in the seed's unstacked layout load to the same module."""
+    """Canonical weights saved back in vLLM's unstacked layout load to the same module."""
     target = load_target(agreeing_pair[0])
     canon = tmp_path / "canon.safetensors"
     save_canonical(target, canon)

@@ -2,7 +2,7 @@
 
 Skipped without a CUDA device. One engine (buckets 1, 2, 4) is built for the
 module by the CLI in a subprocess, so loading it here is a fresh-process load
-of packages another process compiled (DESIGN.md §4).
+of packages another process compiled.
 """
 
 import json
@@ -46,9 +46,9 @@ def built(agreeing_pair, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(built):
-    # Load once in a child first: a fresh-process load is what DESIGN.md §4 asks for, and torch
+    # Load once in a child first: engines are loaded in fresh processes, and torch
     # 2.11.0+cu130's package loader segfaulted on the H200 without the runtime's libstdc++ step
-    # (docs/aoti.md); a regression must fail these tests, not take the whole session down.
+    # (docs/aoti.md); a regression must fail these tests, not take the whole run down.
     code = "import sys; from muse_spark.runtime import load_engine; load_engine(sys.argv[1])"
     r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code, str(built)], capture_output=True,
                        text=True, timeout=600)

@@ -122,8 +122,7 @@ def test_a_pdl_engine_whose_kernels_only_wait_equals_eager(built_pdl, eager):
     kernel triggers its dependents: they launch as its programs exit): the manifest names the kernels
     compiled with the wait first, each bucket's step graph has the edges into them programmatic (not
     into its other kernels), and greedy and sampled output equal the eager engine's (built with the
-    defaults), in this process and in a fresh one. (The twenty-first session ran it once with the
-    GEMMs' late trigger on and the small kernels waiting only: passed on the H200.)"""
+    defaults), in this process and in a fresh one."""
     from muse_spark.models.layers import PDL_KERNELS
 
     m = json.loads((built_pdl / "manifest.json").read_text())["aoti"]
@@ -142,7 +141,7 @@ def test_a_pdl_engine_whose_kernels_only_wait_equals_eager(built_pdl, eager):
 def test_an_engine_without_the_rope_table_the_fused_attention_and_pdl_equals_eager(agreeing_pair, eager, tmp_path):
     """Built with ``MUSE_SPARK_ROPE_TABLE=0 MUSE_SPARK_ATTENTION_CACHE=0 MUSE_SPARK_PDL=0`` (the q/k norm
     kernel computes the angles and writes the caches, then the attention, kernels without the PDL
-    wait on plain graph edges: the path before the thirteenth session): recorded in the manifest, no
+    wait on plain graph edges): recorded in the manifest, no
     programmatic edge, and greedy and sampled output equal the eager engine's (built with the
     defaults: the same bits), in this process and in a fresh one."""
     out = build(agreeing_pair, tmp_path / "engine",

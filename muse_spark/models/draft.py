@@ -1,6 +1,6 @@
-"""The DSpark draft (``MuseSparkDSparkForCausalLM``) in plain PyTorch (DESIGN.md §3).
+"""The DSpark draft (``MuseSparkDSparkForCausalLM``) in plain PyTorch (docs/design.md).
 
-* ``store_context``: the seed's ``precompute_and_store_context_kv``: target
+* ``store_context``: vLLM's ``precompute_and_store_context_kv``: target
   aux hidden states → ``hidden_norm(fc(·))`` → per-layer
   ``pre_qkv_proj_norm`` → the k/v rows of the stacked projection; K gets the
   weightless per-head norm and RoPE at its own position. Only these context
