@@ -285,7 +285,7 @@ PDL_PORTS = ("programmatic", "launch_order")
 def make_programmatic(graph: int, waiting: Collection[str], port: str = "programmatic") -> tuple[int, int]:
     """Turn each edge kernel → kernel of the captured CUDA graph ``graph`` (a ``cudaGraph_t``, e.g.
     ``torch.cuda.CUDAGraph(keep_graph=True).raw_cuda_graph()``, before it is instantiated) whose
-    downstream kernel's name is in ``waiting`` into a programmatic edge (PDL, docs/pdl-research.md):
+    downstream kernel's name is in ``waiting`` into a programmatic edge (PDL, docs/pdl.md):
     that kernel may launch before the one before it has finished, which its ``griddepcontrol.wait``
     makes safe. A kernel that does not wait before it touches memory must never be in ``waiting``.
     Edges from or to other nodes (copies, memsets) stay. → (edges rewritten, kernel nodes)."""
