@@ -26,12 +26,16 @@ def _git(*args: str) -> str | None:
         return None
 
 
+def cpu_name() -> str:
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
 def device_name() -> str:
     import torch
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return f"cpu ({platform.processor() or platform.machine()})"
+    return cpu_name()
 
 
 def versions() -> dict:
@@ -51,14 +55,16 @@ def versions() -> dict:
     return out
 
 
-def record(benchmark: str, config: dict, results: dict, command: list[str] | None = None) -> dict:
-    """The result document (not yet written)."""
+def record(benchmark: str, config: dict, results: dict, command: list[str] | None = None,
+           device: str | None = None) -> dict:
+    """The result document (not yet written). ``device``: what ran it, where not the default device
+    (a CPU run on a machine with a GPU)."""
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
         "schema": SCHEMA,
         "benchmark": benchmark,
         "date": now.isoformat(timespec="seconds"),
-        "device": device_name(),
+        "device": device or device_name(),
         "commit": _git("rev-parse", "--short=12", "HEAD"),
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "versions": versions(),
@@ -68,10 +74,41 @@ def record(benchmark: str, config: dict, results: dict, command: list[str] | Non
     }
 
 
+def _same_run(path: Path, doc: dict) -> bool:
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(old, dict) and (old.get("date"), old.get("command")) == (doc["date"], doc["command"])
+
+
 def write(doc: dict, out_dir: Path = RESULTS) -> Path:
-    """Write ``doc`` under ``out_dir`` with a name from its date, device, commit and benchmark."""
+    """Write ``doc`` under ``out_dir`` with a name from its date, device, commit and benchmark. The same
+    run (date and command) written again replaces its file (a run that saves as it goes); another
+    run of the same day, device, commit and benchmark gets the next free ``-2``, ``-3``, ... name."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = re.sub(r"[^a-z0-9]+", "-", doc["device"].lower()).strip("-")[:24]
-    path = out_dir / f"{doc['date'][:10]}_{device}_{doc['commit'] or 'nogit'}_{doc['benchmark']}.json"
+    stem = f"{doc['date'][:10]}_{device}_{doc['commit'] or 'nogit'}_{doc['benchmark']}"
+    path, n = out_dir / f"{stem}.json", 1
+    while path.exists() and not _same_run(path, doc):
+        n += 1
+        path = out_dir / f"{stem}-{n}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return path
+
+
+def load(out_dir: Path = RESULTS, benchmark: str | None = None) -> list[dict]:
+    """The result documents under ``out_dir`` (of ``benchmark`` only, if given), oldest first, each
+    with its file name as ``_file``."""
+    docs = []
+    for path in sorted(Path(out_dir).glob("*.json")):
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and doc.get("schema") and (benchmark is None or doc.get("benchmark") == benchmark):
+            docs.append(dict(doc, _file=path.name))
+
+    def order(d: dict) -> tuple:  # by date, then name, a run's -2, -3, ... after its first
+        m = re.fullmatch(r"(.*?)(?:-(\d+))?", Path(d["_file"]).stem)
+        return d["date"], m.group(1), int(m.group(2) or 1)
+
+    return sorted(docs, key=order)

@@ -6,7 +6,7 @@
     muse-spark generate (--engine DIR | --target DIR --draft DIR) (--prompt TEXT | --prompt-ids 1,2,3)
     muse-spark triton-repo --engine DIR --out REPO [--model-name muse_spark] [--instances N]
     muse-spark serve --repo REPO [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002] [--host 127.0.0.1]
-    muse-spark bench [--preset muse-spark-8b|tiny] [--batches 1,8,32] [--json F] [--markdown F]
+    muse-spark bench [--preset muse-spark-8b|tiny] [--batches 1,8,32] [--out-dir D] [--markdown F]
 """
 
 from __future__ import annotations
@@ -178,9 +178,15 @@ def cmd_generate(a) -> int:
 
 # ---- bench ----------------------------------------------------------------------------------
 def cmd_bench(a) -> int:
-    from muse_spark.bench import run
+    """The repository's ``benchmarks/step.py`` (not part of the installed package), run in this process."""
+    import runpy
 
-    return run(a, "muse-spark " + " ".join(sys.argv[1:]))
+    step = Path(__file__).resolve().parents[1] / "benchmarks" / "step.py"
+    if not step.is_file():
+        return _die(f"muse-spark bench runs the repository's benchmarks/step.py, and there is none at {step}: "
+                    "the package is installed without its repository. Run it from a checkout "
+                    "(`pip install -e .`, or `python benchmarks/step.py` there)")
+    return runpy.run_path(str(step), run_name="muse_spark_bench")["main"](a.bench_args, prog="muse-spark bench")
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -243,10 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_triton_repo_command(sub)
     add_serve_command(sub)
 
-    from muse_spark.bench import add_arguments as add_bench_arguments  # light: no torch at parser time
-
-    k = sub.add_parser("bench", help="speculative-step latency: eager vs torch.compile vs aoti (GPU)")
-    add_bench_arguments(k)
+    # Its options are benchmarks/step.py's (`muse-spark bench --help`), passed to it as they are (no
+    # option prefix here, so that none of them is taken for this parser's).
+    k = sub.add_parser("bench", help="speculative-step latency: eager vs torch.compile vs aoti (GPU)",
+                       add_help=False, prefix_chars="\0")
+    k.add_argument("bench_args", nargs=argparse.REMAINDER)
     k.set_defaults(fn=cmd_bench)
     return p
 

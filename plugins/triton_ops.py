@@ -252,8 +252,8 @@ def _attention_bounds_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last
                          slots: torch.Tensor | None = None) -> torch.Tensor:
     """``attention_triton`` with the mask in bounds form (``models.layers.KeyBounds``): key t <
     ``window`` is visible to query (b, s) iff t ≤ last[b, s]. The same attention as the dense mask,
-    within rounding: on the H200 the bits differ at head_dim 128 (docs/benchmarks.md, eighth
-    session); its own bits do not depend on batch, queries or window, as the dense form's."""
+    within rounding: on the H200 the bits differ at head_dim 128 (docs/log.md,
+    2026-12-03); its own bits do not depend on batch, queries or window, as the dense form's."""
     _check_bounds("attention", last, *q.shape[:2], window, k.shape[1])
     _check_attention(q, k, v, slots)
     if not _runs_kernels(q):

@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 
 def main() -> int:
-    from muse_spark.bench import PRESETS, preset_configs
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from presets import PRESETS, preset_configs  # benchmarks/presets.py
+
     from muse_spark.builder.onnx_export import export_onnx_dir, new_out_dir
     from muse_spark.graphs.parts import build_pair
 

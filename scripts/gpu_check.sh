@@ -5,13 +5,13 @@
 #   scripts/gpu_check.sh tests   # every GPU test (slow ones too), one line per test, but the engines below
 #   scripts/gpu_check.sh engines # the engines built with non-default switches (PDL wait-only, the old path, residual)
 #   scripts/gpu_check.sh probe   # build a tiny CUDA engine, load it every way (scripts/aoti_load_probe.py)
-#   scripts/gpu_check.sh bench   # the Muse-Spark-shaped benchmark (docs/benchmarks.md); BENCH_ARGS=--profile adds kernel tables
+#   scripts/gpu_check.sh bench   # the step benchmark (benchmarks/step.py; docs/performance.md); BENCH_ARGS=--profile adds kernel tables
 #   scripts/gpu_check.sh markov  # the Markov kernel over shapes x launch configurations (scripts/markov_diag.py)
 #   scripts/gpu_check.sh triton-build  # the tiny CUDA engine with the Triton plugins: build (timed), generate
 #   scripts/gpu_check.sh attention     # the attention kernels: their tests, then scripts/attention_bench.py
 #   scripts/gpu_check.sh chain         # the GEMM chain's GPU tests, then scripts/chain_bench.py (flat streams too)
 #   scripts/gpu_check.sh boundaries    # what a GEMM boundary costs: scripts/chain_bench.py, then pdl_bench.py's
-#                                      # co-resident and preload variants (docs/benchmarks.md, eleventh session)
+#                                      # co-resident and preload variants (docs/log.md, 2026-12-03)
 #   scripts/gpu_check.sh rope          # the RoPE table's GPU tests (kernels, eager, an engine without it),
 #                                      # then scripts/attention_cache_bench.py (the q/k norm and attention
 #                                      # stage by stage, the fused attention with the table too)
@@ -75,8 +75,9 @@ probe)
         --cases bare_load,rtld_global_env,runtime_loader,engine_runtime 2>&1 | tee "$OUT/probe.log"
     ;;
 bench)
-    timeout "${BENCH_TIMEOUT:-560}" python3 scripts/bench.py --deadline-s "${BENCH_DEADLINE:-480}" ${BENCH_ARGS:-} \
-        --json "$OUT/benchmarks.json" --markdown "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
+    # the result in the common schema lands in $OUT (copy it into benchmarks/results/)
+    timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/step.py --deadline-s "${BENCH_DEADLINE:-480}" ${BENCH_ARGS:-} \
+        --out-dir "$OUT" --markdown "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
     ;;
 triton-build)
     python3 -m muse_spark.cli make-tiny --kind agreeing /tmp/gpu-check-pair >"$OUT/triton-build.log" 2>&1

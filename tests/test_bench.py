@@ -1,5 +1,6 @@
-"""The benchmark (muse_spark/bench.py) on CPU at the tiny preset: its sections, files and tables.
-Speed is never asserted here; the figures come from the GPU runs in docs/benchmarks.md."""
+"""The step benchmark (benchmarks/step.py, also `muse-spark bench`) on CPU at the tiny preset: its
+sections, its result file in the common schema (benchmarks/results.py) and its report. Speed is
+never asserted here; the figures come from the GPU runs in benchmarks/results/ (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,39 @@ from pathlib import Path
 import pytest
 import torch
 
-from muse_spark.bench import emitted_tokens, first_differing_columns, render_markdown
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from report import emitted_tokens, first_differing_columns, render_markdown  # noqa: E402  (benchmarks/)
+
+# The current H200 runs (benchmarks/results/): batch 1 with eager and torch.compile, and batch 8 / 32
+# with one split a program beside the default.
+B1 = ROOT / "benchmarks" / "results" / "2026-12-05_nvidia-h200_de79651d7ad6_step.json"
+B8_32 = ROOT / "benchmarks" / "results" / "2026-12-05_nvidia-h200_de79651d7ad6_step-2.json"
 
 
-def test_tiny_bench_runs_and_writes_json_and_markdown(tmp_path):
-    js, md = tmp_path / "b.json", tmp_path / "b.md"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--preset", "tiny", "--device", "cpu",
-           "--batches", "1,2", "--context", "16", "--iters", "2", "--skip", "compile,aoti",
-           "--json", str(js), "--markdown", str(md)]
-    subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    res = json.loads(js.read_text())
+def result_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*_step*.json"))
+
+
+def test_tiny_bench_runs_and_writes_a_result_in_the_schema_and_markdown(tmp_path):
+    """`muse-spark bench` runs benchmarks/step.py: one result file in the common schema (date, device,
+    commit, versions, the exact command, the options as config, the run's figures as results)."""
+    out, md = tmp_path / "results", tmp_path / "b.md"
+    args = ["--preset", "tiny", "--device", "cpu", "--batches", "1,2", "--context", "16", "--iters", "2",
+            "--skip", "compile,aoti", "--out-dir", str(out), "--markdown", str(md)]
+    subprocess.run([sys.executable, "-m", "muse_spark.cli", "bench", *args], check=True, cwd=tmp_path,
+                   capture_output=True, text=True, timeout=300)
+    (path,) = result_files(out)
+    doc = json.loads(path.read_text())
+    assert {"schema", "benchmark", "date", "device", "commit", "versions", "command", "config", "results"} <= set(doc)
+    assert doc["benchmark"] == "step" and doc["device"].startswith("cpu") and doc["versions"]["torch"]
+    assert doc["command"] == "muse-spark bench " + " ".join(args)
+    assert doc["config"]["preset"] == "tiny" and doc["config"]["batches"] == [1, 2]
+    assert path.name == f"{doc['date'][:10]}_{path.name.split('_')[1]}_{doc['commit'] or 'nogit'}_step.json"
+    res = doc["results"]
     sec = res["sections"]
-    assert res["command"].endswith(f"--markdown {md}")
+    assert res["command"] == doc["command"]
     assert set(sec["eager"]) == {"1", "2"} and all(v["median_ms"] > 0 for v in sec["eager"].values())
     assert sec["copy_bandwidth"]["GBps"] > 0
     for b in ("1", "2"):  # roofline = bytes / measured bandwidth
@@ -83,7 +103,7 @@ def test_emitted_tokens_are_the_accepted_drafts_and_the_bonus():
 def test_batches_option_takes_a_comma_separated_list():
     import argparse
 
-    from muse_spark.bench import batch_list
+    from timing import batch_list
 
     assert batch_list("1,8,32") == [1, 8, 32] and batch_list("4") == [4]
     for bad in ("1 8", "1,x", "0", "", "2,-1"):
@@ -92,7 +112,7 @@ def test_batches_option_takes_a_comma_separated_list():
 
 
 def test_slower_in_graph_ranks_kernels_by_their_growth():
-    from muse_spark.bench import slower_in_graph
+    from timing import slower_in_graph
 
     plain = {"all": {"gemm": [4, 2.0], "norm": [8, 0.1], "gone": [1, 0.5]}}
     replay = {"all": {"gemm": [4, 2.05], "norm": [8, 0.4], "new": [2, 0.2]}}
@@ -103,7 +123,7 @@ def test_slower_in_graph_ranks_kernels_by_their_growth():
 def test_device_gaps_sums_the_holes_between_events_per_pair_and_per_call():
     """Two calls of a three-kernel step (us): the holes between a kernel's end and the next
     one's start, per call, ranked by (previous, next) pair; overlapping events count no hole."""
-    from muse_spark.bench import device_gaps
+    from timing import device_gaps
 
     spans = [["gemm", 0, 10], ["norm", 12, 13], ["attn", 13, 20],  # holes 2, 0
              ["gemm", 24, 34], ["norm", 40, 41], ["attn", 40.5, 45]]  # hole 4 after call 1; 6, then overlap
@@ -116,9 +136,7 @@ def test_device_gaps_sums_the_holes_between_events_per_pair_and_per_call():
 def test_the_interleaved_replays_and_the_idle_time_render():
     """The step graphs timed in turns, each replay's idle time and the host's time to issue a
     step, in the markdown."""
-    from muse_spark.bench import render_markdown
-
-    result = json.loads((ROOT / "docs" / "benchmarks-b1-twelfth-pdl.json").read_text())  # a run's other fields
+    result = json.loads(B1.read_text())["results"]  # a run's other fields
     sec = result["sections"]
     sec["aoti_interleaved_replay"] = {"1": {"aoti": 5.6, "aoti no_rope_table": 5.46}}
     sec["aoti_host_issue_us"] = {"1": {"step": 61.4, "replay": 18.2},  # (a run before the copies-then-launch split)
@@ -132,7 +150,7 @@ def test_the_interleaved_replays_and_the_idle_time_render():
         "median_ms": 5.31}, "host_issue_us": {"side_fill_replay": 185.3, "serial_fill_replay": 61.0}}}
     sec["aoti_runner_profile"] = {"1": {"kernel_ms": 5.41, "idle_ms": 0.25, "gaps": [], "calls": 3,
                                         "beyond_replay": {"Memcpy DtoD (Device -> Device)": [5.0, 0.0061]}}}
-    sec["aoti_replay_profile"]["1"]["idle_ms"] = 0.121
+    sec["aoti_replay_profile"] = {"1": {"idle_ms": 0.121}}
     sec["variants"] = {"no_rope_table": {"env": {"MUSE_SPARK_ROPE_TABLE": "0"}, "compiled": [],
                                       "aoti_replay_profile": {"1": {"idle_ms": 0.25}}}}
     text = render_markdown(result)
@@ -167,13 +185,14 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
     checked against the eager step under the same switch and timed after the default; its table in
     the markdown. (On CPU every variant takes the reference kernels and no graph: this checks the
     plumbing; the H200 run gives the figures.)"""
-    js, md, work = tmp_path / "b.json", tmp_path / "b.md", tmp_path / "work"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--preset", "tiny", "--device", "cpu",
+    out, md, work = tmp_path / "results", tmp_path / "b.md", tmp_path / "work"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step.py"), "--preset", "tiny", "--device", "cpu",
            "--batches", "1", "--context", "16", "--iters", "2", "--skip", "compile", "--attention-cache", "both",
            "--pdl", "both", "--rope-table", "both", "--accept-kernels", "both", "--work-dir", str(work),
-           "--json", str(js), "--markdown", str(md)]
+           "--out-dir", str(out), "--markdown", str(md)]
     subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    sec = json.loads(js.read_text())["sections"]
+    (path,) = result_files(out)
+    sec = json.loads(path.read_text())["results"]["sections"]
     assert sec["aoti"]["1"]["median_ms"] > 0 and sec["aoti_matches_eager"]["1"] is True  # the default's own
     assert sec["aoti_chained"]["1"]["steps"] == 8 and sec["aoti_chained"]["1"]["median_ms"] > 0  # the Generator's form
     text = md.read_text()
@@ -198,7 +217,7 @@ def test_every_variant_has_its_option_and_sets_a_known_switch():
     VARIANT_OPTION's), off by default, and sets only switches the project reads."""
     import argparse
 
-    from muse_spark import bench
+    import step as bench
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
@@ -256,36 +275,29 @@ def test_a_variant_compiles_in_its_own_inductor_cache_and_a_torn_package_is_refu
         check_package(torn)
 
 
-def test_the_h200_pdl_run_renders_with_its_pdl_lines_and_a_clear_markov_flag_is_no_failure():
-    """The twelfth session's H200 run (docs/benchmarks-b1-twelfth-pdl.json) renders: the PDL
-    variant's table and its edge/port line; the Markov kernel's error flag 0 is not listed as a
-    failure (it was), a set flag is."""
-    from muse_spark.bench import render_markdown
-
-    result = json.loads((ROOT / "docs" / "benchmarks-b1-twelfth-pdl.json").read_text())
+def test_the_h200_splits_run_renders_with_its_pdl_lines_and_a_clear_markov_flag_is_no_failure():
+    """The current batch-8/32 H200 run renders: the variant's table and its PDL edge/port lines; the Markov
+    kernel's error flag 0 is not listed as a failure, a set flag is."""
+    result = json.loads(B8_32.read_text())["results"]
     text = render_markdown(result)
-    assert "### Variant `pdl` (MUSE_SPARK_PDL=1), beside the default aoti step" in text
-    assert "* B=1: 346 edges programmatic (graph of 393 kernels). Replay: programmatic port 5.656 ms" in text
+    assert "### Variant `attention_one_split` (MUSE_SPARK_ATTENTION_SPLITS=1), beside the default aoti step" in text
+    assert "* B=32: 153 edges programmatic (graph of 397 kernels). Replay: programmatic port 14.339 ms" in text
     assert "Failures in this run" not in text
-    result["sections"]["aoti_markov_error_flag"] = {"1": 1}
-    assert "* `aoti_markov_error_flag`: {'1': 1}" in render_markdown(result)
+    result["sections"]["aoti_markov_error_flag"] = {"8": 1}
+    assert "* `aoti_markov_error_flag`: {'8': 1}" in render_markdown(result)
 
 
 def test_the_step_in_turns_is_rendered_against_the_copy_timed_in_the_same_rounds():
-    """The fifteenth session's H200 run (docs/benchmarks-b1-fifteenth-pdl-variants.json) renders its
-    graphs timed in turns; with the copy timed in the same rounds (``in_turns``, new after that run)
-    the markdown gives that roofline and the default graph's ratio to it."""
-    from muse_spark.bench import render_markdown
-
-    result = json.loads((ROOT / "docs" / "benchmarks-b1-fifteenth-pdl-variants.json").read_text())
+    """The current batch-1 H200 run renders its graphs timed in turns and, with the copy timed in the same
+    rounds (``in_turns``), that roofline and the default graph's ratio to it."""
+    result = json.loads(B1.read_text())["results"]
     text = render_markdown(result)
-    assert ("Step graphs replayed in turns, batch 1 (median of the rounds' medians): `aoti` 5.747 ms, "
-            "`aoti pdl` 5.739 ms (0.999×), `aoti pdl_trigger` 5.683 ms (0.989×)") in text
-    assert "The copy timed in the same rounds" not in text
-    result["sections"]["in_turns"] = {"1": {"copy_GBps": 4100.0, "roofline_ms": 4.35, "aoti_replay_over_roofline": 1.321}}
-    text = render_markdown(result)
-    assert ("The copy timed in the same rounds: 4100 GB/s, so a roofline of 4.35 ms and the default step graph "
-            "at **1.321×** it") in text
+    assert ("Step graphs replayed in turns, batch 1 (median of the rounds' medians): `aoti` 5.205 ms, "
+            "`aoti serial_context` 5.269 ms (1.012×).") in text
+    assert ("The copy timed in the same rounds: 4157 GB/s, so a roofline of 4.29 ms and the default step graph "
+            "at **1.214×** it") in text
+    del result["sections"]["in_turns"]
+    assert "The copy timed in the same rounds" not in render_markdown(result)
 
 
 def test_interleaved_replays_time_the_copy_in_the_same_rounds_and_give_the_ratio():
@@ -297,7 +309,7 @@ def test_interleaved_replays_time_the_copy_in_the_same_rounds_and_give_the_ratio
 
     import torch
 
-    from muse_spark.bench import Bench
+    from step import Bench
 
     bench = Bench.__new__(Bench)
     bench.device, bench.a, logged = torch.device("cpu"), types.SimpleNamespace(iters=2), []
@@ -316,21 +328,3 @@ def test_interleaved_replays_time_the_copy_in_the_same_rounds_and_give_the_ratio
     assert turns["roofline_ms"] == pytest.approx(4_000_000 / turns["copy_GBps"] / 1e6)
     assert turns["aoti_replay_over_roofline"] == pytest.approx(got["aoti"] / turns["roofline_ms"])
     assert bench.replays == {} and "copy in the same rounds" in logged[-1]
-
-
-def test_the_launch_probe_refuses_a_machine_without_cuda_and_renders_its_table():
-    """scripts/launch_probe.py (run on a GPU only): a clear refusal here, and its table from a result."""
-    script = ROOT / "scripts" / "launch_probe.py"
-    if not torch.cuda.is_available():
-        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and "needs a CUDA device" in r.stderr
-    sys.path.insert(0, str(script.parent))
-    try:
-        from launch_probe import PREDECESSORS, render
-    finally:
-        sys.path.remove(str(script.parent))
-    row = {k: {"total_us": 10.0 + i, "launch_us": 5.0 + i} for i, k in enumerate(PREDECESSORS)}
-    text = render({"kernels": 320, "iters": 9, "alone_us": {k: 5.0 for k in PREDECESSORS},
-                   "graphs": {"serial": row, "forked": row}})
-    assert "| serial | 5.0 | 6.0 | 7.0 | 8.0 | 9.0 |" in text and "| forked |" in text
-    assert text.splitlines()[1] == "| graph | graph | kernel | kernel_sync | h2d | other_graph |"

@@ -725,7 +725,7 @@ def test_attention_bits_do_not_depend_on_batch_queries_or_masked_tail(tops):
                                     dict(SPLIT_T=128, BLOCK_T=32, maxnreg=64),
                                     dict(BLOCK_M=16, MERGE_CHUNK=4, merge_warps=2)])
 def test_attention_launch_configurations_of_the_sweep_agree(tops, config):
-    """scripts/attention_bench.py --sweep times launch_attention under other configurations: each
+    """benchmarks/attention.py --sweep times launch_attention under other configurations: each
     is the same attention (bf16 tolerance against the fp32 reference, zeros for no visible key)."""
     from muse_spark.models.layers import attend_reference
     from muse_spark.plugins.attention.triton_kernel import launch_attention
@@ -2302,8 +2302,8 @@ def test_the_side_prefetch_launcher_refuses_what_it_cannot_take():
 @pytest.mark.parametrize("rope", [True, False])
 def test_the_rope_table_gives_the_norm_kernel_its_own_bits(rope):
     """``launch_rope_table``: the step's RoPE cos/sin computed once (the angles' chain of libdevice
-    calls costs 2.7 of the norm kernel's 4.2 µs a layer on the H200, docs/benchmarks.md twelfth
-    session). The norm + cache kernel reading it gives the bits it computes in place: q and the
+    calls costs 2.7 of the norm kernel's 4.2 µs a layer on the H200, docs/log.md,
+    2026-12-03). The norm + cache kernel reading it gives the bits it computes in place: q and the
     caches equal (without RoPE the table is not read)."""
     from muse_spark.plugins.head_norm_rope import triton_kernel as hk
 

@@ -188,7 +188,7 @@ def _head_norm_rope_fits_heads(dtype: torch.dtype, head_dim: int) -> bool:
 
 
 ATTENTION_KERNELS = ("triton", "sdpa")
-DEFAULT_ATTENTION_KERNEL = "triton"  # 6x SDPA per layer on the H200 (docs/benchmarks.md)
+DEFAULT_ATTENTION_KERNEL = "triton"  # 6x SDPA per layer on the H200 (docs/log.md)
 _log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
@@ -315,7 +315,7 @@ LINEAR_KERNELS = ("triton", "cublas")
 # against 6.10 with cuBLAS (its GEMMs 4.61 against 4.72 ms; no split-K reductions, silu·mul fused),
 # and the aoti step's greedy output equalled eager's. In the fifth session it was not faster per step:
 # Inductor then split the q/k norm + RoPE kernel into four, which the head_norm_rope plugin op
-# (seventh session) ended. docs/benchmarks.md, "eighth session". It takes ≤ 16 rows (batch 1–2);
+# ended (docs/log.md, 2026-12-03). It takes ≤ 16 rows (batch 1–2);
 # more rows always use cuBLAS.
 DEFAULT_LINEAR_KERNEL = "triton"
 
@@ -351,7 +351,7 @@ def accept_kernels() -> bool:
     of Inductor's compile of ``plugins.acceptance.reference.accept`` (~20 kernels; ``0`` keeps that). On the H200 a
     batch-1 step with them took 19 µs of acceptance kernels against ≈ 45 (nineteenth session), the
     greedy step equal to eager; the default since the twentieth session's GPU tests
-    (docs/benchmarks.md). A build records it in the engine's manifest."""
+    (docs/log.md). A build records it in the engine's manifest."""
     return _switch("MUSE_SPARK_ACCEPT_KERNELS", default="1")
 
 
@@ -368,7 +368,7 @@ def attention_cache_fused() -> bool:
     caches and the Triton attention runs, one kernel does both (``Attention.attends_from_cache_write``);
     with the RoPE table (the default) it reads the table. The default since the fourteenth session:
     11.5 against 12.3 µs a layer and the batch-1 step graph 0.8 % faster on the H200, timed in turns
-    with the two-kernel path (docs/benchmarks.md). Without the table (``MUSE_SPARK_ROPE_TABLE=0``)
+    with the two-kernel path (docs/log.md). Without the table (``MUSE_SPARK_ROPE_TABLE=0``)
     the fused kernel computes the angles itself and is slower than the two kernels (18.2 against
     13.8 µs): set both to 0 for the old path. A build records it in the engine's manifest."""
     return _switch("MUSE_SPARK_ATTENTION_CACHE", default="1")
@@ -394,7 +394,7 @@ def rope_table() -> bool:
     (``Attention.takes_rope_table``): the angles' chain of libdevice calls (2.7 of the norm kernel's
     4.2 µs a layer on the H200) then runs beside the weight stream. The same bits. The default since
     the thirteenth session: the batch-1 step graph 1 % faster on the H200, timed in turns with the
-    one without (docs/benchmarks.md). A build records it in the engine's manifest."""
+    one without (docs/log.md). A build records it in the engine's manifest."""
     return _switch("MUSE_SPARK_ROPE_TABLE", default="1")
 
 
@@ -450,7 +450,7 @@ def pdl_waits() -> bool:
     GPU instead of in the launch path). Only on sm_90 and newer (``pdl_supported``): elsewhere the
     kernels compile without it. With ``MUSE_SPARK_PDL_TRIGGER`` (``pdl_trigger``) the default since
     the fifteenth session: the batch-1 step graph 1.1–1.3 % faster on the H200, timed in turns with
-    the one without, in two runs (docs/benchmarks.md). A build records it in the engine's manifest
+    the one without, in two runs (docs/log.md). A build records it in the engine's manifest
     (``aoti.pdl_kernels``)."""
     return _switch("MUSE_SPARK_PDL", default="1")
 
@@ -495,7 +495,7 @@ def pdl_gemm_trigger() -> bool:
     Inductor's analysis of what the kernel writes is unchanged (the fifteenth session's form fed
     the addresses, and the packages gained 76 copy kernels; that measurement said nothing of the
     trigger). The default since the twenty-first session: the batch-1 step graph 0.997 × the one
-    without, timed in turns, in two clean runs on the H200 (docs/benchmarks.md). A build records it
+    without, timed in turns, in two clean runs on the H200 (docs/log.md). A build records it
     in the manifest (``aoti.pdl_gemm_trigger``)."""
     return pdl_waits() and _switch("MUSE_SPARK_PDL_GEMM_TRIGGER", default="1")
 
@@ -594,7 +594,7 @@ class Attention(nn.Module):
         opt-in, ``MUSE_SPARK_QKV_EPILOGUE=1``: on the H200 it was slower (one program per head is 48
         programs at the 8B shape, too few to stream the weight at full speed: 22.9 µs a layer against
         19.7 for the GEMM and the head_norm_rope_cache kernel; scripts/qkv_bench.py,
-        docs/benchmarks.md "ninth session")."""
+        docs/log.md, 2026-12-03)."""
         c = self.cfg
         return (qkv_epilogue() and not c.attn_output_gate and x.dim() == 3
                 and c.head_dim >= 32 and c.head_dim & (c.head_dim - 1) == 0 and CacheKV.at(kv, positions, x.dtype)

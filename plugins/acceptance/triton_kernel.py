@@ -11,7 +11,7 @@ vocabulary, scattered into the target's through d2t) and the target logits z_0 �
   if any of it is > 0, else P_n (q_γ = 0).
 
 Why: compiled by Inductor the rule was ~20 kernels and ≈ 45 µs of the batch-1 step on the H200
-(docs/benchmarks.md): a full softmax of every row, a 4 MB zero-filled scatter of q into the target
+(docs/log.md): a full softmax of every row, a 4 MB zero-filled scatter of q into the target
 vocabulary, row-wide reductions with one program per row. Here:
 
 1. ``_stats_kernel``, one program per (row, chunk of ``CHUNK`` columns): the chunk's sanitize

@@ -10,7 +10,7 @@ Why not SDPA: a speculative step has few queries (S = γ+1) over a long window. 
 only 8 KV heads' worth of programs stream the whole window (1.14 ms of the 7.6 ms step on the
 H200), and the step had to gather and zero a copy of every request's window first. One layer,
 graph-timed on the H200: 10.3 / 31.5 / 101 µs here against 71 / 138 / 379 µs for the SDPA path
-at batch 1 / 8 / 32 (docs/benchmarks.md). Here:
+at batch 1 / 8 / 32 (docs/log.md). Here:
 
 * the ``rep = H / KV`` query heads of a KV head and the S queries are one block of ``rep·S`` rows
   (the mask depends on the query position only), so each K/V tile is read once per KV head; row
@@ -76,12 +76,12 @@ BLOCK_M = 32  # rows (query head × query) per program
 SPLIT_T = 2 * BLOCK_T  # keys per split
 MERGE_CHUNK = 8  # splits the merge loads at once
 NEW_ROWS = 16  # new K/V rows per pass of the fused cache write (NORM_QK)
-# The launch configuration, from scripts/attention_bench.py --sweep on the H200 (one layer,
+# The launch configuration, from benchmarks/attention.py --sweep on the H200 (one layer,
 # graph-timed, batch 1 / 8 / 32): EARLY_KV 11.1 / 36.3 / 118.8 µs against 11.7 / 36.1 / 116.1
 # (the same bits); a merge of 8 splits by one warp 11.3 / 31.3 / 97.2 against 16 by four warps.
 # Every engine must use one configuration: a row's bits depend on it (EARLY_KV excepted: the
 # same arithmetic). ``launch_attention(config=...)`` overrides it for the sweep in
-# scripts/attention_bench.py, which may also set ``num_stages`` (passed through wrap_triton) and
+# benchmarks/attention.py, which may also set ``num_stages`` (passed through wrap_triton) and
 # ``maxnreg`` (eager launches only; capping the partial kernel's ~227 registers at 96 or 64 was
 # slower at every batch on the H200).
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,

@@ -11,7 +11,7 @@ for x [B, S, NH, Dh] (q and k of a step side by side: NH = H + KV) and positions
 
 Why a kernel: compiled, the two plain functions became four Inductor kernels per layer (a cos/sin
 table, q, k fused with the cache write, and one more: 0.20 ms and 128 launches of a batch-1
-step on the H200, docs/benchmarks.md "sixth session"); here q and k of a layer are one launch.
+step on the H200, docs/log.md, 2026-12-03); here q and k of a layer are one launch.
 
 One program per (row b·S + s, block of ``BLOCK_H`` heads): the two halves of each head are
 loaded separately, so the rotation needs no shuffle. Rounding, against the reference on CUDA:
@@ -49,7 +49,7 @@ def rope_angles(pos, AXIS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr):
     """cos and sin of the RoPE angles ``pos · inv_freq`` (fp32; the dims along ``AXIS`` of a 2-D
     block, ``pos`` a scalar or one per position along the other axis): the reference's ``inv_freq``,
     angle, cos and sin step for step (module docstring). A chain of dependent libdevice calls whose
-    latency every kernel that rotates pays (docs/benchmarks.md, twelfth session), hence also
+    latency every kernel that rotates pays (docs/log.md, 2026-12-03), hence also
     ``_rope_table_kernel``: the same values once per step."""
     HALF: tl.constexpr = DH // 2
     d = tl.arange(0, HALF)

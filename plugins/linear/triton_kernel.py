@@ -9,14 +9,14 @@ product computed in fp32 and rounded).
 Why not cuBLAS: a step multiplies 8 rows (batch 1, γ = 7) by ~17.7 GB of weights, so it is a
 stream of the weights. cuBLAS picks tiles of 64–512 weight rows and splits K where that leaves
 too few tiles, which costs a second reduction kernel per GEMM (80 per step at batch 1) and
-leaves the weight stream below the copy bandwidth (docs/benchmarks.md: the GEMM floor). Here
+leaves the weight stream below the copy bandwidth (docs/log.md: the GEMM floor). Here
 the weight rows are cut into ``BLOCK_N``-row tiles, one program each over the whole of K (no
 split, no reduction pass, bits that do not depend on the launch), enough programs to keep
 every SM streaming; the rows of x are the MMA's narrow side (``tl.dot(W_tile, x_tileᵀ)``,
 padded to 16). ``silu_mul`` computes both halves of a tile of the gate/up projection in one
 program and writes only ``silu(g)·u``: the gate/up output never goes to memory.
 
-Measured (H200, docs/benchmarks.md "fifth session"): faster than cuBLAS for every GEMM of a
+Measured (H200, docs/log.md, 2026-12-02): faster than cuBLAS for every GEMM of a
 batch-1 step (the step's 151 GEMMs 4.51–4.60 ms against 4.64–4.74), slower at 64 rows (hence
 ``MAX_ROWS``). The default for ≤ ``MAX_ROWS`` rows since the eighth session (batch-1 step 5.95 ms
 against 6.10 with cuBLAS; ``MUSE_SPARK_LINEAR=cublas`` selects cuBLAS): before the head_norm_rope
@@ -42,7 +42,7 @@ from muse_spark.plugins.triton_math import (add_rn, div_rn, exp_exact, mul_rn, p
 
 # The kernel's range: at most this many rows of x. More rows re-read x once per weight tile and
 # each program's share of the weight shrinks: at 64 rows (batch 8) the H200 sweep has the down
-# projection at 118.6 µs against cuBLAS's 36.6 (scripts/linear_bench.py --batches 1,8).
+# projection at 118.6 µs against cuBLAS's 36.6 (benchmarks/linear.py --batches 1,8).
 MAX_ROWS = 16
 DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
 PREFETCH_CHUNKS = tl.constexpr(128)  # one bulk L2 prefetch per thread (4 warps): no thread repeats another's
@@ -51,7 +51,7 @@ SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may t
 
 def default_config(M: int, N: int, K: int, silu_mul: bool, block_n: int | None = None,
                    budget: int = SHARED_BUDGET) -> dict:
-    """Launch configuration, chosen by scripts/linear_bench.py --sweep on the H200 (8 rows, each
+    """Launch configuration, chosen by benchmarks/linear.py --sweep on the H200 (8 rows, each
     shape's weight streamed from HBM), then timed (``--batches 1,8``): 64-row tiles over 256-column
     chunks, 4 stages (qkv 15.4 µs, o 12.1, lm_head 245.3, against cuBLAS's 16.2 / 13.3 / 255.6);
     with silu·mul (two weight tiles per step) 128-column chunks and 3 stages (59.0 µs against 64.9
@@ -331,7 +331,7 @@ def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.
     """``launch_linear(x, w)`` and, from one more program of the same launch, the RoPE table of
     ``positions`` (``head_norm_rope.launch_rope_table``'s (cos, sin), the same bits): → (y, cos, sin).
     For the attention's qkv projection, whose norm + cache kernel then reads the table (the
-    default, ``MUSE_SPARK_ROPE_TABLE=0`` off; docs/benchmarks.md, twelfth and thirteenth sessions)."""
+    default, ``MUSE_SPARK_ROPE_TABLE=0`` off; docs/log.md, 2026-12-03)."""
     x2 = _rows(x, w)
     M, N = x2.shape[0], w.shape[0]
     pos = positions.reshape(-1)

@@ -463,7 +463,7 @@ def _sm_count(device: torch.device) -> int:
 
 def default_config(B: int, Vd: int, rank: int, device: torch.device,
                    weight_dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Launch configuration, from the sweeps on the H200 (plugins/markov/bench.py, γ = 7, Vd = 32768,
+    """Launch configuration, from the sweeps on the H200 (benchmarks/markov.py, γ = 7, Vd = 32768,
     r = 256; warm L2, a kept workspace): batch 1 keeps its W2 slice resident in shared memory and
     runs the GEMV on the tensor cores (``MMA``: 27.5–27.6 µs, against 29.7–29.9 with the slice in
     registers as bf16 pairs, 36.6 with 16 warps, 41.6 reading W2 from L2 every step); batches 2–16

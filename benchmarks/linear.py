@@ -1,22 +1,23 @@
 #!/usr/bin/env python3
 """The skinny linear kernel (plugins/linear) against cuBLAS, on the step's weight shapes.
 
-    python scripts/linear_bench.py [--sweep] [--batches 1,8] [--json out.json]     # on a CUDA device
+    python benchmarks/linear.py [--sweep] [--batches 1,8] [--out-dir benchmarks/results]     # on a CUDA device
 
-Every time is graph-timed (``plugins/markov/bench.time_in_graph``) with the calls rotating over
+Every time is graph-timed (``timing.time_in_graph``) with the calls rotating over
 enough copies of the weight that it never stays in the L2 cache, as in a step, where each
 weight is read once. Prints, per shape, µs per call for cuBLAS (``models.layers.linear_reference``:
 ``F.linear``, then silu·mul for the fused gate/up) and the kernel, and the weight stream's GB/s;
-then the step's whole GEMM sequence (``muse_spark.bench.gemm_floor``): cuBLAS, and the engine's
+then the step's whole GEMM sequence (``presets.gemm_floor``): cuBLAS, and the engine's
 GEMMs with ``MUSE_SPARK_LINEAR=triton`` (the kernel with its default configurations, silu·mul
 fused). ``--sweep`` times the launch configurations per shape and reports each shape's fastest.
+The figures go to ``benchmarks/results/`` in the common schema (``benchmarks/results.py``), rewritten
+after every shape.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import sys
@@ -25,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from muse_spark.models.layers import linear_reference
+from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear
 
-from muse_spark.bench import batch_list  # noqa: E402
-from muse_spark.models.layers import linear_reference  # noqa: E402
-from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear  # noqa: E402
-from muse_spark.plugins.markov.bench import time_in_graph  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results  # noqa: E402  (benchmarks/results.py, beside this file)
+from timing import batch_list, time_in_graph  # noqa: E402
 
 L2_BYTES = 256 << 20  # rotate over at least this many bytes of weights
 
@@ -64,24 +65,24 @@ def time_calls(fn, x, ws) -> float:
     return us
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true", help="time the launch configurations per shape")
     p.add_argument("--batches", type=batch_list, default=[1],
                    help="comma-separated, e.g. 1,8; rows = batch·(γ+1) (batch·γ for the draft's)")
     p.add_argument("--deadline-s", type=float, default=420.0)
-    p.add_argument("--json", type=Path)
-    a = p.parse_args()
+    p.add_argument("--out-dir", type=Path, default=results.RESULTS, help="where the result goes (the common schema)")
+    a = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("linear_bench: needs a CUDA device")
+        print("benchmarks/linear.py: needs a CUDA device")
         return 1
     dev = torch.device("cuda")
     t0 = time.time()
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}, "sequence": {}}
+    res = {"shapes": {}, "sequence": {}}
+    doc = results.record("linear", {"batches": a.batches, "sweep": a.sweep, "deadline_s": a.deadline_s}, res)
 
     def save():
-        if a.json:
-            a.json.write_text(json.dumps(res, indent=1))
+        return results.write(doc, a.out_dir)
 
     # The read stream ceiling: a bf16 sum over 2 GiB (reads only), beside the copy.
     big = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev).normal_()
@@ -127,9 +128,9 @@ def main() -> int:
                 save()
                 del ws
 
-        # The whole GEMM sequence of a step (151 GEMMs), cuBLAS and the engine's through the kernel
-        # (cuBLAS is the engines' default: select the kernel), each in one graph.
-        from muse_spark.bench import gemm_floor, preset_configs, random_pair
+        # The whole GEMM sequence of a step (151 GEMMs), cuBLAS and the engine's through the kernel, each
+        # in one graph.
+        from presets import gemm_floor, preset_configs, random_pair
 
         os.environ["MUSE_SPARK_LINEAR"] = "triton"
 
@@ -144,7 +145,7 @@ def main() -> int:
             seq["weight_GB"] = r["weight_bytes"] / 1e9
             save()
     res["seconds"] = time.time() - t0
-    save()
+    print(f"result: {save()}")
     return 0
 
 

@@ -1,6 +1,6 @@
-"""Micro-benchmark: the fused Markov loop (Triton) against the reference loop.
+"""Micro-benchmark: the fused Markov loop (Triton) against the reference loop, on a CUDA device.
 
-    python -m muse_spark.plugins.markov.bench          # on a CUDA device
+    python benchmarks/markov.py [--workspace | --variants | --compile-only] [--out-dir benchmarks/results]
 
 Times are per call, in µs, measured as the loop runs in an engine: inside a
 CUDA graph (``graph=True``), with ``reps`` calls captured back to back in one
@@ -26,14 +26,22 @@ loop, eager (it could not be captured then: ``sanitize_logits`` copied a host sc
 6.8–8.2 ms. At batch 1: γ = 1 costs 11.6 µs, rank 0 (no GEMV) 17.0 µs, greedy
 the same as sampled. (Measured with an L2 prefetch of the next W1 row, since
 removed: it changed nothing beyond ±1 µs and inductor cannot analyse inline asm.)
+
+The figures go to ``benchmarks/results/`` in the common schema (``benchmarks/results.py``).
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
-from muse_spark.bench import time_fn
 from muse_spark.plugins.markov.reference import markov_sample_ref
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results  # noqa: E402  (benchmarks/results.py, beside this file)
+from timing import time_in_graph  # noqa: E402
 
 
 def make_inputs(batch: int, gamma: int, vd: int, rank: int, vocab: int, device="cuda", seed=0, temperature=1.0,
@@ -84,39 +92,6 @@ def _op(impl: str, config: dict | None):
         return launch_markov_sample(U, anchor, w1, w2, d2t, seeds, pos, temp, config=config or None, workspace=ws)
 
     return run
-
-
-def time_in_graph(calls, reps: int, replays: int = 20, graph: bool = True) -> tuple[float, str]:
-    """µs per call: ``calls`` (closures) captured ``reps``× in one CUDA graph; eager if capture fails."""
-    for c in calls:  # warm up: compile, allocate
-        c()
-    torch.cuda.synchronize()
-    try:
-        if not graph:
-            raise RuntimeError("not captured")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(reps):
-                calls[i % len(calls)]()
-        run, how = graph.replay, "graph"
-    except Exception as e:  # noqa: BLE001 — report and time eagerly
-        torch.cuda.synchronize()
-        if graph:
-            print(f"  (CUDA graph capture failed: {type(e).__name__}: {str(e)[:120]}; timing eagerly)")
-
-        def run():
-            for i in range(reps):
-                calls[i % len(calls)]()
-
-        how = "eager"
-    r = time_fn(run, torch.device("cuda"), iters=replays, warmup=1)
-    return r["median_ms"] * 1000.0 / reps, how
 
 
 def bench_markov(batch: int, gamma: int = 7, vd: int = 32768, rank: int = 256, vocab: int = 131072,
@@ -195,64 +170,84 @@ KERNEL_VARIANTS = {  # batch 1: W2 resident; kept workspace, as the engines call
 }
 
 
-def compare(variants: dict, reps: int = 3) -> None:
+def _name(cfg: dict | None) -> str:
+    return "zeroed per call" if cfg is None else ", ".join(k.lower() if v is True else f"{k}={v}" for k, v in cfg.items())
+
+
+def compare(variants: dict, reps: int = 3) -> dict:
     """Launch variants {batch: [config, …]} timed alternately, ``reps`` times (warm and cold L2),
     each checked once against the reference. ``WORKSPACE_VARIANTS``: a zeroed workspace per call (a
     memset before each kernel) against one kept across calls, as an engine's bucket keeps it."""
+    out: dict = {}
     for batch, cfgs in variants.items():
         for cfg in cfgs:
-            print(f"check batch {batch} {cfg}: {check_config(batch, cfg)}", flush=True)
+            check = check_config(batch, cfg)
+            out.setdefault(str(batch), {})[_name(cfg)] = {"config": cfg, "check": check, "warm_us": [], "cold_us": []}
+            print(f"check batch {batch} {cfg}: {check}", flush=True)
     for rep in range(reps):
         for batch, cfgs in variants.items():
             for cfg in cfgs:
                 warm, cold = bench_markov(batch, config=cfg), bench_markov(batch, config=cfg, cold=True)
-                name = "zeroed per call" if cfg is None else ", ".join(
-                    k.lower() if v is True else f"{k}={v}" for k, v in cfg.items())
-                print(f"rep {rep} batch {batch} {name}: warm {warm:.1f} us, cold {cold:.1f} us", flush=True)
+                row = out[str(batch)][_name(cfg)]
+                row["warm_us"].append(warm)
+                row["cold_us"].append(cold)
+                print(f"rep {rep} batch {batch} {_name(cfg)}: warm {warm:.1f} us, cold {cold:.1f} us", flush=True)
+    return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile-only", action="store_true", help="only compile the swept configurations")
     ap.add_argument("--workspace", action="store_true", help="only compare a kept workspace with a zeroed one")
     ap.add_argument("--variants", action="store_true", help="only compare the kernel variants (KERNEL_VARIANTS)")
-    opts = ap.parse_args()
+    ap.add_argument("--out-dir", default=str(results.RESULTS), help="where the result goes (the common schema)")
+    opts = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench needs a CUDA device")
+        raise SystemExit("benchmarks/markov.py needs a CUDA device")
     if opts.compile_only:
-        return compile_all()
-    if opts.workspace:
-        return compare({1: WORKSPACE_VARIANTS, 8: WORKSPACE_VARIANTS})
-    if opts.variants:
-        return compare(KERNEL_VARIANTS)
+        compile_all()
+        return 0
+    mode = "workspace" if opts.workspace else "variants" if opts.variants else "sweep"
+    config = {"mode": mode, "gamma": 7, "draft_vocab": 32768, "rank": 256, "vocab": 131072, "temperature": 1.0,
+              "calls_per_replay": 16}
+    if mode != "sweep":
+        res = {"compare": compare({1: WORKSPACE_VARIANTS, 8: WORKSPACE_VARIANTS} if opts.workspace else KERNEL_VARIANTS)}
+        print(f"result: {results.write(results.record('markov', config, res), Path(opts.out_dir))}")
+        return 0
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    rows = []
+    rows, res = [], {"sweep": {}}
     for batch in (1, 8, 32):
         ref, how = bench_markov_detail(batch, impl="reference")
+        res["sweep"][str(batch)] = {"reference_us": ref, "reference_how": how}
         for cfg in SWEEP[batch]:
+            name = "default" if cfg is None else ",".join(f"{k}={v}" for k, v in cfg.items())
             try:
                 warm = bench_markov(batch, config=cfg)
                 cold = bench_markov(batch, config=cfg, cold=True)
                 check = check_config(batch, cfg)
             except Exception as e:  # noqa: BLE001 — a failing variant must not hide the others
+                res["sweep"][str(batch)][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 print(f"batch {batch} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 continue
-            name = "default" if cfg is None else ",".join(f"{k}={v}" for k, v in cfg.items())
             rows.append((batch, name, warm, cold, ref, how))
+            res["sweep"][str(batch)][name] = {"warm_us": warm, "cold_us": cold, "check": check}
             print(f"batch {batch:>2} {name:<46} warm {warm:8.1f} us  cold {cold:8.1f} us  | {check}", flush=True)
-    g1 = bench_markov(1, gamma=1)
+    res["batch1_gamma1_us"] = g1 = bench_markov(1, gamma=1)
     print(f"batch  1 default gamma=1: {g1:.1f} us (per-step cost ~ (gamma7 - gamma1)/6)")
-    r0 = bench_markov(1, rank=0)
+    res["batch1_rank0_us"] = r0 = bench_markov(1, rank=0)
     print(f"batch  1 default rank=0 (no Markov GEMV): {r0:.1f} us")
     greedy = time_in_graph([lambda a=make_inputs(1, 7, 32768, 256, 131072, temperature=0.0)[0]: _op("triton", None)(*a)],
-                         reps=16)[0]
+                           reps=16)[0]
+    res["batch1_greedy_us"] = greedy
     print(f"batch  1 default greedy: {greedy:.1f} us")
     print("\nbatch  config                                          triton warm  triton cold  reference")
     for batch, name, warm, cold, ref, how in rows:
         print(f"{batch:>5}  {name:<46} {warm:11.1f} {cold:12.1f} {ref:10.1f} ({how})")
+    print(f"result: {results.write(results.record('markov', config, res), Path(opts.out_dir))}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

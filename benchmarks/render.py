@@ -1,0 +1,150 @@
+"""The current figures from ``benchmarks/results/``: a Markdown table on stdout and a plot of the step
+time against the roofline by batch size.
+
+    python benchmarks/render.py [--results benchmarks/results] [--png docs/performance.png]
+
+For each batch size the latest step result (``benchmarks/step.py``) that timed the aoti step at that
+batch gives its row: the roofline of that run (its bytes a step must read over the copy bandwidth it
+measured), the GEMM floor, the aoti step as the runtime runs it (the CUDA-graph runner), the step
+graph replayed in turns with the copy (and that copy's roofline), eager and torch.compile where the
+run timed them, and the Markov loop as the engines call it. Needs matplotlib for the plot
+(``pip install -e .[bench]``); ``--png ''`` skips it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results  # noqa: E402  (benchmarks/results.py, beside this file)
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG = ROOT / "docs" / "performance.png"
+MARKOV_KEPT = "triton, kept workspace (in a CUDA graph; as the engines call it)"
+
+
+def _get(d: dict, b: int):
+    return d.get(str(b), d.get(b)) if isinstance(d, dict) else None
+
+
+def _ms(sec: dict, name: str, b: int) -> float | None:
+    v = _get(sec.get(name, {}), b)
+    return v["median_ms"] if isinstance(v, dict) and "median_ms" in v else None
+
+
+def step_rows(docs: list[dict]) -> list[dict]:
+    """One row per batch size: the figures of the latest step result that timed the aoti step there."""
+    latest: dict[int, dict] = {}
+    for doc in docs:  # oldest first: a later run replaces an earlier one's batch
+        for key in doc["results"].get("sections", {}).get("aoti", {}):
+            latest[int(key)] = doc
+    rows = []
+    for b, doc in sorted(latest.items()):
+        sec = doc["results"]["sections"]
+        turns = _get(sec.get("in_turns", {}), b) or {}
+        replay = _get(sec.get("aoti_interleaved_replay", {}), b) or {}
+        markov = _get(sec.get("markov", {}), b) or {}
+        rows.append({
+            "batch": b, "date": doc["date"][:10], "device": doc["device"], "commit": doc["commit"],
+            "file": doc.get("_file"), "command": doc["command"],
+            "copy_GBps": sec.get("copy_bandwidth", {}).get("GBps"),
+            "roofline_ms": _get(sec.get("roofline_ms", {}), b),
+            "gemm_floor_ms": _ms(sec, "gemm_floor_engine", b) or _ms(sec, "gemm_floor", b),
+            "aoti_ms": _ms(sec, "aoti", b), "eager_ms": _ms(sec, "eager", b),
+            "torch_compile_ms": _ms(sec, "torch_compile", b),
+            "in_turns_ms": replay.get("aoti"), "in_turns_roofline_ms": turns.get("roofline_ms"),
+            "markov_us": markov[MARKOV_KEPT]["median_ms"] * 1e3 if "median_ms" in markov.get(MARKOV_KEPT, {}) else None,
+        })
+    return rows
+
+
+def _f(x, fmt: str = "{:.2f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def _ratio(x, y) -> str:
+    return _f(x / y if x and y else None, "{:.2f}×")
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| batch | roofline ms | GEMM floor ms | aoti step ms | aoti / roofline | in turns ms (/ its roofline) "
+           "| eager ms | torch.compile ms | eager / aoti | compile / aoti | Markov loop µs | run |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        turns = "—" if r["in_turns_ms"] is None else (
+            f"{r['in_turns_ms']:.3f} ({_ratio(r['in_turns_ms'], r['in_turns_roofline_ms'])})")
+        out.append(f"| {r['batch']} | {_f(r['roofline_ms'])} | {_f(r['gemm_floor_ms'])} | **{_f(r['aoti_ms'])}** "
+                   f"| {_ratio(r['aoti_ms'], r['roofline_ms'])} | {turns} | {_f(r['eager_ms'])} "
+                   f"| {_f(r['torch_compile_ms'])} | {_ratio(r['eager_ms'], r['aoti_ms'])} "
+                   f"| {_ratio(r['torch_compile_ms'], r['aoti_ms'])} | {_f(r['markov_us'], '{:.1f}')} "
+                   f"| {r['date']} {r['device']} {r['commit']} |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], png: Path) -> Path:
+    """Step time by batch size against the roofline (log-log), with eager and torch.compile where timed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    series = [("aoti step (CUDA-graph runner)", "aoti_ms", "o-", "C0"),
+              ("roofline (bytes / measured copy bandwidth)", "roofline_ms", "s--", "k"),
+              ("GEMM floor (the step's weight GEMMs alone)", "gemm_floor_ms", "^:", "C2"),
+              ("torch.compile (reduce-overhead)", "torch_compile_ms", "D", "C1"),
+              ("eager", "eager_ms", "x", "C3")]
+    for label, key, style, color in series:
+        pts = [(r["batch"], r[key]) for r in rows if r[key] is not None]
+        if pts:
+            ax.plot(*zip(*pts), style, color=color, label=label)
+    for r in rows:
+        if r["aoti_ms"] and r["roofline_ms"]:
+            ax.annotate(f"{r['aoti_ms'] / r['roofline_ms']:.2f}× roofline", (r["batch"], r["aoti_ms"]),
+                        textcoords="offset points", xytext=(6, 6), fontsize=8, color="C0")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks([r["batch"] for r in rows], [str(r["batch"]) for r in rows])
+    ax.set_xlim(min(r["batch"] for r in rows) / 1.4, max(r["batch"] for r in rows) * 1.6)
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+    ax.set_xlabel("batch size (requests a step)")
+    ax.set_ylabel("speculative step, ms")
+    devices = sorted({r["device"] for r in rows})
+    ax.set_title(f"Muse-Spark-shaped pair (random bf16 weights), γ = 7, 1024 tokens of context; {', '.join(devices)}",
+                 fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+    plt.close(fig)
+    return png
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", type=Path, default=results.RESULTS, help="the result files' folder")
+    p.add_argument("--png", default=str(PNG), help="where the plot goes ('' for none)")
+    a = p.parse_args(argv)
+    rows = step_rows(results.load(a.results, "step"))
+    if not rows:
+        print(f"no step results under {a.results}", file=sys.stderr)
+        return 1
+    print(table(rows))
+    print()
+    for r in {r["file"]: r for r in rows}.values():
+        print(f"* batch {', '.join(str(x['batch']) for x in rows if x['file'] == r['file'])}: `{r['command']}` "
+              f"({r['file']})")
+    if a.png:
+        print(f"\nplot: {plot(rows, Path(a.png))}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

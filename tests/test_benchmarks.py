@@ -1,0 +1,96 @@
+"""The benchmarks folder on CPU: the committed results follow the one schema (benchmarks/results.py),
+benchmarks/render.py gives the current table and plot from them, and `muse-spark bench` finds
+benchmarks/step.py or says why it cannot."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import results  # noqa: E402  (benchmarks/results.py)
+
+KEYS = {"schema", "benchmark", "date", "device", "commit", "versions", "command", "config", "results"}
+
+
+def test_every_committed_result_is_in_the_schema_and_named_by_it():
+    files = sorted(RESULTS.glob("*.json"))
+    assert files
+    for path in files:
+        doc = json.loads(path.read_text())
+        assert KEYS <= set(doc), path.name
+        assert doc["schema"] == results.SCHEMA and doc["command"] and doc["device"], path.name
+        date, device, commit, rest = path.stem.split("_", 3)
+        assert date == doc["date"][:10] and commit == (doc["commit"] or "nogit"), path.name
+        assert rest.split("-")[0] == doc["benchmark"], path.name
+
+
+def test_render_prints_the_current_figures_and_writes_the_plot(tmp_path):
+    png = tmp_path / "performance.png"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render.py"), "--png", str(png)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"batch", "1", "8", "32"}
+    # batch 1: roofline, GEMM floor, the aoti step and its ratios, in turns, eager, torch.compile, the Markov loop
+    for cell in ("4.22", "4.58", "**5.23**", "1.24×", "5.205 (1.21×)", "76.55", "6.44", "14.65×", "1.23×", "27.4",
+                 "NVIDIA H200"):
+        assert f" {cell} " in rows["1"], (cell, rows["1"])
+    for b, cells in (("8", ("4.48", "**7.25**", "7.226 (1.59×)", "98.8")),
+                     ("32", ("5.37", "**12.38**", "12.403 (2.28×)", "173.0"))):
+        assert all(f" {c} " in rows[b] for c in cells), (b, rows[b])
+    assert "`python scripts/bench.py --batches 1 --deadline-s 360" in r.stdout  # each run's exact command
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 300 and height > 200
+
+
+def test_the_committed_plot_is_a_png():
+    data = (ROOT / "docs" / "performance.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+
+
+def test_write_rewrites_its_own_run_and_numbers_another(tmp_path):
+    """A run saving as it goes keeps one file; another run of the same day, device, commit and
+    benchmark gets the next free name; load() gives both, oldest first."""
+    doc = results.record("step", {"batches": [1]}, {"sections": {}}, command=["python", "benchmarks/step.py"])
+    first = results.write(doc, tmp_path)
+    doc["results"] = {"sections": {"eager": {"1": {"median_ms": 1.0}}}}
+    assert results.write(doc, tmp_path) == first
+    assert json.loads(first.read_text())["results"]["sections"]["eager"]["1"]["median_ms"] == 1.0
+    other = dict(doc, command="python benchmarks/step.py --batches 8")
+    second = results.write(other, tmp_path)
+    assert second.name == first.name.replace("_step.json", "_step-2.json")
+    assert [d["_file"] for d in results.load(tmp_path, "step")] == [first.name, second.name]
+    assert results.load(tmp_path, "markov") == []
+
+
+def test_the_cli_runs_the_step_benchmark_from_the_repository():
+    r = subprocess.run([sys.executable, "-m", "muse_spark.cli", "bench", "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: muse-spark bench") and "--out-dir" in r.stdout
+
+
+def test_the_cli_says_so_when_the_package_has_no_repository(tmp_path, monkeypatch, capsys):
+    from muse_spark import cli
+
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "muse_spark" / "cli.py"))
+    assert cli.main(["bench", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "installed without its repository" in err and str(tmp_path / "site-packages" / "benchmarks") in err
+
+
+@pytest.mark.parametrize("script", ["step.py", "markov.py", "attention.py", "linear.py", "render.py", "serving.py"])
+def test_each_benchmark_answers_help(script):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]
