@@ -383,13 +383,14 @@ def run_in_thread(fn, *args, **kw):
 
 
 def test_fail_inflight_ends_a_waiting_request_with_503(front, upstream):
-    t, result = run_in_thread(post_json, front, "/v2/models/m/generate", {"hang": True})
+    t, result = run_in_thread(post_json, front, "/v2/models/m/generate", {"hang": True}, timeout=60)
     wait_for(lambda: front.inflight == 1 and upstream.paths() == ["/v2/models/m/generate"], what="in flight")
     time.sleep(0.1)
     assert "value" not in result  # it really hangs
     t0 = time.monotonic()
     assert front.fail_inflight("the model process died") == 1
-    t.join(5)
+    t.join(30)
+    assert not t.is_alive() and "error" not in result, result
     assert result["at"] - t0 < 2.0
     assert result["value"] == (503, {"error": "the model process died"})
     wait_for(lambda: upstream.disconnects == ["/v2/models/m/generate"], what="the upstream request to close")
@@ -460,7 +461,7 @@ def test_client_disconnect_reaches_the_upstream(front, upstream, caplog):
 
 
 def test_upstream_gone_gives_json_errors(front, upstream):
-    t, result = run_in_thread(post_json, front, "/v2/models/m/generate", {"hang": True})
+    t, result = run_in_thread(post_json, front, "/v2/models/m/generate", {"hang": True}, timeout=60)
     conn, resp = open_stream(front, n=200, delay=0.05)
     try:
         got = events(resp)
@@ -471,7 +472,8 @@ def test_upstream_gone_gives_json_errors(front, upstream):
     finally:
         conn.close()
     assert "broke off" in rest[-1][1]["error"]
-    t.join(5)
+    t.join(30)
+    assert not t.is_alive() and "error" not in result, result
     status, data = result["value"]
     assert status == 502 and "the model server broke off the request" in data["error"]
 
@@ -501,12 +503,13 @@ def test_occupied_port_raises_at_start(upstream):
 def test_stop_fails_what_is_still_in_flight(make_front, upstream):
     front = make_front()
     port = front.port
-    t, result = run_in_thread(post_json, front, "/v2/models/m/generate", {"hang": True})
+    t, result = run_in_thread(post_json, front, "/v2/models/m/generate", {"hang": True}, timeout=60)
     wait_for(lambda: front.inflight == 1, what="in flight")
     t0 = time.monotonic()
     front.stop(timeout=0.3)
     assert time.monotonic() - t0 < 3.0
-    t.join(5)
+    t.join(30)
+    assert not t.is_alive() and "error" not in result, result
     assert result["value"] == (503, {"error": "the server is shutting down"})
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
