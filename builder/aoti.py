@@ -71,8 +71,8 @@ import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
 from muse_spark.models.layers import (PDL_KERNELS, accept_kernels, attention_cache_fused, attention_path,
-                                      attention_splits, linear_path, linear_residual, pdl_active, pdl_gemm_trigger,
-                                      pdl_trigger, qkv_epilogue, rope_table)
+                                      attention_splits, linear_path, pdl_active, pdl_gemm_trigger, pdl_trigger,
+                                      rope_table)
 from muse_spark.graphs.parts import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
@@ -424,14 +424,10 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "plugin_fallback": fallback,
         "attention_kernel": attention_path(device, target.dtype),
         "linear_kernel": linear_path(device, target.dtype),
-        # MUSE_SPARK_QKV_EPILOGUE=1 (opt-in): the qkv GEMM's epilogue norms q/k and writes the caches
-        "qkv_epilogue": qkv_epilogue() and linear_path(device, target.dtype) == "triton",
         # MUSE_SPARK_ATTENTION_CACHE (on unless 0): the attention kernel norms q/k and writes the caches
         "attention_cache": attention_cache_fused() and attention_path(device, target.dtype) == "triton",
         # MUSE_SPARK_ACCEPT_KERNELS (on unless 0): step_verify's acceptance rule in three Triton kernels
         "accept_kernels": accept_kernels() and impl == "triton",
-        # MUSE_SPARK_LINEAR_RESIDUAL=1 (opt-in): the o and down projections' launches do the gated residual too
-        "linear_residual": linear_residual() and linear_path(device, target.dtype) == "triton" and impl != "inline",
         # MUSE_SPARK_ATTENTION_SPLITS (0: the launcher's choice): splits of the window an attention program runs
         "attention_splits": attention_splits() if attention_path(device, target.dtype) == "triton" else None,
         # MUSE_SPARK_ROPE_TABLE (on unless 0): the qkv GEMM's launch writes the RoPE table the norm kernel reads

@@ -143,8 +143,8 @@ def pdl_enter(PDL: tl.constexpr):
 
 @triton.jit
 def pdl_enter_after(PDL: tl.constexpr, after):
-    """``pdl_enter`` ordered after ``after`` (an int32 from work that reads no upstream data, such
-    as a prefetch of the kernel's weights, which so overlaps the kernel before)."""
+    """``pdl_enter`` ordered after ``after`` (an int32 from work that reads no upstream data, which so
+    overlaps the kernel before)."""
     if PDL == 1:
         z = tl.inline_asm_elementwise("griddepcontrol.launch_dependents; griddepcontrol.wait; mov.u32 $0, 0;",
                                       "=r,r", [after], dtype=tl.int32, is_pure=True, pack=1)
@@ -169,16 +169,3 @@ def pdl_release(after):
     return tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
                                      [after.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
 
-
-@triton.jit
-def prefetch_l2(base_ptr, nbytes, CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
-    """Prefetch the bytes [0, nbytes) at ``base_ptr`` into L2 (``cp.async.bulk.prefetch.L2``, sm_90;
-    ``CHUNKS`` chunks of ``CHUNK`` bytes, CHUNK and nbytes multiples of 16) → an int32 zero that
-    orders later work after the prefetches are issued (not completed: they are fire-and-forget)."""
-    off = tl.arange(0, CHUNKS).to(tl.int64) * CHUNK
-    valid = off < nbytes
-    size = tl.where(valid, tl.minimum(nbytes - off, CHUNK), 16).to(tl.int32)
-    ptrs = base_ptr.to(tl.pointer_type(tl.int8)) + tl.where(valid, off, 0)
-    z = tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-                                  [ptrs, size], dtype=tl.int32, is_pure=True, pack=1)
-    return tl.max(z, axis=0)

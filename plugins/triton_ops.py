@@ -7,11 +7,6 @@ Importing this module imports Triton and registers
 * ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop;
 * ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program,
   the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; ``MUSE_SPARK_ROPE_TABLE=0`` off);
-* ``muse_spark::linear_qkv_cache_triton`` — the attention's qkv projection through the skinny GEMM
-  with the q/k head norm, RoPE and the K/V cache write in its epilogue (one launch a layer);
-* ``muse_spark::linear_residual_triton`` — the skinny linear layer (a layer's output or down
-  projection) and the gated residual after it in one launch: the projection's last programs do the
-  rows (opt-in, ``MUSE_SPARK_LINEAR_RESIDUAL=1``);
 * ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
   which ``models.layers.linear`` calls in bf16/fp16 on CUDA for at most 16 rows (the default;
   ``MUSE_SPARK_LINEAR=cublas`` selects ``F.linear``);
@@ -54,16 +49,14 @@ from torch.library import triton_op, wrap_triton
 
 from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
                                       head_norm_rope_reference, linear_reference, pdl_active, pdl_gemm_trigger,
-                                      pdl_trigger, qkv_cache_reference, rope_table_reference, triton_attention_fits)
+                                      pdl_trigger, rope_table_reference, triton_attention_fits)
 from muse_spark.plugins.acceptance.triton_kernel import launch_accept
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
-from muse_spark.plugins.linear.triton_kernel import (MAX_ROWS, check_sync, fits, launch_linear,
-                                                    launch_linear_qkv_cache, launch_linear_residual,
-                                                    launch_linear_rope_table)
+from muse_spark.plugins.linear.triton_kernel import MAX_ROWS, fits, launch_linear, launch_linear_rope_table
 from muse_spark.plugins.markov.op import check_markov_inputs
 from muse_spark.plugins.markov.reference import markov_sample_ref
 from muse_spark.plugins.markov.triton_kernel import launch_markov_sample, supported, workspace_words
@@ -409,52 +402,6 @@ def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor
     if not _runs_kernels(x):
         return linear_reference(x, w, silu_mul)
     return launch_linear(x, w, silu_mul, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl())
-
-
-@triton_op("muse_spark::linear_residual_triton", mutates_args=("sync",))
-def _linear_residual_op(x: torch.Tensor, w: torch.Tensor, stream: torch.Tensor, gate: torch.Tensor,
-                        norm_weight: torch.Tensor | None, branch_norm_weight: torch.Tensor | None, sync: torch.Tensor,
-                        eps: float, zero_centered: bool, apply_norm: bool,
-                        norm_branch: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gated_residual_add(stream, linear(x, w), gate, norm_weight, eps, zero_centered, apply_norm,
-    x.dtype, branch_norm_weight, norm_branch)`` in one launch of the skinny linear kernel
-    (``launch_linear_residual``) → (the new stream, its norm). ``sync``: the layer's two int32 words
-    (zero; the kernel counts its programs on them and leaves them zero). Its reference: those two
-    references in that order."""
-    _check_linear(x, w)
-    if not _runs_kernels(x):
-        check_sync(sync, x.device)
-        y = linear_reference(x, w)
-        check_gated_residual_inputs(stream, y, gate, norm_weight, branch_norm_weight)
-        return gated_residual_add_ref(stream, y, gate, norm_weight, eps, zero_centered, apply_norm, x.dtype,
-                                      branch_norm_weight, norm_branch)
-    return launch_linear_residual(x, w, stream, gate, norm_weight, branch_norm_weight, sync, eps, zero_centered,
-                                  apply_norm, norm_branch, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl())
-
-
-@triton_op("muse_spark::linear_qkv_cache_triton", mutates_args=("k_cache", "v_cache"))
-def _linear_qkv_cache_op(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float, theta: float, use_rope: bool,
-                         heads: int) -> torch.Tensor:
-    """The attention's qkv projection (x [B, S, D], W [(H + 2·KV)·Dh, D]) with the q/k head norm and
-    RoPE and the K/V cache write in the skinny GEMM's epilogue → q [B, S, H, Dh]; k and v go into
-    the caches [N, T, KV, Dh] at rows ``slots``, positions ``positions``. Its reference is
-    ``models.layers.qkv_cache_reference``."""
-    if x.dim() != 3 or not fits(x, w):
-        raise ValueError(f"linear_qkv_cache: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the "
-                         f"kernel takes x [B, S, D] with B·S ≤ {MAX_ROWS} and a contiguous weight [N, D], both bf16 "
-                         "or fp16")
-    if k_cache.dim() != 4:
-        raise ValueError(f"linear_qkv_cache: k_cache must be [N, T, KV, head_dim], got {list(k_cache.shape)}")
-    kv, dh = k_cache.shape[2], k_cache.shape[3]
-    if w.shape[0] != (heads + 2 * kv) * dh or dh < 32 or dh & (dh - 1):
-        raise ValueError(f"linear_qkv_cache: weight rows {w.shape[0]} must be (heads {heads} + 2·{kv}) · head_dim "
-                         f"{dh}, head_dim a power of two ≥ 32")
-    _check_cache_write("linear_qkv_cache", *x.shape[:2], kv, dh, x.dtype, positions, k_cache, v_cache, slots)
-    if not _runs_kernels(x):
-        return qkv_cache_reference(x, w, positions, slots, k_cache, v_cache, eps, theta, use_rope, heads)
-    return launch_linear_qkv_cache(x, w, positions, slots, k_cache, v_cache, eps, theta, use_rope, heads,
-                                   wrap=wrap_triton, interpret=interpreting())
 
 
 def attention(q, k, v, mask, slots=None):

@@ -35,7 +35,6 @@ from typing import Callable, Collection, Sequence
 
 import torch
 
-from muse_spark.models.layers import host_graph as host_graph_switch
 from muse_spark.engine_format import EngineError
 from muse_spark.runtime.engine import INPUT_NAMES, host_step_inputs
 
@@ -336,22 +335,6 @@ def make_programmatic(graph: int, waiting: Collection[str], port: str = "program
     return rewritten, sum(1 for v in names.values() if v is not None)
 
 
-def driver_copy(dst: Tensor, src: Tensor, stream: torch.cuda.Stream) -> None:
-    """``src``'s bytes into ``dst`` on ``stream``, one asynchronous copy through the driver
-    (``cuMemcpyAsync``; either side may be pinned host memory: unified addressing). Under capture it is
-    a memcpy node, without torch's bookkeeping of the pinned blocks a copy uses."""
-    from cuda.bindings import driver as cu
-
-    nbytes = src.numel() * src.element_size()
-    if dst.numel() * dst.element_size() != nbytes or not (dst.is_contiguous() and src.is_contiguous()):
-        raise ValueError(f"driver_copy: {list(src.shape)} {src.dtype} into {list(dst.shape)} {dst.dtype}: "
-                         "both must be contiguous and of the same size in bytes")
-    err, = cu.cuMemcpyAsync(cu.CUdeviceptr(dst.data_ptr()), cu.CUdeviceptr(src.data_ptr()), nbytes,
-                            cu.CUstream(stream.cuda_stream))
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise EngineError(f"copying the step's {nbytes} bytes (cuMemcpyAsync) failed: {err!r}")
-
-
 def capture(fn: Callable, graph: torch.cuda.CUDAGraph | None = None, pool=None, warmup: int = 1,
             device: torch.device | None = None):
     """``fn`` captured in a CUDA graph → (the graph, what the captured call returned). First ``warmup``
@@ -380,7 +363,7 @@ class CUDAGraphStep(StaticStep):
     instantiated. ``programmatic_edges``: how many did."""
 
     def __init__(self, *args, pool=None, warmup: int = 2, programmatic: Collection[str] = (),
-                 pdl_port: str = "programmatic", host_graph: bool | None = None, **kw):
+                 pdl_port: str = "programmatic", **kw):
         super().__init__(*args, **kw)
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
@@ -397,26 +380,6 @@ class CUDAGraphStep(StaticStep):
 
         # Warmed up before the capture: all rows are padding, so only the scratch slot is written.
         self.graph, self.out, self.programmatic_edges, self.graph_kernels = capture_step(self._run, warmup)
-        # ``step_host`` as one launch (``host_graph``; default: MUSE_SPARK_HOST_GRAPH=1, off): the copy
-        # in from the pinned twin, the step and the rows' copy out to a pinned buffer, captured together,
-        # so that nothing else is launched on the stream between two such steps (docs/aoti.md).
-        if host_graph is None:
-            host_graph = host_graph_switch()
-        self.host_graph = None
-        if host_graph:
-            self.host_graph_rows = torch.empty(self.out.shape, dtype=self.out.dtype, pin_memory=True)
-
-            def run_host() -> Tensor:
-                stream = torch.cuda.current_stream(self.device)
-                driver_copy(self.packed, self.host_packed, stream)
-                out = self._run()
-                driver_copy(self.host_graph_rows, out, stream)
-                return out
-
-            # No warm-up: the step has just run (above), and a run of this one would copy in a twin not yet
-            # written (a capture runs nothing). Its output is kept, as ``self.out`` is: the pool must not
-            # hand that memory to a later capture.
-            self.host_graph, self._host_graph_out, _, _ = capture_step(run_host, 0)
         torch.cuda.synchronize(self.device)
         # What a replay reads and writes, as captured: their pointers, checked on every replay, and their
         # storages, kept: a tensor given other memory in place (``set_``) or replaced in the caller's cache
@@ -450,11 +413,11 @@ class CUDAGraphStep(StaticStep):
             self.check(self.live_caches)  # a cache replaced in the caller's lists
             raise AssertionError("CUDA graph replay after a captured input tensor was reallocated")
 
-    def _replay(self, graph: torch.cuda.CUDAGraph | None = None) -> Tensor:
+    def _replay(self) -> Tensor:
         # Launched first, checked while the GPU runs it (the module's docstring): the host's scan of
         # the pointers is off the step's latency, and a failed check raises before the caller sees
         # this replay's result.
-        (self.graph if graph is None else graph).replay()
+        self.graph.replay()
         self.replays += 1
         try:
             self._assert_unmoved(full=not self._weights_checked)
@@ -465,19 +428,3 @@ class CUDAGraphStep(StaticStep):
         return self.out
 
     _execute = _replay
-
-    def step_host(self, anchor, anchor_pos, slots, seeds, temperature) -> list[list[int]]:
-        """``StaticStep.step_host``; with the host graph, one launch: the twin written, the graph
-        replayed (copy in, step, copy out), the host waits for it and reads the pinned rows."""
-        if self.host_graph is None:
-            return super().step_host(anchor, anchor_pos, slots, seeds, temperature)
-        n = self._write_twin(anchor, anchor_pos, slots, seeds, temperature)
-        stream = torch.cuda.current_stream(self.device)
-        try:
-            self._replay(self.host_graph)
-        finally:  # the graph reads the twin when it runs: not rewritten before, even after a failed check
-            self.copied_in.record(stream)
-        self.copied_out.record(stream)
-        self.copied_out.synchronize()
-        # A flagged step runs again through the plain graph: the static inputs already hold its inputs.
-        return self._retried(self.host_graph_rows.numpy()[:n].tolist(), n)

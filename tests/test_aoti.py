@@ -61,7 +61,7 @@ def test_build_reports_progress_and_writes_the_manifest(built):
     assert a["layout"] == LAYOUT and a["plugin_impl"] == "inline"  # CPU builds trace the reference plugins
     assert a["attention_kernel"] == "reference"  # the fp32 einsums: no fused attention on CPU
     assert a["linear_kernel"] == "reference"  # F.linear on CPU
-    assert a["qkv_epilogue"] is False and a["attention_cache"] is False
+    assert a["attention_cache"] is False
     # PDL step graphs: CUDA (sm_90+) engines only
     assert a["pdl_kernels"] == [] and a["pdl_trigger"] is a["pdl_gemm_trigger"] is False
     assert a["rope_table"] is False
@@ -528,16 +528,3 @@ def test_the_attention_splits_switch_is_the_launchers_choice_unless_set_and_refu
         monkeypatch.setenv("MUSE_SPARK_ATTENTION_SPLITS", bad)
         with pytest.raises(ValueError, match="MUSE_SPARK_ATTENTION_SPLITS=.*expected 0 .*or a count"):
             attention_splits()
-
-
-def test_the_host_graph_switch_is_off_unless_asked_for_and_refuses_other_values(monkeypatch):
-    """``MUSE_SPARK_HOST_GRAPH`` (read by the CUDA-graph runners): unset off, ``1`` on, anything but 0/1 an error."""
-    from muse_spark.models.layers import host_graph
-
-    monkeypatch.delenv("MUSE_SPARK_HOST_GRAPH", raising=False)
-    assert host_graph() is False
-    monkeypatch.setenv("MUSE_SPARK_HOST_GRAPH", "1")
-    assert host_graph() is True
-    monkeypatch.setenv("MUSE_SPARK_HOST_GRAPH", "true")
-    with pytest.raises(ValueError, match="MUSE_SPARK_HOST_GRAPH='true': expected 0 or 1"):
-        host_graph()

@@ -253,7 +253,7 @@ def test_the_embedding_section_names_what_the_python_runtime_feeds(aoti_built, e
         t = files[file][key].to(torch_dtype(dtype))
         assert list(t.shape) == shape and torch.equal(t, mine), name
     derived = set(files[DERIVED_FILE])
-    assert derived and all(n.endswith(("g_attn", "g_ffn", "sync_attn", "sync_ffn")) for n in derived)
+    assert derived and all(n.endswith(("g_attn", "g_ffn")) for n in derived)
     step = next(iter(engine.runners.values())).fn
     assert emb["head_weights"] == step.head_idx and emb["layer_weights"] == step.layer_idx
     assert emb["aux_layer_ids"] == sorted(step.aux_layer_ids)

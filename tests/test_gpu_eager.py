@@ -99,29 +99,3 @@ def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypa
     assert runs[0][0] == runs[1][0] == runs[2][0]
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(runs[0][1], runs[1][1], runs[2][1]))
     assert [r[2] for r in runs] == [False, True, True]
-
-
-def test_cuda_linear_residual_path_is_taken_and_lossless(agreeing_pair, random_pair, monkeypatch):
-    """``MUSE_SPARK_LINEAR_RESIDUAL=1``: every decoder layer's two residual updates take the one-launch
-    path in bf16 (the o and down projections' launches do the gated residual), greedy speculative
-    output equals greedy target-only output under it, and sampled output with a seed is the same
-    in a batch as alone; the words are zero after."""
-    from muse_spark.models.layers import DecoderLayer
-
-    monkeypatch.setenv("MUSE_SPARK_LINEAR_RESIDUAL", "1")
-    engine = EagerEngine.from_checkpoints(*agreeing_pair, device="cuda", max_batch=4, max_seq=128)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    with monkeypatch.context() as m:
-        fused = answers(m, DecoderLayer, "fuses_residual")
-        got = Generator(engine).generate(PROMPTS, params)
-    assert fused and any(fused)  # the steps' layers (a prompt chunk of > 16 rows takes the two launches)
-    for r in got:
-        assert r.output == generate_target_only(engine, r.prompt, params)
-    words = [layer.sync_attn for layer in engine.target.model.layers] + [
-        layer.sync_ffn for layer in engine.target.model.layers]
-    assert all(w.tolist() == [0, 0] for w in words)
-    engine = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128)
-    p = SamplingParams(max_tokens=20, temperature=0.9, seed=7, ignore_eos=True)
-    solo = Generator(engine).generate([PROMPTS[1]], p)[0].output
-    batch = Generator(engine).generate(PROMPTS, [SamplingParams(max_tokens=9, temperature=0.5, seed=1), p, p, p])
-    assert batch[1].output == solo

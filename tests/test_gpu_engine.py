@@ -124,33 +124,6 @@ def test_step_host_gives_the_steps_rows(engine):
         assert engine.step_host(*lists, 40) == want
 
 
-def test_step_host_as_one_launch_gives_the_rows_and_caches_of_the_plain_graph(engine):
-    """``host_graph`` (``MUSE_SPARK_HOST_GRAPH=1``): ``step_host``'s copy in from the pinned twin, the
-    step and the copy out of its rows captured in one graph. Step after step, greedy and sampled, a
-    full bucket and a padded one (the padding rows refilled after a larger batch), its rows and the
-    caches it leaves equal those of the runner's plain graph from the same caches."""
-    from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
-
-    with torch.inference_mode():  # as the engine makes and calls its runners (inference tensors)
-        runner = engine.runners[4]
-        one = CUDAGraphStep(runner.fn, 4, runner.weights, runner.caches, engine.scratch_slot, engine.device,
-                            markov_words=runner.markov_ws.numel(), programmatic=engine.pdl_kernels, host_graph=True)
-        assert one.host_graph is not None
-        caches = [t for c in runner.caches for t in c]
-        steps = [([65, 66, 67, 68], [10, 20, 30, 40], [0, 1, 2, 3], [1, 2, 3, 4], [0.0, 0.9, 0.0, 1.3]),
-                 ([70, 71], [11, 21], [0, 1], [5, 6], [0.7, 0.0]),  # padded after the full batch
-                 ([72, 73, 74], [12, 22, 33], [0, 1, 2], [7, 8, 9], [0.0, 1.1, 0.5])]
-        for lists in steps:
-            saved = [t.clone() for t in caches]
-            got = one.step_host(*lists)
-            after = [t.clone() for t in caches]
-            for t, s in zip(caches, saved):  # the same step again from the same caches, on the plain graph
-                t.copy_(s)
-            assert got == StaticStep.step_host(runner, *lists)  # the plain graph's form, whatever the environment
-            assert all(torch.equal(a, b) for a, b in zip(after, caches))
-        assert one.replays == len(steps)
-
-
 def test_replay_refuses_caches_other_than_the_captured_ones(engine):
     x = tuple(torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(4)) + (
         torch.zeros(1, device="cuda"),)

@@ -12,7 +12,6 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -129,140 +128,6 @@ def test_gated_residual_without_norm_returns_empty(tops):
     new, empty = tops.gated_residual_add(stream, branch, gate, None, 1e-6, False, False, torch.bfloat16)
     assert torch.equal(new, stream + gate * branch.float())
     assert empty.numel() == 0 and empty.dtype == torch.bfloat16
-
-
-# ---- the skinny linear layer and the gated residual in one launch ---------------------------------
-# (N outputs, K): the 8B target's o and down projections; "tight": as many weight tiles as rows (16),
-# so every program waits for the others. Under the interpreter (which runs the launcher's two-launch
-# form) small shapes, 16 tiles each.
-LINEAR_RESIDUAL_SHAPES = ({"o": (4096, 4096), "down": (4096, 14336), "tight": (1024, 4096)} if BIG
-                          else {"short_k": (1024, 64), "long_k": (1024, 512)})
-# (norm weights, the branch's own norm, the next norm): as the layers call it, zero-centered
-# weights, no weights, and the last layer's FFN residual (no next norm)
-LINEAR_RESIDUAL_MODES = {"layer": ("plain", True, True), "zero_centered": ("zero_centered", True, True),
-                         "no_weights": ("none", True, True), "as_is": ("plain", False, True),
-                         "no_next_norm": ("plain", True, False)}
-
-
-def linear_residual_operands(M: int, N: int, K: int, seed: int = 0, weight: str = "plain"):
-    """x [1, M, K] bf16, W [N, K], stream [1, M, N] fp32, gate [N] fp32, the two norms' weights [N]
-    (None without weights)."""
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(1, M, K, generator=g) / 2).bfloat16().to(DEV)
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16().to(DEV)
-    stream = (4 * torch.randn(1, M, N, generator=g)).to(DEV)
-    gate = (0.5 + torch.rand(N, generator=g)).to(DEV)
-    nw = None if weight == "none" else (0.1 * torch.randn(N, generator=g)).bfloat16().to(DEV)
-    bw = None if weight == "none" else (1 + 0.1 * torch.randn(N, generator=g)).bfloat16().to(DEV)
-    return x, w, stream, gate, nw, bw
-
-
-@needs_kernels
-@pytest.mark.parametrize("shape", list(LINEAR_RESIDUAL_SHAPES))
-@pytest.mark.parametrize("M", [1, 8, 16])
-@pytest.mark.parametrize("mode", list(LINEAR_RESIDUAL_MODES))
-def test_linear_residual_is_the_linear_then_the_gated_residual(tops, shape, M, mode):
-    """``linear_residual_triton`` (one launch: the projection's last programs do the rows) against
-    ``linear_triton`` then ``gated_residual_add_triton`` (two launches): the new stream is the same
-    bit for bit where the branch is not normed (the same y, the same two roundings); normed, it
-    differs at most by the branch norm's rounding (its sum of squares in another order); the next
-    norm is its own stream's within the norm tolerance; the two words are zero after."""
-    (N, K), (weight, norm_branch, apply_norm) = LINEAR_RESIDUAL_SHAPES[shape], LINEAR_RESIDUAL_MODES[mode]
-    x, w, stream, gate, nw, bw = linear_residual_operands(M, N, K, M, weight)
-    sync = torch.zeros(2, dtype=torch.int32, device=DEV)
-    zc = weight == "zero_centered"
-    new, normed = torch.ops.muse_spark.linear_residual_triton(x, w, stream, gate, nw, bw, sync, 1e-6, zc, apply_norm,
-                                                              norm_branch)
-    y = torch.ops.muse_spark.linear_triton(x, w, False)
-    want, _ = tops.gated_residual_add(stream, y, gate, nw, 1e-6, zc, apply_norm, torch.bfloat16, bw, norm_branch)
-    assert sync.tolist() == [0, 0]
-    assert new.shape == stream.shape and new.dtype == torch.float32
-    if norm_branch:
-        rb = rms_norm(y, bw, 1e-6, zc, torch.bfloat16).float()
-        bound = 4 * torch.finfo(torch.bfloat16).eps * (gate * rb.abs()) + 4 * torch.finfo(torch.float32).eps * want.abs()
-        assert ((new - want).abs() <= bound).all()
-        assert (new != want).float().mean() < 0.05
-    else:
-        assert torch.equal(new, want)
-    if apply_norm:
-        assert normed.dtype == torch.bfloat16 and normed.shape == stream.shape
-        torch.testing.assert_close(normed, rms_norm(new.bfloat16(), nw, 1e-6, zc, torch.bfloat16),
-                                   **NORM_TOL[torch.bfloat16])
-    else:
-        assert normed.numel() == 0
-
-
-@needs_gpu
-def test_linear_residual_replays_in_a_cuda_graph_with_new_inputs(tops):
-    """Captured once (the down projection's shape: 256 programs, more than the SMs, so later
-    programs start only as earlier ones exit while the last wait), replayed ten times with new x
-    and stream: each replay's outputs are the eager op's on the same inputs, bit for bit, and the
-    words are zero after every replay (each launch leaves them as the next needs them)."""
-    N, K = LINEAR_RESIDUAL_SHAPES["down"]
-    x, w, stream, gate, nw, bw = linear_residual_operands(8, N, K, 1)
-    sync = torch.zeros(2, dtype=torch.int32, device=DEV)
-
-    def run():
-        return torch.ops.muse_spark.linear_residual_triton(x, w, stream, gate, nw, bw, sync, 1e-6, False, True, True)
-
-    from muse_spark.runtime.cuda_graph import capture
-
-    graph, out = capture(run)
-    for i in range(10):
-        fresh_x, _, fresh_stream, *_ = linear_residual_operands(8, N, K, 100 + i)
-        x.copy_(fresh_x)
-        stream.copy_(fresh_stream)
-        graph.replay()
-        got = [t.clone() for t in out]
-        assert sync.tolist() == [0, 0]
-        want = run()
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), i
-
-
-@needs_kernels
-def test_linear_residual_refuses_what_it_cannot_take(tops):
-    """More rows than weight tiles (the last programs do one row each), words that are not two
-    int32, a stream that is not x's rows by the outputs: each refused with the op's name."""
-    x, w, stream, gate, nw, bw = linear_residual_operands(8, 256, 64)  # 4 weight tiles for 8 rows
-    sync = torch.zeros(2, dtype=torch.int32, device=DEV)
-    op = torch.ops.muse_spark.linear_residual_triton
-    with pytest.raises(ValueError, match="linear_residual: .* a weight tile per row"):
-        op(x, w, stream, gate, nw, bw, sync, 1e-6, False, True, True)
-    x, w, stream, gate, nw, bw = linear_residual_operands(8, 1024, 64)
-    for bad in (torch.zeros(2, dtype=torch.int64, device=DEV), torch.zeros(3, dtype=torch.int32, device=DEV)):
-        with pytest.raises(ValueError, match="linear_residual: sync must be 2"):
-            op(x, w, stream, gate, nw, bw, bad, 1e-6, False, True, True)
-    with pytest.raises(ValueError, match="linear_residual: stream"):
-        op(x, w, stream[:, :4], gate, nw, bw, sync, 1e-6, False, True, True)
-
-
-@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-@pytest.mark.parametrize("shape", ["o", "down"])
-def test_linear_residual_keeps_the_weight_stream_and_counts_once_per_program(shape):
-    """The ``RESIDUAL`` form compiled for sm_90 (the 8B target's o and down projections, their
-    launch configurations): the same pipelined weight loads as the plain kernel and the same shared
-    memory (the tail adds no stage), and the tail's word operations: the acq_rel count, the acquire
-    polls, the acq_rel departure count, the two resets."""
-    from muse_spark.plugins.linear import triton_kernel as lk
-
-    K = {"o": 4096, "down": 14336}[shape]
-    cfg = lk.default_config(8, 4096, K, False)
-    names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
-    lin = dict(BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=True, EVEN_K=True, SILU_MUL=False,
-               IEEE_DOT=False)
-    tail = dict(zip(["stream_ptr", "gate_ptr", "nw_ptr", "bw_ptr", "new_ptr", "out_ptr", "sync_ptr"],
-                    ["*fp32", "*fp32", "*bf16", "*bf16", "*fp32", "*bf16", "*i32"]))
-    sig = dict(zip(names, ["*bf16"] * 3 + ["i32"] * 5))
-    m16 = ("N", "K", "stride_xm", "stride_ym")
-    plain = compile_for_hopper(lk._linear_kernel, sig, lin, cfg["num_warps"], cfg["num_stages"], multiples_of_16=m16)
-    fused = compile_for_hopper(lk._linear_kernel, dict(sig, **tail), dict(
-        lin, RESIDUAL=True, EPS=1e-6, HAS_WEIGHT=True, APPLY_NORM=True, NORM_BRANCH=True, HAS_BRANCH_WEIGHT=True,
-        BLOCK_D=4096), cfg["num_warps"], cfg["num_stages"], multiples_of_16=m16)
-    ptx = fused.asm["ptx"]
-    assert ptx.count("cp.async.cg.shared.global") == plain.asm["ptx"].count("cp.async.cg.shared.global") > 0
-    assert fused.metadata.shared == plain.metadata.shared
-    assert ptx.count("atom.global.gpu.acq_rel.add") == 2 and "ld.global.gpu.acquire" in ptx  # (the polls: loads)
-    assert ptx.count("atom.global.gpu.relaxed.exch") == 2
 
 
 # ---- Markov loop: inputs ----------------------------------------------------------------------
@@ -392,7 +257,7 @@ def test_markov_kept_workspace_gives_the_same_results_call_after_call(kern, B, g
 @pytest.mark.parametrize("config", [None, dict(BLOCK_B=1, BLOCK_V=128, RESIDENT=False)], ids=str)
 def test_markov_reads_no_partial_before_writing_it(kern, config):
     """With its softmax partials and probability buffer filled with NaN before the launch
-    (``poison``, the diagnosis of scripts/markov_diag.py --poison), every call gives the same ids and
+    (``poison``: the launcher's diagnosis mode), every call gives the same ids and
     probabilities as the reference: nothing is read before it is written."""
     B, gamma, Vd, V, r = 3, 5, 1000, 3001, 24
     for c in range(4 if ON_GPU else 1):
@@ -1069,7 +934,7 @@ LAUNCH_OPTIONS = {"num_warps", "num_stages", "maxnreg", "launch_pdl"}
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' modules import it)")
 @pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "norm_cache", "norm_cache_table",
-                                  "norm", "rope_table", "gated_residual", "linear_residual"])
+                                  "norm", "rope_table", "gated_residual"])
 def test_the_other_launchers_pass_every_kernel_argument(form):
     """``test_the_attention_launcher_passes_every_kernel_argument`` for the launchers the engines'
     ops call: each passes every parameter of its kernel, the arguments a form does not use included
@@ -1097,9 +962,6 @@ def test_the_other_launchers_pass_every_kernel_argument(form):
             torch.zeros(64, device=DEV), torch.ones(64, dtype=torch.bfloat16, device=DEV), 1e-6, False, True,
             torch.bfloat16, wrap=wrap),
     }
-    res = linear_residual_operands(6, 512, 64)
-    run["linear_residual"] = lambda wrap: lk.launch_linear_residual(
-        *res, torch.zeros(2, dtype=torch.int32, device=DEV), 1e-6, False, True, True, wrap=wrap)
     calls = launches(run[form])
     assert len(calls) == 1
     fn, passed = calls[0]
@@ -1125,7 +987,7 @@ def test_plugin_kernels_survive_inductors_source_re_emission(tmp_path):
 
     kernels = [attention._partial_kernel, attention._combine_kernel, gated_residual._gated_residual_norm_kernel,
                head_norm_rope._head_norm_rope_kernel, head_norm_rope._head_norm_rope_cache_kernel,
-               linear._linear_kernel, linear._linear_qkv_kernel, markov._markov_kernel]
+               linear._linear_kernel, markov._markov_kernel]
     import importlib.util
 
     for kernel in kernels:
@@ -1534,102 +1396,6 @@ def test_attention_cache_op_rejects_bad_inputs(tops):
         op(*args, half[:-1], half)
 
 
-def qkv_operands(B=2, S=3, H=4, KV=2, dh=32, D=64, slots_n=4, T=16, dtype=torch.bfloat16, seed=7):
-    """x [B, S, D], a qkv weight [(H + 2·KV)·dh, D], and ``cache_target``."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, S, D, generator=g).to(dtype).to(DEV)
-    w = (torch.randn((H + 2 * KV) * dh, D, generator=g) / D**0.5).to(dtype).to(DEV)
-    return (x, w, *cache_target(g, B, S, KV, dh, slots_n, T, dtype))
-
-
-@needs_kernels
-@pytest.mark.parametrize("rope", [True, False])
-def test_linear_qkv_cache_kernel_matches_the_projection_norm_and_cache_write(tops, rope):
-    """The qkv GEMM with the head norm, RoPE and cache write in its epilogue, against the unfused
-    plugin kernels (the skinny GEMM, then head_norm_rope_cache): q and the written k within one
-    unit of bf16 (the projection's sums may round apart, the norm sums in another order), v the
-    projection's values within its rounding; nothing outside the request's rows and positions
-    changes; the reference op (the CPU path) agrees the same way."""
-    from muse_spark.models.layers import qkv_cache_reference
-
-    x, w, positions, slots, (kc, vc) = qkv_operands()
-    H, (kv, dh) = 4, kc.shape[2:]
-    wk, wv = kc.clone(), vc.clone()
-    qkv = torch.ops.muse_spark.linear_triton(x, w, False)
-    qk = qkv[..., : (H + kv) * dh].reshape(*x.shape[:2], H + kv, dh)
-    v = qkv[..., (H + kv) * dh :].reshape(*x.shape[:2], kv, dh)
-    want_q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, 1e-6, 5e5, rope, wk, wv, slots)
-    q = torch.ops.muse_spark.linear_qkv_cache_triton(x, w, positions, slots, kc, vc, 1e-6, 5e5, rope, H)
-    tol = dict(rtol=2**-7, atol=2**-7)
-    assert q.shape == want_q.shape and q.is_contiguous()
-    torch.testing.assert_close(q.float(), want_q.float(), **tol)
-    torch.testing.assert_close(kc.float(), wk.float(), **tol)
-    torch.testing.assert_close(vc.float(), wv.float(), **tol)
-    written = torch.zeros(kc.shape[:2], dtype=torch.bool, device=kc.device)
-    written[slots[:, None], positions] = True
-    _, _, _, _, (kc0, vc0) = qkv_operands()
-    assert torch.equal(kc[~written], kc0[~written]) and torch.equal(vc[~written], vc0[~written])
-    assert not torch.equal(kc[written], kc0[written])
-    x, w, positions, slots, (rk, rv) = (t.cpu() if torch.is_tensor(t) else [c.cpu() for c in t] for t in qkv_operands())
-    rq = qkv_cache_reference(x, w, positions, slots, rk, rv, 1e-6, 5e5, rope, H)
-    torch.testing.assert_close(rq.float(), q.float().cpu(), rtol=0.05, atol=0.05)
-    torch.testing.assert_close(rk.float(), kc.float().cpu(), rtol=0.05, atol=0.05)
-    torch.testing.assert_close(rv.float(), vc.float().cpu(), rtol=0.05, atol=0.05)
-
-
-@needs_kernels
-def test_linear_qkv_cache_kernel_never_writes_outside_the_caches(tops):
-    x, w, positions, slots, (kc, vc) = qkv_operands()
-    before_k, before_v = kc.clone(), vc.clone()
-    positions[0, 1] = kc.shape[1]
-    slots[1] = kc.shape[0]
-    torch.ops.muse_spark.linear_qkv_cache_triton(x, w, positions, slots, kc, vc, 1e-6, 5e5, True, 4)
-    changed = (kc != before_k).any(-1).any(-1) | (vc != before_v).any(-1).any(-1)
-    expect = torch.zeros_like(changed)
-    for p in (positions[0, 0].item(), positions[0, 2].item()):
-        expect[slots[0], p] = True
-    assert torch.equal(changed, expect)
-
-
-@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-def test_linear_qkv_cache_kernel_compiles_for_hopper():
-    """The fused qkv kernel at the 8B shape (head_dim 128: two 64-row tiles per program, the
-    silu·mul configuration) compiles for sm_90 and fits its shared memory."""
-    import inspect
-
-    from muse_spark.plugins.linear import triton_kernel as lk
-
-    cfg = lk.default_config(8, 3072, 4096, True)
-    names = [n for n, prm in inspect.signature(lk._linear_qkv_kernel.fn).parameters.items()
-             if "constexpr" not in str(prm.annotation)]
-    sig = dict(zip(names, ["*bf16", "*bf16", "*bf16", "*i64", "*i64", "*bf16", "*bf16"] + ["i32"] * 14))
-    assert len(sig) == len(names) == 21
-    k = compile_for_hopper(lk._linear_qkv_kernel, sig, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=cfg["BLOCK_K"], EVEN_K=True,
-                           IEEE_DOT=False, EPS=1e-5, THETA=5e5, ROPE=True), cfg["num_warps"], cfg["num_stages"],
-                           multiples_of_16=("K", "stride_xm"))
-    assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024 and "cos.approx" not in k.asm["ptx"]
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the op's module imports it)")
-def test_linear_qkv_cache_op_rejects_bad_inputs(tops):
-    x, w, positions, slots, (kc, vc) = qkv_operands()
-    op = torch.ops.muse_spark.linear_qkv_cache_triton
-    with pytest.raises(ValueError, match="weight rows 224 must be"):
-        op(x, w[:-32], positions, slots, kc, vc, 1e-6, 5e5, True, 4)
-    with pytest.raises(ValueError, match="must be \\(heads 3"):
-        op(x, w, positions, slots, kc, vc, 1e-6, 5e5, True, 3)
-    with pytest.raises(ValueError, match="B·S ≤ 16"):
-        op(x.repeat(4, 2, 1), w, positions, slots, kc, vc, 1e-6, 5e5, True, 4)
-    with pytest.raises(ValueError, match="k_cache must be \\[N, T, KV, head_dim\\]"):
-        op(x, w, positions, slots, kc[0], vc, 1e-6, 5e5, True, 4)
-    with pytest.raises(ValueError, match="v_cache must be"):
-        op(x, w, positions, slots, kc, vc.half(), 1e-6, 5e5, True, 4)
-    with pytest.raises(ValueError, match="slots must be int64"):
-        op(x, w, positions, slots.int(), kc, vc, 1e-6, 5e5, True, 4)
-    with pytest.raises(ValueError, match="positions must be int64"):
-        op(x, w, positions[:, :2], slots, kc, vc, 1e-6, 5e5, True, 4)
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the op's module imports it)")
 def test_head_norm_rope_op_rejects_bad_inputs(tops):
     x, positions = rope_operands((1, 2, 4, 16), torch.bfloat16, strided=False)
@@ -1852,7 +1618,7 @@ def test_linear_kernel_compiles_for_hopper(shape):
     assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
 
 
-# ---- programmatic dependent launch (an option: scripts/pdl_bench.py) ------------------------------
+# ---- programmatic dependent launch (docs/pdl.md) ---------------------------------------------------
 
 
 def _global_accesses_before_the_wait(ptx: str) -> tuple[bool, list[str]]:
@@ -1870,9 +1636,8 @@ def _global_accesses_before_the_wait(ptx: str) -> tuple[bool, list[str]]:
 def test_pdl_kernels_wait_before_any_global_access(mode):
     """Compiled for sm_90 without a GPU, with ``PDL`` each plugin kernel executes
     ``griddepcontrol.wait`` before its first global load or store (the data dependency on
-    ``pdl_enter``'s zero holds through the compiler's scheduling and software pipelining); the
-    linear kernel's L2 prefetch of its weights is the one thing issued before it. Without ``PDL``
-    there is no wait at all. Mode 3 (``MUSE_SPARK_PDL_GEMM_TRIGGER=1``, the GEMMs only): the linear
+    ``pdl_enter``'s zero holds through the compiler's scheduling and software pipelining). Without
+    ``PDL`` there is no wait at all. Mode 3 (``MUSE_SPARK_PDL_GEMM_TRIGGER=1``, the GEMMs only): the linear
     kernel triggers its dependents after its last weight load and before its first store; the other
     kernels (never compiled so) only wait."""
     from muse_spark.plugins.attention import triton_kernel as ak
@@ -1887,8 +1652,7 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
     attn = dict(SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
                 SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=False, HAS_SLOTS=True, EARLY_KV=True, BOUNDS=True)
     lin_names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
-    lin = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN_N=True, EVEN_K=True, SILU_MUL=False, IEEE_DOT=False,
-               PREFETCH=0)
+    lin = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, EVEN_N=True, EVEN_K=True, SILU_MUL=False, IEEE_DOT=False)
     cases = {
         "partial": (ak._partial_kernel, dict(zip(names, types)), attn, 4, None, ()),
         "combine": (ak._combine_kernel, dict(zip(["po_ptr", "pm_ptr", "pl_ptr", "out_ptr", "S", "M", "KV", "NSPLIT",
@@ -1910,14 +1674,6 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
             dict(EPS=1e-6, THETA=5e5, DH=128, BLOCK_H=16, ROPE=True, BLOCK_KV=8), 4, None, ()),
         "linear": (lk._linear_kernel, dict(zip(lin_names, ["*bf16"] * 3 + ["i32"] * 5)), lin, 4, 4,
                    ("N", "K", "stride_xm", "stride_ym")),
-        # the o / down projection with the gated residual in its launch (MUSE_SPARK_LINEAR_RESIDUAL=1)
-        "linear_residual": (lk._linear_kernel, dict(zip(
-            lin_names + ["stream_ptr", "gate_ptr", "nw_ptr", "bw_ptr", "new_ptr", "out_ptr", "sync_ptr"],
-            ["*bf16"] * 3 + ["i32"] * 5 + ["*fp32", "*fp32", "*bf16", "*bf16", "*fp32", "*bf16", "*i32"])),
-                            dict(lin, RESIDUAL=True, EPS=1e-6, HAS_WEIGHT=True, APPLY_NORM=True, NORM_BRANCH=True,
-                                 HAS_BRANCH_WEIGHT=True, BLOCK_D=4096), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
-        "linear_prefetch": (lk._linear_kernel, dict(zip(lin_names, ["*bf16"] * 3 + ["i32"] * 5)),
-                            dict(lin, PREFETCH=64 << 10), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
         # the RoPE table (the default since the thirteenth session): the qkv GEMM's extra program
         # that writes it, and the norm kernel reading it
         "linear_rope_table": (lk._linear_kernel, dict(zip(
@@ -1952,245 +1708,11 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
             loads = [i for i, line in enumerate(lines) if "cp.async.cg.shared.global" in line or "ld.global" in line]
             stores = [i for i, line in enumerate(lines) if "st.global" in line]
             assert loads and stores and max(loads) < trigger < min(stores), (max(loads), trigger, min(stores))
-        assert ("cp.async.bulk.prefetch.L2" in ptx) == (name == "linear_prefetch"), name
         if name in ("partial", "linear"):  # and without PDL: no wait
             plain = compile_for_hopper(fn, sig, dict(consts, PDL=0), warps, stages, multiples_of_16=m16).asm["ptx"]
             assert "griddepcontrol" not in plain
             if name == "linear":  # the same vectorized, pipelined weight loads
                 assert plain.count("cp.async.cg.shared.global") == ptx.count("cp.async.cg.shared.global")
-
-
-@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
-def test_linear_preload_issues_only_weight_loads_before_the_wait(silu_mul):
-    """``PRELOAD`` (scripts/pdl_bench.py's variants) with the PDL wait, compiled for sm_90: before
-    ``griddepcontrol.wait`` the program issues plain global loads (its first weight tiles) and
-    nothing that reads upstream data asynchronously or writes (no cp.async, store or atomic)."""
-    from muse_spark.plugins.linear import triton_kernel as lk
-
-    names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
-    cfg = lk.default_config(8, 4096, 4096, silu_mul)
-    consts = dict(BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=True, EVEN_K=True,
-                  SILU_MUL=silu_mul, IEEE_DOT=False, PDL=2, PRELOAD=True)
-    ptx = compile_for_hopper(lk._linear_kernel, dict(zip(names, ["*bf16"] * 3 + ["i32"] * 5)), consts,
-                             cfg["num_warps"], cfg["num_stages"],
-                             multiples_of_16=("N", "K", "stride_xm", "stride_ym")).asm["ptx"]
-    waits, before = _global_accesses_before_the_wait(ptx)
-    import re
-
-    assert waits and before and all(re.sub(r"^@!?%p\d+\s+", "", a).startswith("ld.global") for a in before), before
-
-
-@needs_kernels
-@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
-@pytest.mark.parametrize("K", [512, 700], ids=["even_k", "ragged_k"])
-def test_linear_preload_gives_the_same_bits(tops, silu_mul, K):
-    """The first K chunk's tiles loaded ahead (``preload``) and the rest streamed: the same sums in
-    the same order as the plain kernel, bit for bit."""
-    from muse_spark.plugins.linear.triton_kernel import launch_linear
-    from muse_spark.plugins.triton_math import interpreting
-
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(8, K, generator=g).to(torch.bfloat16).to(DEV)
-    w = (torch.randn(2 * 96 if silu_mul else 96, K, generator=g) / K**0.5).to(torch.bfloat16).to(DEV)
-    cfg = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=2)
-    plain = launch_linear(x, w, silu_mul, interpret=interpreting(), config=cfg)
-    assert torch.equal(launch_linear(x, w, silu_mul, interpret=interpreting(), config=cfg, preload=True), plain)
-
-
-def test_pdl_bench_coresident_configs_fit_two_programs_an_sm():
-    """scripts/pdl_bench.py's co-resident configurations take at most 100 KB of shared memory for
-    the pipeline's stages at every batch-1 shape (two programs fit the 227 KB of an SM), and change
-    only the chunk and the stages of the defaults."""
-    import importlib.util
-
-    from muse_spark.plugins.linear.triton_kernel import default_config
-
-    spec = importlib.util.spec_from_file_location("pdl_bench", Path(__file__).resolve().parents[1] / "scripts" /
-                                                  "pdl_bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    for N, K, silu in [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True), (4096, 14336, False)]:
-        cfg, base = bench.coresident_config(8, N, K, silu), default_config(8, N, K, silu)
-        stage = ((2 if silu else 1) * cfg["BLOCK_N"] + 16) * cfg["BLOCK_K"] * 2
-        assert cfg["num_stages"] * stage <= 100 * 1024 and cfg["num_stages"] >= 2
-        assert {k: v for k, v in cfg.items() if k not in ("BLOCK_K", "num_stages")} == \
-            {k: v for k, v in base.items() if k not in ("BLOCK_K", "num_stages")}
-
-
-# ---- the GEMM chain experiment (plugins/linear/chain_kernel.py, scripts/chain_bench.py) ---------
-
-
-def chain_case(seed=0, M=8, D=256, F=512, A=256):
-    """A small layer chain as scripts/chain_bench.py lays it out: qkv → o (its input a fixed
-    stand-in) → gate/up with silu·mul → down, its weights in one flat buffer, its activations in
-    one buffer of regions. → (weights by name, flat weights, activations, regions, phases)."""
-    g = torch.Generator().manual_seed(seed)
-    ws = {"qkv": (384, D), "o": (D, A), "gu": (2 * F, D), "down": (D, F)}
-    ws = {k: (torch.randn(*s, generator=g) / s[1] ** 0.5).to(torch.bfloat16).to(DEV) for k, s in ws.items()}
-    offs, n = {}, 0
-    for k, v in ws.items():
-        offs[k], n = n, n + v.numel()
-    flat = torch.cat([v.flatten() for v in ws.values()])
-    regions, n = {}, 0
-    for k, width in [("x", D), ("attn", A), ("qkv", 384), ("o", D), ("gu", F), ("down", D)]:
-        regions[k], n = n, n + M * width
-    act = torch.zeros(n, dtype=torch.bfloat16, device=DEV)
-    act[regions["x"]: regions["x"] + M * D] = torch.randn(M * D, generator=g).to(torch.bfloat16).to(DEV)
-    act[regions["attn"]: regions["attn"] + M * A] = torch.randn(M * A, generator=g).to(torch.bfloat16).to(DEV)
-    phases = [dict(w_offset=offs["qkv"], N=384, K=D, in_offset=regions["x"], out_offset=regions["qkv"], silu=0),
-              dict(w_offset=offs["o"], N=D, K=A, in_offset=regions["attn"], out_offset=regions["o"], silu=0),
-              dict(w_offset=offs["gu"], N=F, K=D, in_offset=regions["o"], out_offset=regions["gu"], silu=1),
-              dict(w_offset=offs["down"], N=D, K=F, in_offset=regions["gu"], out_offset=regions["down"], silu=0)]
-    return ws, flat, act, regions, phases
-
-
-CHAIN_CONFIG = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=2)
-
-
-@needs_kernels
-@pytest.mark.parametrize("stream", ["per_tile", "flat"])
-def test_chain_kernel_one_launch_per_gemm_equals_the_engine_kernel(stream):
-    """The chain experiment's GEMMs, one launch each (its work split: 16-row tiles dealt round the
-    programs), give the engine kernel's bits for the same chunking, GEMM by GEMM, whether each tile
-    runs its own loop or a program's tiles run as one flat stream of (tile, chunk) steps."""
-    from muse_spark.plugins.linear.chain_kernel import chain_table, launch_chain
-    from muse_spark.plugins.linear.triton_kernel import launch_linear
-    from muse_spark.plugins.triton_math import interpreting
-
-    ws, flat, act, regions, phases = chain_case()
-    M = 8
-    ctl = torch.zeros(3, dtype=torch.int64, device=DEV)
-    launch_chain(flat, act, chain_table(phases, M, flat, act, CHAIN_CONFIG), ctl, M, grid_sync=False,
-                 config=CHAIN_CONFIG, interpret=interpreting(), programs=3, flat=stream == "flat")
-
-    def lin(name, x, silu=False):
-        return launch_linear(x, ws[name], silu, interpret=interpreting(), config=CHAIN_CONFIG)
-
-    def region(name, width):
-        return act[regions[name]: regions[name] + M * width].view(M, width)
-
-    q = lin("qkv", region("x", 256))
-    o = lin("o", region("attn", 256))
-    gu = lin("gu", o, True)
-    down = lin("down", gu)
-    for name, want in [("qkv", q), ("o", o), ("gu", gu), ("down", down)]:
-        assert torch.equal(region(name, want.shape[1]), want), name
-
-
-@needs_gpu
-@pytest.mark.parametrize("preload", [False, True, "flat", "flat+l2"],
-                         ids=["barrier", "barrier+preload", "barrier+flat", "barrier+flat+next_l2"])
-@pytest.mark.parametrize("per_launch", [0, 2], ids=["one_launch", "two_phases_a_launch"])
-def test_chain_kernel_grid_barriers_change_no_bit(preload, per_launch):
-    """On the GPU: the whole chain in one launch (or two phases a launch), its phases separated by
-    grid barriers, with or without the next weight chunk loaded before each wait, or with flat
-    streams (and the next GEMM's first weight bytes prefetched into L2 before each wait): the same
-    bits as one launch per GEMM, twice in a row on the kept counter, and no program gave up
-    waiting."""
-    from muse_spark.plugins.linear.chain_kernel import chain_table, launch_chain
-
-    _, flat, act, regions, phases = chain_case(seed=1)
-    table = chain_table(phases, 8, flat, act, CHAIN_CONFIG)
-    want = act.clone()
-    launch_chain(flat, want, table, torch.zeros(3, dtype=torch.int64, device=DEV), 8, grid_sync=False,
-                 config=CHAIN_CONFIG)
-    ctl = torch.zeros(3, dtype=torch.int64, device=DEV)
-    for _ in range(2):
-        got = act.clone()
-        launch_chain(flat, got, table, ctl, 8, grid_sync=True, preload=preload is True, phases_per_launch=per_launch,
-                     config=CHAIN_CONFIG, flat=preload in ("flat", "flat+l2"), next_l2=768 if preload == "flat+l2" else 0)
-        assert torch.equal(got, want) and int(ctl[2]) == 0
-
-
-@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-def test_chain_kernel_flat_streams_compile_for_hopper_with_pipelined_weight_loads():
-    """The flat-stream chain (``FLAT``) compiled for sm_90 without a GPU: its one loop per phase
-    stages the weight loads by cp.async (so the pipeline runs on from tile to tile), it fits shared
-    memory, and the per-tile loops are gone (fewer loops than the per-tile form)."""
-    from muse_spark.plugins.linear import chain_kernel as ck
-
-    cfg = ck.DEFAULT_CONFIG
-    sig = dict(w_ptr="*bf16", act_ptr="*bf16", table_ptr="*i64", ctl_ptr="*i64", M="i32", lo="i32", hi="i32")
-    consts = dict(BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GRID_SYNC=True, PRELOAD=False,
-                  SPIN=1 << 22, IEEE_DOT=False)
-    flat = compile_for_hopper(ck._chain_kernel, sig, dict(consts, FLAT=True), cfg["num_warps"], cfg["num_stages"])
-    ptx = flat.asm["ptx"]
-    assert flat.metadata.shared <= 227 * 1024 and "cp.async.cg.shared.global" in ptx and "atom." in ptx
-    assert ptx.count("cp.async.wait_group") >= 2  # the two phase forms' pipelines (silu and plain)
-    # NEXT_L2: the next phase's first weight bytes prefetched into L2 before each barrier's atomics
-    ahead = compile_for_hopper(ck._chain_kernel, sig, dict(consts, FLAT=True, NEXT_L2=3072), cfg["num_warps"],
-                               cfg["num_stages"]).asm["ptx"].splitlines()
-    prefetch = [i for i, line in enumerate(ahead) if "cp.async.bulk.prefetch.L2" in line]
-    atomics = [i for i, line in enumerate(ahead) if "atom." in line]
-    assert prefetch and "cp.async.bulk.prefetch.L2" not in ptx and min(prefetch) < min(atomics)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernel's module imports it)")
-def test_launch_chain_refuses_what_its_modes_cannot_do():
-    """``flat`` with ``preload`` (one or the other); ``next_l2`` not a multiple of 16 bytes, without
-    grid barriers, or on the CPU interpreter."""
-    from muse_spark.plugins.linear.chain_kernel import chain_table, launch_chain
-
-    _, flat, act, _, phases = chain_case()
-    table = chain_table(phases, 8, flat, act, CHAIN_CONFIG)
-    ctl = torch.zeros(3, dtype=torch.int64)
-    with pytest.raises(ValueError, match="one or the other"):
-        launch_chain(flat, act, table, ctl, 8, grid_sync=True, preload=True, flat=True, interpret=True)
-    for kw in (dict(next_l2=24, grid_sync=True), dict(next_l2=1024, grid_sync=False), dict(next_l2=1024, grid_sync=True)):
-        with pytest.raises(ValueError, match="next_l2"):
-            launch_chain(flat, act, table, ctl, 8, interpret=True, **kw)
-
-
-@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-@pytest.mark.parametrize("preload", [False, True], ids=["barrier", "barrier+preload"])
-def test_chain_kernel_compiles_for_hopper_with_pipelined_weight_loads(preload):
-    """The chain kernel with grid barriers at scripts/chain_bench.py's default configuration,
-    compiled for sm_90 without a GPU: it fits shared memory, its weight loads are staged by
-    cp.async (the table's sizes are declared multiples of the tiles, as the engine kernel's are
-    specialized), and the barrier's atomics are there."""
-    from muse_spark.plugins.linear import chain_kernel as ck
-
-    cfg = ck.DEFAULT_CONFIG
-    sig = dict(w_ptr="*bf16", act_ptr="*bf16", table_ptr="*i64", ctl_ptr="*i64", M="i32", lo="i32", hi="i32")
-    k = compile_for_hopper(ck._chain_kernel, sig, dict(BLOCK_M=16, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                                                       GRID_SYNC=True, PRELOAD=preload, SPIN=1 << 22, IEEE_DOT=False),
-                           cfg["num_warps"], cfg["num_stages"])
-    ptx = k.asm["ptx"]
-    assert k.metadata.shared <= 227 * 1024 and "cp.async.cg.shared.global" in ptx and "atom." in ptx
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernel's module imports it)")
-def test_chain_table_refuses_what_the_kernel_cannot_take():
-    from muse_spark.plugins.linear.chain_kernel import chain_table
-
-    _, flat, act, _, phases = chain_case()
-    with pytest.raises(ValueError, match="multiples of 16 elements"):
-        chain_table([dict(phases[0], w_offset=8)], 8, flat, act, CHAIN_CONFIG)
-    with pytest.raises(ValueError, match="multiples of BLOCK_N 16 and BLOCK_K 128"):
-        chain_table([dict(phases[0], K=200)], 8, flat, act, CHAIN_CONFIG)
-    with pytest.raises(ValueError, match="reaches past"):
-        chain_table([dict(phases[3], w_offset=flat.numel())], 8, flat, act, CHAIN_CONFIG)
-    assert chain_table(phases, 8, flat, act, CHAIN_CONFIG).shape == (4, 6)
-
-
-@needs_kernels
-def test_linear_launcher_writes_a_given_output_in_place():
-    """``launch_linear(out=...)`` (the chain bench writes each GEMM into its activation region):
-    the same bits as a fresh output, written into ``out``; a wrong ``out`` is refused."""
-    from muse_spark.plugins.linear.triton_kernel import launch_linear
-    from muse_spark.plugins.triton_math import interpreting
-
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(8, 256, generator=g).to(torch.bfloat16).to(DEV)
-    w = (torch.randn(2 * 64, 256, generator=g) / 16).to(torch.bfloat16).to(DEV)
-    for silu in (False, True):
-        want = launch_linear(x, w, silu, interpret=interpreting())
-        out = torch.full_like(want, float("nan"))
-        got = launch_linear(x, w, silu, interpret=interpreting(), out=out)
-        assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
-    with pytest.raises(ValueError, match="out must be a contiguous"):
-        launch_linear(x, w, interpret=interpreting(), out=torch.empty(8, 64, dtype=torch.bfloat16, device=DEV))
 
 
 @needs_gpu
@@ -2270,32 +1792,6 @@ def test_programmatic_edges_into_a_waiting_kernel_change_no_result(port):
     assert capture({"_some_other_kernel"})[2] == (0, 2)
     with pytest.raises(ValueError, match="PDL port"):
         make_programmatic(g.raw_cuda_graph(), {"_head_norm_rope_kernel"}, "early")
-
-
-@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-def test_the_side_prefetch_kernel_only_prefetches():
-    """scripts/pdl_bench.py's side-prefetch experiment: compiled for sm_90, the kernel issues one bulk
-    L2 prefetch a row and reads nothing (its one store is the sink that keeps the prefetches alive)."""
-    from muse_spark.plugins.linear import triton_kernel as lk
-
-    ptx = compile_for_hopper(lk._prefetch_rows_kernel, {"w_ptr": "*bf16", "sink_ptr": "*i32", "row_bytes": "i32",
-                                                        "prefix_bytes": "i32"}, dict(ROWS=64), 2).asm["ptx"]
-    assert ptx.count("cp.async.bulk.prefetch.L2.global") >= 1
-    assert "ld.global" not in ptx and ptx.count("st.global") == 1
-
-
-@needs_gpu
-def test_the_side_prefetch_launcher_refuses_what_it_cannot_take():
-    from muse_spark.plugins.linear.triton_kernel import launch_prefetch_rows
-
-    w = torch.zeros(128, 256, device=DEV, dtype=torch.bfloat16)
-    sink = torch.zeros(2, dtype=torch.int32, device=DEV)
-    assert launch_prefetch_rows(w, 1 << 20, sink) == 512  # at most a whole row
-    assert launch_prefetch_rows(w, 4096, sink) == 32
-    with pytest.raises(ValueError, match="multiple of 64"):
-        launch_prefetch_rows(w[:100], 4096, sink)
-    with pytest.raises(ValueError, match="sink has 1 elements"):
-        launch_prefetch_rows(w, 4096, sink[:1])
 
 
 @needs_kernels

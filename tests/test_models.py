@@ -201,8 +201,7 @@ def test_attention_kernel_choice(monkeypatch):
 
 
 # The boolean kernel switches, by variable (models.layers)
-KERNEL_SWITCHES = {"MUSE_SPARK_QKV_EPILOGUE": layers.qkv_epilogue,
-                   "MUSE_SPARK_ATTENTION_CACHE": layers.attention_cache_fused, "MUSE_SPARK_PDL": layers.pdl_waits,
+KERNEL_SWITCHES = {"MUSE_SPARK_ATTENTION_CACHE": layers.attention_cache_fused, "MUSE_SPARK_PDL": layers.pdl_waits,
                    "MUSE_SPARK_ROPE_TABLE": layers.rope_table, "MUSE_SPARK_ACCEPT_KERNELS": layers.accept_kernels,
                    "MUSE_SPARK_PDL_TRIGGER": layers.pdl_trigger, "MUSE_SPARK_PDL_GEMM_TRIGGER": layers.pdl_gemm_trigger}
 
@@ -225,8 +224,7 @@ def test_the_pdl_trigger_switches_act_only_under_pdl(monkeypatch, name):
 
 @pytest.mark.parametrize("name", list(KERNEL_SWITCHES))
 def test_the_kernel_switches_default_as_documented_and_refuse_other_values(monkeypatch, name):
-    """``MUSE_SPARK_QKV_EPILOGUE`` (slower on the H200): off unless 1; ``MUSE_SPARK_ROPE_TABLE``,
-    ``MUSE_SPARK_ATTENTION_CACHE``, ``MUSE_SPARK_PDL``, ``MUSE_SPARK_PDL_TRIGGER``,
+    """``MUSE_SPARK_ROPE_TABLE``, ``MUSE_SPARK_ATTENTION_CACHE``, ``MUSE_SPARK_PDL``, ``MUSE_SPARK_PDL_TRIGGER``,
     ``MUSE_SPARK_ACCEPT_KERNELS`` and ``MUSE_SPARK_PDL_GEMM_TRIGGER``: on unless 0 (the defaults since
     the thirteenth, fourteenth, fifteenth (both), twentieth and twenty-first sessions; the triggers
     with ``MUSE_SPARK_PDL`` at its default); a value other than 0 or 1 is refused with the variable's
@@ -234,7 +232,7 @@ def test_the_kernel_switches_default_as_documented_and_refuse_other_values(monke
     switch = KERNEL_SWITCHES[name]
     monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("MUSE_SPARK_PDL", raising=False)
-    assert switch() is (name != "MUSE_SPARK_QKV_EPILOGUE")
+    assert switch() is True
     monkeypatch.setenv(name, "1")
     assert switch() is True
     monkeypatch.setenv(name, "0")

@@ -318,30 +318,6 @@ def test_pdl_modes_of_the_ops_follow_the_switches(monkeypatch):
     assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (0, 0)
 
 
-def test_linear_residual_op_on_cpu_is_its_two_references():
-    """On a CPU tensor ``muse_spark::linear_residual_triton`` runs its references in order (the
-    linear layer, then the gated residual), bit for bit; its words must still be two int32."""
-    pytest.importorskip("triton")
-    from muse_spark.models.layers import linear_reference
-    from muse_spark.plugins import triton_ops  # noqa: F401  (registers the op)
-    from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
-    from muse_spark.plugins.triton_math import interpreting
-
-    if interpreting():
-        pytest.skip("under TRITON_INTERPRET=1 the op runs its kernels (tests/test_gpu_kernels.py)")
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 8, 64, generator=g).bfloat16()
-    w = (torch.randn(256, 64, generator=g) / 8).bfloat16()
-    stream, gate = torch.randn(1, 8, 256, generator=g), torch.rand(256, generator=g) + 0.5
-    nw, bw = (1 + 0.1 * torch.randn(2, 256, generator=g)).bfloat16()
-    sync = torch.zeros(2, dtype=torch.int32)
-    got = torch.ops.muse_spark.linear_residual_triton(x, w, stream, gate, nw, bw, sync, 1e-6, False, True, True)
-    want = gated_residual_add_ref(stream, linear_reference(x, w), gate, nw, 1e-6, False, True, torch.bfloat16, bw, True)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    with pytest.raises(ValueError, match="linear_residual: sync must be 2 contiguous int32"):
-        torch.ops.muse_spark.linear_residual_triton(x, w, stream, gate, nw, bw, sync.long(), 1e-6, False, True, True)
-
-
 @pytest.mark.parametrize("kernels", ["0", "1"])
 @pytest.mark.parametrize("impl", ["op", "inline", "triton"])
 @pytest.mark.parametrize("soft_cap", [None, 4.0])

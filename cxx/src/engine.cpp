@@ -44,7 +44,7 @@ namespace {
 
 constexpr const char* kFormat = "muse-spark-engine";
 constexpr int kSchemaVersion = 1;
-constexpr const char* kLayout = "layered-5";  // muse_spark/graphs/parts.py LAYOUT
+constexpr const char* kLayout = "layered-6";  // muse_spark/graphs/parts.py LAYOUT
 constexpr int kEmbeddingVersion = 1;          // builder/embedder.py EMBEDDING_VERSION
 constexpr int kMarkovErrorWord = 2;           // muse_spark/graphs/parts.py MARKOV_ERROR_WORD (documentation)
 constexpr double kGreedyBelow = 1e-5;         // runtime/generator.py GREEDY_BELOW

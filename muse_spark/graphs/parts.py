@@ -43,7 +43,8 @@ EMBED = "target.model.embed_tokens.weight"
 # ``sync_ffn``: int32 [2], zero).
 # "layered-5": step_finish split into step_verify (the target's head and the acceptance) and
 # step_context (the draft context K/V of the block's tokens), which the runtime runs side by side.
-LAYOUT = "layered-5"
+# "layered-6": the decoder layers' residual kernel words are gone (no package takes them).
+LAYOUT = "layered-6"
 MARKOV_ERROR_WORD = 2  # the Markov kernel's workspace: [counter, epoch, error flag, 0, step words…]
 
 

@@ -149,20 +149,6 @@ def head_norm_rope_cache_reference(x: torch.Tensor, v: torch.Tensor, positions: 
     return n[:, :, :H].contiguous()
 
 
-def qkv_cache_reference(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, eps: float, theta: float, use_rope: bool,
-                        heads: int) -> torch.Tensor:
-    """The attention's qkv projection, its q/k head norm and RoPE, and the K/V cache write: x [B, S,
-    D] @ W[(H + 2·KV)·Dh, D]ᵀ → q [B, S, H, Dh]; k and v written at rows ``slots``, positions
-    ``positions``. The spec of ``muse_spark::linear_qkv_cache_triton``."""
-    B, S, _ = x.shape
-    kv, dh = k_cache.shape[2], k_cache.shape[3]
-    qkv = linear_reference(x, w)
-    qk = qkv[..., : (heads + kv) * dh].reshape(B, S, heads + kv, dh)
-    v = qkv[..., (heads + kv) * dh :].reshape(B, S, kv, dh)
-    return head_norm_rope_cache_reference(qk, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
-
-
 def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                    use_rope: bool) -> torch.Tensor:
     """The attention's q/k normalization: per-head weightless RMS norm, then RoPE (when
@@ -355,14 +341,6 @@ def accept_kernels() -> bool:
     return _switch("MUSE_SPARK_ACCEPT_KERNELS", default="1")
 
 
-def qkv_epilogue() -> bool:
-    """``MUSE_SPARK_QKV_EPILOGUE=1``: where the Triton linear kernel takes the attention's qkv
-    projection, its epilogue also does the q/k head norm, RoPE and the K/V cache write
-    (``Attention.fuses_qkv``). Off by default (slower on the H200). A build records it in the
-    engine's manifest."""
-    return _switch("MUSE_SPARK_QKV_EPILOGUE")
-
-
 def attention_cache_fused() -> bool:
     """``MUSE_SPARK_ATTENTION_CACHE`` (on unless ``0``): where the q/k norm kernel would write the
     caches and the Triton attention runs, one kernel does both (``Attention.attends_from_cache_write``);
@@ -415,24 +393,6 @@ def chained_steps() -> bool:
     return _switch("MUSE_SPARK_CHAINED_STEPS", default="1")
 
 
-def host_graph() -> bool:
-    """``MUSE_SPARK_HOST_GRAPH=1`` (opt-in; CUDA graphs only): a CUDA-graph runner also captures
-    ``step_host`` as one launch, the pinned copy in, the step and the copy out of its rows together
-    (``runtime.cuda_graph.CUDAGraphStep``; twenty-third session). On the H200 its rows equal the plain
-    form's, at 0.996 × its time in turns (twenty-fourth session). A runtime choice, read when the
-    runners are made."""
-    return _switch("MUSE_SPARK_HOST_GRAPH")
-
-
-def linear_residual() -> bool:
-    """``MUSE_SPARK_LINEAR_RESIDUAL=1``: where the Triton linear kernel takes a layer's output (o) or
-    down projection, the gated residual and the norms after it run in the same launch
-    (``muse_spark::linear_residual_triton``: the projection's last programs do the rows;
-    ``DecoderLayer.residual``), one launch and its boundary fewer, twice a layer. Off by default until
-    measured faster on the H200. A build records it in the engine's manifest."""
-    return _switch("MUSE_SPARK_LINEAR_RESIDUAL")
-
-
 # The plugin kernels that, compiled under ``MUSE_SPARK_PDL`` (the default on sm_90+), execute
 # ``griddepcontrol.wait`` before any global load or store (``plugins.triton_math.pdl_enter``;
 # tests/test_gpu_kernels.py checks their sm_90 code). A build records them in its manifest; the
@@ -479,7 +439,7 @@ def pdl_trigger() -> bool:
     are not GEMMs (gated residual, q/k norm, attention partial and combine) trigger their
     dependents' launch first, then wait; the GEMMs only wait. A GEMM after a small kernel then has
     its programs on the SMs, waiting, while the small kernel runs, instead of launching after it.
-    The GEMMs do not trigger: an early trigger everywhere was 1.6 % slower in scripts/pdl_bench.py
+    The GEMMs do not trigger: an early trigger everywhere was 1.6 % slower in a 32-layer kernel stack
     (eighth session), and a GEMM triggering after its weight stream gained less than waiting only
     (fifteenth session). Measured in the engine's step (H200, in turns): wait only 0.999 ×, with
     this trigger 0.987–0.989 × the step without PDL. A build records it in the manifest."""
@@ -587,59 +547,40 @@ class Attention(nn.Module):
                 and CacheKV.at(kv, positions, x.dtype) and _triton_linear_fits(x, self.qkv_proj.weight)
                 and _head_norm_rope_fits_heads(x.dtype, c.head_dim))
 
-    def fuses_qkv(self, x: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
-        """Whether the qkv projection's skinny GEMM also norms and rotates q/k and writes K/V into the
-        caches (``muse_spark::linear_qkv_cache_triton``): where ``linear`` takes the Triton kernel
-        (≤ 16 rows), with a ``CacheKV`` at the layer's positions, no output gate, head_dim ≥ 32;
-        opt-in, ``MUSE_SPARK_QKV_EPILOGUE=1``: on the H200 it was slower (one program per head is 48
-        programs at the 8B shape, too few to stream the weight at full speed: 22.9 µs a layer against
-        19.7 for the GEMM and the head_norm_rope_cache kernel; scripts/qkv_bench.py,
-        docs/log.md, 2026-12-03)."""
-        c = self.cfg
-        return (qkv_epilogue() and not c.attn_output_gate and x.dim() == 3
-                and c.head_dim >= 32 and c.head_dim & (c.head_dim - 1) == 0 and CacheKV.at(kv, positions, x.dtype)
-                and _triton_linear_fits(x, self.qkv_proj.weight))
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider, project: bool = True) -> torch.Tensor:
         # x: [B, S, D] normed input (compute dtype); positions: [B, S]; project=False: the output
         # before ``o_proj`` (the layer projects it together with the residual after it)
         c = self.cfg
         B, S, _ = x.shape
         H = c.num_attention_heads
-        if self.fuses_qkv(x, kv, positions):  # projection, q/k norm, RoPE and cache write: one kernel
-            q = torch.ops.muse_spark.linear_qkv_cache_triton(x, self.qkv_proj.weight, positions, kv.slots, kv.k_cache,
-                                                             kv.v_cache, c.rms_norm_eps, c.rope_theta, c.use_rope, H)
-            keys, values, mask, slots = kv.attended()
-            qkv = None  # (no output gate on this path)
+        table = {}
+        if self.takes_rope_table(x, kv, positions):  # the projection's launch also writes the RoPE table
+            qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_rope_table_triton(
+                x, self.qkv_proj.weight, positions, c.rope_theta, c.head_dim)
         else:
-            table = {}
-            if self.takes_rope_table(x, kv, positions):  # the projection's launch also writes the RoPE table
-                qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_rope_table_triton(
-                    x, self.qkv_proj.weight, positions, c.rope_theta, c.head_dim)
-            else:
-                qkv = linear(x, self.qkv_proj.weight)
-            qs, kvs = c.q_size, c.kv_size
-            # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
-            qk = qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim)
-            v = qkv[..., qs + kvs : qs + 2 * kvs].reshape(B, S, c.num_key_value_heads, c.head_dim)
-            if self.attends_from_cache_write(qk, kv, positions):  # norm, cache write and attention: one kernel
-                from muse_spark.plugins import triton_ops  # (imported by _triton_ops_available)
+            qkv = linear(x, self.qkv_proj.weight)
+        qs, kvs = c.q_size, c.kv_size
+        # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
+        qk = qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim)
+        v = qkv[..., qs + kvs : qs + 2 * kvs].reshape(B, S, c.num_key_value_heads, c.head_dim)
+        if self.attends_from_cache_write(qk, kv, positions):  # norm, cache write and attention: one kernel
+            from muse_spark.plugins import triton_ops  # (imported by _triton_ops_available)
 
-                out = triton_ops.attention_cache(qk, v, positions, c.rms_norm_eps, c.rope_theta, c.use_rope,
-                                                 kv.k_cache, kv.v_cache, kv.slots, kv.mask, **table)
-                return self._output(out.reshape(B, S, c.q_size), qkv, project)
-            if self.writes_cache(qk, kv, positions):  # the norm kernel stores k and v into the caches
-                q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, c.rms_norm_eps, c.rope_theta,
-                                                                     c.use_rope, kv.k_cache, kv.v_cache, kv.slots,
-                                                                     **table)
-                keys, values, mask, slots = kv.attended()
-            else:
-                qk = self.normalize_heads(qk, positions)
-                keys, values, mask, slots = kv(qk[:, :, H:], v)
-                q = qk[:, :, :H]
+            out = triton_ops.attention_cache(qk, v, positions, c.rms_norm_eps, c.rope_theta, c.use_rope,
+                                             kv.k_cache, kv.v_cache, kv.slots, kv.mask, **table)
+            return self._output(out.reshape(B, S, c.q_size), qkv, project)
+        if self.writes_cache(qk, kv, positions):  # the norm kernel stores k and v into the caches
+            q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, c.rms_norm_eps, c.rope_theta,
+                                                                 c.use_rope, kv.k_cache, kv.v_cache, kv.slots,
+                                                                 **table)
+            keys, values, mask, slots = kv.attended()
+        else:
+            qk = self.normalize_heads(qk, positions)
+            keys, values, mask, slots = kv(qk[:, :, H:], v)
+            q = qk[:, :, :H]
         return self._output(attend(q, keys, values, mask, slots).reshape(B, S, c.q_size), qkv, project)
 
-    def _output(self, out: torch.Tensor, qkv: torch.Tensor | None, project: bool) -> torch.Tensor:
+    def _output(self, out: torch.Tensor, qkv: torch.Tensor, project: bool) -> torch.Tensor:
         """The attention's output [B, S, q_size] gated (``attn_output_gate``: the gate rows of ``qkv``)
         and, with ``project``, projected."""
         c = self.cfg
@@ -677,18 +618,11 @@ class DecoderLayer(nn.Module):
         # … and the materialized constants g = residual_multiplier · gate (fp32).
         self.register_buffer("g_attn", torch.ones(cfg.hidden_size), persistent=False)
         self.register_buffer("g_ffn", torch.ones(cfg.hidden_size), persistent=False)
-        # The two residual updates' kernel words (``residual``: the projection's programs count
-        # themselves on them; zero between launches), graph inputs like the weights.
-        self.register_buffer("sync_attn", torch.zeros(2, dtype=torch.int32), persistent=False)
-        self.register_buffer("sync_ffn", torch.zeros(2, dtype=torch.int32), persistent=False)
 
     def materialize_residual_constants(self) -> None:
         m = self.cfg.residual_multiplier
         self.g_attn = (m * self.attn_residual_gate.float()).contiguous()
         self.g_ffn = (m * self.ffn_residual_gate.float()).contiguous()
-        dev = self.attn_residual_gate.device
-        self.sync_attn = torch.zeros(2, dtype=torch.int32, device=dev)
-        self.sync_ffn = torch.zeros(2, dtype=torch.int32, device=dev)
 
     def input_norm(self, stream: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """This layer's normed input, ``pre_qkv_proj_norm`` of the stream in the compute dtype."""
@@ -707,36 +641,21 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(x, positions, kv, project=False)
         # stream += g_attn ⊙ post_attn_norm(o_proj(attn)); x = pre_ffn_norm(stream)
         stream, x = self.residual(stream, attn, self.self_attn.o_proj.weight, self.g_attn, self.pre_ffn_norm.weight,
-                                  self.post_attn_norm.weight, self.sync_attn)
+                                  self.post_attn_norm.weight)
         ffn = linear_silu_mul(x, self.feed_forward.gate_up_proj.weight)
         # stream += g_ffn ⊙ post_ffn_norm(down_proj(ffn)); x_next = next_norm(stream)
         return self.residual(stream, ffn, self.feed_forward.down_proj.weight, self.g_ffn,
                              next_norm.weight if next_norm is not None else None, self.post_ffn_norm.weight,
-                             self.sync_ffn, apply_norm=next_norm is not None)
+                             apply_norm=next_norm is not None)
 
     def residual(self, stream: torch.Tensor, branch_in: torch.Tensor, w: torch.Tensor, gate: torch.Tensor,
-                 norm_weight: torch.Tensor | None, branch_norm_weight: torch.Tensor | None, sync: torch.Tensor,
+                 norm_weight: torch.Tensor | None, branch_norm_weight: torch.Tensor | None,
                  apply_norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """stream + gate ⊙ branch_norm(branch_in @ wᵀ) and its norm (``norm_weight``; none without
-        ``apply_norm``): the projection, then one gated residual plugin call; under
-        ``MUSE_SPARK_LINEAR_RESIDUAL=1``, where the Triton linear kernel takes the projection (not
-        the inline plugins), one launch of both (``muse_spark::linear_residual_triton``, on ``sync``)."""
+        ``apply_norm``): the projection, then one gated residual plugin call."""
         c = self.cfg
-        if self.fuses_residual(branch_in, w):
-            return torch.ops.muse_spark.linear_residual_triton(branch_in, w, stream, gate, norm_weight,
-                                                               branch_norm_weight, sync, c.rms_norm_eps,
-                                                               c.norm_zero_centered_gamma, apply_norm, True)
         return dispatch.gated_residual_add(stream, linear(branch_in, w), gate, norm_weight, c.rms_norm_eps,
                                            c.norm_zero_centered_gamma, apply_norm, w.dtype, branch_norm_weight, True)
-
-    def fuses_residual(self, branch_in: torch.Tensor, w: torch.Tensor) -> bool:
-        """Whether ``residual`` takes the one-launch path (``MUSE_SPARK_LINEAR_RESIDUAL=1``, the Triton
-        linear kernel's path, plugins other than ``inline``, and the launch fits)."""
-        if not (linear_residual() and dispatch.current_impl() != "inline" and _triton_linear_fits(branch_in, w)):
-            return False
-        from muse_spark.plugins.linear.triton_kernel import residual_fits
-
-        return residual_fits(branch_in, w)
 
 
 def output_transform(logits: torch.Tensor, multiplier: float, soft_cap: float | None) -> torch.Tensor:

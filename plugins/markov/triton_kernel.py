@@ -46,8 +46,8 @@ Barriers: a CTA barrier (``tl.debug_barrier``) stands before and inside the poll
 final reduction, and after the word is published. Without them, on the H200 with Triton 3.6
 (Vd = 4096, r = 64, batches 8–16, every launch configuration), programs spun to the poll limit
 on step words that were all written, even with one launch per step: the poll's reductions and
-the step's other reductions race on their shared-memory scratch. ``scripts/markov_diag.py``
-is the check (``scripts/gpu_check.sh markov``).
+the step's other reductions race on their shared-memory scratch. The kernel tests' polling and
+kept-workspace cases (tests/test_gpu_kernels.py) are the check.
 
 Off the critical path each program writes its softmax partials (max, sum of
 exp over the finite class, count of +inf) and stashes exp(z/T − max) in the
@@ -167,7 +167,7 @@ def _wait_for_words(word_ptr, rows, rmask, k, GAMMA, NS, flag_ptr, parity, NS_P2
     ptrs = word_ptr + (rows[:, None] * GAMMA + k) * NS + sl[None, :]
     # CTA barriers around the poll (see the module docstring, "Barriers"): without them, on the
     # H200 (Triton 3.6) the poll's reductions read each other's shared-memory scratch and a
-    # program spun on words that were all written (2026-12-02, scripts/markov_diag.py).
+    # program spun on words that were all written (2026-12-02).
     tl.debug_barrier()
     if POLL_MAX:
         w = _poll_words(ptrs, msk, parity)
@@ -520,7 +520,7 @@ def launch_markov_sample(
     before a program gives up (diagnosis runs use a small one). ``workspace``: int64
     [≥ ``workspace_words(...)``], zeroed once and then kept by the caller for calls of this one
     shape (an engine's batch bucket), so that no call zeroes it again; None: a zeroed one per call.
-    ``poison`` (diagnosis: ``scripts/markov_diag.py --poison``): fill the softmax partials and the
+    ``poison`` (a diagnosis mode): fill the softmax partials and the
     probabilities with NaN (the partials' ints with −7) before the launch, so that a read of any of
     them before its write shows in the results instead of reading the last call's values; the
     kernel then also checks every partial and step word its final phase reads (error flag 3,
