@@ -489,7 +489,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="both: also compile and time the aoti step with one split of the window an attention "
                         "program (MUSE_SPARK_ATTENTION_SPLITS=1), beside the default (the launcher's choice: "
                         "several from batch 4)")
-    p.add_argument("--work-dir", default="/tmp/muse_spark_bench", help="where the aoti packages are compiled")
+    p.add_argument("--work-dir", default="/tmp/muse-spark-bench", help="where the aoti packages are compiled")
     p.add_argument("--out-dir", default=str(results.RESULTS),
                    help="where the result goes, in the common schema (default: benchmarks/results)")
     p.add_argument("--markdown", default=None, help="also write the run's full report here (Markdown)")

@@ -186,7 +186,7 @@ def cmd_bench(a) -> int:
         return _die(f"muse-spark bench runs the repository's benchmarks/step.py, and there is none at {step}: "
                     "the package is installed without its repository. Run it from a checkout "
                     "(`pip install -e .`, or `python benchmarks/step.py` there)")
-    return runpy.run_path(str(step), run_name="muse_spark_bench")["main"](a.bench_args, prog="muse-spark bench")
+    return runpy.run_path(str(step), run_name="benchmarks_step")["main"](a.bench_args, prog="muse-spark bench")
 
 
 # ---- main -----------------------------------------------------------------------------------
