@@ -155,11 +155,6 @@ def render_markdown(result: dict) -> str:
                             + (f"; the copies and that wait alone {v['fill_sync']:.0f} µs" if "fill_sync" in v else "")
                             + (")" if "fill_replay" in v else "")
                             for b, v in sec["aoti_host_issue_us"].items()) + "."]
-    for b, v in sec.get("aoti_step_host_graph", {}).items():
-        out += ["", f"`step_host` as one launch (`MUSE_SPARK_HOST_GRAPH=1`: the copy in, the step and the copy out "
-                f"captured together), batch {b}: " + (f"failed: {v['error']}" if "error" in v else
-                f"{v['one_launch']:.3f} ms against the plain form's {v['plain']:.3f} ms, timed in turns "
-                f"({v['one_launch'] / v['plain']:.3f}×); rows equal: {v['equals']}") + "."]
     for b, v in sec.get("aoti_fill_replay", {}).items():
         out += ["", f"The input copies and the replay as the device sees them, batch {b} (CUDA events): launched right "
                 f"after the copies {v['then']['median_ms']:.3f} ms, after the host waited for them "

@@ -53,7 +53,7 @@ from timing import batch_list, copy_bandwidth, host_description, step_bytes, tim
 # a program).
 VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "no_pdl": {"MUSE_SPARK_PDL": "0"},
             "pdl_wait_only": {"MUSE_SPARK_PDL_TRIGGER": "0"},
-            "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"}, "linear_residual": {"MUSE_SPARK_LINEAR_RESIDUAL": "1"},
+            "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"},
             "no_accept_kernels": {"MUSE_SPARK_ACCEPT_KERNELS": "0"},
             "pdl_gemm_wait_only": {"MUSE_SPARK_PDL_GEMM_TRIGGER": "0"},
             "attention_one_split": {"MUSE_SPARK_ATTENTION_SPLITS": "1"}}
@@ -479,9 +479,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rope-table", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step without the RoPE table the qkv GEMM's launch "
                         "writes for the q/k norm kernel (MUSE_SPARK_ROPE_TABLE=0), beside the default (with it)")
-    p.add_argument("--linear-residual", choices=["off", "both"], default="off",
-                   help="both: also compile and time the aoti step with the o and down projections' launches doing "
-                        "the gated residual after them (MUSE_SPARK_LINEAR_RESIDUAL=1), beside the default")
     p.add_argument("--accept-kernels", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step with Inductor's compile of the acceptance rule "
                         "(MUSE_SPARK_ACCEPT_KERNELS=0), beside the default (its three Triton kernels)")

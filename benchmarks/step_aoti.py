@@ -156,9 +156,6 @@ class AotiSections:
                                                          "min_ms": t["min_ms"] / steps}
                 sec.setdefault("aoti_step_host", {})[b] = time_fn(lambda: runner.step_host(*host), dev, a.iters)
                 sec.setdefault("aoti_step_host_equals_step", {})[b] = runner.step_host(*host) == runner(*x).tolist()
-                if cuda:  # step_host as one launch (its copies captured with the step), in turns with the plain form
-                    sec.setdefault("aoti_step_host_graph", {})[b] = self.host_graph_rounds(
-                        runner, fn, b, weights, caches, scratch, words, pool, programmatic, host)
                 if runner.markov_ws.numel():  # after every timed step: no Markov program gave up waiting
                     sec.setdefault("aoti_markov_error_flag", {})[b] = int(runner.markov_ws[MARKOV_ERROR_WORD])
                 issue = sec.get("aoti_host_issue_us", {}).get(b)
@@ -260,29 +257,4 @@ class AotiSections:
         self.log(f"{label} B={b}: {res['programmatic']['edges']} of the graph's edges into its "
                  f"{res['programmatic']['kernels']} kernels programmatic; replay " + ", ".join(
                      f"{k} {v['replay']['median_ms']:.3f} ms" for k, v in res.items()))
-        return res
-
-    def host_graph_rounds(self, runner, fn, b, weights, caches, scratch, words, pool, programmatic, host,
-                          rounds: int = 3) -> dict:
-        """``step_host`` through a runner with the host graph (the copy in, the step and the copy out in one
-        launch) against ``runner``'s plain form, timed in turns: → their medians of the rounds' medians,
-        whether their rows are equal, or the error that stopped it."""
-        from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
-
-        def plain() -> list[list[int]]:  # (StaticStep's form: the plain graph, whatever MUSE_SPARK_HOST_GRAPH says)
-            return StaticStep.step_host(runner, *host)
-
-        try:
-            one = CUDAGraphStep(fn, b, weights, caches, scratch, self.device, pool=pool, markov_words=words,
-                                programmatic=programmatic, host_graph=True)
-            equals = one.step_host(*host) == plain()
-            got: dict[str, list[float]] = {"one_launch": [], "plain": []}
-            for _ in range(rounds):
-                for name, call in (("one_launch", lambda: one.step_host(*host)), ("plain", plain)):
-                    got[name].append(time_fn(call, self.device, self.a.iters)["median_ms"])
-        except Exception as e:  # (a run's other sections still count)
-            return {"error": f"{type(e).__name__}: {e}"[:500]}
-        res = {"equals": equals, **{k: statistics.median(v) for k, v in got.items()}}
-        self.log(f"step_host B={b} as one launch {res['one_launch']:.3f} ms, plain {res['plain']:.3f} ms "
-                 f"({res['one_launch'] / res['plain']:.3f}×, in turns; rows equal: {equals})")
         return res
