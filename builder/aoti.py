@@ -45,8 +45,12 @@ Footguns this module handles:
 * **Concurrent compiles of one graph.** AOTI packages a compile's files after releasing the
   cache lock under which another process compiling the same code rewrites them: a bench
   variant whose switch changes no code (PDL on CPU) compiled beside the default got a package
-  with an empty ``_metadata.json``. Each switch set compiles in its own Inductor cache folder
-  (``variant_cache_dir``) and every package is checked after its compile (``check_package``).
+  with an empty ``_metadata.json``. Each set of kernel options compiles in its own Inductor cache
+  folder (``variant_cache_dir``) and every package is checked after its compile (``check_package``).
+* **Kernel options.** The build's ``KernelOptions`` (``muse_spark/options.py``) travel in every
+  compile job (``job["options"]``, a dict); the worker traces and compiles under
+  ``use_options``. The manifest's ``aoti`` section records what they made of this build (the
+  kernels each path takes on this device).
 * **CPU compile time.** Inductor's C++ code generation emits vectorized and
   scalar variants of every kernel; for the sampling kernels (keyed hashes,
   softmax, argmax fused over the Markov loop) that is minutes of Python on a
@@ -70,9 +74,8 @@ from typing import Callable, Iterator
 import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
-from muse_spark.models.layers import (PDL_KERNELS, accept_kernels, attention_cache_fused, attention_path,
-                                      attention_splits, linear_path, pdl_active, pdl_gemm_trigger, pdl_trigger,
-                                      rope_table)
+from muse_spark.models.layers import PDL_KERNELS, attention_path, linear_path, pdl_active
+from muse_spark.options import KernelOptions, use_options
 from muse_spark.graphs.parts import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)
 
@@ -155,12 +158,14 @@ def graph_plan_names(buckets: list[int], with_prefill: bool = True) -> list[tupl
 def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: list[list], *, device: str,
                max_seq: int, cache_slots: int, buckets: list[int], prefill_chunk: int, impl: str,
                cache_dtype: str, configs: dict, out_dir: Path, with_prefill: bool = True,
-               markov_words: dict[int, int] | None = None) -> list[dict]:
+               markov_words: dict[int, int] | None = None, options: KernelOptions | None = None) -> list[dict]:
     """One self-contained job per package (picklable: a worker rebuilds everything from it).
-    ``markov_words``: the Markov kernel's kept workspace per batch bucket (``markov_workspaces``)."""
+    ``markov_words``: the Markov kernel's kept workspace per batch bucket (``markov_workspaces``);
+    ``options``: the kernel options the graphs are traced under (default: the defaults)."""
     names = [w[0] for w in wspecs]
     common = dict(tcfg=tcfg.to_dict(), dcfg=dcfg.to_dict(), device=device, max_seq=max_seq,
-                  cache_slots=cache_slots, cache_dtype=cache_dtype, impl=impl, configs=configs)
+                  cache_slots=cache_slots, cache_dtype=cache_dtype, impl=impl, configs=configs,
+                  options=(options or KernelOptions()).to_dict())
     jobs = []
     spec = {w[0]: w for w in wspecs}
     for name, fn, batch in graph_plan_names(buckets, with_prefill):
@@ -231,29 +236,51 @@ def compile_job(job: dict) -> dict:
     Failures come back as a ``RuntimeError`` carrying the formatted traceback: the
     original exception (a Triton ``CompilationError`` holds frames) may not pickle."""
     try:
-        env = job.get("env") or {}
-        with job_environment(dict(env, **variant_cache_dir(env))):
+        options = job_options(job)
+        with use_options(options), variant_cache(options):
             return _compile_job(job)
     except Exception as e:
         tb = traceback.format_exc()
         raise RuntimeError(f"{type(e).__name__}: {e}\n{tb[-6000:]}") from None
 
 
-def variant_cache_dir(env: dict) -> dict:
-    """``TORCHINDUCTOR_CACHE_DIR`` for a job compiled under kernel switches ``env``: a folder of its
-    own under Inductor's cache (named by the switches), none for the default (``{}``).
+def job_options(job: dict) -> KernelOptions:
+    """A compile job's kernel options (``job["options"]``, ``KernelOptions.to_dict()``; missing: the
+    defaults). A job that names ``env`` is refused: kernel options are not environment variables."""
+    if "env" in job:
+        raise ValueError(f"compile job {job.get('name')!r}: kernel options go in job['options'] "
+                         "(KernelOptions.to_dict(); KernelOptions.from_env turns a dict of variables into "
+                         "options), not job['env']")
+    return KernelOptions.from_dict(job.get("options") or {}, f"compile job {job.get('name')!r}")
 
-    A variant whose switch changes nothing in a graph (PDL on CPU) generates the very code of the
+
+def variant_cache_dir(options: KernelOptions) -> str | None:
+    """The Inductor cache folder of a job compiled under ``options``: a folder of its own under
+    Inductor's cache (named by the options that differ from the defaults), None for the defaults.
+
+    A variant whose options change nothing in a graph (PDL on CPU) generates the very code of the
     default, so two workers compiling both at once write the same files of Inductor's cache. AOTI
     packaging reads the wrapper's ``_metadata.json`` back after releasing the lock under which the
     other worker is truncating and rewriting it: the package then holds an empty JSON and fails to
     load (seen in CI). Separate folders keep the variants apart and the cache reusable per variant."""
-    if not env:
-        return {}
+    changed = options.changed()
+    if not changed:
+        return None
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    name = "variant-" + "-".join(f"{k.removeprefix('MUSE_SPARK_').lower()}={v}" for k, v in sorted(env.items()))
-    return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir(), name)}
+    name = "variant-" + "-".join(f"{k}={v}" for k, v in sorted(changed.items()))
+    return os.path.join(cache_dir(), name)
+
+
+def variant_cache(options: KernelOptions):
+    """Inductor's cache in ``variant_cache_dir(options)`` for the block (torch's own
+    ``temporary_cache_dir``), or as it is for the defaults."""
+    folder = variant_cache_dir(options)
+    if folder is None:
+        return contextlib.nullcontext()
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    return temporary_cache_dir(folder)
 
 
 def check_package(path: str | Path) -> None:
@@ -270,23 +297,6 @@ def check_package(path: str | Path) -> None:
                 raise RuntimeError(f"AOTI package {path}: {member} is not valid JSON ({e}); the compile's "
                                    "files were changed while it was packaged (another compile of the same "
                                    "graph sharing TORCHINDUCTOR_CACHE_DIR?); build again") from None
-
-
-@contextlib.contextmanager
-def job_environment(values: dict):
-    """``values`` set in ``os.environ`` for the block (a job's kernel switches, read when the models
-    trace, e.g. ``MUSE_SPARK_ATTENTION_CACHE``), the previous values restored after: a worker
-    process may compile another job next."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update({k: str(v) for k, v in values.items()})
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _compile_job(job: dict) -> dict:
@@ -376,14 +386,17 @@ def compile_graphs(jobs: list[dict], workers: int | None = None,
 
 def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max_seq: int,
                buckets: list[int] | None = None, prefill_chunk: int | None = None, fast_compile: bool | None = None,
-               plugins: str = "auto", jobs: int | None = None, log: Callable[[str], None] = lambda m: None) -> dict:
-    """Compile the prefill and step packages into ``out_dir``; → the manifest's ``aoti`` section."""
+               plugins: str = "auto", jobs: int | None = None, log: Callable[[str], None] = lambda m: None,
+               options: KernelOptions | None = None) -> dict:
+    """Compile the prefill and step packages into ``out_dir`` under the kernel ``options`` (default:
+    the defaults); → the manifest's ``aoti`` section."""
+    options = options or KernelOptions()
     buckets, chunk = graph_plan(device, max_batch, max_seq, buckets, prefill_chunk)
     if fast_compile is None:
         fast_compile = torch.device(device).type == "cpu"
     impl = resolve_plugin_impl(plugins, device)
-    log(f"plugins: {impl}; attention: {attention_path(device, target.dtype)}; linear: "
-        f"{linear_path(device, target.dtype)}; batch buckets {buckets}; "
+    attention, linear = attention_path(device, target.dtype, options), linear_path(device, target.dtype, options)
+    log(f"plugins: {impl}; attention: {attention}; linear: {linear}; batch buckets {buckets}; "
         f"prefill chunk {chunk}; static key window {max_seq}")
     if impl == "triton" and draft.cfg.dspark_draft_topk:
         raise ValueError("the fused Markov kernel does not support dspark_draft_topk; build with plugins='inline'")
@@ -397,7 +410,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         words = markov_workspaces(impl, device, draft, target.cfg.vocab_size, buckets)
         job_list = graph_jobs(target.cfg, draft.cfg, wspecs, device=device, max_seq=max_seq,
                               cache_slots=max_batch + 1, buckets=buckets, prefill_chunk=chunk, impl=impl,
-                              cache_dtype=cache_dtype, configs=configs, out_dir=out_dir, markov_words=words)
+                              cache_dtype=cache_dtype, configs=configs, out_dir=out_dir, markov_words=words,
+                              options=options)
         return compile_graphs(job_list, jobs, log), words
 
     fallback = None
@@ -415,29 +429,29 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         results, words = compile_with(impl)
     graphs = {r["name"]: {"file": r["file"], "fn": r["fn"], "batch": r["batch"], "tokens": r["tokens"]}
               for r in results}
-    # MUSE_SPARK_PDL (on unless 0; CUDA builds with the Triton plugins on sm_90+): these kernels wait
-    # first, and the step graphs launch them as PDL dependents
-    pdl = pdl_active() and impl == "triton" and torch.device(device).type == "cuda"
+    # options.pdl (CUDA builds with the Triton plugins on sm_90+): these kernels wait first, and the step
+    # graphs launch them as PDL dependents
+    pdl = pdl_active(options) and impl == "triton" and torch.device(device).type == "cuda"
     return {
         "layout": LAYOUT,
         "plugin_impl": impl,
         "plugin_fallback": fallback,
-        "attention_kernel": attention_path(device, target.dtype),
-        "linear_kernel": linear_path(device, target.dtype),
-        # MUSE_SPARK_ATTENTION_CACHE (on unless 0): the attention kernel norms q/k and writes the caches
-        "attention_cache": attention_cache_fused() and attention_path(device, target.dtype) == "triton",
-        # MUSE_SPARK_ACCEPT_KERNELS (on unless 0): step_verify's acceptance rule in three Triton kernels
-        "accept_kernels": accept_kernels() and impl == "triton",
-        # MUSE_SPARK_ATTENTION_SPLITS (0: the launcher's choice): splits of the window an attention program runs
-        "attention_splits": attention_splits() if attention_path(device, target.dtype) == "triton" else None,
-        # MUSE_SPARK_ROPE_TABLE (on unless 0): the qkv GEMM's launch writes the RoPE table the norm kernel reads
-        "rope_table": rope_table() and linear_path(device, target.dtype) == "triton",
+        # what the kernel options (the manifest's "options") made of this build, path by path
+        "attention_kernel": attention,
+        "linear_kernel": linear,
+        # options.attention_cache: the attention kernel norms q/k and writes the caches
+        "attention_cache": options.attention_cache and attention == "triton",
+        # options.accept_kernels: step_verify's acceptance rule in three Triton kernels
+        "accept_kernels": options.accept_kernels and impl == "triton",
+        # options.attention_splits (0: the launcher's choice): splits of the window an attention program runs
+        "attention_splits": options.attention_splits if attention == "triton" else None,
+        # options.rope_table: the qkv GEMM's launch writes the RoPE table the norm kernel reads
+        "rope_table": options.rope_table and linear == "triton",
         "pdl_kernels": list(PDL_KERNELS) if pdl else [],
-        # MUSE_SPARK_PDL_TRIGGER (on unless 0, with PDL): the small kernels trigger their dependents first
-        "pdl_trigger": pdl and pdl_trigger(),
-        # MUSE_SPARK_PDL_GEMM_TRIGGER (on unless 0, with PDL): the GEMMs trigger their dependents after their
-        # weight stream
-        "pdl_gemm_trigger": pdl and pdl_gemm_trigger(),
+        # options.pdl_trigger (with PDL): the small kernels trigger their dependents first
+        "pdl_trigger": pdl and options.pdl_trigger,
+        # options.pdl_gemm_trigger (with PDL): the GEMMs trigger their dependents after their weight stream
+        "pdl_gemm_trigger": pdl and options.pdl_gemm_trigger,
         "graphs": graphs,
         "batch_buckets": buckets,
         # The fused Markov kernel's kept workspace per bucket: int64 words the runtime zeroes once

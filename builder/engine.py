@@ -9,6 +9,10 @@ writes the same files (its runtime compiles the step through MIGraphX on ROCm:
 ``runtime/migraphx_engine.py``); ``aoti`` adds its packages (``builder/aoti.py``), ``tensorrt``
 its parts as ONNX graphs and TensorRT plans (``builder/tensorrt.py``; unverified here).
 
+The build takes its kernel options (``muse_spark/options.py``) once, from the environment unless
+the caller passes them, builds everything under them, and records them in the manifest
+(``"options"``) for the runtime to read back.
+
 A build never leaves a half-written engine at ``--out``, nor loses the engine
 that was there:
 
@@ -54,6 +58,7 @@ from muse_spark.builder.limits import check_max_batch, check_max_seq
 from muse_spark.checkpoint import CheckpointError, file_sha256, load_pair, save_canonical, tensors_hash, unreadable
 from muse_spark.config import dtype_name, missing_note, os_error_reason
 from muse_spark.models.layers import nvidia
+from muse_spark.options import KernelOptions, use_options
 from muse_spark.plugins import PLUGIN_VERSIONS
 from muse_spark.engine_format import ENGINE_FORMAT, SCHEMA_VERSION, cache_memory_shortfall, device_memory
 
@@ -303,12 +308,16 @@ _WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQ
 
 def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path, *, backend: str = "eager",
                  device: str = "cpu", max_batch: int = 8, max_seq: int = 1024, dtype: str | None = None,
-                 overwrite: bool = True, quiet: bool = False, **aoti_options) -> dict:
+                 overwrite: bool = True, quiet: bool = False, options: KernelOptions | None = None,
+                 **aoti_options) -> dict:
     """Build an engine directory; returns its manifest. (The module's docstring: how ``out`` is
     replaced atomically, and how builds into one ``out`` are serialized.)
 
+    ``options``: the kernel options the engine is built with and records; None: the environment's
+    (``KernelOptions.from_env``: the kernel options' variables, read here once).
     ``aoti_options`` (backend ``aoti`` only): ``buckets``, ``prefill_chunk``,
     ``fast_compile``, ``plugins``, ``jobs`` — see ``builder/aoti.py``."""
+    options = KernelOptions.from_env() if options is None else options
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} (expected one of {list(BACKENDS)})")
     if backend == "tensorrt":
@@ -353,9 +362,10 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
         tmp = None
         try:
             tmp = _new_temp(out)
-            manifest = _write_engine(tmp, target, draft, target_dir, draft_dir, backend=backend, device=device,
-                                     dev=dev, max_batch=max_batch, max_seq=max_seq, gamma=gamma, hashes=hashes,
-                                     tokenizer=tokenizer, log=log, aoti_options=aoti_options)
+            with use_options(options):
+                manifest = _write_engine(tmp, target, draft, target_dir, draft_dir, backend=backend, device=device,
+                                         dev=dev, max_batch=max_batch, max_seq=max_seq, gamma=gamma, hashes=hashes,
+                                         tokenizer=tokenizer, log=log, aoti_options=aoti_options, options=options)
             with signals.swap():
                 swap_in(tmp, out, log)
         except OSError as e:
@@ -371,7 +381,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
 
 
 def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, device, dev, max_batch, max_seq,
-                  gamma, hashes, tokenizer, log, aoti_options) -> dict:
+                  gamma, hashes, tokenizer, log, aoti_options, options: KernelOptions) -> dict:
     """The engine's files and manifest, written into ``tmp``; → the manifest."""
     log("writing engine weights")
     save_canonical(target, tmp / "target.safetensors")
@@ -385,7 +395,7 @@ def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, d
         from muse_spark.builder.aoti import build_aoti
 
         aoti = build_aoti(target, draft, tmp, device=device, max_batch=max_batch, max_seq=max_seq, log=log,
-                          **aoti_options)
+                          options=options, **aoti_options)
         from muse_spark.builder.embedder import embedding_section
 
         # (for the C++ embedding: the weights' sources, the parts' weights, the caches; derived.safetensors)
@@ -412,6 +422,8 @@ def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, d
         "max_batch": max_batch,
         "batch_buckets": parts["batch_buckets"] if parts else default_buckets(max_batch),
         "plugins": dict(PLUGIN_VERSIONS),
+        # the kernel options it was built with (muse_spark/options.py; the runtime reads them back)
+        "options": options.to_dict(),
         "tokenizer": tokenizer_name,
         "files": files,
     }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+from muse_spark.options import current_options
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.markov.reference import markov_sample_ref
 
@@ -89,13 +90,13 @@ def accept_reference(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d
 def accept(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos):
     """The acceptance rule (``plugins.acceptance.reference.accept``) on the target head's output before its
     transform (``models.layers.output_transform(raw_logits, multiplier, soft_cap)``): the reference
-    (``"op"``, ``"inline"``, and ``"triton"`` with ``MUSE_SPARK_ACCEPT_KERNELS=0``), or under
-    ``"triton"`` by default (``models.layers.accept_kernels``) ``muse_spark::accept_triton``'s
+    (``"op"``, ``"inline"``, and ``"triton"`` with the kernel option ``accept_kernels`` false), or under
+    ``"triton"`` by default (``muse_spark.options``) ``muse_spark::accept_triton``'s
     kernels, which apply the multiplier themselves (a soft cap is applied before them).
     → (n accepted [B], bonus token [B]) int64."""
-    from muse_spark.models.layers import accept_kernels, output_transform
+    from muse_spark.models.layers import output_transform
 
-    if _current["impl"] == "triton" and accept_kernels():
+    if _current["impl"] == "triton" and current_options().accept_kernels:
         if soft_cap is not None:
             raw_logits, multiplier = output_transform(raw_logits, multiplier, soft_cap), 1.0
         return _triton_ops().accept(raw_logits, multiplier, draft_ids, draft_probs, d2t, temperature, seeds,

@@ -6,23 +6,24 @@ Importing this module imports Triton and registers
   output norm before it and the next RMSNorm after it;
 * ``muse_spark::markov_sample_triton`` — the fused DSpark Markov loop;
 * ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program,
-  the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; ``MUSE_SPARK_ROPE_TABLE=0`` off);
+  the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; off with the kernel option
+  ``rope_table`` false);
 * ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
-  which ``models.layers.linear`` calls in bf16/fp16 on CUDA for at most 16 rows (the default;
-  ``MUSE_SPARK_LINEAR=cublas`` selects ``F.linear``);
+  which ``models.layers.linear`` calls in bf16/fp16 on CUDA for at most 16 rows (the default; the
+  kernel option ``linear="cublas"`` selects ``F.linear``);
 * ``muse_spark::head_norm_rope_triton`` — the attention's per-head q/k RMS norm and RoPE in one
   pass, which ``models.layers.head_norm_rope`` calls in bf16/fp16 on CUDA. Its reference is
   ``models.layers.head_norm_rope_reference``. ``muse_spark::head_norm_rope_cache_triton`` also
   writes the k heads and v into the KV caches (the layer's cache write, in the same kernel);
 * ``muse_spark::attention_cache_triton`` — ``head_norm_rope_cache_triton`` and the attention of its
-  q over the caches in one launch of the attention's partial kernel (the default,
-  ``MUSE_SPARK_ATTENTION_CACHE=0`` off: the layers call it where both kernels fit and the mask is in
+  q over the caches in one launch of the attention's partial kernel (the default, off with the
+  kernel option ``attention_cache`` false: the layers call it where both kernels fit and the mask is in
   bounds form);
 * ``muse_spark::accept_triton`` — the speculative step's acceptance rule (``plugins.acceptance.reference.accept``)
   on the target head's output, in three kernels (``plugins/acceptance``);
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
-  which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; ``MUSE_SPARK_ATTENTION=sdpa``
-  selects SDPA instead). Its reference is ``models.layers.attend_reference``.
+  which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; the kernel option
+  ``attention="sdpa"`` selects SDPA instead). Its reference is ``models.layers.attend_reference``.
   ``muse_spark::attention_bounds_triton`` is the same kernel with the mask in bounds form
   (``models.layers.KeyBounds``: the models' masks), so no mask tensor is built or read.
 
@@ -48,8 +49,9 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
-                                      head_norm_rope_reference, linear_reference, pdl_active, pdl_gemm_trigger,
-                                      pdl_trigger, rope_table_reference, triton_attention_fits)
+                                      head_norm_rope_reference, linear_reference, pdl_active, rope_table_reference,
+                                      triton_attention_fits)
+from muse_spark.options import current_options
 from muse_spark.plugins.acceptance.triton_kernel import launch_accept
 from muse_spark.plugins.attention.triton_kernel import launch_attention
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
@@ -82,17 +84,18 @@ def _runs_kernels(t: torch.Tensor) -> bool:
 
 
 def _pdl(small: bool = False) -> int:
-    """The ``PDL`` mode the ops compile ``models.layers.PDL_KERNELS`` with (``triton_math.pdl_enter``):
-    under ``MUSE_SPARK_PDL`` (the default) on sm_90+, 1 (trigger the dependents, then wait) for a
-    kernel that is not a GEMM (``small``) under ``MUSE_SPARK_PDL_TRIGGER`` (the default), else 2
-    (wait only); a GEMM 3 (wait, then trigger after its weight stream) under
-    ``MUSE_SPARK_PDL_GEMM_TRIGGER`` (the default), else 2; 0 without PDL, on an older GPU, or under the
-    interpreter (no inline asm)."""
-    if not pdl_active() or interpreting():
+    """The ``PDL`` mode the ops compile ``models.layers.PDL_KERNELS`` with (``triton_math.pdl_enter``),
+    from the current kernel options (``muse_spark.options``): under ``pdl`` (the default) on sm_90+,
+    1 (trigger the dependents, then wait) for a kernel that is not a GEMM (``small``) under
+    ``pdl_trigger`` (the default), else 2 (wait only); a GEMM 3 (wait, then trigger after its weight
+    stream) under ``pdl_gemm_trigger`` (the default), else 2; 0 without PDL, on an older GPU, or
+    under the interpreter (no inline asm)."""
+    options = current_options()
+    if not pdl_active(options) or interpreting():
         return 0
     if small:
-        return 1 if pdl_trigger() else 2
-    return 3 if pdl_gemm_trigger() else 2
+        return 1 if options.pdl_trigger else 2
+    return 3 if options.pdl_gemm_trigger else 2
 
 
 @triton_op("muse_spark::gated_residual_add_triton", mutates_args=())

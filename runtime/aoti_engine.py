@@ -8,7 +8,7 @@ chunk: ``prefill_layer``, ``prefill_finish``; a step per batch bucket:
 those weights and the KV caches as inputs (``muse_spark/graphs/parts.py`` says
 why); the one layer package runs every target layer. On CUDA each bucket's
 step (all its package calls; the draft context on a second stream beside the
-last layers and the verification, ``MUSE_SPARK_CONTEXT_STREAM``) is captured in
+last layers and the verification, the kernel option ``context_stream``) is captured in
 one CUDA graph (``runtime/cuda_graph.py``); on CPU the packages are called directly with
 the same static buffers.
 
@@ -33,13 +33,13 @@ import torch
 from safetensors.torch import load_file
 
 from muse_spark.config import dtype_name, parse_dtype
-from muse_spark.models.layers import chained_steps, context_stream
 from muse_spark.graphs.parts import (LAYOUT, LayeredPrefill, embed_and_norm, LayeredStep, SpecPair, weight_names, weight_specs,
                                             weight_tensors)
 from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep, StepHandle
 from muse_spark.engine_format import (EngineError, check_cache_memory, check_plugins, configs_from_manifest,
                                       read_manifest, verify_files)
-from muse_spark.runtime.engine import EagerEngine, build_modules
+from muse_spark.options import KernelOptions, current_options, engine_options
+from muse_spark.runtime.engine import EagerEngine, build_modules, with_options
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def check_compatibility(manifest: dict, here: dict, where: str = "engine", secti
 # ---- loading packages -------------------------------------------------------------------------
 def programmatic_kernels(aoti: dict) -> tuple[str, ...]:
     """The kernels whose incoming edges the step graphs make programmatic: the manifest's
-    ``pdl_kernels`` (an engine built with ``MUSE_SPARK_PDL=1``), or none, with a warning, where
+    ``pdl_kernels`` (an engine built with the kernel option ``pdl``), or none, with a warning, where
     cuda-bindings (the CUDA driver's Python API, which edits the graphs) is missing: the step is
     then the same, only launched without PDL."""
     names = tuple(aoti.get("pdl_kernels") or ())
@@ -177,14 +177,14 @@ def load_step(d: str | Path, graphs: dict | None, bucket: int, target, draft, de
     """Bucket ``bucket``'s speculative step from its four packages in ``d`` (``graphs``: the
     manifest's file names; None: the builder's default names). ``side_stream``: run the draft
     context on a second CUDA stream beside the last target layers and the verification
-    (``LayeredStep``); None: as ``MUSE_SPARK_CONTEXT_STREAM`` says (on unless ``0``); CUDA only.
+    (``LayeredStep``); None: as the current kernel options' ``context_stream`` says; CUDA only.
     ``loader``: part name → the callable part (default: its AOTI package in ``d``)."""
     d, names = Path(d), weight_names(SpecPair(target, draft))
     loader = loader or (lambda name: _part(d, graphs, name, device, single_threaded))
     parts = [loader(f"step_{p}_b{bucket}") for p in ("draft", "layer", "verify", "context")]
     device = torch.device(device)
     if side_stream is None:
-        side_stream = context_stream()
+        side_stream = current_options().context_stream
     side = torch.cuda.Stream(device) if side_stream and device.type == "cuda" else None
     return LayeredStep(names, target.cfg.num_hidden_layers, target.aux_layer_ids, *parts, draft.cfg.block_size,
                        side=side)
@@ -213,9 +213,10 @@ class AOTIEngine(EagerEngine):
     section = "aoti"  # the manifest's section that describes the parts
 
     def __init__(self, target, draft, *, engine_dir: str | Path, manifest: dict, device, max_batch: int,
-                 tokenizer_path=None, cuda_graphs: bool = True):
+                 tokenizer_path=None, cuda_graphs: bool = True, options: KernelOptions | None = None):
         # Not EagerEngine.__init__: the caches have one scratch slot more (padding rows write it).
         a = manifest[self.section]
+        self.options = options or KernelOptions.from_manifest(manifest, str(engine_dir))
         self.target, self.draft = target, draft
         self.tcfg, self.dcfg = target.cfg, draft.cfg
         self.gamma = self.dcfg.block_size
@@ -256,7 +257,7 @@ class AOTIEngine(EagerEngine):
         with torch.inference_mode():
             for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
                 fn = load_step(d, a["graphs"], b, target, draft, self.device, single_threaded=self.cuda_graphs,
-                               loader=self.part_loader(d, a))
+                               side_stream=self.options.context_stream, loader=self.part_loader(d, a))
                 if self.cuda_graphs:
                     self.runners[b] = CUDAGraphStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
                                                     pool=pool, markov_words=words[b], programmatic=self.pdl_kernels)
@@ -275,11 +276,15 @@ class AOTIEngine(EagerEngine):
 
     @classmethod
     def from_dir(cls, engine_dir: str | Path, device: str | None = None, dtype: str | None = None,
-                 max_batch: int | None = None, cuda_graphs: bool = True) -> "AOTIEngine":
+                 max_batch: int | None = None, cuda_graphs: bool = True,
+                 options: KernelOptions | None = None) -> "AOTIEngine":
+        """The engine at ``engine_dir`` (``EagerEngine.from_dir``'s kernel options: the manifest's, the
+        run-scope ones from ``options`` or the environment)."""
         d = Path(engine_dir)
         m = read_manifest(d)
         if m["backend"] != cls.backend:
             raise EngineError(f"{d}: backend {m['backend']!r} is not an {cls.backend} engine")
+        opts = engine_options(m, options, where=str(d))
         built_kind = m.get("device", {}).get("kind", "cpu")
         dev = torch.device(device or built_kind)
         if dev.type == "cuda" and not torch.cuda.is_available():
@@ -306,13 +311,14 @@ class AOTIEngine(EagerEngine):
                            device=dev, extra_slots=1)
         tok = d / m["tokenizer"] if m.get("tokenizer") else None
         return cls(target, draft, engine_dir=d, manifest=m, device=dev, max_batch=max_batch or m["max_batch"],
-                   tokenizer_path=tok, cuda_graphs=cuda_graphs)
+                   tokenizer_path=tok, cuda_graphs=cuda_graphs, options=opts)
 
     @property
     def dtype_name(self) -> str:
         return dtype_name(self.target.dtype)
 
     # ---- prefill -------------------------------------------------------------------------
+    @with_options
     @torch.inference_mode()
     def prefill(self, prompt: list[int], slot: int, seed: int, temperature: float) -> torch.Tensor:
         """The prompt in static chunks of ``prefill_chunk`` tokens (the last one padded) → [1] int64."""
@@ -361,9 +367,9 @@ class AOTIEngine(EagerEngine):
     @property
     def chains(self) -> bool:
         """Whether the ``Generator`` chains this engine's steps (the next step launched before this
-        one's rows are read: ``step_launch``/``step_next``/``step_rows``): ``MUSE_SPARK_CHAINED_STEPS``
-        (``models.layers.chained_steps``)."""
-        return chained_steps()
+        one's rows are read: ``step_launch``/``step_next``/``step_rows``): the kernel option
+        ``chained_steps`` of this engine (``self.options``)."""
+        return self.options.chained_steps
 
     @torch.inference_mode()
     def step_launch(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> StepHandle:

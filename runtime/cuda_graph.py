@@ -358,7 +358,7 @@ class CUDAGraphStep(StaticStep):
     """A ``StaticStep`` captured once in a CUDA graph and replayed every step.
 
     ``programmatic``: the names of the kernels in the step that wait before any memory access (an
-    engine built with ``MUSE_SPARK_PDL=1``: its manifest's ``aoti.pdl_kernels``); the edges into
+    engine built with the kernel option ``pdl``: its manifest's ``aoti.pdl_kernels``); the edges into
     them become programmatic (``make_programmatic``, through ``pdl_port``) before the graph is
     instantiated. ``programmatic_edges``: how many did."""
 

@@ -8,10 +8,16 @@ never imports builder code.
 The ``eager`` backend keeps the canonical (stacked) weights as safetensors and
 runs the reference modules: it runs on any device and is also the ROCm
 fallback. Compiled backends must reproduce it.
+
+An engine runs with its kernel options (``muse_spark.options``): those its manifest records (its
+run-scope choices from the environment or the caller), set around every eager call
+(``use_options``), so any thread that calls it gets them.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +30,7 @@ from muse_spark.engine_format import (EngineError, check_cache_memory, check_plu
 from muse_spark.models.draft import MuseSparkDSparkForCausalLM
 from muse_spark.models.layers import attention_path
 from muse_spark.models.target import MuseSpark1xForCausalLM
+from muse_spark.options import KernelOptions, engine_options, use_options
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 
 INPUT_NAMES = ("anchor", "anchor_pos", "slots", "seeds", "temperature")  # a step's per-request inputs
@@ -45,6 +52,19 @@ def host_step_inputs(anchor, anchor_pos, slots, seeds, temperature) -> tuple[np.
     return arrays
 
 
+def with_options(method):
+    """An engine method run under the engine's kernel options (``use_options(self.options)``). Its
+    ``__wrapped__`` is the undecorated body, as ``torch.inference_mode`` leaves it, for callers that
+    compile the body themselves and hold the options and inference mode around it."""
+    @functools.wraps(method)
+    def run(self, *args, **kw):
+        with use_options(self.options):
+            return method(self, *args, **kw)
+
+    run.__wrapped__ = inspect.unwrap(method)
+    return run
+
+
 def build_modules(tcfg, dcfg, target_sd, draft_sd, dtype: torch.dtype, device) -> tuple[MuseSpark1xForCausalLM, MuseSparkDSparkForCausalLM]:
     """Reference modules from canonical state dicts (assigned, no second copy)."""
     with torch.device("meta"):
@@ -63,7 +83,8 @@ class EagerEngine:
     """Runs prefill and speculative steps with the reference modules.
 
     Owns the KV caches (allocated once): target K/V per layer and the draft's
-    context K/V per layer, ``[max_batch slots, max_seq, KV, Dh]`` each.
+    context K/V per layer, ``[max_batch slots, max_seq, KV, Dh]`` each. ``options``: the kernel
+    options its calls run under (default: the defaults).
     """
 
     backend = "eager"
@@ -71,8 +92,9 @@ class EagerEngine:
 
     def __init__(self, target: MuseSpark1xForCausalLM, draft: MuseSparkDSparkForCausalLM, *,
                  max_batch: int, max_seq: int, device, tokenizer_path: str | Path | None = None,
-                 manifest: dict | None = None, prefill_chunk: int = 128):
+                 manifest: dict | None = None, prefill_chunk: int = 128, options: KernelOptions | None = None):
         self.target, self.draft = target, draft
+        self.options = options or KernelOptions()
         self.tcfg, self.dcfg = target.cfg, draft.cfg
         self.gamma = self.dcfg.block_size
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -85,17 +107,21 @@ class EagerEngine:
         # The Triton attention's bits depend on where the visible keys sit: the draft's block keys
         # follow its context window, so on that path the window is the whole cache, as in the
         # compiled packages (plugins/attention, "Bits"); the Triton kernel skips the unseen tiles.
-        self.full_draft_window = attention_path(self.device, target.dtype) == "triton"
+        self.full_draft_window = attention_path(self.device, target.dtype, self.options) == "triton"
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
     def from_dir(cls, engine_dir: str | Path, device: str | None = None, dtype: str | None = None,
-                 max_batch: int | None = None, **kw) -> "EagerEngine":
+                 max_batch: int | None = None, options: KernelOptions | None = None, **kw) -> "EagerEngine":
+        """The engine at ``engine_dir``, run with the kernel options its manifest records
+        (``options.engine_options``: the run-scope ones from ``options`` where given, else from the
+        environment where it sets them)."""
         d = Path(engine_dir)
         m = read_manifest(d)
         if m["backend"] != cls.backend:
             raise EngineError(f"{d}: this is a {m['backend']!r} engine; {cls.__name__} loads {cls.backend!r} "
                               f"engines (muse_spark.runtime.load_engine loads any)")
+        opts = engine_options(m, options, where=str(d))
         verify_files(d, m)
         check_plugins(m)
         tcfg, dcfg = configs_from_manifest(m)
@@ -113,20 +139,24 @@ class EagerEngine:
         check_cache_memory(d, tcfg, dcfg, dt, max_batch=max_batch, max_seq=m["max_seq"], device=dev)
         tok = d / m["tokenizer"] if m.get("tokenizer") else None
         return cls(target, draft, max_batch=max_batch, max_seq=m["max_seq"], device=dev,
-                   tokenizer_path=tok, manifest=m, **kw)
+                   tokenizer_path=tok, manifest=m, options=opts, **kw)
 
     @classmethod
     def from_checkpoints(cls, target_dir, draft_dir, device="cpu", dtype=None, max_batch=8,
-                         max_seq=None, **kw) -> "EagerEngine":
+                         max_seq=None, options: KernelOptions | None = None, **kw) -> "EagerEngine":
+        """An engine straight from a checkpoint pair (no engine directory); ``options``: its kernel
+        options, by default the environment's (``KernelOptions.from_env``)."""
         from muse_spark.checkpoint import load_pair
 
         target, draft = load_pair(target_dir, draft_dir, dtype, device)
         tok = Path(target_dir) / "tokenizer.json"
         max_seq = max_seq or min(target.cfg.max_position_embeddings, 2048)
         return cls(target, draft, max_batch=max_batch, max_seq=max_seq, device=device,
-                   tokenizer_path=tok if tok.is_file() else None, **kw)
+                   tokenizer_path=tok if tok.is_file() else None,
+                   options=KernelOptions.from_env() if options is None else options, **kw)
 
     # ---- prefill -----------------------------------------------------------------------
+    @with_options
     @torch.inference_mode()
     def prefill(self, prompt: list[int], slot: int, seed: int, temperature: float) -> torch.Tensor:
         """Run the target over the prompt (chunked), store target KV and draft context K/V,
@@ -147,6 +177,7 @@ class EagerEngine:
                              torch.tensor([seed], device=dev), torch.tensor([L], device=dev))
 
     # ---- speculative step ---------------------------------------------------------------
+    @with_options
     @torch.inference_mode()
     def step(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, slots: torch.Tensor, seeds: torch.Tensor,
              temperature: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -178,6 +209,7 @@ class EagerEngine:
         return self.step(*ints.unbind(0), temps, kv_len).cpu().tolist()
 
     # ---- target-only decoding (the reference the speculative output must equal) ---------
+    @with_options
     @torch.inference_mode()
     def target_step(self, token: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, seeds: torch.Tensor,
                     temperature: torch.Tensor, kv_len: int) -> torch.Tensor:

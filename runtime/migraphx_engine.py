@@ -23,12 +23,13 @@ equal the eager engine's.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
 
 from muse_spark.plugins.dispatch import plugin_impl
-from muse_spark.runtime.engine import EagerEngine
+from muse_spark.runtime.engine import EagerEngine, with_options
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def compile_step(engine: EagerEngine, backend: str):
     for cache in (engine.target_cache, engine.draft_cache):
         for t in (*cache.k, *cache.v):
             torch._dynamo.mark_static_address(t)  # written in place, never copied
-    body = EagerEngine.step.__wrapped__  # (without its inference_mode decorator: the caller holds it)
+    body = inspect.unwrap(EagerEngine.step)  # (without its decorators: the caller holds inference mode and the options)
     max_seq = engine.max_seq
 
     def step(anchor, anchor_pos, slots, seeds, temperature):
@@ -83,6 +84,7 @@ class MIGraphXEngine(EagerEngine):
         else:
             self.compiled = compile_step(self, compile_backend)
 
+    @with_options
     @torch.inference_mode()
     def step(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> torch.Tensor:
         """``EagerEngine.step``; compiled, over the static window (``kv_len`` only guards it)."""

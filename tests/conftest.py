@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -126,8 +128,8 @@ def cli_generate_ids(engine, prompt: list[int], max_tokens: int, temperature: fl
 
 def chained_generation(engine, eager, monkeypatch, prompts=ENGINE_PROMPTS):
     """Generate ``prompts`` (greedy and sampled rows, batch shrinking as they finish) on ``engine``
-    with chained steps forced on (``MUSE_SPARK_CHAINED_STEPS=1``, the default), counting its ``step_next`` calls, and on
-    ``eager`` (which never chains). → (engine's requests, eager's requests, kv_len of each chained launch)."""
+    with chained steps forced on (the kernel option ``chained_steps``, the default), counting its
+    ``step_next`` calls, and on ``eager`` (which never chains). → (engine's requests, eager's requests, kv_len of each chained launch)."""
     from muse_spark.runtime import Generator, SamplingParams
 
     chained = []
@@ -138,7 +140,7 @@ def chained_generation(engine, eager, monkeypatch, prompts=ENGINE_PROMPTS):
         return step_next(prev, kv_len)
 
     monkeypatch.setattr(engine, "step_next", counting)
-    monkeypatch.setenv("MUSE_SPARK_CHAINED_STEPS", "1")
+    monkeypatch.setattr(engine, "options", dataclasses.replace(engine.options, chained_steps=True))
     assert engine.chains
     params = [SamplingParams(max_tokens=n, temperature=t, seed=s, ignore_eos=True)
               for n, t, s in ((40, 0.0, 0), (23, 0.9, 3), (9, 0.0, 0), (31, 1.2, 5))][: len(prompts)]

@@ -6,6 +6,7 @@ subprocess, so every test also checks that a prebuilt engine loads in a process
 that did not compile it.
 """
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import torch
 from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingParams, load_engine
 from muse_spark.runtime.aoti_engine import AOTIEngine, check_compatibility, machine_info
 from muse_spark.graphs.parts import LAYOUT
+from muse_spark.options import KernelOptions
 
 from conftest import ENGINE_PROMPTS as PROMPTS
 from conftest import chained_generation, cli_generate_ids, run_cli
@@ -75,6 +77,7 @@ def test_build_reports_progress_and_writes_the_manifest(built):
     for name in sorted(files) + ["target.safetensors", "draft.safetensors", "derived.safetensors", "tokenizer.json"]:
         assert len(m["files"][name]) == 64  # sha256 of every engine file
     assert m["versions"]["torch"] == torch.__version__
+    assert KernelOptions.from_dict(m["options"]) == KernelOptions.from_env()  # the CLI's environment's
 
 
 def test_packages_hold_no_python_registered_op_and_no_weights(built):
@@ -469,21 +472,39 @@ def test_a_chained_step_advances_the_static_inputs_as_the_host_would():
     assert runner.rows(h2) == [[106, 107, 1, 205], [107, 108, 2, 206]] and runner.rows(h3)[0][-1] == 305
 
 
-def test_chained_steps_follow_their_switch(engine, monkeypatch):
-    """``MUSE_SPARK_CHAINED_STEPS``: unset, an engine chains; ``0`` makes the Generator wait for every
-    step (and it gives the same output); anything but 0/1 is refused."""
+def test_an_engine_runs_with_the_options_its_manifest_records(built, tmp_path, monkeypatch):
+    """The runtime reads the kernel options back from the manifest: an engine whose manifest records
+    options other than the defaults (here written into a copy's manifest, as a build with them would)
+    runs with them: no chained steps, no second stream; one whose manifest has none runs with the
+    defaults. A key this runtime does not know is refused."""
+    for f in dataclasses.fields(KernelOptions):
+        monkeypatch.delenv(f.metadata["env"], raising=False)
+    d = copy_engine(built[0], tmp_path / "e")
+    m = json.loads((d / "manifest.json").read_text())
+    opts = KernelOptions(pdl=False, context_stream=False, chained_steps=False)
+    (d / "manifest.json").write_text(json.dumps(dict(m, options=opts.to_dict())))
+    engine = load_engine(d)
+    assert engine.options == opts and not engine.chains
+    assert all(runner.fn.side is None for runner in engine.runners.values())
+    del m["options"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    assert load_engine(d).options == KernelOptions()
+    (d / "manifest.json").write_text(json.dumps(dict(m, options={"qkv_epilogue": True})))
+    with pytest.raises(ValueError, match=r"manifest options: unknown kernel option\(s\) \['qkv_epilogue'\]"):
+        load_engine(d)
+
+
+def test_chained_steps_follow_their_option(engine, monkeypatch):
+    """The kernel option ``chained_steps``: on (the default), an engine chains; off, the Generator waits
+    for every step (and it gives the same output)."""
     p = SamplingParams(max_tokens=20, ignore_eos=True)
-    monkeypatch.delenv("MUSE_SPARK_CHAINED_STEPS", raising=False)
-    assert engine.chains
+    assert engine.options.chained_steps and engine.chains
     want = Generator(engine).generate(PROMPTS[:2], p)
-    monkeypatch.setenv("MUSE_SPARK_CHAINED_STEPS", "0")
+    monkeypatch.setattr(engine, "options", dataclasses.replace(engine.options, chained_steps=False))
     assert not engine.chains
     gen = Generator(engine)
     got = gen.generate(PROMPTS[:2], p)
     assert [r.output for r in got] == [r.output for r in want] and gen._inflight is None
-    monkeypatch.setenv("MUSE_SPARK_CHAINED_STEPS", "yes")
-    with pytest.raises(ValueError, match="MUSE_SPARK_CHAINED_STEPS='yes': expected 0 or 1"):
-        engine.chains
 
 
 def test_a_flagged_chained_step_runs_again_from_its_own_inputs():
@@ -514,17 +535,3 @@ def test_a_flagged_chained_step_runs_again_from_its_own_inputs():
     h3 = runner.launch_host([5, 6], [10, 20], [0, 1], [4, 5], [0.0, 0.5])
     with pytest.raises(MarkovKernelError, match="failed twice in a row at batch bucket 2"):
         runner.rows(h3)
-
-
-def test_the_attention_splits_switch_is_the_launchers_choice_unless_set_and_refuses_other_values(monkeypatch):
-    """``MUSE_SPARK_ATTENTION_SPLITS``: unset 0 (the launcher chooses), a count as given, anything else an error."""
-    from muse_spark.models.layers import attention_splits
-
-    monkeypatch.delenv("MUSE_SPARK_ATTENTION_SPLITS", raising=False)
-    assert attention_splits() == 0
-    monkeypatch.setenv("MUSE_SPARK_ATTENTION_SPLITS", " 3 ")
-    assert attention_splits() == 3
-    for bad in ("auto", "-1", "1.5", ""):
-        monkeypatch.setenv("MUSE_SPARK_ATTENTION_SPLITS", bad)
-        with pytest.raises(ValueError, match="MUSE_SPARK_ATTENTION_SPLITS=.*expected 0 .*or a count"):
-            attention_splits()

@@ -8,6 +8,7 @@ refuses, with the same reasons.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -147,7 +148,7 @@ def test_requests_arriving_and_cancelled_over_time_as_in_python(cxx_build, aoti_
         args += ["--cancel", f"{i}@{k}"]
     lines = cxx_generate(cxx_build, aoti_built[0], PROMPTS, max_tokens=30, temperature=temperature, seed=11,
                          stream=True, extra=args)
-    monkeypatch.setenv("MUSE_SPARK_CHAINED_STEPS", "0")
+    monkeypatch.setattr(engine, "options", dataclasses.replace(engine.options, chained_steps=False))
     gen, reqs, k = Generator(engine), [None] * len(PROMPTS), 0
     params = SamplingParams(max_tokens=30, temperature=temperature, seed=11, ignore_eos=True)
     while k <= max(arrivals + [c[1] for c in cancels]) or gen.has_work():

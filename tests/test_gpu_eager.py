@@ -1,8 +1,11 @@
 """The eager engine on a CUDA device (skipped without one)."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from muse_spark.options import KernelOptions, use_options
 from muse_spark.runtime import EagerEngine, Generator, SamplingParams
 from muse_spark.runtime.reference import generate_target_only
 
@@ -37,8 +40,8 @@ def test_cuda_step_matches_cpu_step_in_fp32(random_pair):
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "triton"])
-def test_cuda_bf16_attention_matches_the_fp32_einsums(kernel, monkeypatch):
-    """attend() in bf16 on CUDA runs a fused kernel (MUSE_SPARK_ATTENTION): within bf16 tolerance
+def test_cuda_bf16_attention_matches_the_fp32_einsums(kernel):
+    """attend() in bf16 on CUDA runs a fused kernel (the kernel option ``attention``): within bf16 tolerance
     of the fp32 einsums, garbage past the lengths (NaN, large keys) ignored, zeros for a query
     with no visible key."""
     from muse_spark.models.layers import attend, attend_reference
@@ -46,19 +49,19 @@ def test_cuda_bf16_attention_matches_the_fp32_einsums(kernel, monkeypatch):
     from test_models import attention_case
     from tolerances import TOL
 
-    monkeypatch.setenv("MUSE_SPARK_ATTENTION", kernel)
     q, k, v, mask = attention_case(torch.bfloat16, "cuda", T=300)
-    out = attend(q, k, v, mask)
+    with use_options(KernelOptions(attention=kernel)):
+        out = attend(q, k, v, mask)
     ref = attend_reference(q.float(), k.float(), v.float(), mask)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert torch.equal(out[-1, 0], torch.zeros_like(out[-1, 0]))
     torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
 
 
-def test_cuda_greedy_speculative_equals_target_only_with_the_triton_attention(agreeing_pair, monkeypatch):
+def test_cuda_greedy_speculative_equals_target_only_with_the_triton_attention(agreeing_pair):
     """The eager engine with the Triton attention kernel: still lossless."""
-    monkeypatch.setenv("MUSE_SPARK_ATTENTION", "triton")
-    engine = EagerEngine.from_checkpoints(*agreeing_pair, device="cuda", max_batch=4, max_seq=256)
+    engine = EagerEngine.from_checkpoints(*agreeing_pair, device="cuda", max_batch=4, max_seq=256,
+                                          options=KernelOptions(attention="triton"))
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for r in Generator(engine).generate(PROMPTS, params):
         assert r.output == generate_target_only(engine, r.prompt, params)
@@ -71,29 +74,26 @@ def answers(monkeypatch, cls, name: str) -> list:
     return got
 
 
-@pytest.mark.parametrize("attention_cache", ["0", "1"], ids=["norm_kernel", "fused_attention"])
+@pytest.mark.parametrize("attention_cache", [False, True], ids=["norm_kernel", "fused_attention"])
 def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypatch, attention_cache):
-    """The RoPE table (the qkv GEMM's launch writes it for the fused attention, the default, or under
-    ``MUSE_SPARK_ATTENTION_CACHE=0`` for the q/k norm kernel; ``MUSE_SPARK_ROPE_TABLE=0`` turns it
+    """The RoPE table (the qkv GEMM's launch writes it for the fused attention, the default, or with
+    the kernel option ``attention_cache`` off for the q/k norm kernel; ``rope_table`` off turns it
     off): the same greedy and sampled tokens, and the same KV caches bit for bit, as
-    without it; and the layers do take that path (the op is called), unset as with 1."""
+    without it; and the layers do take that path (the op is called), by default as when asked for."""
     from muse_spark.models.layers import Attention
-
-    monkeypatch.setenv("MUSE_SPARK_ATTENTION_CACHE", attention_cache)
 
     params = [SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=20, temperature=0.9, seed=4,
                                                                              ignore_eos=True)]
     runs = []
-    for switch in ("0", "1", None):
-        if switch is None:
-            monkeypatch.delenv("MUSE_SPARK_ROPE_TABLE", raising=False)
-        else:
-            monkeypatch.setenv("MUSE_SPARK_ROPE_TABLE", switch)
-        engine = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=2, max_seq=128)
+    for table in (False, True, None):
+        options = KernelOptions(attention_cache=attention_cache)
+        if table is not None:
+            options = dataclasses.replace(options, rope_table=table)
+        engine = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=2, max_seq=128, options=options)
         with monkeypatch.context() as m:  # each decision of the layers, recorded
             taken, fused = (answers(m, Attention, name) for name in ("takes_rope_table", "attends_from_cache_write"))
             out = [r.output for r in Generator(engine).generate(PROMPTS[:2], params)]
-        assert any(fused) == (attention_cache == "1")
+        assert any(fused) == attention_cache
         caches = engine.target_cache.k + engine.target_cache.v
         runs.append((out, [t.clone() for t in caches], any(taken)))
     assert runs[0][0] == runs[1][0] == runs[2][0]

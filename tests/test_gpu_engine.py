@@ -70,8 +70,8 @@ def test_manifest_records_the_device_and_versions(built):
     assert m["versions"]["torch"] == torch.__version__ and m["versions"]["triton"]
     assert m["aoti"]["batch_buckets"] == [1, 2, 4]
     assert m["aoti"]["plugin_impl"] == "inline"
-    assert m["aoti"]["attention_kernel"] == "triton"  # bf16 on CUDA, MUSE_SPARK_ATTENTION unset
-    assert m["aoti"]["linear_kernel"] == "triton"  # MUSE_SPARK_LINEAR unset
+    assert m["aoti"]["attention_kernel"] == "triton"  # bf16 on CUDA, the default kernel option
+    assert m["aoti"]["linear_kernel"] == "triton"  # the default kernel option
 
 
 def test_every_bucket_is_a_captured_cuda_graph(engine):
@@ -161,7 +161,7 @@ def test_replay_refuses_a_captured_tensor_moved_in_place(engine):
 
 
 def test_the_draft_context_on_a_second_stream_gives_the_in_line_step(engine):
-    """The runners run ``step_context`` on a second stream (``MUSE_SPARK_CONTEXT_STREAM``, the
+    """The runners run ``step_context`` on a second stream (the kernel option ``context_stream``, the
     default), beside the last target layers and ``step_verify``. The same packages captured with it
     in line on one stream give the same packed rows and write the same draft and target caches,
     replay after replay with new inputs (greedy and sampled; a padded row too)."""

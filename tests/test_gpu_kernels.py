@@ -682,11 +682,12 @@ def test_attention_splits_per_program_give_the_same_bits(shape, form):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernel's module imports it)")
-def test_the_attention_splits_come_from_the_config_then_the_switch_then_the_launcher(monkeypatch):
+def test_the_attention_splits_come_from_the_config_then_the_option_then_the_launcher():
     """What ``launch_attention`` passes as ``SPLITS`` and the grid it launches (through ``wrap``, no kernel
-    runs): an explicit config first, then ``MUSE_SPARK_ATTENTION_SPLITS``, then the launcher's choice
-    (1 without a GPU); a bad switch value or a negative config is refused. ``program_splits`` (what
-    the attention benches report) gives the same count."""
+    runs): an explicit config first, then the kernel option ``attention_splits``, then the launcher's
+    choice (1 without a GPU); a negative config is refused. ``program_splits`` (what the attention
+    benches report) gives the same count."""
+    from muse_spark.options import KernelOptions, use_options
     from muse_spark.plugins.attention import triton_kernel as ak
 
     B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES["straddle"]  # 300 keys: 3 splits
@@ -706,15 +707,11 @@ def test_the_attention_splits_come_from_the_config_then_the_switch_then_the_laun
         assert ak.program_splits(B, S * H // KV, window, KV, x.device, config or None) == seen[0][1]  # (the benches')
         return seen[0]
 
-    monkeypatch.delenv("MUSE_SPARK_ATTENTION_SPLITS", raising=False)
     rows = -(-(S * H // KV) // ak.DEFAULT_CONFIG["BLOCK_M"])
     assert launch() == ((rows, 3, B * KV), 1)  # CPU tensors: no GPU to size a wave by
-    monkeypatch.setenv("MUSE_SPARK_ATTENTION_SPLITS", "2")
-    assert launch() == ((rows, 2, B * KV), 2)
-    assert launch(SPLITS=3) == ((rows, 1, B * KV), 3)  # the config wins
-    monkeypatch.setenv("MUSE_SPARK_ATTENTION_SPLITS", "many")
-    with pytest.raises(ValueError, match="MUSE_SPARK_ATTENTION_SPLITS='many'"):
-        launch()
+    with use_options(KernelOptions(attention_splits=2)):
+        assert launch() == ((rows, 2, B * KV), 2)
+        assert launch(SPLITS=3) == ((rows, 1, B * KV), 3)  # the config wins
     with pytest.raises(ValueError, match="SPLITS -1 must be ≥ 1"):
         launch(SPLITS=-1)
 
@@ -1571,17 +1568,15 @@ def test_linear_op_rejects_bad_inputs(tops):
 
 
 @needs_kernels
-def test_models_call_the_linear_kernel_where_it_fits(tops, monkeypatch):
-    """``models.layers.linear`` takes the Triton kernel for few rows on CUDA (in bf16/fp16; the
-    default, or ``MUSE_SPARK_LINEAR=triton``), cuBLAS for more rows or with ``MUSE_SPARK_LINEAR=cublas``,
-    ``F.linear`` elsewhere; every path gives
-    the correctly rounded result on exact operands."""
+def test_models_call_the_linear_kernel_where_it_fits(tops):
+    """``models.layers.linear`` takes the Triton kernel for few rows on CUDA (in bf16/fp16; the kernel
+    option ``linear``: ``triton``, the default), cuBLAS for more rows or with ``linear="cublas"``,
+    ``F.linear`` elsewhere; every path gives the correctly rounded result on exact operands."""
     from muse_spark.models import layers
+    from muse_spark.options import KernelOptions, use_options
 
-    monkeypatch.delenv("MUSE_SPARK_LINEAR", raising=False)
     assert layers.linear_path("cuda", torch.bfloat16) == "triton"  # the default
     assert layers.linear_path("cpu", torch.bfloat16) == "reference"
-    monkeypatch.setenv("MUSE_SPARK_LINEAR", "triton")
     x, w = linear_operands(8, 64, 128, torch.bfloat16, exact=True)
     expect = "triton" if ON_GPU else "reference"
     assert layers.linear_path(x.device, x.dtype) == expect
@@ -1590,12 +1585,9 @@ def test_models_call_the_linear_kernel_where_it_fits(tops, monkeypatch):
     for silu_mul in (False, True):
         fn = layers.linear_silu_mul if silu_mul else layers.linear
         assert torch.equal(fn(x, w), exact_linear(x, w, silu_mul)) or INTERPRETED
-    monkeypatch.setenv("MUSE_SPARK_LINEAR", "cublas")
-    assert layers.linear_path("cuda", torch.bfloat16) == "cublas"
-    assert not layers._triton_linear_fits(x, w)
-    monkeypatch.setenv("MUSE_SPARK_LINEAR", "nonsense")
-    with pytest.raises(ValueError, match="MUSE_SPARK_LINEAR"):
-        layers.linear_kernel()
+    with use_options(KernelOptions(linear="cublas")):
+        assert layers.linear_path("cuda", torch.bfloat16) == "cublas"
+        assert not layers._triton_linear_fits(x, w)
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
@@ -1637,7 +1629,7 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
     """Compiled for sm_90 without a GPU, with ``PDL`` each plugin kernel executes
     ``griddepcontrol.wait`` before its first global load or store (the data dependency on
     ``pdl_enter``'s zero holds through the compiler's scheduling and software pipelining). Without
-    ``PDL`` there is no wait at all. Mode 3 (``MUSE_SPARK_PDL_GEMM_TRIGGER=1``, the GEMMs only): the linear
+    ``PDL`` there is no wait at all. Mode 3 (the kernel option ``pdl_gemm_trigger``, the GEMMs only): the linear
     kernel triggers its dependents after its last weight load and before its first store; the other
     kernels (never compiled so) only wait."""
     from muse_spark.plugins.attention import triton_kernel as ak
@@ -1694,7 +1686,7 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
     }
     from muse_spark.models.layers import PDL_KERNELS
 
-    # Every kernel an engine built with MUSE_SPARK_PDL=1 launches as a programmatic dependent is checked here.
+    # Every kernel an engine built with the kernel option pdl launches as a programmatic dependent is checked here.
     assert set(PDL_KERNELS) <= {case[0].fn.__name__ for case in cases.values()}
     for name, (fn, sig, consts, warps, stages, m16) in cases.items():
         ptx = compile_for_hopper(fn, sig, dict(consts, PDL=mode), warps, stages, multiples_of_16=m16).asm["ptx"]
@@ -1717,7 +1709,7 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
 
 @needs_gpu
 def test_a_gemm_triggering_after_its_weight_stream_changes_no_result():
-    """``PDL`` 3 (``MUSE_SPARK_PDL_GEMM_TRIGGER=1``) in a captured graph with programmatic edges: a
+    """``PDL`` 3 (the kernel option ``pdl_gemm_trigger``) in a captured graph with programmatic edges: a
     producer, a GEMM that triggers its dependents after its weight stream, then a GEMM reading its
     output (launched early, waiting). Every replay with new producer input gives the plain
     launches' result bit for bit: the dependent reads nothing of the first GEMM's output before it
@@ -1815,8 +1807,8 @@ def test_the_rope_table_gives_the_norm_kernel_its_own_bits(rope):
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 8, 16])
 def test_the_qkv_projection_writes_the_rope_table_the_norm_kernel_reads(tops, rows):
-    """``linear_rope_table_triton`` (the layers' default, ``MUSE_SPARK_ROPE_TABLE``): y is ``linear_triton``'s bit for
-    bit (the extra program writes only the table); the table is ``launch_rope_table``'s (the same
+    """``linear_rope_table_triton`` (the layers' default, the kernel option ``rope_table``): y is
+    ``linear_triton``'s bit for bit (the extra program writes only the table); the table is ``launch_rope_table``'s (the same
     angles' code) and close to the torch spec (``rope_table_reference``); the norm + cache op fed
     the table gives its own bits."""
     from muse_spark.models.layers import rope_table_reference
@@ -2106,7 +2098,7 @@ def test_inductor_finds_no_caller_input_written_but_the_declared_ones(form, hopp
     1): Inductor's mutation analysis names no buffer the caller passed in as written, except those
     the op declares mutated (the caches, the Markov workspace). Such a false positive is copied
     before every launch in the packages, and written back where it is a graph input. ``_late``: the
-    GEMMs with their late trigger (``PDL`` 3, ``MUSE_SPARK_PDL_GEMM_TRIGGER=1``), whose first form
+    GEMMs with their late trigger (``PDL`` 3, the kernel option ``pdl_gemm_trigger``), whose first form
     (fifteenth session) fed the stores' addresses and made the packages copy the GEMMs' inputs."""
     from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
     from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope_cache

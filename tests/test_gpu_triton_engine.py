@@ -125,9 +125,12 @@ def test_a_pdl_engine_whose_kernels_only_wait_equals_eager(built_pdl, eager):
     defaults), in this process and in a fresh one."""
     from muse_spark.models.layers import PDL_KERNELS
 
-    m = json.loads((built_pdl / "manifest.json").read_text())["aoti"]
+    manifest = json.loads((built_pdl / "manifest.json").read_text())
+    m = manifest["aoti"]
     assert m["pdl_kernels"] == list(PDL_KERNELS) and m["pdl_trigger"] is m["pdl_gemm_trigger"] is False
+    assert manifest["options"]["pdl_trigger"] is manifest["options"]["pdl_gemm_trigger"] is False
     engine = load_engine(built_pdl)
+    assert engine.options.pdl and not engine.options.pdl_trigger and not engine.options.pdl_gemm_trigger
     assert set(engine.runners) == {1, 2}
     for runner in engine.runners.values():
         assert 0 < runner.programmatic_edges < runner.graph_kernels, (runner.programmatic_edges, runner.graph_kernels)
@@ -150,6 +153,7 @@ def test_an_engine_without_the_rope_table_the_fused_attention_and_pdl_equals_eag
     assert a["rope_table"] is False and a["attention_cache"] is False
     assert a["pdl_kernels"] == [] and a["pdl_trigger"] is False
     engine = load_engine(out)
+    assert engine.options.changed() == {"rope_table": False, "attention_cache": False, "pdl": False}
     assert all(runner.programmatic_edges == 0 for runner in engine.runners.values())
     want = [r.output for r in Generator(eager).generate(PROMPTS[:2], PARAMS)]
     assert [r.output for r in Generator(engine).generate(PROMPTS[:2], PARAMS)] == want

@@ -6,6 +6,7 @@ import torch
 from muse_spark.checkpoint import load_pair
 from muse_spark.models import layers
 from muse_spark.models.layers import output_transform
+from muse_spark.options import KernelOptions, use_options
 
 from conftest import small_engine
 from tolerances import TOL
@@ -185,58 +186,16 @@ def test_attend_reads_rows_of_whole_caches():
     assert torch.equal(attend(q, kc, vc, mask, slots), attend(q, k, v, mask))
 
 
-def test_attention_kernel_choice(monkeypatch):
-    """MUSE_SPARK_ATTENTION picks the fused kernel for bf16/fp16 on CUDA; fp32 and CPU run the
-    reference einsums; an unknown name is a clear error."""
-    from muse_spark.models.layers import attention_kernel, attention_path
+def test_attention_kernel_choice():
+    """The kernel option ``attention`` picks the fused kernel for bf16/fp16 on CUDA (the current
+    options', or the ones passed); fp32 and CPU run the reference einsums."""
+    from muse_spark.models.layers import attention_path
 
-    monkeypatch.delenv("MUSE_SPARK_ATTENTION", raising=False)
-    assert attention_kernel() == "triton" and attention_path("cuda", torch.bfloat16) == "triton"
-    monkeypatch.setenv("MUSE_SPARK_ATTENTION", "SDPA")
-    assert attention_path("cuda", torch.float16) == "sdpa"
-    assert attention_path("cuda", torch.float32) == "reference" and attention_path("cpu", torch.bfloat16) == "reference"
-    monkeypatch.setenv("MUSE_SPARK_ATTENTION", "flash")
-    with pytest.raises(ValueError, match=r"MUSE_SPARK_ATTENTION='flash': expected one of \['triton', 'sdpa'\]"):
-        attention_kernel()
-
-
-# The boolean kernel switches, by variable (models.layers)
-KERNEL_SWITCHES = {"MUSE_SPARK_ATTENTION_CACHE": layers.attention_cache_fused, "MUSE_SPARK_PDL": layers.pdl_waits,
-                   "MUSE_SPARK_ROPE_TABLE": layers.rope_table, "MUSE_SPARK_ACCEPT_KERNELS": layers.accept_kernels,
-                   "MUSE_SPARK_PDL_TRIGGER": layers.pdl_trigger, "MUSE_SPARK_PDL_GEMM_TRIGGER": layers.pdl_gemm_trigger}
-
-
-@pytest.mark.parametrize("name", ["MUSE_SPARK_PDL_TRIGGER", "MUSE_SPARK_PDL_GEMM_TRIGGER"])
-def test_the_pdl_trigger_switches_act_only_under_pdl(monkeypatch, name):
-    """``MUSE_SPARK_PDL_TRIGGER`` and ``MUSE_SPARK_PDL_GEMM_TRIGGER`` mean nothing without ``MUSE_SPARK_PDL``
-    (no kernel waits, so none may let its dependents launch early); their defaults and values are
-    checked with the other switches' below."""
-    switch = KERNEL_SWITCHES[name]
-    for var in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER", "MUSE_SPARK_PDL_GEMM_TRIGGER"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("MUSE_SPARK_PDL", "0")
-    assert switch() is False
-    monkeypatch.setenv(name, "1")
-    assert switch() is False  # without PDL
-    monkeypatch.setenv("MUSE_SPARK_PDL", "1")
-    assert switch() is True
-
-
-@pytest.mark.parametrize("name", list(KERNEL_SWITCHES))
-def test_the_kernel_switches_default_as_documented_and_refuse_other_values(monkeypatch, name):
-    """``MUSE_SPARK_ROPE_TABLE``, ``MUSE_SPARK_ATTENTION_CACHE``, ``MUSE_SPARK_PDL``, ``MUSE_SPARK_PDL_TRIGGER``,
-    ``MUSE_SPARK_ACCEPT_KERNELS`` and ``MUSE_SPARK_PDL_GEMM_TRIGGER``: on unless 0 (the defaults since
-    the thirteenth, fourteenth, fifteenth (both), twentieth and twenty-first sessions; the triggers
-    with ``MUSE_SPARK_PDL`` at its default); a value other than 0 or 1 is refused with the variable's
-    name, not read as either."""
-    switch = KERNEL_SWITCHES[name]
-    monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("MUSE_SPARK_PDL", raising=False)
-    assert switch() is True
-    monkeypatch.setenv(name, "1")
-    assert switch() is True
-    monkeypatch.setenv(name, "0")
-    assert switch() is False
-    monkeypatch.setenv(name, "on")
-    with pytest.raises(ValueError, match=f"{name}='on': expected 0 or 1"):
-        switch()
+    assert attention_path("cuda", torch.bfloat16) == "triton"  # the default
+    sdpa = KernelOptions(attention="sdpa")
+    assert attention_path("cuda", torch.float16, sdpa) == "sdpa"
+    with use_options(sdpa):
+        assert attention_path("cuda", torch.float16) == "sdpa"
+        assert attention_path("cuda", torch.float32) == "reference"
+        assert attention_path("cpu", torch.bfloat16) == "reference"
+    assert attention_path("cuda", torch.float16) == "triton"

@@ -7,6 +7,7 @@ import torch
 from scipy import stats
 
 import muse_spark.plugins  # noqa: F401
+from muse_spark.options import KernelOptions, use_options
 from muse_spark.plugins import dispatch
 from muse_spark.plugins.keyed_random import SALT_DRAFT, keyed_gumbel, keyed_uniform
 
@@ -264,7 +265,7 @@ def test_uniforms_never_reach_one_or_zero():
 
 
 def test_every_op_launch_of_a_pdl_kernel_compiles_it_with_the_pdl_mode():
-    """An engine built with MUSE_SPARK_PDL=1 makes the graph edges into ``PDL_KERNELS``
+    """An engine built with the kernel option ``pdl`` makes the graph edges into ``PDL_KERNELS``
     programmatic, which is only safe where every launch of those kernels compiled the wait in. So
     every launcher call in plugins/triton_ops.py that reaches one passes ``pdl=_pdl()``."""
     import ast
@@ -283,18 +284,18 @@ def test_every_op_launch_of_a_pdl_kernel_compiles_it_with_the_pdl_mode():
     for c in calls:
         pdl = [k.value for k in c.keywords if k.arg == "pdl"]
         assert pdl and isinstance(pdl[0], ast.Call) and pdl[0].func.id == "_pdl", ast.unparse(c)
-        # MUSE_SPARK_PDL_TRIGGER: only the small kernels trigger their dependents first (small=True); a
-        # GEMM triggers at most after its weight stream (MUSE_SPARK_PDL_GEMM_TRIGGER)
+        # pdl_trigger: only the small kernels trigger their dependents first (small=True); a GEMM
+        # triggers at most after its weight stream (pdl_gemm_trigger)
         small = [k.value.value for k in pdl[0].keywords if k.arg == "small"]
         name = getattr(c.func, "id", None) or c.func.attr
         assert small == ([] if launchers[name] == "_linear_kernel" else [True]), ast.unparse(c)
 
 
-def test_pdl_modes_of_the_ops_follow_the_switches(monkeypatch):
+def test_pdl_modes_of_the_ops_follow_the_options(monkeypatch):
     """``_pdl`` on a GPU that runs PDL (sm_90+): by default 1 (trigger, then wait) for the small
     kernels and 3 (wait, trigger after the weight stream) for the GEMMs; the GEMMs 2 (wait only)
-    under ``MUSE_SPARK_PDL_GEMM_TRIGGER=0``, the small kernels under ``MUSE_SPARK_PDL_TRIGGER=0``; 0
-    under ``MUSE_SPARK_PDL=0``. On an older GPU or none: 0 whatever the switches."""
+    with the kernel option ``pdl_gemm_trigger`` off, the small kernels with ``pdl_trigger`` off; 0
+    with ``pdl`` off, whatever the triggers. On an older GPU or none: 0 whatever the options."""
     pytest.importorskip("triton")
     from muse_spark.models import layers
     from muse_spark.plugins import triton_ops
@@ -302,36 +303,33 @@ def test_pdl_modes_of_the_ops_follow_the_switches(monkeypatch):
 
     if interpreting():
         pytest.skip("under TRITON_INTERPRET=1 the ops compile no PDL (no inline asm)")
-    for name in ("MUSE_SPARK_PDL", "MUSE_SPARK_PDL_TRIGGER", "MUSE_SPARK_PDL_GEMM_TRIGGER"):
-        monkeypatch.delenv(name, raising=False)
+    def modes(**options):
+        with use_options(KernelOptions(**options)):
+            return triton_ops._pdl(), triton_ops._pdl(small=True)
+
     monkeypatch.setattr(layers, "pdl_supported", lambda: False)
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (0, 0)
+    assert modes() == (0, 0)
     monkeypatch.setattr(layers, "pdl_supported", lambda: True)
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (3, 1)
-    monkeypatch.setenv("MUSE_SPARK_PDL_GEMM_TRIGGER", "0")
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 1)
-    monkeypatch.setenv("MUSE_SPARK_PDL_TRIGGER", "0")
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (2, 2)
-    monkeypatch.delenv("MUSE_SPARK_PDL_GEMM_TRIGGER")
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (3, 2)
-    monkeypatch.setenv("MUSE_SPARK_PDL", "0")
-    assert (triton_ops._pdl(), triton_ops._pdl(small=True)) == (0, 0)
+    assert modes() == (3, 1) and (triton_ops._pdl(), triton_ops._pdl(small=True)) == (3, 1)  # (the defaults)
+    assert modes(pdl_gemm_trigger=False) == (2, 1)
+    assert modes(pdl_gemm_trigger=False, pdl_trigger=False) == (2, 2)
+    assert modes(pdl_trigger=False) == (3, 2)
+    assert modes(pdl=False) == (0, 0)
 
 
 @pytest.mark.parametrize("kernels", ["0", "1"])
 @pytest.mark.parametrize("impl", ["op", "inline", "triton"])
 @pytest.mark.parametrize("soft_cap", [None, 4.0])
-def test_dispatch_accept_is_the_rule_on_the_transformed_logits(impl, soft_cap, kernels, monkeypatch):
+def test_dispatch_accept_is_the_rule_on_the_transformed_logits(impl, soft_cap, kernels):
     """``dispatch.accept`` (what step_verify calls, on the head's raw output) gives
     ``plugins.acceptance.reference.accept`` on ``output_transform(raw, multiplier, soft_cap)``; under ``"triton"``
-    with ``MUSE_SPARK_ACCEPT_KERNELS=0`` it is that same reference code; with the kernels on, the op
+    with the kernel option ``accept_kernels`` off it is that same reference code; with the kernels on, the op
     falls back to it on the CPU, and under TRITON_INTERPRET=1 its kernels give the same n and bonus."""
     from muse_spark.models.layers import output_transform
     from muse_spark.plugins.acceptance.reference import accept
 
     if impl == "triton" and kernels == "1":
         pytest.importorskip("triton")  # muse_spark::accept_triton's module imports it
-    monkeypatch.setenv("MUSE_SPARK_ACCEPT_KERNELS", kernels)
     g = torch.Generator().manual_seed(4)
     B, gamma, V, Vd = 3, 4, 90, 40
     raw = (3 * torch.randn(B, gamma + 1, V, generator=g)).bfloat16()
@@ -340,7 +338,7 @@ def test_dispatch_accept_is_the_rule_on_the_transformed_logits(impl, soft_cap, k
     drafted = torch.multinomial(probs.reshape(-1, Vd), 1, generator=g).reshape(B, gamma)
     ids = drafted + d2t[drafted]  # their target ids
     args = (ids, probs, d2t, torch.tensor([0.0, 1.0, 0.7]), torch.tensor([1, 2, 3]), torch.tensor([5, 9, 0]))
-    with dispatch.plugin_impl(impl):
+    with dispatch.plugin_impl(impl), use_options(KernelOptions(accept_kernels=kernels == "1")):
         got = dispatch.accept(raw, 0.5, soft_cap, *args)
     want = accept(output_transform(raw, 0.5, soft_cap), *args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -8,8 +8,11 @@ Parameter names are the *canonical* (stacked) ones the loader produces:
 Attention is written over an explicit key set and a boolean mask so that the
 target (KV cache) and the draft (cached context + fresh block) share one
 implementation; scores and softmax run in fp32 (``attend_reference``). In bf16/fp16
-on CUDA ``attend`` runs a fused kernel instead (``attention_kernel()``), the same one
+on CUDA ``attend`` runs a fused kernel instead (``attention_path``), the same one
 in the eager engine and in the compiled packages.
+
+Which kernels run is the current kernel options' (``muse_spark.options.current_options()``: the
+builder and the engines set them with ``use_options``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 from typing import Callable, NamedTuple
 
 import torch
@@ -27,6 +29,7 @@ from torch.nn import functional as F
 import muse_spark.plugins  # noqa: F401  (registers torch.ops.muse_spark.*)
 from muse_spark.plugins import dispatch
 from muse_spark.config import MuseSpark1xConfig
+from muse_spark.options import KernelOptions, current_options
 from muse_spark.plugins.norm import rms_norm
 
 
@@ -173,20 +176,8 @@ def _head_norm_rope_fits_heads(dtype: torch.dtype, head_dim: int) -> bool:
     return fits_heads(dtype, head_dim)
 
 
-ATTENTION_KERNELS = ("triton", "sdpa")
-DEFAULT_ATTENTION_KERNEL = "triton"  # 6x SDPA per layer on the H200 (docs/log.md)
 _log = logging.getLogger(__name__)
 _warned: set[str] = set()
-
-
-def attention_kernel() -> str:
-    """The fused attention kernel for bf16/fp16 on CUDA, from ``MUSE_SPARK_ATTENTION``:
-    ``triton`` (plugins/attention: split-KV over the window, skips unseen key tiles) or ``sdpa``
-    (``F.scaled_dot_product_attention``). A build records it in the engine's manifest."""
-    name = os.environ.get("MUSE_SPARK_ATTENTION", DEFAULT_ATTENTION_KERNEL).strip().lower()
-    if name not in ATTENTION_KERNELS:
-        raise ValueError(f"MUSE_SPARK_ATTENTION={name!r}: expected one of {list(ATTENTION_KERNELS)}")
-    return name
 
 
 def nvidia(device) -> bool:
@@ -194,11 +185,12 @@ def nvidia(device) -> bool:
     return torch.device(device).type == "cuda" and torch.version.hip is None
 
 
-def attention_path(device, dtype: torch.dtype) -> str:
-    """What ``attend`` runs for this device and compute dtype: the kernel name, or ``reference``
-    (CPU; fp32; ROCm, where the fused Triton path is not used: DESIGN.md §1)."""
+def attention_path(device, dtype: torch.dtype, options: KernelOptions | None = None) -> str:
+    """What ``attend`` runs for this device and compute dtype: the fused kernel of ``options``
+    (default: the current ones), ``KernelOptions.attention`` (``triton`` or ``sdpa``), in bf16/fp16
+    on NVIDIA GPUs; else ``reference`` (CPU; fp32; ROCm, where the fused Triton path is not used)."""
     fused = nvidia(device) and dtype in (torch.bfloat16, torch.float16)
-    return attention_kernel() if fused else "reference"
+    return (options or current_options()).attention if fused else "reference"
 
 
 def triton_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -239,7 +231,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
     or with ``slots`` [B] whole caches [N,≥T,KV,Dh] of which request b reads row ``slots[b]`` (the
     Triton kernel reads it in place; the other paths gather the rows first).
 
-    bf16/fp16 on CUDA: a fused kernel (``attention_kernel()``; products of the compute dtype, fp32
+    bf16/fp16 on CUDA: a fused kernel (``attention_path``; products of the compute dtype, fp32
     accumulation and softmax), which reads K/V once in their own dtype. Otherwise (fp32, CPU):
     ``attend_reference``. Every path ignores keys and values no query may see (stale garbage in
     a reused cache slot, even NaN, can never leak into a request) and gives zeros for a query
@@ -296,104 +288,16 @@ def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return torch.where(mask.any(-1)[:, :, None, None], out, 0.0)
 
 
-LINEAR_KERNELS = ("triton", "cublas")
-# The Triton kernel by default (eighth session): on the H200 the batch-1 step is 5.95 ms with it
-# against 6.10 with cuBLAS (its GEMMs 4.61 against 4.72 ms; no split-K reductions, silu·mul fused),
-# and the aoti step's greedy output equalled eager's. In the fifth session it was not faster per step:
-# Inductor then split the q/k norm + RoPE kernel into four, which the head_norm_rope plugin op
-# ended (docs/log.md, 2026-12-03). It takes ≤ 16 rows (batch 1–2);
-# more rows always use cuBLAS.
-DEFAULT_LINEAR_KERNEL = "triton"
-
-
-def linear_kernel() -> str:
-    """The GEMM of few-row linear layers in bf16/fp16 on CUDA, from ``MUSE_SPARK_LINEAR``: ``triton``
-    (the default; plugins/linear: the skinny kernel, silu·mul fused into the gate/up projection) or
-    ``cublas`` (``F.linear``). A build records it in the engine's manifest."""
-    name = os.environ.get("MUSE_SPARK_LINEAR", DEFAULT_LINEAR_KERNEL).strip().lower()
-    if name not in LINEAR_KERNELS:
-        raise ValueError(f"MUSE_SPARK_LINEAR={name!r}: expected one of {list(LINEAR_KERNELS)}")
-    return name
-
-
-def linear_path(device, dtype: torch.dtype) -> str:
-    """What ``linear`` runs for this device and compute dtype with few rows: ``triton`` or ``cublas``
-    on CUDA in bf16/fp16, else ``reference`` (``F.linear``; ROCm too)."""
+def linear_path(device, dtype: torch.dtype, options: KernelOptions | None = None) -> str:
+    """What ``linear`` runs for this device and compute dtype with few rows: ``options``' (default: the
+    current ones) ``KernelOptions.linear`` (``triton`` or ``cublas``) on CUDA in bf16/fp16, else
+    ``reference`` (``F.linear``; ROCm too). The Triton kernel takes ≤ 16 rows (batch 1–2); more rows
+    always use cuBLAS."""
     fused = nvidia(device) and dtype in (torch.bfloat16, torch.float16)
-    return linear_kernel() if fused else "reference"
+    return (options or current_options()).linear if fused else "reference"
 
 
-def _switch(name: str, default: str = "0") -> bool:
-    """A kernel switch from the environment: ``1`` on, ``0`` off, unset ``default``, else an error."""
-    value = os.environ.get(name, default).strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: expected 0 or 1")
-    return value == "1"
-
-
-def accept_kernels() -> bool:
-    """``MUSE_SPARK_ACCEPT_KERNELS`` (on unless ``0``): a Triton build's step_verify package runs the
-    acceptance rule in three Triton kernels (``muse_spark::accept_triton``, plugins/acceptance) instead
-    of Inductor's compile of ``plugins.acceptance.reference.accept`` (~20 kernels; ``0`` keeps that). On the H200 a
-    batch-1 step with them took 19 µs of acceptance kernels against ≈ 45 (nineteenth session), the
-    greedy step equal to eager; the default since the twentieth session's GPU tests
-    (docs/log.md). A build records it in the engine's manifest."""
-    return _switch("MUSE_SPARK_ACCEPT_KERNELS", default="1")
-
-
-def attention_cache_fused() -> bool:
-    """``MUSE_SPARK_ATTENTION_CACHE`` (on unless ``0``): where the q/k norm kernel would write the
-    caches and the Triton attention runs, one kernel does both (``Attention.attends_from_cache_write``);
-    with the RoPE table (the default) it reads the table. The default since the fourteenth session:
-    11.5 against 12.3 µs a layer and the batch-1 step graph 0.8 % faster on the H200, timed in turns
-    with the two-kernel path (docs/log.md). Without the table (``MUSE_SPARK_ROPE_TABLE=0``)
-    the fused kernel computes the angles itself and is slower than the two kernels (18.2 against
-    13.8 µs): set both to 0 for the old path. A build records it in the engine's manifest."""
-    return _switch("MUSE_SPARK_ATTENTION_CACHE", default="1")
-
-
-def attention_splits() -> int:
-    """``MUSE_SPARK_ATTENTION_SPLITS``: how many splits of the window one program of the attention's
-    partial kernel runs in turn. ``0`` (the default): the launcher's choice by the grid's size
-    (``plugins.attention.triton_kernel.splits_per_program``: one a program up to batch 3 at the
-    step's shape, more from batch 4); N > 0: N. Every value gives the same bits; only the time
-    differs (``muse-spark bench --attention-splits both`` times one split a program beside the
-    default). A build records it in the engine's manifest."""
-    value = os.environ.get("MUSE_SPARK_ATTENTION_SPLITS", "0").strip()
-    if not value.isdigit():
-        raise ValueError(f"MUSE_SPARK_ATTENTION_SPLITS={value!r}: expected 0 (the launcher's choice) or a count ≥ 1")
-    return int(value)
-
-
-def rope_table() -> bool:
-    """``MUSE_SPARK_ROPE_TABLE`` (on unless ``0``): where the Triton linear kernel takes the
-    attention's qkv projection and the q/k norm kernel writes the caches, one more program of the
-    projection's launch computes the step's RoPE cos/sin table and the norm kernel reads it
-    (``Attention.takes_rope_table``): the angles' chain of libdevice calls (2.7 of the norm kernel's
-    4.2 µs a layer on the H200) then runs beside the weight stream. The same bits. The default since
-    the thirteenth session: the batch-1 step graph 1 % faster on the H200, timed in turns with the
-    one without (docs/log.md). A build records it in the engine's manifest."""
-    return _switch("MUSE_SPARK_ROPE_TABLE", default="1")
-
-
-def context_stream() -> bool:
-    """``MUSE_SPARK_CONTEXT_STREAM`` (on unless ``0``): an aoti engine on CUDA runs each step's draft
-    context K/V (``step_context``) on a second stream, beside the target layers after the last aux
-    layer and the verification (``graphs.parts.LayeredStep``), so that its short kernels
-    overlap the target head's weight stream. The same packages either way, and the same results; a
-    runtime choice, not recorded in the manifest."""
-    return _switch("MUSE_SPARK_CONTEXT_STREAM", default="1")
-
-
-def chained_steps() -> bool:
-    """``MUSE_SPARK_CHAINED_STEPS``: the ``Generator`` launches each step of an aoti engine before it
-    reads the rows of the step before (``runtime.generator``; the same output, token for token). On by
-    default on CPU and CUDA (its GPU test passed on the H200 in the eighteenth session); ``0`` makes
-    the Generator wait for every step's rows before it launches the next. A runtime choice."""
-    return _switch("MUSE_SPARK_CHAINED_STEPS", default="1")
-
-
-# The plugin kernels that, compiled under ``MUSE_SPARK_PDL`` (the default on sm_90+), execute
+# The plugin kernels that, compiled under ``KernelOptions.pdl`` (the default on sm_90+), execute
 # ``griddepcontrol.wait`` before any global load or store (``plugins.triton_math.pdl_enter``;
 # tests/test_gpu_kernels.py checks their sm_90 code). A build records them in its manifest; the
 # runtime turns the edges into these kernels in its captured step graphs into programmatic ones
@@ -401,18 +305,6 @@ def chained_steps() -> bool:
 # Only a kernel that waits may have one: it could otherwise read its predecessor's output early.
 PDL_KERNELS = ("_linear_kernel", "_gated_residual_norm_kernel", "_head_norm_rope_kernel",
                "_head_norm_rope_cache_kernel", "_partial_kernel", "_combine_kernel")
-
-
-def pdl_waits() -> bool:
-    """``MUSE_SPARK_PDL`` (on unless ``0``): the plugin ops compile their kernels (``PDL_KERNELS``) with
-    the PDL wait first, and the engine's step graphs launch each of them as a programmatic dependent
-    of the kernel before (it starts before that kernel has finished, and waits for its writes on the
-    GPU instead of in the launch path). Only on sm_90 and newer (``pdl_supported``): elsewhere the
-    kernels compile without it. With ``MUSE_SPARK_PDL_TRIGGER`` (``pdl_trigger``) the default since
-    the fifteenth session: the batch-1 step graph 1.1–1.3 % faster on the H200, timed in turns with
-    the one without, in two runs (docs/log.md). A build records it in the engine's manifest
-    (``aoti.pdl_kernels``)."""
-    return _switch("MUSE_SPARK_PDL", default="1")
 
 
 @functools.lru_cache(maxsize=None)
@@ -426,38 +318,12 @@ def pdl_supported() -> bool:
     return torch.cuda.is_available() and _sm90_or_newer(torch.cuda.current_device())
 
 
-def pdl_active() -> bool:
-    """PDL in effect: ``MUSE_SPARK_PDL`` on a GPU that runs it. The one condition under which the
-    plugin ops compile their kernels with the wait first, and so the one under which a build
-    records them for programmatic edges (an edge into a kernel that does not wait would let it
-    read its predecessor's output early)."""
-    return pdl_waits() and pdl_supported()
-
-
-def pdl_trigger() -> bool:
-    """``MUSE_SPARK_PDL_TRIGGER`` (on unless ``0``; only with ``MUSE_SPARK_PDL``): the plugin kernels that
-    are not GEMMs (gated residual, q/k norm, attention partial and combine) trigger their
-    dependents' launch first, then wait; the GEMMs only wait. A GEMM after a small kernel then has
-    its programs on the SMs, waiting, while the small kernel runs, instead of launching after it.
-    The GEMMs do not trigger: an early trigger everywhere was 1.6 % slower in a 32-layer kernel stack
-    (eighth session), and a GEMM triggering after its weight stream gained less than waiting only
-    (fifteenth session). Measured in the engine's step (H200, in turns): wait only 0.999 ×, with
-    this trigger 0.987–0.989 × the step without PDL. A build records it in the manifest."""
-    return pdl_waits() and _switch("MUSE_SPARK_PDL_TRIGGER", default="1")
-
-
-def pdl_gemm_trigger() -> bool:
-    """``MUSE_SPARK_PDL_GEMM_TRIGGER`` (on unless ``0``; only with ``MUSE_SPARK_PDL``): the skinny GEMM's
-    programs also trigger their dependents' launch, once their weight stream is done and before
-    their stores (``PDL`` 3, ``triton_math.pdl_release``): the kernel after a GEMM then has its
-    programs placed and waiting while the GEMM's epilogue runs, instead of launching when the last
-    GEMM program exits. The trigger is ordered through the stores' mask, not their addresses, so
-    Inductor's analysis of what the kernel writes is unchanged (the fifteenth session's form fed
-    the addresses, and the packages gained 76 copy kernels; that measurement said nothing of the
-    trigger). The default since the twenty-first session: the batch-1 step graph 0.997 × the one
-    without, timed in turns, in two clean runs on the H200 (docs/log.md). A build records it
-    in the manifest (``aoti.pdl_gemm_trigger``)."""
-    return pdl_waits() and _switch("MUSE_SPARK_PDL_GEMM_TRIGGER", default="1")
+def pdl_active(options: KernelOptions | None = None) -> bool:
+    """PDL in effect: ``KernelOptions.pdl`` of ``options`` (default: the current ones) on a GPU that
+    runs it. The one condition under which the plugin ops compile their kernels with the wait first,
+    and so the one under which a build records them for programmatic edges (an edge into a kernel
+    that does not wait would let it read its predecessor's output early)."""
+    return (options or current_options()).pdl and pdl_supported()
 
 
 def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -483,7 +349,7 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` (no bias). With few rows (≤ 16: a speculative step at batch 1–2) in bf16/fp16
-    on CUDA, unless ``MUSE_SPARK_LINEAR=cublas``: the skinny Triton kernel, in the eager engine and the
+    on CUDA, unless ``KernelOptions.linear`` is ``cublas``: the skinny Triton kernel, in the eager engine and the
     compiled packages alike; otherwise cuBLAS (or the CPU's GEMM)."""
     if _triton_linear_fits(x, w):
         return torch.ops.muse_spark.linear_triton(x, w, False)
@@ -527,10 +393,11 @@ class Attention(nn.Module):
     def attends_from_cache_write(self, qk: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether one kernel norms and rotates q/k, writes K/V into the caches and attends
         (``muse_spark::attention_cache_triton``, the attention's partial kernel with
-        ``head_norm_rope_cache``'s work folded in): unless ``MUSE_SPARK_ATTENTION_CACHE=0``, where
+        ``head_norm_rope_cache``'s work folded in): with ``KernelOptions.attention_cache``, where
         ``writes_cache`` holds, the Triton attention kernel is the one chosen and fits, and the mask
         is in bounds form."""
-        if not (attention_cache_fused() and self.writes_cache(qk, kv, positions) and isinstance(kv.mask, KeyBounds)
+        if not (current_options().attention_cache and self.writes_cache(qk, kv, positions)
+                and isinstance(kv.mask, KeyBounds)
                 and attention_path(qk.device, qk.dtype) == "triton"):
             return False
         q = qk[:, :, : self.cfg.num_attention_heads]
@@ -538,13 +405,13 @@ class Attention(nn.Module):
 
     def takes_rope_table(self, x: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether the qkv projection also writes the step's RoPE table for the q/k norm kernel
-        (``muse_spark::linear_rope_table_triton``): unless ``MUSE_SPARK_ROPE_TABLE=0``, with RoPE,
+        (``muse_spark::linear_rope_table_triton``): with ``KernelOptions.rope_table`` and RoPE,
         where ``linear`` takes the Triton kernel and the norm kernel will write the caches (a
         ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim). Where the
         fused attention kernel takes the layer (the default, ``attends_from_cache_write``) it reads it instead."""
         c = self.cfg
-        return (rope_table() and c.use_rope and x.dim() == 3 and positions.numel() == x.shape[0] * x.shape[1]
-                and CacheKV.at(kv, positions, x.dtype) and _triton_linear_fits(x, self.qkv_proj.weight)
+        return (current_options().rope_table and c.use_rope and x.dim() == 3
+                and positions.numel() == x.shape[0] * x.shape[1] and CacheKV.at(kv, positions, x.dtype) and _triton_linear_fits(x, self.qkv_proj.weight)
                 and _head_norm_rope_fits_heads(x.dtype, c.head_dim))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider, project: bool = True) -> torch.Tensor:

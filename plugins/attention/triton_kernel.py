@@ -68,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from muse_spark.options import current_options
 from muse_spark.plugins.head_norm_rope.triton_kernel import norm_rotate
 from muse_spark.plugins.triton_math import add_rn, mul_rn, pdl_enter
 
@@ -86,9 +87,9 @@ NEW_ROWS = 16  # new K/V rows per pass of the fused cache write (NORM_QK)
 # slower at every batch on the H200).
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
                       merge_warps=1, EARLY_KV=True, SPLITS=0)  # num_stages: Triton's default unless a sweep sets it
-# SPLITS: splits of the window one program of the partial kernel runs in turn; 0 = MUSE_SPARK_ATTENTION_SPLITS,
-# and where that is 0 too, ``splits_per_program``'s choice. Any value gives the same bits (each split's
-# partials are computed as by a program of its own).
+# SPLITS: splits of the window one program of the partial kernel runs in turn; 0 = the kernel options'
+# ``attention_splits``, and where that is 0 too, ``splits_per_program``'s choice. Any value gives the
+# same bits (each split's partials are computed as by a program of its own).
 PROGRAMS_PER_SM = 2  # partial-kernel programs resident on an SM at once (227–253 registers a thread, 4 warps)
 
 
@@ -373,14 +374,13 @@ def program_splits(B: int, M: int, T: int, KV: int, device: torch.device, config
                    interpret: bool = False) -> int:
     """The splits of the window a program of the partial kernel runs, as ``launch_attention`` launches
     it for B requests × KV heads × M rows (query heads × queries of a KV head) over T keys: ``config``'s
-    SPLITS (over DEFAULT_CONFIG's), else ``MUSE_SPARK_ATTENTION_SPLITS``, else ``splits_per_program``
+    SPLITS (over DEFAULT_CONFIG's), else the current kernel options' ``attention_splits``
+    (``muse_spark.options``), else ``splits_per_program``
     for this grid on ``device``'s SMs (1 without a GPU, or on the interpreter)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if int(cfg["SPLITS"]) < 0:
         raise ValueError(f"attention config: SPLITS {cfg['SPLITS']} must be ≥ 1 (0: the launcher's choice)")
-    from muse_spark.models.layers import attention_splits  # (MUSE_SPARK_ATTENTION_SPLITS; a lazy import: no cycle)
-
-    return int(cfg["SPLITS"]) or attention_splits() or (
+    return int(cfg["SPLITS"]) or current_options().attention_splits or (
         1 if interpret or torch.device(device).type != "cuda" else splits_per_program(
             max(1, triton.cdiv(T, cfg["SPLIT_T"])), triton.cdiv(M, cfg["BLOCK_M"]) * B * KV,
             torch.cuda.get_device_properties(device).multi_processor_count))

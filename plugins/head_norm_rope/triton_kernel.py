@@ -265,7 +265,8 @@ def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: tor
     engines check positions against the window before a step). ``pdl``: as
     ``plugins.linear.triton_kernel.launch_linear``'s. ``table``: the step's (cos, sin), as
     ``launch_rope_table(positions)`` writes them, read instead of computing the angles (the same
-    bits; the engines by default, from the qkv projection's launch; ``MUSE_SPARK_ROPE_TABLE=0`` off)."""
+    bits; the engines by default, from the qkv projection's launch; off with the kernel option
+    ``rope_table`` false)."""
     B, S, NH, dh = x.shape
     KV = v.shape[2]
     H = NH - KV

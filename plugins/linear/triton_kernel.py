@@ -18,8 +18,8 @@ program and writes only ``silu(g)·u``: the gate/up output never goes to memory.
 
 Measured (H200, docs/log.md, 2026-12-02): faster than cuBLAS for every GEMM of a
 batch-1 step (the step's 151 GEMMs 4.51–4.60 ms against 4.64–4.74), slower at 64 rows (hence
-``MAX_ROWS``). The default for ≤ ``MAX_ROWS`` rows since the eighth session (batch-1 step 5.95 ms
-against 6.10 with cuBLAS; ``MUSE_SPARK_LINEAR=cublas`` selects cuBLAS): before the head_norm_rope
+``MAX_ROWS``). The default for ≤ ``MAX_ROWS`` rows since 2026-12-03 (batch-1 step 5.95 ms against
+6.10 with cuBLAS; the kernel option ``linear="cublas"`` selects cuBLAS): before the head_norm_rope
 plugin op, Inductor split the q/k norm + RoPE kernel after the qkv projection into four, which
 cost what the GEMMs gained.
 
@@ -180,7 +180,7 @@ def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.
     """``launch_linear(x, w)`` and, from one more program of the same launch, the RoPE table of
     ``positions`` (``head_norm_rope.launch_rope_table``'s (cos, sin), the same bits): → (y, cos, sin).
     For the attention's qkv projection, whose norm + cache kernel then reads the table (the
-    default, ``MUSE_SPARK_ROPE_TABLE=0`` off; docs/log.md, 2026-12-03)."""
+    default, off with the kernel option ``rope_table`` false; docs/log.md, 2026-12-03)."""
     x2 = _rows(x, w)
     M, N = x2.shape[0], w.shape[0]
     pos = positions.reshape(-1)
