@@ -74,7 +74,8 @@ from typing import Callable, Iterator
 import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
-from muse_spark.models.layers import PDL_KERNELS, attention_path, linear_path, pdl_active
+from muse_spark.models.layers import attention_path, linear_path
+from muse_spark.plugins.pdl import pdl_active, PDL_KERNELS
 from muse_spark.options import KernelOptions, use_options
 from muse_spark.graphs.parts import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
                                             weight_specs)

@@ -17,6 +17,7 @@ import contextlib
 from typing import Iterator
 
 from muse_spark.options import current_options
+from muse_spark.plugins.acceptance.reference import accept_reference, output_transform
 from muse_spark.plugins.gated_residual.reference import gated_residual_add_ref
 from muse_spark.plugins.markov.reference import markov_sample_ref
 
@@ -76,26 +77,13 @@ def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, te
     return torch.ops.muse_spark.markov_sample(*args)
 
 
-def accept_reference(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos):
-    """The acceptance rule's reference: ``plugins.acceptance.reference.accept`` on
-    ``models.layers.output_transform(raw_logits, multiplier, soft_cap)`` → (n [B], bonus [B]) int64.
-    Also ``muse_spark::accept_triton``'s fallback where its kernels do not run."""
-    from muse_spark.models.layers import output_transform
-    from muse_spark.plugins.acceptance.reference import accept as accept_rule
-
-    return accept_rule(output_transform(raw_logits, multiplier, soft_cap), draft_ids, draft_probs, d2t, temperature,
-                       seeds, anchor_pos)
-
-
 def accept(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos):
     """The acceptance rule (``plugins.acceptance.reference.accept``) on the target head's output before its
-    transform (``models.layers.output_transform(raw_logits, multiplier, soft_cap)``): the reference
+    transform (``plugins.acceptance.reference.output_transform(raw_logits, multiplier, soft_cap)``): the reference
     (``"op"``, ``"inline"``, and ``"triton"`` with the kernel option ``accept_kernels`` false), or under
     ``"triton"`` by default (``muse_spark.options``) ``muse_spark::accept_triton``'s
     kernels, which apply the multiplier themselves (a soft cap is applied before them).
     → (n accepted [B], bonus token [B]) int64."""
-    from muse_spark.models.layers import output_transform
-
     if _current["impl"] == "triton" and current_options().accept_kernels:
         if soft_cap is not None:
             raw_logits, multiplier = output_transform(raw_logits, multiplier, soft_cap), 1.0

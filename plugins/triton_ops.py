@@ -13,7 +13,7 @@ Importing this module imports Triton and registers
   kernel option ``linear="cublas"`` selects ``F.linear``);
 * ``muse_spark::head_norm_rope_triton`` — the attention's per-head q/k RMS norm and RoPE in one
   pass, which ``models.layers.head_norm_rope`` calls in bf16/fp16 on CUDA. Its reference is
-  ``models.layers.head_norm_rope_reference``. ``muse_spark::head_norm_rope_cache_triton`` also
+  ``plugins.head_norm_rope.reference.head_norm_rope_reference``. ``muse_spark::head_norm_rope_cache_triton`` also
   writes the k heads and v into the KV caches (the layer's cache write, in the same kernel);
 * ``muse_spark::attention_cache_triton`` — ``head_norm_rope_cache_triton`` and the attention of its
   q over the caches in one launch of the attention's partial kernel (the default, off with the
@@ -23,9 +23,9 @@ Importing this module imports Triton and registers
   on the target head's output, in three kernels (``plugins/acceptance``);
 * ``muse_spark::attention_triton`` — masked GQA attention over a static KV window (split-KV),
   which ``models.layers.attend`` calls in bf16/fp16 on CUDA (the default; the kernel option
-  ``attention="sdpa"`` selects SDPA instead). Its reference is ``models.layers.attend_reference``.
+  ``attention="sdpa"`` selects SDPA instead). Its reference is ``plugins.attention.reference.attend_reference``.
   ``muse_spark::attention_bounds_triton`` is the same kernel with the mask in bounds form
-  (``models.layers.KeyBounds``: the models' masks), so no mask tensor is built or read.
+  (``plugins.attention.reference.KeyBounds``: the models' masks), so no mask tensor is built or read.
 
 Their schemas are those of the reference ops (``muse_spark::gated_residual_add``,
 ``muse_spark::markov_sample``). Because they are ``triton_op``s, ``torch.export``
@@ -48,9 +48,12 @@ import logging
 import torch
 from torch.library import triton_op, wrap_triton
 
-from muse_spark.models.layers import (KeyBounds, attend_reference, cache_rows, head_norm_rope_cache_reference,
-                                      head_norm_rope_reference, linear_reference, pdl_active, rope_table_reference,
-                                      triton_attention_fits)
+from muse_spark.plugins.acceptance.reference import accept_reference
+from muse_spark.plugins.attention.reference import KeyBounds, attend_reference, cache_rows, triton_attention_fits
+from muse_spark.plugins.head_norm_rope.reference import (head_norm_rope_cache_reference, head_norm_rope_reference,
+                                                         rope_table_reference)
+from muse_spark.plugins.linear.reference import linear_reference
+from muse_spark.plugins.pdl import pdl_active
 from muse_spark.options import current_options
 from muse_spark.plugins.acceptance.triton_kernel import launch_accept
 from muse_spark.plugins.attention.triton_kernel import launch_attention
@@ -84,7 +87,7 @@ def _runs_kernels(t: torch.Tensor) -> bool:
 
 
 def _pdl(small: bool = False) -> int:
-    """The ``PDL`` mode the ops compile ``models.layers.PDL_KERNELS`` with (``triton_math.pdl_enter``),
+    """The ``PDL`` mode the ops compile ``plugins.pdl.PDL_KERNELS`` with (``triton_math.pdl_enter``),
     from the current kernel options (``muse_spark.options``): under ``pdl`` (the default) on sm_90+,
     1 (trigger the dependents, then wait) for a kernel that is not a GEMM (``small``) under
     ``pdl_trigger`` (the default), else 2 (wait only); a GEMM 3 (wait, then trigger after its weight
@@ -195,7 +198,6 @@ def _accept_op(logits: torch.Tensor, multiplier: float, draft_ids: torch.Tensor,
     int64. d2t must map the draft ids into distinct target ids (``checkpoint.check_d2t``)."""
     check_accept_inputs(logits, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos)
     if not _runs_kernels(logits):
-        from muse_spark.plugins.dispatch import accept_reference
 
         return accept_reference(logits, multiplier, None, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos)
     return launch_accept(logits, multiplier, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos,
@@ -229,7 +231,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 
 def _check_bounds(op: str, last: torch.Tensor, B: int, S: int, window: int, length: int) -> None:
-    """The bounds form of a mask (``models.layers.KeyBounds``): last [B, S] int64 and a key window
+    """The bounds form of a mask (``plugins.attention.reference.KeyBounds``): last [B, S] int64 and a key window
     within the caches' ``length``."""
     if last.dtype != torch.int64 or tuple(last.shape) != (B, S):
         raise ValueError(f"{op}: last must be int64 [B, S] = [{B}, {S}], got {last.dtype} {list(last.shape)}")
@@ -246,7 +248,7 @@ def _attend_bounds_reference(q, k, v, last, window, slots):
 @triton_op("muse_spark::attention_bounds_triton", mutates_args=())
 def _attention_bounds_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor, window: int,
                          slots: torch.Tensor | None = None) -> torch.Tensor:
-    """``attention_triton`` with the mask in bounds form (``models.layers.KeyBounds``): key t <
+    """``attention_triton`` with the mask in bounds form (``plugins.attention.reference.KeyBounds``): key t <
     ``window`` is visible to query (b, s) iff t ≤ last[b, s]. The same attention as the dense mask,
     within rounding: on the H200 the bits differ at head_dim 128 (docs/log.md,
     2026-12-03); its own bits do not depend on batch, queries or window, as the dense form's."""
@@ -313,7 +315,7 @@ def _head_norm_rope_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.
     KV, Dh], go straight into the caches [N, T, KV, Dh] at rows ``slots`` [B], positions
     ``positions`` [B, S] (the layers' ``k_cache[slots[:, None], positions] = k``): one kernel
     instead of the norm and two index_put kernels. → the normed q [B, S, H, Dh]. Its reference is
-    ``models.layers.head_norm_rope_cache_reference``. ``rope_cos``/``rope_sin``: the step's RoPE
+    ``plugins.head_norm_rope.reference.head_norm_rope_cache_reference``. ``rope_cos``/``rope_sin``: the step's RoPE
     table of ``positions`` ([B·S, Dh/2] fp32, ``linear_rope_table_triton``), read instead of
     computing the angles (the same bits)."""
     _check_heads("head_norm_rope", x)
@@ -356,7 +358,7 @@ def _linear_rope_table_op(x: torch.Tensor, w: torch.Tensor, positions: torch.Ten
     (one per row of x) from one more program of the same launch → (y, cos, sin), the table [rows,
     head_dim/2] fp32 as the norm kernels compute the angles in place (the same bits), for
     ``head_norm_rope_cache_triton(rope_cos=, rope_sin=)``. Its reference: ``F.linear`` and
-    ``models.layers.rope_table_reference``."""
+    ``plugins.head_norm_rope.reference.rope_table_reference``."""
     _check_linear(x, w)
     rows = x.numel() // x.shape[-1]
     if positions.dtype != torch.int64 or positions.numel() != rows:

@@ -44,7 +44,8 @@ def test_cuda_bf16_attention_matches_the_fp32_einsums(kernel):
     """attend() in bf16 on CUDA runs a fused kernel (the kernel option ``attention``): within bf16 tolerance
     of the fp32 einsums, garbage past the lengths (NaN, large keys) ignored, zeros for a query
     with no visible key."""
-    from muse_spark.models.layers import attend, attend_reference
+    from muse_spark.models.layers import attend
+    from muse_spark.plugins.attention.reference import attend_reference
 
     from test_models import attention_case
     from tolerances import TOL

@@ -61,7 +61,7 @@ def test_engine_with_the_triton_plugin_kernels_equals_eager(built, eager):
     the caches and attends, reading the table) and PDL (the plugin kernels wait first, the small
     ones trigger their dependents first, the GEMMs after their weight stream; the step graphs' edges
     into them programmatic) and the draft context on a second stream are on by default."""
-    from muse_spark.models.layers import PDL_KERNELS
+    from muse_spark.plugins.pdl import PDL_KERNELS
 
     a = json.loads((built / "manifest.json").read_text())["aoti"]
     assert a["plugin_impl"] == "triton" and a["rope_table"] is True and a["attention_cache"] is True
@@ -123,7 +123,7 @@ def test_a_pdl_engine_whose_kernels_only_wait_equals_eager(built_pdl, eager):
     compiled with the wait first, each bucket's step graph has the edges into them programmatic (not
     into its other kernels), and greedy and sampled output equal the eager engine's (built with the
     defaults), in this process and in a fresh one."""
-    from muse_spark.models.layers import PDL_KERNELS
+    from muse_spark.plugins.pdl import PDL_KERNELS
 
     manifest = json.loads((built_pdl / "manifest.json").read_text())
     m = manifest["aoti"]

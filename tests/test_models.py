@@ -5,7 +5,7 @@ import torch
 
 from muse_spark.checkpoint import load_pair
 from muse_spark.models import layers
-from muse_spark.models.layers import output_transform
+from muse_spark.plugins.acceptance.reference import output_transform
 from muse_spark.options import KernelOptions, use_options
 
 from conftest import small_engine
@@ -145,7 +145,8 @@ def test_key_bounds_are_the_key_mask():
     """``key_mask`` gives bounds (``KeyBounds``), not a tensor: ``dense`` is the mask the models
     meant (key j visible iff j ≤ the query's bound), and ``attend`` with bounds equals ``attend``
     with that mask on every path that expands it (CPU here)."""
-    from muse_spark.models.layers import KeyBounds, attend
+    from muse_spark.models.layers import attend
+    from muse_spark.plugins.attention.reference import KeyBounds
     from muse_spark.models.target import LayerStackLM
 
     last = torch.tensor([[3, 4, -1], [0, 9, 20]])
@@ -162,7 +163,8 @@ def test_key_bounds_are_the_key_mask():
 def test_sdpa_attention_matches_the_fp32_einsums(dtype):
     """The fused-SDPA attention (bf16 on CUDA) against the fp32 einsum path, run here on CPU:
     the GQA query folding, the masks and the garbage zeroing are the same math."""
-    from muse_spark.models.layers import _attend_sdpa, attend_reference
+    from muse_spark.models.layers import _attend_sdpa
+    from muse_spark.plugins.attention.reference import attend_reference
 
     q, k, v, mask = attention_case(dtype)
     ref = attend_reference(q.float(), k.float(), v.float(), mask)

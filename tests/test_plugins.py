@@ -270,7 +270,7 @@ def test_every_op_launch_of_a_pdl_kernel_compiles_it_with_the_pdl_mode():
     every launcher call in plugins/triton_ops.py that reaches one passes ``pdl=_pdl()``."""
     import ast
 
-    from muse_spark.models.layers import PDL_KERNELS
+    from muse_spark.plugins.pdl import PDL_KERNELS
 
     launchers = {"launch_linear": "_linear_kernel", "launch_linear_rope_table": "_linear_kernel",
                  "launch_gated_residual_add": "_gated_residual_norm_kernel",
@@ -297,7 +297,7 @@ def test_pdl_modes_of_the_ops_follow_the_options(monkeypatch):
     with the kernel option ``pdl_gemm_trigger`` off, the small kernels with ``pdl_trigger`` off; 0
     with ``pdl`` off, whatever the triggers. On an older GPU or none: 0 whatever the options."""
     pytest.importorskip("triton")
-    from muse_spark.models import layers
+    from muse_spark.plugins import pdl
     from muse_spark.plugins import triton_ops
     from muse_spark.plugins.triton_math import interpreting
 
@@ -307,9 +307,9 @@ def test_pdl_modes_of_the_ops_follow_the_options(monkeypatch):
         with use_options(KernelOptions(**options)):
             return triton_ops._pdl(), triton_ops._pdl(small=True)
 
-    monkeypatch.setattr(layers, "pdl_supported", lambda: False)
+    monkeypatch.setattr(pdl, "pdl_supported", lambda: False)
     assert modes() == (0, 0)
-    monkeypatch.setattr(layers, "pdl_supported", lambda: True)
+    monkeypatch.setattr(pdl, "pdl_supported", lambda: True)
     assert modes() == (3, 1) and (triton_ops._pdl(), triton_ops._pdl(small=True)) == (3, 1)  # (the defaults)
     assert modes(pdl_gemm_trigger=False) == (2, 1)
     assert modes(pdl_gemm_trigger=False, pdl_trigger=False) == (2, 2)
@@ -325,7 +325,7 @@ def test_dispatch_accept_is_the_rule_on_the_transformed_logits(impl, soft_cap, k
     ``plugins.acceptance.reference.accept`` on ``output_transform(raw, multiplier, soft_cap)``; under ``"triton"``
     with the kernel option ``accept_kernels`` off it is that same reference code; with the kernels on, the op
     falls back to it on the CPU, and under TRITON_INTERPRET=1 its kernels give the same n and bonus."""
-    from muse_spark.models.layers import output_transform
+    from muse_spark.plugins.acceptance.reference import output_transform
     from muse_spark.plugins.acceptance.reference import accept
 
     if impl == "triton" and kernels == "1":

@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from muse_spark.config import MuseSparkDSparkConfig
-from muse_spark.models.layers import CacheKV, DecoderLayer, linear, make_norm, output_transform
+from muse_spark.models.layers import DecoderLayer, linear, make_norm
+from muse_spark.plugins.acceptance.reference import output_transform
+from muse_spark.plugins.attention.reference import CacheKV
 from muse_spark.models.target import KVCache, LayerStackLM
 from muse_spark.plugins import dispatch
 

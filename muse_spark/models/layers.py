@@ -17,10 +17,8 @@ builder and the engines set them with ``use_options``).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -30,65 +28,11 @@ import muse_spark.plugins  # noqa: F401  (registers torch.ops.muse_spark.*)
 from muse_spark.plugins import dispatch
 from muse_spark.config import MuseSpark1xConfig
 from muse_spark.options import KernelOptions, current_options
+from muse_spark.plugins.attention.reference import (CacheKV, KeyBounds, KVProvider, Mask, attend_reference,
+                                                    cache_rows, triton_attention_fits)
+from muse_spark.plugins.head_norm_rope.reference import head_norm_rope_reference
+from muse_spark.plugins.linear.reference import linear_reference
 from muse_spark.plugins.norm import rms_norm
-
-
-class KeyBounds(NamedTuple):
-    """Which keys each query sees, without a [B, S, T] mask tensor: key t (of the first ``width``) is
-    visible to query (b, s) iff t ≤ ``last[b, s]``. Every mask the models build has this form (a
-    query sees the keys up to its own position, or up to the draft block's end), so the Triton
-    attention kernel takes it as is (no mask kernel, no mask reads); the other paths expand it
-    (``dense``)."""
-
-    last: torch.Tensor  # [B, S] int64
-    width: int
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (*self.last.shape, self.width)
-
-    def dense(self) -> torch.Tensor:
-        """The boolean mask [B, S, width]."""
-        return torch.arange(self.width, device=self.last.device)[None, None, :] <= self.last[:, :, None]
-
-
-Mask = "torch.Tensor | KeyBounds"
-
-# (k_new [B,S,KV,Dh], v_new) -> (keys, values, mask, slots): the mask [B,S,T] bool or KeyBounds;
-# keys/values [B,T,KV,Dh] with slots None, or whole caches [N,≥T,KV,Dh] of which request b reads
-# row slots[b] ([B] int64)
-KVProvider = Callable[[torch.Tensor, torch.Tensor],
-                      tuple[torch.Tensor, torch.Tensor, Mask, "torch.Tensor | None"]]
-
-
-class CacheKV(NamedTuple):
-    """The ``KVProvider`` of a layer over slot-indexed KV caches: ``kv(k, v)`` writes the new K/V at
-    ``positions`` of rows ``slots`` (``k_cache[slots[:, None], positions] = k``) and lets attention
-    read those rows in place over the keys ``mask`` shows. ``Attention`` may instead have the
-    q/k norm kernel write them (``muse_spark::head_norm_rope_cache_triton``), which it can because
-    the caches, rows and positions are named here."""
-
-    k_cache: torch.Tensor  # [N, T, KV, Dh]
-    v_cache: torch.Tensor
-    slots: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B, S] int64
-    mask: Mask  # None where the provider only writes (the references)
-
-    @staticmethod
-    def at(kv: "KVProvider", positions: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Whether ``kv`` is a ``CacheKV`` at ``positions`` (the layer's own) with caches of ``dtype``:
-        then a kernel may write the layer's K/V into them itself."""
-        return isinstance(kv, CacheKV) and kv.positions is positions and kv.k_cache.dtype == dtype
-
-    def __call__(self, k_new: torch.Tensor, v_new: torch.Tensor):
-        rows = self.slots[:, None]
-        self.k_cache[rows, self.positions] = k_new
-        self.v_cache[rows, self.positions] = v_new
-        return self.attended()
-
-    def attended(self):
-        """What the attention reads once the layer's K/V are in the caches: (keys, values, mask, slots)."""
-        return self.k_cache, self.v_cache, self.mask, self.slots
 
 
 class RMSNorm(nn.Module):
@@ -104,52 +48,6 @@ class RMSNorm(nn.Module):
 
 def make_norm(cfg: MuseSpark1xConfig, dim: int | None = None) -> RMSNorm:
     return RMSNorm(dim or cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_affine, cfg.norm_zero_centered_gamma)
-
-
-def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless per-head RMS normalization of q/k, in fp32, back to x's dtype."""
-    return rms_norm(x, None, eps, False, x.dtype)
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half (NeoX) RoPE. x: [B, S, heads, Dh]; positions: [B, S] int64."""
-    dh = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dh, 2, device=x.device, dtype=torch.float32) / dh))
-    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, S, Dh/2]
-    cos = torch.cat([freqs.cos(), freqs.cos()], -1).unsqueeze(2)  # [B, S, 1, Dh]
-    sin = torch.cat([freqs.sin(), freqs.sin()], -1).unsqueeze(2)
-    xf = x.float()
-    x1, x2 = xf[..., : dh // 2], xf[..., dh // 2 :]
-    rotated = torch.cat([-x2, x1], -1)
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
-def rope_table_reference(positions: torch.Tensor, theta: float, dh: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rope``'s cos and sin of positions [B, S] (or [N]) → each [B·S, Dh/2] fp32: the spec of the
-    RoPE table ``muse_spark::linear_rope_table_triton`` writes."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dh, 2, device=positions.device, dtype=torch.float32) / dh))
-    freqs = positions.reshape(-1, 1).to(torch.float32) * inv_freq
-    return freqs.cos(), freqs.sin()
-
-
-def head_norm_rope_reference(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
-                             use_rope: bool) -> torch.Tensor:
-    """``head_rms_norm``, then ``rope`` at ``positions`` when ``use_rope``: the spec of
-    ``muse_spark::head_norm_rope_triton``. x [B, S, heads, Dh], positions [B, S] int64."""
-    x = head_rms_norm(x, eps)
-    return rope(x, positions, theta) if use_rope else x
-
-
-def head_norm_rope_cache_reference(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float,
-                                   theta: float, use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                   slots: torch.Tensor) -> torch.Tensor:
-    """``head_norm_rope_reference`` of x [B, S, H + KV, Dh] (q and k heads), its k heads and v [B, S,
-    KV, Dh] written into the caches at rows ``slots`` [B], positions ``positions`` [B, S] →
-    the normed q [B, S, H, Dh]: the spec of ``muse_spark::head_norm_rope_cache_triton``."""
-    n = head_norm_rope_reference(x, positions, eps, theta, use_rope)
-    H = x.shape[2] - v.shape[2]
-    CacheKV(k_cache, v_cache, slots, positions, None)(n[:, :, H:], v)  # the layers' cache write
-    return n[:, :, :H].contiguous()
 
 
 def head_norm_rope(x: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
@@ -193,14 +91,6 @@ def attention_path(device, dtype: torch.dtype, options: KernelOptions | None = N
     return (options or current_options()).attention if fused else "reference"
 
 
-def triton_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """What the Triton attention kernel takes: head_dim a power of two in [16, 256], one dtype
-    for q/k/v, KV heads dividing the query heads."""
-    dh = q.shape[-1]
-    return (16 <= dh <= 256 and dh & (dh - 1) == 0 and k.dtype == q.dtype and v.dtype == q.dtype
-            and q.shape[2] % k.shape[2] == 0)
-
-
 def _triton_ops_available() -> bool:
     """Whether the Triton plugin ops are registered (registering them); said once when not."""
     try:
@@ -212,16 +102,6 @@ def _triton_ops_available() -> bool:
                          type(e).__name__, e)
         return False
     return True
-
-
-def cache_rows(k: torch.Tensor, v: torch.Tensor, mask: Mask,
-               slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values ``attend`` reads, [B, T, KV, Dh] each (T = mask's last dim): rows
-    ``slots`` of whole caches (a gathered copy), or the first T positions of per-request k/v."""
-    T = mask.shape[-1]
-    if slots is None:
-        return k[:, :T], v[:, :T]
-    return k[slots, :T], v[slots, :T]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
@@ -248,25 +128,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
     if path == "reference":
         return attend_reference(q, k, v, mask)
     return _attend_sdpa(q, k, v, mask)
-
-
-def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``attend`` in fp32 einsums: the spec every attention kernel is tested against."""
-    B, S, H, dh = q.shape
-    kv = k.shape[2]
-    rep = H // kv
-    qf = q.float().view(B, S, kv, rep, dh)
-    scores = torch.einsum("bskrd,btkd->bkrst", qf, k.float()) * (1.0 / math.sqrt(dh))
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # A query with no visible key (cannot happen for valid inputs) yields zeros, not NaN.
-    probs = torch.nan_to_num(probs, nan=0.0)
-    # Masked keys get weight 0, but 0·NaN is NaN: zero the values no query may read,
-    # so stale garbage in a reused cache slot can never leak into a request.
-    key_visible = mask.any(1)[:, :, None, None]  # [B, T, 1, 1]
-    vf = torch.where(key_visible, v.float(), 0.0)
-    out = torch.einsum("bkrst,btkd->bskrd", probs, vf)
-    return out.reshape(B, S, H, dh).to(q.dtype)
 
 
 def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -297,54 +158,12 @@ def linear_path(device, dtype: torch.dtype, options: KernelOptions | None = None
     return (options or current_options()).linear if fused else "reference"
 
 
-# The plugin kernels that, compiled under ``KernelOptions.pdl`` (the default on sm_90+), execute
-# ``griddepcontrol.wait`` before any global load or store (``plugins.triton_math.pdl_enter``;
-# tests/test_gpu_kernels.py checks their sm_90 code). A build records them in its manifest; the
-# runtime turns the edges into these kernels in its captured step graphs into programmatic ones
-# (``runtime.cuda_graph.make_programmatic``).
-# Only a kernel that waits may have one: it could otherwise read its predecessor's output early.
-PDL_KERNELS = ("_linear_kernel", "_gated_residual_norm_kernel", "_head_norm_rope_kernel",
-               "_head_norm_rope_cache_kernel", "_partial_kernel", "_combine_kernel")
-
-
-@functools.lru_cache(maxsize=None)
-def _sm90_or_newer(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-def pdl_supported() -> bool:
-    """Whether the current CUDA device runs the PDL instructions (``griddepcontrol``: sm_90 and
-    newer). False without CUDA. (Asked at every plugin op call: the capability is cached.)"""
-    return torch.cuda.is_available() and _sm90_or_newer(torch.cuda.current_device())
-
-
-def pdl_active(options: KernelOptions | None = None) -> bool:
-    """PDL in effect: ``KernelOptions.pdl`` of ``options`` (default: the current ones) on a GPU that
-    runs it. The one condition under which the plugin ops compile their kernels with the wait first,
-    and so the one under which a build records them for programmatic edges (an edge into a kernel
-    that does not wait would let it read its predecessor's output early)."""
-    return (options or current_options()).pdl and pdl_supported()
-
-
 def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     if linear_path(x.device, x.dtype) != "triton" or not _triton_ops_available():  # (imports Triton)
         return False
     from muse_spark.plugins.linear.triton_kernel import fits
 
     return fits(x, w)
-
-
-def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
-    """``silu(g) · u`` of the two halves ``[g | u]`` of ``y``'s last dim, in ``y``'s dtype."""
-    inter = y.shape[-1] // 2
-    return F.silu(y[..., :inter]) * y[..., inter:]
-
-
-def linear_reference(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-    """``F.linear(x, w)``; with ``silu_mul``, ``silu(g) · u`` of its halves ``[g | u]``: the spec of
-    ``muse_spark::linear_triton``, and what ``linear`` runs off its Triton path."""
-    y = F.linear(x, w)
-    return silu_mul_halves(y) if silu_mul else y
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -525,9 +344,3 @@ class DecoderLayer(nn.Module):
                                            c.norm_zero_centered_gamma, apply_norm, w.dtype, branch_norm_weight, True)
 
 
-def output_transform(logits: torch.Tensor, multiplier: float, soft_cap: float | None) -> torch.Tensor:
-    """The target's output-distribution transform, shared by target and draft."""
-    logits = logits.float() * multiplier
-    if soft_cap is not None:
-        logits = soft_cap * torch.tanh(logits / soft_cap)
-    return logits

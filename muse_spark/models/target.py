@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from muse_spark.config import MuseSpark1xConfig
-from muse_spark.models.layers import CacheKV, DecoderLayer, KeyBounds, linear, make_norm, output_transform
+from muse_spark.models.layers import DecoderLayer, linear, make_norm
+from muse_spark.plugins.acceptance.reference import output_transform
+from muse_spark.plugins.attention.reference import CacheKV, KeyBounds
 
 
 @dataclass
@@ -72,7 +74,7 @@ class LayerStackLM(nn.Module):
     def key_mask(positions: torch.Tensor, kv_len: int) -> KeyBounds:
         """[B, S, kv_len] in bounds form: key j is visible to a query iff j ≤ ``positions`` (the
         query's position, or the last key it may see). Nothing is computed: the attention kernel
-        reads the bounds (``models.layers.KeyBounds``)."""
+        reads the bounds (``plugins.attention.reference.KeyBounds``)."""
         return KeyBounds(positions, kv_len)
 
     @staticmethod

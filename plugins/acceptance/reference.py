@@ -120,3 +120,18 @@ def accept(
     bonus_greedy = tgt_argmax.gather(1, n[:, None]).squeeze(1)
     bonus = torch.where(greedy_row, bonus_greedy, bonus_sampled)
     return n, bonus
+
+
+def output_transform(logits: torch.Tensor, multiplier: float, soft_cap: float | None) -> torch.Tensor:
+    """The target's output-distribution transform, shared by target and draft."""
+    logits = logits.float() * multiplier
+    if soft_cap is not None:
+        logits = soft_cap * torch.tanh(logits / soft_cap)
+    return logits
+
+
+def accept_reference(raw_logits, multiplier, soft_cap, draft_ids, draft_probs, d2t, temperature, seeds, anchor_pos):
+    """``accept`` on ``output_transform(raw_logits, multiplier, soft_cap)`` → (n [B], bonus [B]) int64: the
+    spec of ``muse_spark::accept_triton``, and its fallback where its kernels do not run."""
+    return accept(output_transform(raw_logits, multiplier, soft_cap), draft_ids, draft_probs, d2t, temperature,
+                  seeds, anchor_pos)

@@ -37,7 +37,7 @@ at batch 1 / 8 / 32 (docs/log.md). Here:
 * with ``slots`` the kernel reads each request's row of the KV cache in place: the step does not
   gather a copy of the window first (at batch 32 that copy alone moved 300 MB per layer);
 * with ``BOUNDS`` (``launch_attention(window=...)``) the mask is ``last`` [B, S] int64: key t is
-  visible to query (b, s) iff t ≤ last[b, s] (``models.layers.KeyBounds``, the form of every mask
+  visible to query (b, s) iff t ≤ last[b, s] (``plugins.attention.reference.KeyBounds``, the form of every mask
   the models build). No [B, S, T] mask is built or loaded: one layer at batch 1 / 8 / 32 took
   9.0 / 25.2 / 82.0 µs against 10.2 / 31.4 / 100.8 with the dense mask (H200). Its bits differ
   from the dense form's at head_dim 128 (not at the tests' small shapes); each form's bits are
@@ -393,12 +393,12 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      table: tuple | None = None) -> torch.Tensor:
     """q [B, S, H, Dh], mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. Or with ``window`` = T, the
     mask in bounds form: ``mask`` is ``last`` [B, S] int64 and key t < T is visible to query (b, s)
-    iff t ≤ last[b, s] (``models.layers.KeyBounds``; the same bits as its dense mask). k/v: [B, ≥ T, KV, Dh], or
+    iff t ≤ last[b, s] (``plugins.attention.reference.KeyBounds``; the same bits as its dense mask). k/v: [B, ≥ T, KV, Dh], or
     with ``slots`` ([B] int64) whole caches [N, ≥ T, KV, Dh] of which request b reads row
     ``slots[b]`` in place (a slot outside [0, N) reads nothing: that request's rows are zeros, as
     for a query that sees no key); only the first T positions are read.
     Any strides (the last dim is made contiguous if it is not). Dh a power of two in [16, 256] and
-    KV dividing H (``models.layers.triton_attention_fits``). ``wrap`` is
+    KV dividing H (``plugins.attention.reference.triton_attention_fits``). ``wrap`` is
     ``torch.library.wrap_triton`` inside the op; ``config`` overrides ``DEFAULT_CONFIG`` (the
     sweep only: SPLIT_T a multiple of BLOCK_T, powers of two). ``pdl``/``launch_pdl``: as
     ``plugins.linear.triton_kernel.launch_linear``'s.

@@ -1,6 +1,6 @@
 """Triton kernel of the attention's per-head q/k normalization and RoPE, in one pass.
 
-Spec: ``muse_spark.models.layers.head_norm_rope_reference`` (``head_rms_norm`` then ``rope``)::
+Spec: ``muse_spark.plugins.head_norm_rope.reference.head_norm_rope_reference`` (``head_rms_norm`` then ``rope``)::
 
     n = rms_norm(x, None, eps)                   # fp32 per head, rounded to x's dtype
     inv_freq[i] = 1 / theta ** (2i / Dh)         # fp32, i < Dh/2

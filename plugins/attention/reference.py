@@ -1,0 +1,106 @@
+"""The attention's spec: masked GQA attention in fp32 (``attend_reference``), the key sets it reads
+(``KeyBounds``, a boolean mask, or whole slot-indexed caches through ``CacheKV``) and what the Triton
+kernel takes (``triton_attention_fits``). The Triton kernel (``triton_kernel``) must match it."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+
+
+class KeyBounds(NamedTuple):
+    """Which keys each query sees, without a [B, S, T] mask tensor: key t (of the first ``width``) is
+    visible to query (b, s) iff t ≤ ``last[b, s]``. Every mask the models build has this form (a
+    query sees the keys up to its own position, or up to the draft block's end), so the Triton
+    attention kernel takes it as is (no mask kernel, no mask reads); the other paths expand it
+    (``dense``)."""
+
+    last: torch.Tensor  # [B, S] int64
+    width: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.last.shape, self.width)
+
+    def dense(self) -> torch.Tensor:
+        """The boolean mask [B, S, width]."""
+        return torch.arange(self.width, device=self.last.device)[None, None, :] <= self.last[:, :, None]
+
+
+Mask = "torch.Tensor | KeyBounds"
+
+
+# (k_new [B,S,KV,Dh], v_new) -> (keys, values, mask, slots): the mask [B,S,T] bool or KeyBounds;
+# keys/values [B,T,KV,Dh] with slots None, or whole caches [N,≥T,KV,Dh] of which request b reads
+# row slots[b] ([B] int64)
+KVProvider = Callable[[torch.Tensor, torch.Tensor],
+                      tuple[torch.Tensor, torch.Tensor, Mask, "torch.Tensor | None"]]
+
+
+class CacheKV(NamedTuple):
+    """The ``KVProvider`` of a layer over slot-indexed KV caches: ``kv(k, v)`` writes the new K/V at
+    ``positions`` of rows ``slots`` (``k_cache[slots[:, None], positions] = k``) and lets attention
+    read those rows in place over the keys ``mask`` shows. ``Attention`` may instead have the
+    q/k norm kernel write them (``muse_spark::head_norm_rope_cache_triton``), which it can because
+    the caches, rows and positions are named here."""
+
+    k_cache: torch.Tensor  # [N, T, KV, Dh]
+    v_cache: torch.Tensor
+    slots: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B, S] int64
+    mask: Mask  # None where the provider only writes (the references)
+
+    @staticmethod
+    def at(kv: "KVProvider", positions: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether ``kv`` is a ``CacheKV`` at ``positions`` (the layer's own) with caches of ``dtype``:
+        then a kernel may write the layer's K/V into them itself."""
+        return isinstance(kv, CacheKV) and kv.positions is positions and kv.k_cache.dtype == dtype
+
+    def __call__(self, k_new: torch.Tensor, v_new: torch.Tensor):
+        rows = self.slots[:, None]
+        self.k_cache[rows, self.positions] = k_new
+        self.v_cache[rows, self.positions] = v_new
+        return self.attended()
+
+    def attended(self):
+        """What the attention reads once the layer's K/V are in the caches: (keys, values, mask, slots)."""
+        return self.k_cache, self.v_cache, self.mask, self.slots
+
+
+def cache_rows(k: torch.Tensor, v: torch.Tensor, mask: Mask,
+               slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ``attend`` reads, [B, T, KV, Dh] each (T = mask's last dim): rows
+    ``slots`` of whole caches (a gathered copy), or the first T positions of per-request k/v."""
+    T = mask.shape[-1]
+    if slots is None:
+        return k[:, :T], v[:, :T]
+    return k[slots, :T], v[slots, :T]
+
+
+def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``attend`` in fp32 einsums: the spec every attention kernel is tested against."""
+    B, S, H, dh = q.shape
+    kv = k.shape[2]
+    rep = H // kv
+    qf = q.float().view(B, S, kv, rep, dh)
+    scores = torch.einsum("bskrd,btkd->bkrst", qf, k.float()) * (1.0 / math.sqrt(dh))
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A query with no visible key (cannot happen for valid inputs) yields zeros, not NaN.
+    probs = torch.nan_to_num(probs, nan=0.0)
+    # Masked keys get weight 0, but 0·NaN is NaN: zero the values no query may read,
+    # so stale garbage in a reused cache slot can never leak into a request.
+    key_visible = mask.any(1)[:, :, None, None]  # [B, T, 1, 1]
+    vf = torch.where(key_visible, v.float(), 0.0)
+    out = torch.einsum("bkrst,btkd->bskrd", probs, vf)
+    return out.reshape(B, S, H, dh).to(q.dtype)
+
+
+def triton_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """What the Triton attention kernel takes: head_dim a power of two in [16, 256], one dtype
+    for q/k/v, KV heads dividing the query heads."""
+    dh = q.shape[-1]
+    return (16 <= dh <= 256 and dh & (dh - 1) == 0 and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.shape[2] % k.shape[2] == 0)
