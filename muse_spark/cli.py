@@ -55,7 +55,7 @@ def measure_greedy_acceptance(target_dir, draft_dir, prompts=((1, 2, 3), (40, 41
 
 # ---- build ----------------------------------------------------------------------------------
 def cmd_build(a) -> int:
-    from muse_spark.builder.engine import build_engine
+    from muse_spark.builder.build import build_engine
 
     aoti = {"plugins": a.plugins} if a.plugins is not None else {}
     build_engine(a.target, a.draft, a.out, backend=a.backend, device=a.device, max_batch=a.max_batch,

@@ -196,7 +196,7 @@ def test_prompt_ids_refuses_anything_else(text, message):
 
 @pytest.fixture(scope="module")
 def engine_dir(agreeing_pair, tmp_path_factory):
-    from muse_spark.builder.engine import build_engine
+    from muse_spark.builder.build import build_engine
 
     out = tmp_path_factory.mktemp("reliability") / "engine"
     build_engine(*agreeing_pair, out, max_batch=2, max_seq=96, quiet=True)
@@ -288,7 +288,7 @@ def test_os_and_value_errors_of_loading_end_in_one_line(monkeypatch, capsys, exc
 
 
 def test_errors_of_building_end_in_one_line(monkeypatch, capsys):
-    import muse_spark.builder.engine as builder
+    import muse_spark.builder.build as builder
 
     class BuildCheckError(ValueError):
         pass

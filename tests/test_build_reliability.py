@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-import muse_spark.builder.engine as builder
+import muse_spark.builder.build as builder
 import muse_spark.runtime.engine as rt
-from muse_spark.builder.engine import BuildError, build_engine
+from muse_spark.builder.build import BuildError, build_engine
 from muse_spark.checkpoint import CheckpointError, TensorSource, load_pair
 from muse_spark.runtime import EngineError, load_engine
 from muse_spark.engine_format import cache_bytes
@@ -75,7 +75,7 @@ def engine_files(out: Path) -> dict[str, bytes]:
 HELD_BUILD = """
 import sys, time
 from pathlib import Path
-import muse_spark.builder.engine as be
+import muse_spark.builder.build as be
 save = be.save_canonical
 def held(module, path):
     save(module, path)

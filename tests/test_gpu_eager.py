@@ -7,7 +7,7 @@ import torch
 
 from muse_spark.options import KernelOptions, use_options
 from muse_spark.runtime import EagerEngine, Generator, SamplingParams
-from muse_spark.runtime.reference import generate_target_only
+from muse_spark.runtime.target_only import generate_target_only
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

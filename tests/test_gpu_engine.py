@@ -34,7 +34,7 @@ def built(agreeing_pair, tmp_path_factory):
     # Built in another process, with the reference plugins traced in (plugins="inline"): the
     # exactness baseline. The Triton plugin kernels get their own engine (test_gpu_triton_engine.py).
     out = tmp_path_factory.mktemp("aoti_cuda") / "engine"
-    code = ("import sys; from muse_spark.builder.engine import build_engine; "
+    code = ("import sys; from muse_spark.builder.build import build_engine; "
             "build_engine(sys.argv[1], sys.argv[2], sys.argv[3], backend='aoti', device='cuda', "
             f"max_batch={MAX_BATCH}, max_seq={MAX_SEQ}, plugins='inline')")
     r = subprocess.run([sys.executable, "-c", code, *map(str, (*agreeing_pair, out))], capture_output=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from muse_spark.builder.engine import build_engine
+from muse_spark.builder.build import build_engine
 from muse_spark.serving.server import ServingError, TritonInstall, server_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

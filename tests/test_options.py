@@ -190,7 +190,7 @@ def clean_environment(monkeypatch):
 
 
 def test_an_engine_built_with_other_options_records_them_and_loads_them_back(agreeing_pair, tmp_path, monkeypatch):
-    from muse_spark.builder.engine import build_engine
+    from muse_spark.builder.build import build_engine
     from muse_spark.runtime import Generator, SamplingParams, load_engine
 
     clean_environment(monkeypatch)

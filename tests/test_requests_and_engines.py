@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from muse_spark.builder.engine import build_engine
+from muse_spark.builder.build import build_engine
 from muse_spark.runtime import EngineError, Generator, RequestError, SamplingParams, load_engine
-from muse_spark.runtime.reference import generate_target_only
+from muse_spark.runtime.target_only import generate_target_only
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from muse_spark.builder.engine import build_engine
+from muse_spark.builder.build import build_engine
 from muse_spark.serving.repo import write_repository
 from muse_spark.serving.server import TritonInstall, prepare_backend_dir, server_command, server_env
 from muse_spark.serving.supervisor import free_port

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from muse_spark.builder.engine import build_engine
+from muse_spark.builder.build import build_engine
 from muse_spark.cli import main as cli_main
 from muse_spark.runtime import SamplingParams, load_engine
 from muse_spark.serving.repo import RepoError, write_repository

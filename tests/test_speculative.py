@@ -7,7 +7,7 @@ import torch
 from muse_spark.checkpoint import load_pair
 from muse_spark.runtime import EagerEngine, Generator, SamplingParams
 from muse_spark.plugins.acceptance import reference as sampling
-from muse_spark.runtime.reference import generate_target_only
+from muse_spark.runtime.target_only import generate_target_only
 from muse_spark.plugins.acceptance.reference import target_probs
 
 from conftest import small_engine

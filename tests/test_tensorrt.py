@@ -58,7 +58,7 @@ def test_build_refuses_with_its_reason(agreeing_pair, tmp_path):
 def test_runtime_refuses_an_engine_it_cannot_run(agreeing_pair, tmp_path):
     """A manifest naming the tensorrt backend: refused for a CPU build (plans are GPU code), and
     where TensorRT does not import, refused with that reason, before any plan is read."""
-    from muse_spark.builder.engine import build_engine
+    from muse_spark.builder.build import build_engine
 
     d = tmp_path / "e"
     build_engine(agreeing_pair[0], agreeing_pair[1], d, backend="eager", max_batch=2, max_seq=64, quiet=True)
