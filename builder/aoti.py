@@ -1,4 +1,4 @@
-"""The ``aoti`` backend: ``torch.export`` + AOTInductor packages (DESIGN.md §4).
+"""The ``aoti`` backend: ``torch.export`` + AOTInductor packages (docs/aoti.md).
 
 An aoti engine directory holds, beside the canonical weights the eager
 backend writes (``target.safetensors``, ``draft.safetensors``):

@@ -1,6 +1,6 @@
 """The engine's parts as ONNX graphs with plugin nodes: the input of the ``tensorrt`` backend.
 
-DESIGN.md §1: ``tensorrt`` is "ONNX with plugin nodes → TensorRT ONNX parser + IPluginV3 plugins".
+The ``tensorrt`` backend is ONNX with plugin nodes → TensorRT's ONNX parser + IPluginV3 plugins (docs/tensorrt.md).
 This module writes the ONNX half. Each part the ``aoti`` engine compiles (``graph_plan_names``:
 ``prefill_layer``, ``prefill_finish``, and per batch bucket ``step_draft``, ``step_layer``,
 ``step_verify``, ``step_context``) is exported with ``torch.export`` exactly as for AOTInductor

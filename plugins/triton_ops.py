@@ -37,7 +37,7 @@ implementation is selected; ``import muse_spark.plugins`` never does.
 
 Where a kernel's assumptions do not hold the op says so and stays exact:
 * ``markov_sample`` with a gated or rnn head runs the reference loop (logged
-  once); with ``topk > 0`` it raises, as the seed's fused path does;
+  once); with ``topk > 0`` it raises, as vLLM's fused path does;
 * on a CPU tensor (no Triton interpreter) both ops run their references.
 """
 

@@ -19,7 +19,7 @@ caches. Its output must equal the eager engine's: greedy token for token,
 sampled token for token given the same seeds (all randomness is keyed by
 (seed, position), and the graphs compute the reference functions).
 
-Loading in a fresh process (DESIGN.md §4): see ``load_package``.
+Loading in a fresh process (docs/aoti.md): see ``load_package``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny checkpoint pairs and engines, built once per session."""
+"""Shared fixtures: tiny checkpoint pairs and engines, built once per test run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Muse Spark building blocks in plain PyTorch (DESIGN.md §2).
+"""Muse Spark building blocks in plain PyTorch (docs/design.md, the target model).
 
 These modules are the reference the compiled engines are checked against.
 Parameter names are the *canonical* (stacked) ones the loader produces:
@@ -288,7 +288,7 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Muse layer with the materialized, gated FP32 residual (the seed's forward)."""
+    """Muse layer with the materialized, gated FP32 residual (vLLM's Muse Spark DSpark decoder layer's forward)."""
 
     def __init__(self, cfg: MuseSpark1xConfig):
         super().__init__()

@@ -1,4 +1,4 @@
-"""Target-side sampling and the lossless acceptance rule (DESIGN.md §3, Verification).
+"""Target-side sampling and the lossless acceptance rule (docs/design.md, verification).
 
 Everything is batch-vectorized and free of host synchronisation, so the same
 code runs eagerly, under ``torch.export`` and inside a captured CUDA graph.

@@ -1,6 +1,6 @@
 """Reference (spec) of the gated FP32 residual plugin.
 
-The decoder layer's residual update (DESIGN.md §2) is
+The decoder layer's residual update (docs/design.md) is
 
     branch = post_norm(branch)                     # the branch's own output norm (optional)
     stream = stream + g ⊙ branch.float()          # fp32 [N, D]
@@ -8,7 +8,7 @@ The decoder layer's residual update (DESIGN.md §2) is
 
 where ``g`` is the materialized residual constant (``residual_multiplier *
 <layer>.{attn,ffn}_residual_gate``, fp32 [D]). Note the rounding: the norm
-reads the stream *rounded to the compute dtype* (the seed rounds "to the draft
+reads the stream *rounded to the compute dtype* (vLLM's implementation rounds "to the draft
 compute dtype before each trained input norm"), so a fused kernel must round
 the same way before it reduces.
 """

@@ -1,4 +1,4 @@
-"""Reference (spec) of the DSpark Markov loop (DESIGN.md §3).
+"""Reference (spec) of the DSpark Markov loop (docs/design.md, the DSpark draft).
 
 For k = 0 … γ−1, with ``prev`` starting at the anchor (a TARGET id):
 
