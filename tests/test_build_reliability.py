@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 import muse_spark.builder.build as builder
-import muse_spark.runtime.engine as rt
+import muse_spark.engine_format as engine_format
 from muse_spark.builder.build import BuildError, build_engine
 from muse_spark.checkpoint import CheckpointError, TensorSource, load_pair
 from muse_spark.runtime import EngineError, load_engine
@@ -337,7 +337,7 @@ def test_a_load_checks_the_caches_fit_before_allocating(engine, tmp_path, monkey
 
     tcfg, dcfg = configs_from_manifest(m)
     per_slot = cache_bytes(tcfg, dcfg, 1, MAX_SEQ, parse_dtype(m["dtype"]))
-    monkeypatch.setattr(rt, "device_memory", lambda device, available: per_slot + 1)
+    monkeypatch.setattr(engine_format, "device_memory", lambda device, available: per_slot + 1)
     with pytest.raises(EngineError, match="the largest max_batch that fits is 1"):
         load_engine(engine)
     assert load_engine(engine, max_batch=1).max_batch == 1
