@@ -1,10 +1,12 @@
 """Custom ops of the Muse Spark backend, in the ``muse_spark`` torch.library namespace.
 
 Each plugin folder holds ``reference.py`` (the plain-torch spec, used on CPU and
-ROCm) and ``op.py`` (the torch.library registration). GPU kernels are
-registered as CUDA implementations of the same ops, so every fast path has the
-same schema as its reference. Importing this package registers the ops; it
-never touches a GPU at import time.
+ROCm), ``triton_kernel.py`` (its Triton kernels) and ``op.py`` (the torch.library
+registration, the one place that states the op's schema: its reference custom op,
+where it has one, registered at import, and ``register_triton`` for its
+``muse_spark::*_triton`` ops, which ``plugins.triton_ops`` calls), so every fast
+path has the same schema as its reference. Importing this package registers the
+reference ops; it never imports Triton or touches a GPU at import time.
 """
 
 from muse_spark.plugins import keyed_random  # noqa: F401

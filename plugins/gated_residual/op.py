@@ -1,8 +1,9 @@
-"""torch.library registration of ``muse_spark::gated_residual_add``.
+"""torch.library registration of ``muse_spark::gated_residual_add`` and ``muse_spark::gated_residual_add_triton``.
 
-The CompositeExplicitAutograd implementation is the reference; the CUDA
-kernel (Triton) registers itself for the CUDA key when its module is imported
-by the engine builder / runtime on a GPU machine.
+``muse_spark::gated_residual_add`` (registered at import) runs the reference.
+``register_triton`` registers ``muse_spark::gated_residual_add_triton``, the same schema on the
+Triton kernel (``triton_kernel``); only ``plugins.triton_ops`` calls it, so importing this module
+never imports Triton.
 """
 
 from __future__ import annotations
@@ -52,3 +53,30 @@ def _(stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dty
       norm_branch=False):
     normed = stream.new_empty(stream.shape if apply_norm else (0,), dtype=out_dtype)
     return torch.empty_like(stream), normed
+
+
+def register_triton(runs_kernels, launch) -> None:
+    """Registers ``muse_spark::gated_residual_add_triton``: the gated FP32 residual add fused with the
+    branch's own output norm before it and the next RMSNorm after it, on the kernel
+    (``launch(*args)``, ``plugins.triton_ops``) where ``runs_kernels(stream)``, else the reference."""
+    from torch.library import triton_op
+
+    @triton_op("muse_spark::gated_residual_add_triton", mutates_args=())
+    def _gated_residual_add_op(
+        stream: torch.Tensor,
+        branch: torch.Tensor,
+        gate: torch.Tensor,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        zero_centered: bool,
+        apply_norm: bool,
+        out_dtype: torch.dtype,
+        branch_norm_weight: torch.Tensor | None = None,
+        norm_branch: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        check_gated_residual_inputs(stream, branch, gate, norm_weight, branch_norm_weight)
+        args = (stream, branch, gate, norm_weight, eps, zero_centered, apply_norm, out_dtype, branch_norm_weight,
+                norm_branch)
+        if not runs_kernels(stream):
+            return gated_residual_add_ref(*args)
+        return launch(*args)

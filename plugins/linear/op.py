@@ -1,0 +1,63 @@
+"""torch.library registration of the skinny linear layer's ops, on its kernel (``triton_kernel``):
+
+* ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
+  which ``models.layers.linear`` calls in bf16/fp16 on CUDA for at most 16 rows (the default; the
+  kernel option ``linear="cublas"`` selects ``F.linear``). Its reference is ``reference.linear_reference``;
+* ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program of
+  the same launch, the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; off with
+  the kernel option ``rope_table`` false).
+
+``register_triton`` registers them; only ``plugins.triton_ops`` calls it, so importing this module
+never imports Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from muse_spark.plugins.head_norm_rope.reference import rope_table_reference
+from muse_spark.plugins.linear.reference import linear_reference
+
+
+def _check_linear(x: torch.Tensor, w: torch.Tensor) -> None:
+    """What the skinny linear kernel takes (``plugins.linear.triton_kernel.fits``), or a clear error."""
+    from muse_spark.plugins.linear.triton_kernel import MAX_ROWS, fits
+
+    if not fits(x, w):
+        raise ValueError(f"linear: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the kernel takes "
+                         f"at most {MAX_ROWS} rows of x [..., K] and a contiguous weight [N, K], both bf16 or fp16")
+
+
+def register_triton(runs_kernels, launch_linear, launch_linear_rope_table) -> None:
+    """Registers ``muse_spark::linear_rope_table_triton`` and ``muse_spark::linear_triton``: their
+    kernel launches (``plugins.triton_ops``) where ``runs_kernels(x)``, else their references."""
+    from torch.library import triton_op
+
+    @triton_op("muse_spark::linear_rope_table_triton", mutates_args=())
+    def _linear_rope_table_op(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, theta: float,
+                              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``linear_triton(x, w)`` (the attention's qkv projection) and the RoPE table of ``positions``
+        (one per row of x) from one more program of the same launch → (y, cos, sin), the table [rows,
+        head_dim/2] fp32 as the norm kernels compute the angles in place (the same bits), for
+        ``head_norm_rope_cache_triton(rope_cos=, rope_sin=)``. Its reference: ``F.linear`` and
+        ``plugins.head_norm_rope.reference.rope_table_reference``."""
+        _check_linear(x, w)
+        rows = x.numel() // x.shape[-1]
+        if positions.dtype != torch.int64 or positions.numel() != rows:
+            raise ValueError(f"linear_rope_table: positions must be int64, one per row of x ({rows}), got "
+                             f"{positions.dtype} {list(positions.shape)}")
+        if head_dim < 2 or head_dim & (head_dim - 1):
+            raise ValueError(f"linear_rope_table: head_dim {head_dim} must be a power of two")
+        if not runs_kernels(x):
+            cos, sin = rope_table_reference(positions, theta, head_dim)
+            return linear_reference(x, w), cos, sin
+        return launch_linear_rope_table(x, w, positions, theta, head_dim)
+
+    @triton_op("muse_spark::linear_triton", mutates_args=())
+    def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+        _check_linear(x, w)
+        if silu_mul and w.shape[0] % 2:
+            raise ValueError(f"linear: silu_mul needs an even number of weight rows (gate | up), got {w.shape[0]}")
+        if not runs_kernels(x):
+            return linear_reference(x, w, silu_mul)
+        return launch_linear(x, w, silu_mul)
