@@ -62,7 +62,7 @@ SWEEP += [dict(MERGE_CHUNK=c, merge_warps=w) for c, w in ((16, 1), (16, 2), (8, 
 # SM), for the batch-8/32 steps, where the kernel is occupancy-bound. On the H200 (2026-12-04) sixteen rows
 # a program ran fewer instructions and was no faster on the default path (docs/log.md).
 SWEEP += [dict(BLOCK_M=16, num_warps=w) for w in (2, 4)]
-# The mask in bounds form (models.layers.KeyBounds) under a few splits, timed in every run.
+# The mask in bounds form (plugins.attention.reference.KeyBounds) under a few splits, timed in every run.
 BOUNDS_CONFIGS = [dict(SPLIT_T=64, BLOCK_T=64), dict(SPLIT_T=64, BLOCK_T=32), dict(SPLIT_T=256, BLOCK_T=64)]
 # Splits a program (SPLITS; the default lets the launcher choose, ``splits_per_program``), the bounds
 # form, timed in every run: the same bits as the default (checked), so only the time may differ.
@@ -81,7 +81,8 @@ def _name(c: dict) -> str:
 def kernels(a) -> dict:
     """One target layer's attention at each batch: the Triton kernel (mask and bounds forms, other
     configurations), SDPA and the fp32 einsums, against the K/V roofline."""
-    from muse_spark.models.layers import KeyBounds, _attend_sdpa, attend_reference, cache_rows
+    from muse_spark.models.layers import _attend_sdpa
+    from muse_spark.plugins.attention.reference import attend_reference, cache_rows, KeyBounds
     from muse_spark.plugins import triton_ops
     from muse_spark.plugins.attention.triton_kernel import DEFAULT_CONFIG, launch_attention, program_splits
 

@@ -5,10 +5,10 @@
 
 Every time is graph-timed (``timing.time_in_graph``) with the calls rotating over
 enough copies of the weight that it never stays in the L2 cache, as in a step, where each
-weight is read once. Prints, per shape, µs per call for cuBLAS (``models.layers.linear_reference``:
+weight is read once. Prints, per shape, µs per call for cuBLAS (``plugins.linear.reference.linear_reference``:
 ``F.linear``, then silu·mul for the fused gate/up) and the kernel, and the weight stream's GB/s;
 then the step's whole GEMM sequence (``presets.gemm_floor``): cuBLAS, and the engine's
-GEMMs with ``MUSE_SPARK_LINEAR=triton`` (the kernel with its default configurations, silu·mul
+GEMMs under the kernel option ``linear="triton"`` (the kernel with its default configurations, silu·mul
 fused). ``--sweep`` times the launch configurations per shape and reports each shape's fastest.
 The figures go to ``benchmarks/results/`` in the common schema (``benchmarks/results.py``), rewritten
 after every shape.
@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from muse_spark.models.layers import linear_reference
+from muse_spark.plugins.linear.reference import linear_reference
 from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -132,14 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         # in one graph.
         from presets import gemm_floor, preset_configs, random_pair
 
-        os.environ["MUSE_SPARK_LINEAR"] = "triton"
+        from muse_spark.options import KernelOptions, use_options
 
         tcfg, dcfg = preset_configs("muse-spark-8b")
         target, draft = random_pair(tcfg, dcfg, dev)
         for b in a.batches:
             seq = res["sequence"][b] = {}
             for label, engine in (("cublas", False), ("engine", True)):
-                r = gemm_floor(target, draft, b, dcfg.block_size, dev, iters=10, engine=engine)
+                with use_options(KernelOptions(linear="triton")):
+                    r = gemm_floor(target, draft, b, dcfg.block_size, dev, iters=10, engine=engine)
                 seq[label] = r["median_ms"]
                 print(f"sequence B={b} ({r['gemms']} GEMMs, {r['how']}) {label}: {r['median_ms']:.3f} ms", flush=True)
             seq["weight_GB"] = r["weight_bytes"] / 1e9

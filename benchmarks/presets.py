@@ -94,9 +94,9 @@ def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int, engine
     """The step's weight GEMMs alone, back to back (captured in one CUDA graph on the GPU): the
     target's with B·(γ+1) rows, the draft's with B·γ. cuBLAS through ``F.linear``, or with
     ``engine`` the engine's own path (``models.layers.linear`` / ``linear_silu_mul``: the skinny
-    Triton kernel with silu·mul fused for ≤ 16 rows by default; cuBLAS and a silu kernel under
-    ``MUSE_SPARK_LINEAR=cublas`` or for more rows). What a step built on these GEMMs cannot beat,
-    whatever it fuses around them."""
+    Triton kernel with silu·mul fused for ≤ 16 rows by default; cuBLAS and a silu kernel under the
+    kernel option ``linear="cublas"`` or for more rows; the current options'). What a step built on
+    these GEMMs cannot beat, whatever it fuses around them."""
     import torch
     import torch.nn.functional as F
 

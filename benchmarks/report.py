@@ -60,6 +60,15 @@ def render_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _changed_options(options: dict) -> str:
+    """A run's kernel options (``KernelOptions.to_dict()``) as the ones it changed from the defaults."""
+    from muse_spark.options import KernelOptions
+
+    default = KernelOptions().to_dict()
+    changed = [f"`{k}={v}`" for k, v in options.items() if k not in default or default[k] != v]
+    return "the defaults" if not changed else ", ".join(changed) + " (the others the defaults)"
+
+
 def render_markdown(result: dict) -> str:
     sec, cfg, env = result["sections"], result["config"], result["env"]
     t, d = cfg["target"], cfg["draft"]
@@ -93,6 +102,7 @@ def render_markdown(result: dict) -> str:
         f"written). Roofline = (weights + valid KV bytes a step must read) / that bandwidth.",
         f"* Attention kernel (bf16/fp16 on CUDA, `MUSE_SPARK_ATTENTION`): {cfg.get('attention', '—')}; "
         f"few-row linear layers (`MUSE_SPARK_LINEAR`): {cfg.get('linear', '—')}.",
+        *([f"* Kernel options: {_changed_options(cfg['options'])}."] if "options" in cfg else []),
         (f"* torch.compile: mode `{tc['mode']}` over the eager step (caches marked static; "
          + ("one graph per batch size" if tc.get("static_per_batch")
             else "automatic dynamic shapes: batch 1 static, then a dynamic batch") + "). "
@@ -178,7 +188,8 @@ def render_markdown(result: dict) -> str:
     if sec.get("torch_compile", {}).get("skipped"):
         out += ["", f"torch.compile not measured for {sec['torch_compile']['skipped']}."]
     for name, sub in sec.get("variants", {}).items():  # timed in the same run, after the default
-        switches = " ".join(f"{k}={v}" for k, v in sub["env"].items())
+        # the kernel options it changes (a run before KernelOptions recorded its environment variables)
+        switches = " ".join(f"{k}={v}" for k, v in (sub["options"] if "options" in sub else sub["env"]).items())
         out += ["", f"### Variant `{name}` ({switches}), beside the default aoti step", "",
                 "| batch | aoti ms | default aoti ms | variant / default | graph replay ms | kernels ms / replay | "
                 "launches / replay | greedy step = eager (same switches) |",

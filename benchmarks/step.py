@@ -15,6 +15,11 @@ On the GPU with the Muse-Spark-shaped preset (random bf16 weights) one run measu
   measures itself: roofline time and achieved fraction; the step's weight GEMMs alone (GEMM floor);
 * tokens/s at mean acceptance lengths τ = 1, 3.7, 6.17 (tokens per step, bonus included): B·τ / step time.
 
+Kernel options (``muse_spark/options.py``): the run's are the environment's (``KernelOptions.from_env``:
+``MUSE_SPARK_ATTENTION=sdpa python benchmarks/step.py`` times the SDPA step), recorded in the result's
+config; the eager engine, the torch.compile baseline and the aoti compiles all take them. The variants
+(``--<option> both``) compile and time the aoti step again with a few of them changed (``VARIANTS``).
+
 Timing: CUDA events around each call, warm-up first, median of ``--iters``. KV caches hold random
 values at ``context`` positions per request (never zeros). The aoti step graphs compile in worker
 processes while the torch.compile baseline compiles; eager timings are taken before either starts
@@ -30,6 +35,7 @@ and several minutes. ``benchmarks/render.py`` renders the current figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -44,23 +50,32 @@ from timing import batch_list, copy_bandwidth, host_description, step_bytes, tim
 
 
 # aoti step variants `--attention-cache both` / `--pdl both` / `--pdl-trigger both` / `--rope-table both` /
-# `--linear-residual both` / `--accept-kernels both` / `--attention-splits both`
-# compile and time beside the default: name -> the kernel switches set in its compile workers and around the eager
-# step it is checked against. A step compiled with PDL (the default on sm_90+) gets its graphs' programmatic
-# edges (runtime.cuda_graph.make_programmatic), as the engine does. The RoPE table, the fused attention, PDL with
-# the small kernels' trigger, the acceptance kernels and the GEMMs' late trigger are the defaults: their variants
-# are the step without them; likewise several splits of the window an attention program (the variant: one split
-# a program).
-VARIANTS = {"no_attention_cache": {"MUSE_SPARK_ATTENTION_CACHE": "0"}, "no_pdl": {"MUSE_SPARK_PDL": "0"},
-            "pdl_wait_only": {"MUSE_SPARK_PDL_TRIGGER": "0"},
-            "no_rope_table": {"MUSE_SPARK_ROPE_TABLE": "0"},
-            "no_accept_kernels": {"MUSE_SPARK_ACCEPT_KERNELS": "0"},
-            "pdl_gemm_wait_only": {"MUSE_SPARK_PDL_GEMM_TRIGGER": "0"},
-            "attention_one_split": {"MUSE_SPARK_ATTENTION_SPLITS": "1"}}
+# `--accept-kernels both` / `--pdl-gemm-trigger both` / `--attention-splits both` compile and time beside the
+# default: name -> the KernelOptions fields it changes from the run's options (``variant_options``), which its
+# compile jobs carry and the eager step it is checked against runs under. A step compiled with PDL (the default on
+# sm_90+) gets its graphs' programmatic edges (runtime.cuda_graph.make_programmatic), as the engine does. The RoPE
+# table, the fused attention, PDL with the small kernels' trigger, the acceptance kernels and the GEMMs' late
+# trigger are the defaults: their variants are the step without them; likewise several splits of the window an
+# attention program (the variant: one split a program).
+VARIANTS = {"no_attention_cache": {"attention_cache": False}, "no_pdl": {"pdl": False},
+            "pdl_wait_only": {"pdl_trigger": False},
+            "no_rope_table": {"rope_table": False},
+            "no_accept_kernels": {"accept_kernels": False},
+            "pdl_gemm_wait_only": {"pdl_gemm_trigger": False},
+            "attention_one_split": {"attention_splits": 1}}
 # the variant's --option, where its name is not the option's
 VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache", "no_pdl": "pdl",
                   "pdl_wait_only": "pdl_trigger", "no_accept_kernels": "accept_kernels",
                   "pdl_gemm_wait_only": "pdl_gemm_trigger", "attention_one_split": "attention_splits"}
+
+
+def variant_options(name: str, base=None):
+    """The kernel options variant ``name`` compiles and runs with: ``base`` (default: the defaults) with
+    its ``VARIANTS`` fields."""
+    from muse_spark.options import KernelOptions
+
+    return dataclasses.replace(base or KernelOptions(), **VARIANTS[name])
+
 
 # The packages of one bucket's step (``step_{part}_b{B}``, builder.aoti.graph_plan_names).
 STEP_PARTS = ("draft", "layer", "verify", "context")
@@ -77,6 +92,9 @@ class Bench(AotiSections):
         self.result: dict = {"command": args.command, "preset": args.preset, "sections": {}}
         self.t0 = time.perf_counter()
         self.replays: dict = {}  # batch -> {label: CUDA-graph step}, for interleaved_replays
+        from muse_spark.options import KernelOptions
+
+        self.options = KernelOptions.from_env()  # the run's kernel options (the variants change a few)
         config = {k: v for k, v in vars(args).items() if k not in ("command", "out_dir", "markdown")}
         self.doc = results.record("step", config, self.result, command=[args.command],
                                   device=None if self.device.type == "cuda" else results.cpu_name())
@@ -94,6 +112,13 @@ class Bench(AotiSections):
             Path(self.a.markdown).write_text(render_markdown(self.result))
 
     def run(self) -> dict:
+        """Every section, under the run's kernel options (the variants' sections under their own)."""
+        from muse_spark.options import use_options
+
+        with use_options(self.options):
+            return self._run()
+
+    def _run(self) -> dict:
         import torch
 
         from muse_spark.builder.aoti import (compile_job, graph_jobs, inductor_configs, int64_indexing,
@@ -109,7 +134,8 @@ class Bench(AotiSections):
         slots = max(batches) + 1  # + the scratch slot the aoti engine pads with
         self.result.update(env=self.environment(), config=dict(
             target=tcfg.to_dict(), draft=dcfg.to_dict(), gamma=g, context=a.context, max_seq=max_seq,
-            batches=batches, iters=a.iters, aoti_order="ascending" if a.aoti_ascending else "descending"))
+            batches=batches, iters=a.iters, aoti_order="ascending" if a.aoti_ascending else "descending",
+            options=self.options.to_dict()))
         impl = resolve_plugin_impl(a.plugins, str(dev)) if "aoti" not in a.skip else "inline"
         self.result["config"]["plugin_impl"] = impl
 
@@ -117,9 +143,9 @@ class Bench(AotiSections):
         target, draft = random_pair(tcfg, dcfg, dev)
         from muse_spark.models.layers import attention_path, linear_path
 
-        self.result["config"]["attention"] = attention_path(dev, target.dtype)  # MUSE_SPARK_ATTENTION
-        self.result["config"]["linear"] = linear_path(dev, target.dtype)  # MUSE_SPARK_LINEAR
-        eng = EagerEngine(target, draft, max_batch=slots, max_seq=max_seq, device=dev)
+        self.result["config"]["attention"] = attention_path(dev, target.dtype, self.options)
+        self.result["config"]["linear"] = linear_path(dev, target.dtype, self.options)
+        eng = EagerEngine(target, draft, max_batch=slots, max_seq=max_seq, device=dev, options=self.options)
         fill = torch.Generator(device=dev).manual_seed(1)  # seeded: every run checks the same step
         for t in eng.target_cache.k + eng.target_cache.v + eng.draft_cache.k + eng.draft_cache.v:
             t.normal_(generator=fill)
@@ -151,7 +177,7 @@ class Bench(AotiSections):
         from muse_spark.models.layers import linear_path
 
         floors = [("gemm_floor", False, batches)]
-        if linear_path(dev, target.dtype) == "triton":
+        if linear_path(dev, target.dtype, self.options) == "triton":
             # Only batches whose every GEMM fits the skinny kernel (≤ MAX_ROWS rows): above, the
             # engine's GEMMs are cuBLAS's plus an eager silu·mul the compiled step does not have.
             from muse_spark.plugins.linear.triton_kernel import MAX_ROWS
@@ -188,13 +214,15 @@ class Bench(AotiSections):
             jobs = graph_jobs(tcfg, dcfg, wspecs, device=str(dev), max_seq=max_seq, cache_slots=slots,
                               buckets=batches, prefill_chunk=1, impl=impl, cache_dtype="bfloat16",
                               configs=inductor_configs(str(dev), fast_compile=dev.type == "cpu"),
-                              out_dir=out_dir, with_prefill=False, markov_words=self.markov_words)
+                              out_dir=out_dir, with_prefill=False, markov_words=self.markov_words,
+                              options=self.options)
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            # Variants: the same packages compiled with a kernel switch set in the worker (VARIANTS).
-            vjobs = {name: [dict(j, env=env, out=str(out_dir / name / Path(j["out"]).name)) for j in jobs]
-                     for name, env in VARIANTS.items() if getattr(a, VARIANT_OPTION.get(name, name)) == "both"}
+            # Variants: the same packages compiled under the variant's kernel options (VARIANTS).
+            vjobs = {name: [dict(j, options=variant_options(name, self.options).to_dict(),
+                                 out=str(out_dir / name / Path(j["out"]).name)) for j in jobs]
+                     for name in VARIANTS if getattr(a, VARIANT_OPTION.get(name, name)) == "both"}
             for name in vjobs:
                 (out_dir / name).mkdir(parents=True, exist_ok=True)
             n_jobs = len(jobs) + sum(map(len, vjobs.values()))
@@ -216,7 +244,9 @@ class Bench(AotiSections):
                                          "plugins": impl, "inductor_configs": numerics}
             for t in [t for c in caches for t in c]:
                 torch._dynamo.mark_static_address(t)  # gpt-fast: the KV cache is a static buffer
-            raw_step = EagerEngine.step.__wrapped__  # the body, without the inference_mode decorator
+            # the body, without the decorators' inference mode and kernel options: compile_for and
+            # time_compiled hold the inference mode around it, run() the options (the engine's: the run's)
+            raw_step = EagerEngine.step.__wrapped__
 
             def eager_step(*xs):
                 return raw_step(eng, *xs, kv_len)
@@ -286,7 +316,7 @@ class Bench(AotiSections):
                         self.log(f"aoti compile failed again: {str(e)[:1000]}")
             sec["aoti_plugins"] = aoti_impl
             for name, fs in vfutures.items():
-                sub = sec.setdefault("variants", {}).setdefault(name, {"env": VARIANTS[name], "compiled": []})
+                sub = sec.setdefault("variants", {}).setdefault(name, {"options": VARIANTS[name], "compiled": []})
                 for f in fs:
                     try:
                         sub["compiled"].append(f.result()["name"])
@@ -308,7 +338,8 @@ class Bench(AotiSections):
             if done and aoti_batches:
                 try:
                     self.aoti_section(eng, caches, done, inputs, kv_len, scratch=slots - 1, sec=sub,
-                                      work_dir=Path(a.work_dir) / name, env=VARIANTS[name], label=f"aoti {name}")
+                                      work_dir=Path(a.work_dir) / name, options=variant_options(name, self.options),
+                                      label=f"aoti {name}")
                 except Exception as e:
                     sub["aoti_error"] = f"{type(e).__name__}: {e}"[:3000]
                     self.log(f"aoti {name} section failed: {sub['aoti_error'][:500]}")
@@ -463,28 +494,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "step that is faster this way depends on what ran before it (docs/log.md)")
     p.add_argument("--attention-cache", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step without the attention kernel doing the q/k norm "
-                        "and cache write (MUSE_SPARK_ATTENTION_CACHE=0: the norm kernel, then the attention), "
+                        "and cache write (attention_cache=False: the norm kernel, then the attention), "
                         "beside the default (fused)")
     p.add_argument("--pdl", choices=["off", "both"], default="off",
-                   help="both: also compile and time the aoti step without PDL (MUSE_SPARK_PDL=0: no kernel waits, "
+                   help="both: also compile and time the aoti step without PDL (pdl=False: no kernel waits, "
                         "plain graph edges), beside the default (PDL; its replay is also timed with the edges' "
                         "launch-order port and with plain edges)")
     p.add_argument("--pdl-trigger", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step with the small kernels only waiting "
-                        "(MUSE_SPARK_PDL_TRIGGER=0), not triggering their dependents first, beside the default")
+                        "(pdl_trigger=False), not triggering their dependents first, beside the default")
     p.add_argument("--pdl-gemm-trigger", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step with the GEMMs only waiting "
-                        "(MUSE_SPARK_PDL_GEMM_TRIGGER=0), beside the default (they trigger their dependents after "
+                        "(pdl_gemm_trigger=False), beside the default (they trigger their dependents after "
                         "their weight stream)")
     p.add_argument("--rope-table", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step without the RoPE table the qkv GEMM's launch "
-                        "writes for the q/k norm kernel (MUSE_SPARK_ROPE_TABLE=0), beside the default (with it)")
+                        "writes for the q/k norm kernel (rope_table=False), beside the default (with it)")
     p.add_argument("--accept-kernels", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step with Inductor's compile of the acceptance rule "
-                        "(MUSE_SPARK_ACCEPT_KERNELS=0), beside the default (its three Triton kernels)")
+                        "(accept_kernels=False), beside the default (its three Triton kernels)")
     p.add_argument("--attention-splits", choices=["off", "both"], default="off",
                    help="both: also compile and time the aoti step with one split of the window an attention "
-                        "program (MUSE_SPARK_ATTENTION_SPLITS=1), beside the default (the launcher's choice: "
+                        "program (attention_splits=1), beside the default (the launcher's choice: "
                         "several from batch 4)")
     p.add_argument("--work-dir", default="/tmp/muse-spark-bench", help="where the aoti packages are compiled")
     p.add_argument("--out-dir", default=str(results.RESULTS),

@@ -22,28 +22,38 @@ CHAINED = 8
 
 
 class AotiSections:
-    """The aoti measurements of a ``Bench`` (its ``a``, ``device``, ``result``, ``replays``,
+    """The aoti measurements of a ``Bench`` (its ``a``, ``device``, ``options``, ``result``, ``replays``,
     ``markov_words``, ``log`` and ``save``)."""
 
     def aoti_section(self, eng, caches, batches, inputs, kv_len, scratch: int, sec: dict | None = None,
-                     work_dir=None, env: dict | None = None, label: str = "aoti") -> None:
+                     work_dir=None, options=None, label: str = "aoti") -> None:
         """The aoti step of each batch: checked against the eager step, timed (runner, replay, the
-        serving forms), profiled. ``sec``/``work_dir``/``env``: a variant's results dict, its
-        packages, and the switches it was compiled with (set around the eager step it is checked
-        against, so both take the same kernel path)."""
-        import torch
+        serving forms), profiled. ``sec``/``work_dir``/``options``: a variant's results dict, its
+        packages, and the kernel options it was compiled with (default: the run's, ``self.options``).
+        The section runs under them, and so does the eager step it is checked against (the engine's
+        own options, set for the section), so both take the same kernel path."""
+        from muse_spark.options import use_options
 
-        from muse_spark.builder.aoti import job_environment
+        options = self.options if options is None else options
+        saved = eng.options
+        eng.options = options  # an eager engine runs its calls under its own options, not the caller's
+        try:
+            with use_options(options):
+                self._aoti_section(eng, caches, batches, inputs, kv_len, scratch, sec, work_dir, options, label)
+        finally:
+            eng.options = saved
+
+    def _aoti_section(self, eng, caches, batches, inputs, kv_len, scratch, sec, work_dir, options, label) -> None:
+        import torch
 
         from muse_spark.runtime.aoti_engine import load_step
         from muse_spark.graphs.parts import MARKOV_ERROR_WORD, SpecPair, weight_names, weight_tensors
-        from muse_spark.models.layers import PDL_KERNELS, pdl_active
+        from muse_spark.plugins.pdl import pdl_active, PDL_KERNELS
         from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
 
         a, dev = self.a, self.device
-        with job_environment(env or {}):  # the step graphs' PDL edges as the engine makes them (its manifest)
-            pdl = pdl_active()
-        programmatic = PDL_KERNELS if pdl and dev.type == "cuda" else ()
+        # the step graphs' PDL edges as the engine makes them (from the options its manifest records)
+        programmatic = PDL_KERNELS if pdl_active(options) and dev.type == "cuda" else ()
         sec = self.result["sections"] if sec is None else sec
         pair = SpecPair(eng.target, eng.draft)
         weights = weight_tensors(pair, weight_names(pair))
@@ -52,7 +62,8 @@ class AotiSections:
         sec["aoti"], sec["aoti_graph_replay"], sec["aoti_matches_eager"], sec["aoti_emits_as_eager"] = {}, {}, {}, {}
         with torch.inference_mode():
             for b in sorted(batches, reverse=not a.aoti_ascending):
-                fn = load_step(work_dir or a.work_dir, None, b, eng.target, eng.draft, dev, single_threaded=cuda)
+                fn = load_step(work_dir or a.work_dir, None, b, eng.target, eng.draft, dev, single_threaded=cuda,
+                               side_stream=options.context_stream)
                 words = self.markov_words[b]  # the Markov kernel's kept workspace, as the engine keeps it
                 runner = (CUDAGraphStep(fn, b, weights, caches, scratch, dev, pool=pool, markov_words=words,
                                         programmatic=programmatic) if cuda
@@ -60,8 +71,7 @@ class AotiSections:
                 x = inputs(b)
                 # Same inputs, greedy rows: the compiled step's drafts and verdicts equal the eager step's.
                 xg = x[:4] + (torch.zeros_like(x[4]),)
-                with job_environment(env or {}):
-                    got, want = runner(*xg), eng.step(*xg, kv_len)
+                got, want = runner(*xg), eng.step(*xg, kv_len)
                 same = torch.equal(got, want)
                 sec["aoti_matches_eager"][b] = same
                 sec["aoti_emits_as_eager"][b] = emitted_tokens(got) == emitted_tokens(want)
@@ -242,7 +252,7 @@ class AotiSections:
         graph's replay time, rewritten edges, and whether its step equals ``runner``'s."""
         import torch
 
-        from muse_spark.models.layers import PDL_KERNELS
+        from muse_spark.plugins.pdl import PDL_KERNELS
         from muse_spark.runtime.cuda_graph import CUDAGraphStep
 
         a, dev = self.a, self.device

@@ -19,6 +19,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from report import emitted_tokens, first_differing_columns, render_markdown  # noqa: E402  (benchmarks/)
 
+from muse_spark.options import KernelOptions  # noqa: E402
+
 # The current H200 runs (benchmarks/results/): batch 1 with eager and torch.compile, and batch 8 / 32
 # with one split a program beside the default.
 B1 = ROOT / "benchmarks" / "results" / "2026-12-05_nvidia-h200_de79651d7ad6_step.json"
@@ -149,7 +151,7 @@ def test_the_interleaved_replays_and_the_idle_time_render():
     sec["aoti_runner_profile"] = {"1": {"kernel_ms": 5.41, "idle_ms": 0.25, "gaps": [], "calls": 3,
                                         "beyond_replay": {"Memcpy DtoD (Device -> Device)": [5.0, 0.0061]}}}
     sec["aoti_replay_profile"] = {"1": {"idle_ms": 0.121}}
-    sec["variants"] = {"no_rope_table": {"env": {"MUSE_SPARK_ROPE_TABLE": "0"}, "compiled": [],
+    sec["variants"] = {"no_rope_table": {"options": {"rope_table": False}, "compiled": [],
                                       "aoti_replay_profile": {"1": {"idle_ms": 0.25}}}}
     text = render_markdown(result)
     assert ("Step graphs replayed in turns, batch 1 (median of the rounds' medians): `aoti` 5.600 ms, "
@@ -169,96 +171,128 @@ def test_the_interleaved_replays_and_the_idle_time_render():
             "the copies 5.413 ms, after the host waited for them 5.300 ms.") in text
     assert "Device idle between the events of a replay (torch.profiler): `aoti` B=1 0.121 ms, " \
            "`aoti no_rope_table` B=1 0.250 ms." in text
+    assert "* Kernel options" not in text  # a run from before the options were recorded
+    result["config"]["options"] = dict(KernelOptions().to_dict(), attention="sdpa", rope_table=False)
+    assert "* Kernel options: `attention=sdpa`, `rope_table=False` (the others the defaults)." in render_markdown(result)
+    assert "### Variant `no_rope_table` (rope_table=False), beside the default aoti step" in text
 
 
 def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
     """``--attention-cache both --pdl both --rope-table both --accept-kernels both``: per variant a second
-    set of step packages compiled with its switch (MUSE_SPARK_ATTENTION_CACHE=0, MUSE_SPARK_ROPE_TABLE=0,
-    MUSE_SPARK_PDL=0 and MUSE_SPARK_ACCEPT_KERNELS=0: the fused attention, the table, PDL and the
-    acceptance kernels are the defaults) in the workers (its own folder),
-    checked against the eager step under the same switch and timed after the default; its table in
-    the markdown. (On CPU every variant takes the reference kernels and no graph: this checks the
-    plumbing; the H200 run gives the figures.)"""
+    set of step packages compiled under its kernel options (attention_cache, rope_table, pdl and
+    accept_kernels off: the fused attention, the table, PDL and the acceptance kernels are the defaults)
+    in the workers (its own folder), checked against the eager step under the same options and timed
+    after the default; its table in the markdown. (On CPU every variant takes the reference kernels and
+    no graph: this checks the plumbing; the H200 run gives the figures.)"""
     out, md, work = tmp_path / "results", tmp_path / "b.md", tmp_path / "work"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "step.py"), "--preset", "tiny", "--device", "cpu",
            "--batches", "1", "--context", "16", "--iters", "2", "--skip", "compile", "--attention-cache", "both",
            "--pdl", "both", "--rope-table", "both", "--accept-kernels", "both", "--work-dir", str(work),
            "--out-dir", str(out), "--markdown", str(md)]
-    subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MUSE_SPARK_")}  # the run's options: the defaults
+    subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     (path,) = result_files(out)
-    sec = json.loads(path.read_text())["results"]["sections"]
+    res = json.loads(path.read_text())["results"]
+    sec = res["sections"]
+    assert res["config"]["options"] == KernelOptions().to_dict()  # the run's, recorded
+    assert "aoti_errors" not in sec and "aoti_error" not in sec, (sec.get("aoti_errors"), sec.get("aoti_error"))
     assert sec["aoti"]["1"]["median_ms"] > 0 and sec["aoti_matches_eager"]["1"] is True  # the default's own
     assert sec["aoti_chained"]["1"]["steps"] == 8 and sec["aoti_chained"]["1"]["median_ms"] > 0  # the Generator's form
     text = md.read_text()
-    assert "aoti steps chained as the Generator runs them" in text
-    for name, var, value in (("no_attention_cache", "MUSE_SPARK_ATTENTION_CACHE", "0"), ("no_pdl", "MUSE_SPARK_PDL", "0"),
-                             ("no_rope_table", "MUSE_SPARK_ROPE_TABLE", "0"),
-                             ("no_accept_kernels", "MUSE_SPARK_ACCEPT_KERNELS", "0")):
+    assert "aoti steps chained as the Generator runs them" in text and "* Kernel options: the defaults." in text
+    for name, field, value in (("no_attention_cache", "attention_cache", False), ("no_pdl", "pdl", False),
+                               ("no_rope_table", "rope_table", False), ("no_accept_kernels", "accept_kernels", False)):
         sub = sec["variants"][name]
-        assert sub["env"] == {var: value}
-        assert sorted(sub["compiled"]) == ["step_context_b1", "step_draft_b1", "step_layer_b1", "step_verify_b1"]
+        assert sub["options"] == {field: value}
+        assert sorted(sub["compiled"]) == ["step_context_b1", "step_draft_b1", "step_layer_b1", "step_verify_b1"], \
+            (name, sub.get("aoti_errors"))
         assert {p.name for p in (work / name).glob("*.pt2")} == {f"{n}.pt2" for n in sub["compiled"]}
         assert "1" in sub.get("aoti", {}), (name, sub.get("aoti_error"), sub.get("aoti_errors"))
         assert sub["aoti"]["1"]["median_ms"] > 0 and sub["aoti_matches_eager"]["1"] is True
         assert "aoti_pdl" not in sub  # graph edges: CUDA only
-        assert f"### Variant `{name}` ({var}={value}), beside the default aoti step" in text
+        assert f"### Variant `{name}` ({field}={value}), beside the default aoti step" in text
     rows = [line for line in text.splitlines() if line.startswith("| 1 | ") and line.endswith("| True |")]
     assert len(rows) == 4 and all(len(row.split("|")) == 10 for row in rows)
 
 
-def test_every_variant_has_its_option_and_sets_a_known_switch():
+def test_every_variant_has_its_option_and_changes_kernel_options():
     """Each bench variant (VARIANTS) is asked for by a ``--<option> both`` the parser knows (its name, or
-    VARIANT_OPTION's), off by default, and sets only switches the project reads."""
+    VARIANT_OPTION's), off by default, and changes KernelOptions fields to values they take, each away
+    from the default (a variant equal to the default would time the default twice)."""
     import argparse
+    import dataclasses
 
     import step as bench
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     defaults = p.parse_args([])
-    known = set((ROOT / "muse_spark" / "models" / "layers.py").read_text().split('"'))
-    for name, env in bench.VARIANTS.items():
+    fields = {f.name for f in dataclasses.fields(KernelOptions)}
+    for name, overrides in bench.VARIANTS.items():
         option = bench.VARIANT_OPTION.get(name, name)
         assert getattr(defaults, option) == "off", name
         flag = "--" + option.replace("_", "-")
         assert getattr(p.parse_args([flag, "both"]), option) == "both", name
-        assert env and all(var in known for var in env), (name, env)
-    assert bench.VARIANTS["attention_one_split"] == {"MUSE_SPARK_ATTENTION_SPLITS": "1"}
+        assert overrides and set(overrides) <= fields, (name, overrides)
+        opts = bench.variant_options(name)  # KernelOptions refuses a value its field does not take
+        assert opts.changed() == overrides, (name, overrides)
+        assert KernelOptions.from_dict(opts.to_dict()) == opts  # what a compile job carries
+    assert bench.VARIANTS["attention_one_split"] == {"attention_splits": 1}
+    base = KernelOptions(attention="sdpa")  # a variant keeps the run's other options
+    assert bench.variant_options("no_pdl", base) == KernelOptions(attention="sdpa", pdl=False)
 
 
-def test_a_jobs_switches_are_set_for_it_and_restored_after(monkeypatch):
-    """A compile worker may take another job next: a job's environment is undone after it,
-    including a variable that was unset before."""
-    import os
+def test_a_jobs_options_reach_the_worker_and_leave_the_environment_alone(tmp_path, monkeypatch):
+    """A compile job carries its kernel options as a dict (``job["options"]``); the worker traces under
+    them (``current_options`` inside the job, in the options' own Inductor cache) and no ``MUSE_SPARK_*``
+    variable is read or set: the job's options are not the environment's, and after the job (the next
+    one a worker takes, or a failed one) the environment and the options are as before. A job that
+    still names ``env`` is refused."""
+    from muse_spark.builder import aoti
+    from muse_spark.options import current_options
 
-    from muse_spark.builder.aoti import job_environment
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("MUSE_SPARK_ATTENTION_CACHE", "1")  # not the job's: a job never reads the environment
+    before = dict(os.environ)
+    seen = []
 
-    monkeypatch.delenv("MUSE_SPARK_ATTENTION_CACHE", raising=False)
-    monkeypatch.setenv("MUSE_SPARK_QKV_EPILOGUE", "0")
-    with job_environment({"MUSE_SPARK_ATTENTION_CACHE": "1", "MUSE_SPARK_QKV_EPILOGUE": "1"}):
-        assert os.environ["MUSE_SPARK_ATTENTION_CACHE"] == "1" and os.environ["MUSE_SPARK_QKV_EPILOGUE"] == "1"
-    assert "MUSE_SPARK_ATTENTION_CACHE" not in os.environ and os.environ["MUSE_SPARK_QKV_EPILOGUE"] == "0"
-    with pytest.raises(RuntimeError), job_environment({"MUSE_SPARK_ATTENTION_CACHE": "1"}):
-        raise RuntimeError("a failed compile")
-    assert "MUSE_SPARK_ATTENTION_CACHE" not in os.environ
+    def fake_compile(job):
+        seen.append((current_options(), {k: v for k, v in os.environ.items() if k.startswith("MUSE_SPARK_")},
+                     os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+        if job.get("fail"):
+            raise RuntimeError("a failed compile")
+        return {"name": job["name"]}
+
+    monkeypatch.setattr(aoti, "_compile_job", fake_compile)
+    opts = KernelOptions(attention_cache=False, pdl=False, attention_splits=1)
+    assert aoti.compile_job({"name": "step_layer_b1", "options": opts.to_dict()}) == {"name": "step_layer_b1"}
+    assert seen[-1] == (opts, {"MUSE_SPARK_ATTENTION_CACHE": "1"}, aoti.variant_cache_dir(opts))
+    assert dict(os.environ) == before and current_options() == KernelOptions()
+    aoti.compile_job({"name": "step_draft_b1"})  # the next job, without options: the defaults, Inductor's cache
+    assert seen[-1] == (KernelOptions(), {"MUSE_SPARK_ATTENTION_CACHE": "1"}, str(tmp_path / "inductor"))
+    with pytest.raises(RuntimeError, match="a failed compile"):
+        aoti.compile_job({"name": "step_verify_b1", "options": opts.to_dict(), "fail": True})
+    assert seen[-1][0] == opts and dict(os.environ) == before and current_options() == KernelOptions()
+    with pytest.raises(RuntimeError, match=r"job\['options'\]"):
+        aoti.compile_job({"name": "step_verify_b1", "env": {"MUSE_SPARK_PDL": "0"}})
 
 
 def test_a_variant_compiles_in_its_own_inductor_cache_and_a_torn_package_is_refused(tmp_path, monkeypatch):
-    """Variants whose switch changes nothing in a graph (PDL on CPU) generate the default's very
+    """Variants whose options change nothing in a graph (PDL on CPU) generate the default's very
     code; compiled at once in one Inductor cache, AOTI packaged a ``_metadata.json`` another worker
-    was rewriting (an empty JSON: the package failed to load, in CI). Each switch set now compiles
-    in a folder of its own, and a package with a JSON member that does not parse is refused at
-    build time, naming the member."""
+    was rewriting (an empty JSON: the package failed to load, in CI). Each set of options compiles
+    in a folder of its own (the defaults in Inductor's own), and a package with a JSON member that
+    does not parse is refused at build time, naming the member."""
     import zipfile
 
     from muse_spark.builder.aoti import check_package, variant_cache_dir
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    assert variant_cache_dir({}) == {}
-    dirs = {variant_cache_dir(env)["TORCHINDUCTOR_CACHE_DIR"]
-            for env in ({"MUSE_SPARK_PDL": "0"}, {"MUSE_SPARK_PDL_TRIGGER": "0"}, {"MUSE_SPARK_ROPE_TABLE": "0"})}
-    assert len(dirs) == 3 and all(os.path.dirname(d) == str(tmp_path / "inductor") for d in dirs)
-    assert variant_cache_dir({"MUSE_SPARK_PDL": "0"}) == variant_cache_dir({"MUSE_SPARK_PDL": "0"})  # reused
+    assert variant_cache_dir(KernelOptions()) is None
+    dirs = {variant_cache_dir(KernelOptions(**o)) for o in ({"pdl": False}, {"pdl_trigger": False},
+                                                            {"rope_table": False}, {"attention_splits": 1})}
+    assert len(dirs) == 4 and all(os.path.dirname(d) == str(tmp_path / "inductor") for d in dirs)
+    assert variant_cache_dir(KernelOptions(pdl=False)) == variant_cache_dir(KernelOptions(pdl=False))  # reused
     good, torn = tmp_path / "good.pt2", tmp_path / "torn.pt2"
     for path, meta in ((good, b'{"AOTI_DEVICE_KEY": "cpu"}'), (torn, b"")):
         with zipfile.ZipFile(path, "w") as z:
