@@ -10,10 +10,10 @@ cd "$ROOT"
 if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     # No GPU: the Triton kernels' tests once more, on Triton's CPU interpreter (small sizes;
     # correct, not fast). With a GPU the run above has compiled and run them.
-    echo "[test] tests/test_gpu_kernels.py on Triton's CPU interpreter (TRITON_INTERPRET=1)" >&2
+    echo "[test] tests/kernels/ on Triton's CPU interpreter (TRITON_INTERPRET=1)" >&2
     rc=0
     # (Triton 3.6's interpreter converts 1-element arrays with int(): one numpy warning per call.)
     TRITON_INTERPRET=1 "$PY" -m pytest -ra -W "ignore::DeprecationWarning:triton.runtime.interpreter" "$@" \
-        tests/test_gpu_kernels.py || rc=$?
+        tests/kernels || rc=$?
     [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || exit "$rc"  # 5: arguments that select none of its tests
 fi

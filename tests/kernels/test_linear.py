@@ -1,0 +1,139 @@
+"""The skinny linear layer (plugins/linear, ≤ 16 rows, silu·mul fused) against the correctly
+rounded result and the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.kernel_utils import BIG, DEV, HAS_TRITON, INTERPRETED, ON_GPU, compile_for_hopper, needs_kernels, triton
+
+
+LINEAR_SHAPES = {  # (M rows of x, N outputs, K)
+    "step_rows": (8, 96, 256),
+    "draft_rows_ragged_n": (7, 80, 192),  # N not a multiple of the tile
+    "ragged_k": (5, 64, 200),  # K not a multiple of the chunk
+    "one_row": (1, 64, 128),
+    "max_rows": (16, 48, 64),
+}
+if BIG:
+    LINEAR_SHAPES.update({"muse_o": (8, 4096, 4096), "muse_down": (8, 4096, 14336), "muse_b2_qkv": (16, 6144, 4096)})
+
+
+def linear_operands(M, N, K, dtype, exact, seed=0):
+    """x [M, K], w [N, K]. ``exact``: small multiples of 2^-2 and 2^-3, whose products and sums are
+    exact in fp32 in any order, so every kernel must give the correctly rounded result."""
+    g = torch.Generator().manual_seed(seed)
+    if exact:
+        x = torch.randint(-3, 4, (M, K), generator=g) * 0.25
+        w = torch.randint(-2, 3, (N, K), generator=g) * 0.125
+    else:
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) / K ** 0.5
+    return x.to(dtype).to(DEV), w.to(dtype).to(DEV)
+
+
+def exact_linear(x, w, silu_mul):
+    """The correctly rounded result: fp32 sums (exact for ``linear_operands(exact=True)``) rounded
+    once, then silu·mul in the compute dtype as the modules compute it."""
+    from muse_spark.plugins.linear.reference import silu_mul_halves
+
+    y = torch.nn.functional.linear(x.float(), w.float()).to(x.dtype)
+    return silu_mul_halves(y) if silu_mul else y
+
+
+@needs_kernels
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(LINEAR_SHAPES))
+def test_linear_kernel_gives_the_correctly_rounded_result(tops, shape, dtype, silu_mul):
+    M, N, K = LINEAR_SHAPES[shape]
+    x, w = linear_operands(M, N, K, dtype, exact=True)
+    y = torch.ops.muse_spark.linear_triton(x, w, silu_mul)
+    ref = exact_linear(x, w, silu_mul)
+    assert y.shape == ref.shape and y.dtype == dtype
+    if silu_mul and INTERPRETED:  # numpy's exp against torch's CPU exp: an fp32 ulp may round across
+        torch.testing.assert_close(y, ref, rtol=2**-7, atol=0)
+    else:  # on the GPU both compute silu with the CUDA math library's expf: the same bits
+        assert torch.equal(y, ref)
+
+
+@needs_kernels
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("shape", ["step_rows", "ragged_k"] + (["muse_down"] if BIG else []))
+def test_linear_kernel_random_weights_match_the_reference(tops, shape, silu_mul):
+    """Random bf16 operands: the kernel's fp32 sums differ from cuBLAS's (or the CPU's) in order
+    only, so the outputs agree to a few bf16 ulps of the output's scale."""
+    from muse_spark.plugins.linear.reference import linear_reference
+
+    M, N, K = LINEAR_SHAPES[shape]
+    x, w = linear_operands(M, N, K, torch.bfloat16, exact=False, seed=1)
+    y = torch.ops.muse_spark.linear_triton(x, w, silu_mul).float()
+    ref = linear_reference(x, w, silu_mul).float()
+    torch.testing.assert_close(y, ref, rtol=2**-6, atol=2**-7 * ref.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+def test_linear_bits_do_not_depend_on_the_number_of_rows(tops, silu_mul):
+    """A row's output is one fixed-order fp32 dot per element, whatever the other rows: a step's
+    rows give the same bits in an engine's batch bucket, in the eager engine, or alone."""
+    x, w = linear_operands(16, 96, 320, torch.bfloat16, exact=False, seed=2)
+    full = torch.ops.muse_spark.linear_triton(x, w, silu_mul)
+    for lo, hi in ((0, 1), (3, 11), (7, 16)):
+        assert torch.equal(torch.ops.muse_spark.linear_triton(x[lo:hi], w, silu_mul), full[lo:hi])
+
+
+@needs_kernels
+def test_linear_op_rejects_bad_inputs(tops):
+    x, w = linear_operands(8, 64, 128, torch.bfloat16, exact=True)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        torch.ops.muse_spark.linear_triton(torch.cat([x] * 9), w, False)
+    with pytest.raises(ValueError, match="contiguous weight"):
+        torch.ops.muse_spark.linear_triton(x, w.t().contiguous().t(), False)
+    with pytest.raises(ValueError, match="both bf16 or fp16"):
+        torch.ops.muse_spark.linear_triton(x, w.half(), False)
+    with pytest.raises(ValueError, match="even number of weight rows"):
+        torch.ops.muse_spark.linear_triton(x, w[:63], True)
+
+
+@needs_kernels
+def test_models_call_the_linear_kernel_where_it_fits(tops):
+    """``models.layers.linear`` takes the Triton kernel for few rows on CUDA (in bf16/fp16; the kernel
+    option ``linear``: ``triton``, the default), cuBLAS for more rows or with ``linear="cublas"``,
+    ``F.linear`` elsewhere; every path gives the correctly rounded result on exact operands."""
+    from muse_spark.models import layers
+    from muse_spark.options import KernelOptions, use_options
+
+    assert layers.linear_path("cuda", torch.bfloat16) == "triton"  # the default
+    assert layers.linear_path("cpu", torch.bfloat16) == "reference"
+    x, w = linear_operands(8, 64, 128, torch.bfloat16, exact=True)
+    expect = "triton" if ON_GPU else "reference"
+    assert layers.linear_path(x.device, x.dtype) == expect
+    assert layers._triton_linear_fits(x, w) == ON_GPU
+    assert not layers._triton_linear_fits(torch.cat([x] * 3), w)
+    for silu_mul in (False, True):
+        fn = layers.linear_silu_mul if silu_mul else layers.linear
+        assert torch.equal(fn(x, w), exact_linear(x, w, silu_mul)) or INTERPRETED
+    with use_options(KernelOptions(linear="cublas")):
+        assert layers.linear_path("cuda", torch.bfloat16) == "cublas"
+        assert not layers._triton_linear_fits(x, w)
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("shape", [(8, 6144, 4096, False), (8, 14336, 4096, True), (8, 4096, 14336, False),
+                                   (16, 4096, 4096, False), (16, 14336, 4096, True), (16, 4096, 14336, False)],
+                         ids=str)
+def test_linear_kernel_compiles_for_hopper(shape):
+    """The linear kernel under its default launch configurations at the production shapes,
+    compiled ahead of time for sm_90 without a GPU: it fits an SM's shared memory."""
+    from muse_spark.plugins.linear import triton_kernel as lk
+
+    M, N, K, silu_mul = shape
+    cfg = lk.default_config(M, N, K, silu_mul)
+    names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
+    sig = dict(zip(names, ["*bf16", "*bf16", "*bf16"] + ["i32"] * 5))
+    consts = dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                  EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=False)
+    k = compile_for_hopper(lk._linear_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"],
+                           multiples_of_16=("N", "K", "stride_xm", "stride_ym"))
+    assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
