@@ -12,7 +12,7 @@ from muse_spark.options import KernelOptions, current_options
 
 # The plugin kernels that, compiled under ``KernelOptions.pdl`` (the default on sm_90+), execute
 # ``griddepcontrol.wait`` before any global load or store (``plugins.triton_math.pdl_enter``;
-# tests/test_gpu_kernels.py checks their sm_90 code). A build records them in its manifest; the
+# tests/kernels/test_pdl.py checks their sm_90 code). A build records them in its manifest; the
 # runtime turns the edges into these kernels in its captured step graphs into programmatic ones
 # (``runtime.cuda_graph.make_programmatic``).
 # Only a kernel that waits may have one: it could otherwise read its predecessor's output early.

@@ -27,7 +27,7 @@ Rounding, against the reference:
 * the mean of squares is summed in another order than torch's reduction and
   ``rsqrt`` is the hardware approximation (torch's CUDA ``rsqrt`` is too), so
   ``normed`` differs from the reference by rounding only (tests/
-  test_gpu_kernels.py holds the tolerance table).
+  tests/tolerances.py holds the tolerance table).
 """
 
 from __future__ import annotations

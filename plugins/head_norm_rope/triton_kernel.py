@@ -17,7 +17,7 @@ One program per (row b·S + s, block of ``BLOCK_H`` heads): the two halves of ea
 loaded separately, so the rotation needs no shuffle. Rounding, against the reference on CUDA:
 
 * the norm sums x² in another order than torch's reduction (both use the hardware rsqrt), so a
-  normed value may land one unit of the dtype's last place away: ``tests/test_gpu_kernels.py``
+  normed value may land one unit of the dtype's last place away: ``tests/kernels/test_head_norm_rope.py``
   holds the tolerance;
 * the rest is the reference's arithmetic step for step: ``inv_freq``, the angle, cos and sin
   come from the CUDA math library (libdevice ``powf``/``cosf``/``sinf``, not the approximate

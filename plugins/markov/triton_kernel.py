@@ -47,7 +47,7 @@ final reduction, and after the word is published. Without them, on the H200 with
 (Vd = 4096, r = 64, batches 8–16, every launch configuration), programs spun to the poll limit
 on step words that were all written, even with one launch per step: the poll's reductions and
 the step's other reductions race on their shared-memory scratch. The kernel tests' polling and
-kept-workspace cases (tests/test_gpu_kernels.py) are the check.
+kept-workspace cases (tests/kernels/test_markov.py) are the check.
 
 Off the critical path each program writes its softmax partials (max, sum of
 exp over the finite class, count of +inf) and stashes exp(z/T − max) in the
