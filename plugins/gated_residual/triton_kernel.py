@@ -26,8 +26,8 @@ Rounding, against the reference:
 * the norm reads the stream *rounded to out_dtype*, as the reference does;
 * the mean of squares is summed in another order than torch's reduction and
   ``rsqrt`` is the hardware approximation (torch's CUDA ``rsqrt`` is too), so
-  ``normed`` differs from the reference by rounding only (tests/
-  tests/tolerances.py holds the tolerance table).
+  ``normed`` differs from the reference by rounding only (tests/tolerances.py
+  holds the tolerance table).
 """
 
 from __future__ import annotations
