@@ -44,6 +44,11 @@ ENV_PREFIX = "MUSE_SPARK_"
 # which reads it; a process-internal handshake, documented there).
 SERVE_DRAIN_FILE_ENV = ENV_PREFIX + "SERVE_DRAIN_FILE"
 
+
+def serve_drain_file(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The drain file ``muse-spark serve`` named for its model process (``SERVE_DRAIN_FILE_ENV``), or None."""
+    return environ.get(SERVE_DRAIN_FILE_ENV) or None
+
 ATTENTION_KERNELS = ("triton", "sdpa")
 LINEAR_KERNELS = ("triton", "cublas")
 SCOPES = ("build", "run")

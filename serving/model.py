@@ -14,7 +14,7 @@ touch nothing else. ``config.pbtxt`` parameters: ``engine_dir`` (required),
 ``device`` (optional override of the engine's device), ``max_queue``,
 ``torch_threads`` (CPU threads of this instance; default torch's).
 
-Shutdown: ``muse-spark serve`` names a file in ``MUSE_SPARK_SERVE_DRAIN_FILE``
+Shutdown: ``muse-spark serve`` names a file in ``MUSE_SPARK_SERVE_DRAIN_FILE`` (``options.serve_drain_file``)
 and writes the grace period (seconds) into it when it is asked to stop; a
 watcher thread then drains the scheduler (``Scheduler.drain``), so every request
 gets its final response before tritonserver unloads the model.
@@ -35,18 +35,17 @@ length − 1), and the gauges ``muse_spark_active_requests``,
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from muse_spark.options import serve_drain_file
 from muse_spark.runtime import RequestError, load_engine, load_tokenizer
 from muse_spark.serving.protocol import StreamDecoder, parse_request, response_arrays
 from muse_spark.serving.scheduler import Scheduler
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-DRAIN_FILE_ENV = "MUSE_SPARK_SERVE_DRAIN_FILE"
 
 
 def _log(msg: str, error: bool = False) -> None:
@@ -194,8 +193,9 @@ class TritonPythonModel:
         if self.metrics is not None:
             self.metrics.update(self.scheduler.counters, self.scheduler.occupancy)  # free slots from the start
         self._stop_watch = threading.Event()
-        if os.environ.get(DRAIN_FILE_ENV):
-            threading.Thread(target=self._watch_drain, args=(os.environ[DRAIN_FILE_ENV],), daemon=True,
+        drain_file = serve_drain_file()
+        if drain_file:
+            threading.Thread(target=self._watch_drain, args=(drain_file,), daemon=True,
                              name="muse-spark-drain").start()
         e = self.engine
         _log(f"muse_spark: {args['model_instance_name']} serves engine {engine_dir} (γ={e.gamma}, "

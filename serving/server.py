@@ -46,6 +46,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from muse_spark.options import SERVE_DRAIN_FILE_ENV
 from muse_spark.serving.stub_env import StubEnvError, numpy1_site, write_overlay
 from muse_spark.serving.supervisor import Supervisor, free_port, port_in_use
 
@@ -200,7 +201,7 @@ def serve(repo: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, g
             raise ServingError(str(e)) from None
         env = server_env(install, python_bin=write_overlay(workdir, numpy_site) if numpy_site else None)
         drain_file = workdir / "draining"
-        env["MUSE_SPARK_SERVE_DRAIN_FILE"] = str(drain_file)
+        env[SERVE_DRAIN_FILE_ENV] = str(drain_file)
         backend_dir = prepare_backend_dir(install, workdir)
         upstream = free_port()
         front = HttpFront(host=host, port=http_port, upstream=f"http://127.0.0.1:{upstream}",
