@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import re
 import subprocess
@@ -24,6 +25,12 @@ def _git(*args: str) -> str | None:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def _dirty() -> bool | None:
+    """Whether tracked files differ from the commit; None where there is no git checkout to ask."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)
 
 
 def cpu_name() -> str:
@@ -65,8 +72,9 @@ def record(benchmark: str, config: dict, results: dict, command: list[str] | Non
         "benchmark": benchmark,
         "date": now.isoformat(timespec="seconds"),
         "device": device or device_name(),
-        "commit": _git("rev-parse", "--short=12", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # a copy without git history (a machine the tree was sent to) names its commit in BENCH_COMMIT
+        "commit": _git("rev-parse", "--short=12", "HEAD") or os.environ.get("BENCH_COMMIT"),
+        "dirty": _dirty(),
         "versions": versions(),
         "command": " ".join(command if command is not None else [Path(sys.executable).name, *sys.argv]),
         "config": config,
