@@ -1,6 +1,7 @@
 """``muse-spark``: the command-line front end.
 
     muse-spark make-tiny OUT [--kind random|agreeing] [--seed N]
+    muse-spark make-pair OUT [--preset tiny|muse-spark-8b] [--acceptance P] [--confidence informative|random]
     muse-spark build --target DIR --draft DIR --out DIR [--backend eager] [--device cpu|cuda]
     muse-spark export-onnx --target DIR --draft DIR --out DIR [--max-batch 8] [--max-seq 1024]
     muse-spark generate (--engine DIR | --target DIR --draft DIR) (--prompt TEXT | --prompt-ids 1,2,3)
@@ -51,6 +52,47 @@ def measure_greedy_acceptance(target_dir, draft_dir, prompts=((1, 2, 3), (40, 41
         "steps": len(steps),
         "prompts": len(prompts),
     }
+
+
+# ---- make-pair ------------------------------------------------------------------------------
+def cmd_make_pair(a) -> int:
+    from muse_spark.builder.pair import PairError, draft_token_ids, make_pair, random_prompts
+
+    try:
+        info = make_pair(a.out, a.preset, acceptance=a.acceptance, confidence=a.confidence, seed=a.seed,
+                         device=a.device, overwrite=a.overwrite, log=lambda s: print(s, flush=True))
+    except PairError as e:
+        return _die(str(e))
+    out = Path(a.out)
+    print(f"wrote {out}/target and {out}/draft: {info['draft_tokens_disagreeing']} of {info['draft_vocab']} draft "
+          f"tokens disagree with the target (agreement {info['agreement']:.3f}, expected "
+          f"{info['expected_accepted_per_step']:.2f} accepted drafts per greedy step of γ={info['gamma']}); peak host "
+          f"memory {info['peak_host_memory_gib']:.2f} GiB")
+    measure = a.measure if a.measure is not None else (a.preset == "tiny" or info["device"].startswith("cuda"))
+    if not measure:
+        print("(acceptance not measured: --measure runs the eager engine over the pair)")
+        return 0
+    from muse_spark.runtime import EagerEngine
+    from muse_spark.runtime.acceptance import measure_acceptance
+
+    engine = EagerEngine.from_checkpoints(out / "target", out / "draft", device=info["device"],
+                                          max_batch=a.prompts, max_seq=a.max_tokens + 64)
+    prompts = random_prompts(draft_token_ids(out), a.prompts, 16, seed=a.seed)
+    report = {}
+    for name, temp in (("greedy", 0.0), ("temperature_1", 1.0)):
+        m = report[name] = measure_acceptance(engine, prompts, a.max_tokens, temperature=temp, seed=a.seed)
+        per_pos = " ".join("-" if x is None else f"{x:.2f}" for x in m["acceptance_per_position"])
+        print(f"measured ({name.replace('_', ' ')}, {a.prompts} prompts × {a.max_tokens} tokens): "
+              f"{m['mean_accepted_per_step']:.2f} accepted drafts per step; per position {per_pos}")
+        c = m.get("confidence")
+        if c:
+            auroc = "n/a" if c["auroc"] is None else f"{c['auroc']:.3f}"
+            fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+            print(f"  confidence: mean {fmt(c['mean_when_accepted'])} where accepted, {fmt(c['mean_when_rejected'])} "
+                  f"where rejected; AUROC {auroc}")
+    info["measured"] = report
+    (out / "pair.json").write_text(json.dumps(info, indent=1) + "\n")
+    return 0
 
 
 # ---- build ----------------------------------------------------------------------------------
@@ -202,6 +244,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--head-type", choices=["vanilla", "gated", "rnn"], default="vanilla")
     t.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     t.set_defaults(fn=cmd_make_tiny)
+
+    m = sub.add_parser("make-pair", help="write a target + draft pair at a preset's shapes whose drafts agree with "
+                                         "the target at a chosen rate")
+    m.add_argument("out")
+    m.add_argument("--preset", choices=["muse-spark-8b", "tiny"], default="tiny")
+    m.add_argument("--acceptance", type=float, default=0.8,
+                   help="the rate P at which a drafted token agrees with the target (greedy: about sum_k P^k "
+                        "accepted drafts per step)")
+    m.add_argument("--confidence", choices=["informative", "random"], default="informative",
+                   help="informative: the confidence head predicts acceptance; random: it carries no information")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the weights are generated (auto: the GPU when there is one)")
+    m.add_argument("--overwrite", action="store_true", help="replace OUT/target and OUT/draft if they exist")
+    m.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure the acceptance with the eager engine afterwards (default: for the tiny preset "
+                        "and on a GPU)")
+    m.add_argument("--prompts", type=int, default=64, help="prompts of the measurement")
+    m.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt in the measurement")
+    m.set_defaults(fn=cmd_make_pair)
 
     b = sub.add_parser("build", help="build an engine directory from a checkpoint pair")
     b.add_argument("--target", required=True)

@@ -187,8 +187,9 @@ class EagerEngine:
         """
         g = self.gamma
         ctx_len = self.max_seq if self.full_draft_window else kv_len - g - 1
-        ids, probs, _conf = self.draft.propose(anchor, anchor_pos, slots, self.draft_cache, ctx_len, seeds,
-                                               temperature)
+        ids, probs, conf = self.draft.propose(anchor, anchor_pos, slots, self.draft_cache, ctx_len, seeds,
+                                              temperature)
+        self._confidence = conf
         tokens = torch.cat([anchor[:, None], ids], 1)  # [B, γ+1]
         positions = anchor_pos[:, None] + torch.arange(g + 1, device=anchor.device)
         h, aux = self.target(tokens, positions, slots, self.target_cache, kv_len)
@@ -198,6 +199,12 @@ class EagerEngine:
         # before any query can read them.
         self.draft.store_context(aux, positions, slots, self.draft_cache)
         return torch.cat([ids, n[:, None], bonus[:, None]], 1)
+
+    def take_confidence(self) -> list[list[float]] | None:
+        """The confidence head's values for the last step's drafts ([B][γ], on the host), once; None
+        when the last step made none (no head, or an engine whose compiled step does not return them)."""
+        conf, self._confidence = getattr(self, "_confidence", None), None
+        return None if conf is None else conf.float().cpu().tolist()
 
     def step_host(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> list[list[int]]:
         """``step`` for host values (sequences of n ints; n floats for the temperatures) → the packed

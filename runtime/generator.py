@@ -51,6 +51,7 @@ class StepRecord:
     draft_ids: list[int]
     accepted: int
     emitted: list[int]
+    confidence: list[float] | None = None  # the confidence head's value per draft, where the engine reports it
 
 
 @dataclass
@@ -278,10 +279,12 @@ class Generator:
         if not eng.chains:
             # Host values in, lists out: two host→device copies and one back (the engines' step_host).
             packed = eng.step_host(*host_inputs(), last + g + 1)
+            confidence = eng.take_confidence() if hasattr(eng, "take_confidence") else None
         else:
             if handle is None:
                 handle = eng.step_launch(*host_inputs(), last + g + 1)
             nxt = None
+            confidence = None  # (the compiled steps return the drafts, not their confidence)
             if self._chains(batch):
                 nxt = eng.step_next(handle, last + 2 * (g + 1))
             packed = eng.step_rows(handle)
@@ -289,13 +292,13 @@ class Generator:
                 self._inflight = (nxt, batch)
         self.step_times.append(time.perf_counter() - t0)
         done = []
-        for req, row in zip(batch, packed):
+        for i, (req, row) in enumerate(zip(batch, packed)):
             if req.finished:  # (finished or cancelled after this chained step was launched)
                 continue
             draft, n, bonus = row[:g], row[g], row[g + 1]
             emitted = draft[:n] + [bonus]
             shown = self._emit(req, emitted)
-            req.steps.append(StepRecord(req.position, draft, n, shown))
+            req.steps.append(StepRecord(req.position, draft, n, shown, confidence[i] if confidence else None))
             req.anchor, req.position = bonus, req.position + n + 1
             done.append(req)
         return done
