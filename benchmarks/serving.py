@@ -1,6 +1,10 @@
 """Serving throughput: the Triton server (``muse-spark serve``) against the in-process ``Generator``.
 
-    python benchmarks/serving.py --engine engines/tiny [--concurrency 8] [--requests 64] [--max-tokens 64]
+    python benchmarks/serving.py (--engine engines/tiny | --pair DIR) [--concurrency 8] [--requests 64] \
+        [--max-tokens 64]
+
+``--pair``: a ``muse-spark make-pair`` folder; an engine is built from it first (``benchmarks/pairs.py``:
+aoti on CUDA, eager on the CPU, max_batch ``--concurrency``) into ``--work-dir`` or a temporary folder.
 
 Both sides run the same requests (greedy, fixed prompt and output lengths, ``ignore_eos``) with at
 most ``--concurrency`` in flight: in process, a request joins the ``Generator`` as soon as another
@@ -31,6 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
+from pairs import (build_from_pair, check_pair, default_backend, default_device, pair_gamma,  # noqa: E402
+                   pair_summary, window)
 
 
 def workload(vocab: int, n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
@@ -140,7 +146,13 @@ def through_server(engine_dir: str, device: str | None, prompts, max_tokens: int
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine", help="an engine directory")
+    src.add_argument("--pair", help="a make-pair folder (target/, draft/): an engine is built from it first")
+    p.add_argument("--backend", choices=["aoti", "eager"], default=None,
+                   help="with --pair: the engine's backend (default aoti on cuda, eager on cpu)")
+    p.add_argument("--work-dir", default=None,
+                   help="with --pair: where the engine is built (default: a temporary folder)")
     p.add_argument("--device", default=None, help="override the engine's device")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--requests", type=int, default=64)
@@ -153,6 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[serving-bench] {msg}", file=sys.stderr, flush=True)
 
+    if a.backend and not a.pair:
+        p.error("--backend applies to --pair (an --engine runs with its own backend)")
+    with tempfile.TemporaryDirectory(prefix="serving-bench-engine-") as tmp:
+        if a.pair:
+            pair = check_pair(a.pair)
+            a.device = default_device(a.device)
+            a.engine = str(build_from_pair(pair, a.work_dir or tmp, backend=a.backend or default_backend(a.device),
+                                           device=a.device, max_batch=a.concurrency,
+                                           max_seq=window(a.prompt_len, a.max_tokens, pair_gamma(pair)), log=log))
+        return run(a, log)
+
+
+def run(a, log) -> int:
     manifest = json.loads((Path(a.engine) / "manifest.json").read_text())
     vocab = manifest["target_config"]["vocab_size"]
     prompts = workload(vocab, a.requests, a.prompt_len)
@@ -164,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         remote = through_server(a.engine, a.device, prompts, a.max_tokens, a.concurrency, serve_args, Path(work), log)
     log(f"server: {remote['figures']}")
     same = remote["outputs"] == local["outputs"]
-    doc = results.record("serving", {k: v for k, v in vars(a).items() if k != "out"},
+    config = {k: v for k, v in vars(a).items() if k != "out"}
+    if a.pair:
+        config["pair_summary"] = pair_summary(a.pair)
+    doc = results.record("serving", config,
                          {"in_process": local["figures"], "server": remote["figures"],
                           "server_over_in_process_tokens_per_s": round(
                               remote["figures"]["tokens_per_s"] / local["figures"]["tokens_per_s"], 3),

@@ -1,0 +1,231 @@
+"""End-to-end generation: generated tokens/s of speculative decoding against the target alone, at the
+acceptance a pair really has.
+
+    python benchmarks/generation.py (--pair DIR | --engine DIR) [--backend aoti|eager] [--device cuda|cpu] \
+        [--batches 1,8,32] [--max-tokens 256] [--prompt-len 32] [--work-dir D] [--out-dir benchmarks/results] \
+        [--markdown F]
+
+``--pair``: a folder of ``muse-spark make-pair`` (its drafts agree with the target at a chosen rate);
+an engine is built from it first (aoti on CUDA, eager on the CPU) with max_batch the largest batch and
+the window the run needs. ``--engine``: an engine directory, loaded as it is.
+
+At each batch size B: B prompts of ``--prompt-len`` tokens drawn from the draft vocabulary (so the
+pair's acceptance holds from the first step), seeded; a short warm-up of both sides, then, timed
+(wall clock, the device synchronized before and after), greedy with EOS ignored so every request
+generates ``--max-tokens``:
+
+* speculative: ``Generator(engine).generate`` (in-flight batching, the engine's steps);
+* target-only: ``TargetOnlyDecoder`` (one token a step; on CUDA each batch size's step replayed from
+  a CUDA graph);
+
+reported: generated tokens/s (B·max_tokens over the wall time), decode-only tokens/s (the tokens after
+each request's first, over the time after the last prefill: every prefill is timed as it returns,
+and both sides prefill all B prompts before their first step), the mean step time, for speculative
+decoding the accepted drafts and emitted tokens per step (``acceptance_stats``), and the ratios
+speculative / target-only. The two sides' outputs must be identical token for token: the run fails
+(exit 1) where they are not. The result goes to ``benchmarks/results/`` in the common schema
+(``benchmarks/results.py``); ``--markdown`` also writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results  # noqa: E402  (benchmarks/results.py, beside this file)
+from pairs import (build_from_pair, check_pair, default_backend, default_device, pair_gamma,  # noqa: E402
+                   pair_summary, window)
+from timing import batch_list, host_description  # noqa: E402
+
+COLUMNS = [("batch", "batch", "{}"), ("spec tok/s", ("speculative", "tokens_per_s"), "{:.1f}"),
+           ("spec decode tok/s", ("speculative", "decode_tokens_per_s"), "{:.1f}"),
+           ("spec step ms", ("speculative", "mean_step_ms"), "{:.3f}"),
+           ("accepted/step", ("speculative", "mean_accepted_per_step"), "{:.2f}"),
+           ("emitted/step", ("speculative", "mean_emitted_per_step"), "{:.2f}"),
+           ("target tok/s", ("target_only", "tokens_per_s"), "{:.1f}"),
+           ("target decode tok/s", ("target_only", "decode_tokens_per_s"), "{:.1f}"),
+           ("target step ms", ("target_only", "mean_step_ms"), "{:.3f}"),
+           ("speedup", "speedup", "{:.2f}×"), ("decode speedup", "decode_speedup", "{:.2f}×"),
+           ("identical", "outputs_identical", "{}")]
+
+
+def cells(row: dict) -> list[str]:
+    out = []
+    for _, key, fmt in COLUMNS:
+        v = row[key[0]][key[1]] if isinstance(key, tuple) else row[key]
+        out.append(fmt.format(v))
+    return out
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    lines = [f"# Generation: speculative vs target-only\n\n{title}\n",
+             "| " + " | ".join(name for name, _, _ in COLUMNS) + " |",
+             "|" + "---:|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+class Clock:
+    """The wall time of a generation and when its last prefill returned (``engine.prefill`` wrapped:
+    synchronized and stamped as it returns; its caller reads the token right after, a sync anyway)."""
+
+    def __init__(self, engine):
+        import torch
+
+        self.cuda = engine.device.type == "cuda"
+        self.sync = (lambda: torch.cuda.synchronize(engine.device)) if self.cuda else (lambda: None)
+        self.prefilled: list[float] = []
+        prefill = engine.prefill
+
+        def stamped(*args, **kw):
+            out = prefill(*args, **kw)
+            self.sync()
+            self.prefilled.append(time.perf_counter())
+            return out
+
+        engine.prefill = stamped  # (an instance attribute: the Generator and the decoder call it)
+
+    def time(self, run):
+        """→ (run()'s requests, seconds, seconds after the last prefill)."""
+        self.prefilled.clear()
+        self.sync()
+        t0 = time.perf_counter()
+        reqs = run()
+        self.sync()
+        t1 = time.perf_counter()
+        return reqs, t1 - t0, t1 - max(self.prefilled, default=t0)
+
+
+def figures(reqs, seconds: float, decode_seconds: float, step_times: list[float]) -> dict:
+    tokens = sum(len(r.output) for r in reqs)
+    return {"generated_tokens": tokens, "seconds": round(seconds, 4),
+            "prefill_seconds": round(seconds - decode_seconds, 4),
+            "tokens_per_s": round(tokens / seconds, 2),
+            "decode_tokens_per_s": round((tokens - len(reqs)) / max(decode_seconds, 1e-9), 2),
+            "steps": len(step_times),
+            "mean_step_ms": round(1e3 * statistics.mean(step_times), 4) if step_times else None}
+
+
+def measure(engine, decoder, clock: Clock, prompts: list[list[int]], max_tokens: int) -> dict:
+    from muse_spark.runtime import Generator, SamplingParams
+    from muse_spark.runtime.acceptance import acceptance_stats
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    warm = SamplingParams(max_tokens=min(max_tokens, 2 * (engine.gamma + 1)), ignore_eos=True)
+    Generator(engine).generate(prompts, warm)  # (first launches; the decoder captures this batch's graph)
+    decoder.generate(prompts, warm)
+
+    gen = Generator(engine)
+    spec, secs, decode = clock.time(lambda: gen.generate(prompts, params))
+    s = figures(spec, secs, decode, gen.step_times)
+    acc = acceptance_stats(spec, engine.gamma)
+    s.update({k: acc[k] for k in ("mean_accepted_per_step", "mean_emitted_per_step", "acceptance_per_position")})
+
+    decoder.step_times.clear()
+    base, secs, decode = clock.time(lambda: decoder.generate(prompts, params))
+    t = figures(base, secs, decode, decoder.step_times)
+    return {"batch": len(prompts), "speculative": s, "target_only": t,
+            "speedup": round(s["tokens_per_s"] / t["tokens_per_s"], 3),
+            "decode_speedup": round(s["decode_tokens_per_s"] / t["decode_tokens_per_s"], 3),
+            "outputs_identical": [r.output for r in spec] == [r.output for r in base],
+            "differing_requests": sum(a.output != b.output for a, b in zip(spec, base))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--pair", help="a make-pair folder (target/, draft/, pair.json): an engine is built from it")
+    src.add_argument("--engine", help="an engine directory")
+    p.add_argument("--backend", choices=["aoti", "eager"], default=None,
+                   help="with --pair: the engine's backend (default aoti on cuda, eager on cpu)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="default: cuda where available (--engine: the engine's own)")
+    p.add_argument("--batches", type=batch_list, default=[1, 8, 32], help="comma-separated, e.g. 1,8,32")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    p.add_argument("--work-dir", default="/tmp/muse-spark-generation", help="where --pair's engine is built")
+    p.add_argument("--out-dir", default=str(results.RESULTS),
+                   help="where the result goes, in the common schema (default: benchmarks/results)")
+    p.add_argument("--markdown", default=None, help="also write the table here (Markdown)")
+    a = p.parse_args(argv)
+    if a.max_tokens < 1 or a.prompt_len < 1:
+        p.error("--max-tokens and --prompt-len must be positive")
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[generation {time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    import torch
+
+    from muse_spark.builder.pair import draft_token_ids, random_prompts
+    from muse_spark.runtime import load_engine
+    from muse_spark.runtime.target_only import TargetOnlyDecoder
+
+    batches = sorted(a.batches)
+    config = {k: v for k, v in vars(a).items() if k not in ("out_dir", "markdown")}
+    if a.pair:
+        pair = check_pair(a.pair)
+        a.device = default_device(a.device)
+        a.backend = a.backend or default_backend(a.device)
+        max_seq = window(a.prompt_len, a.max_tokens, pair_gamma(pair))
+        engine_dir = build_from_pair(pair, a.work_dir, backend=a.backend, device=a.device, max_batch=batches[-1],
+                                     max_seq=max_seq, log=log)
+        config["pair"] = pair_summary(pair)
+    else:
+        if a.backend:
+            p.error("--backend applies to --pair (an --engine runs with its own backend)")
+        engine_dir = a.engine
+    log(f"loading {engine_dir}")
+    engine = load_engine(engine_dir, device=a.device)
+    if batches[-1] > engine.max_batch:
+        p.error(f"batch {batches[-1]} exceeds the engine's max_batch {engine.max_batch}")
+    if a.pair:
+        vocab = draft_token_ids(a.pair)
+    else:
+        d2t = engine.draft.d2t.cpu()
+        vocab = (d2t + torch.arange(len(d2t))).tolist()
+    config["engine"] = {"backend": engine.backend, "device": str(engine.device), "gamma": engine.gamma,
+                        "max_batch": engine.max_batch, "max_seq": engine.max_seq,
+                        "dtype": str(engine.target.dtype).removeprefix("torch."),
+                        "options": engine.options.to_dict(),
+                        "cuda_graphs": bool(getattr(engine, "cuda_graphs", False))}
+    config["host"] = host_description(engine.device.type)
+    doc = results.record("generation", config, {}, device=None if engine.device.type == "cuda" else results.cpu_name())
+    title = (f"{engine.backend} engine on {doc['device']}, γ = {engine.gamma}"
+             + (f", pair acceptance {config['pair'].get('acceptance')} ({config['pair'].get('preset')})"
+                if a.pair else "") + f"; prompts of {a.prompt_len} tokens, {a.max_tokens} generated, greedy")
+    log(title)
+
+    clock, decoder = Clock(engine), TargetOnlyDecoder(engine)
+    rows: list[dict] = []
+    widths = [max(len(name), 9) for name, _, _ in COLUMNS]
+    print("  ".join(n.rjust(w) for (n, _, _), w in zip(COLUMNS, widths)), flush=True)
+    for b in batches:
+        prompts = random_prompts(vocab, b, a.prompt_len, seed=a.seed + b)
+        row = measure(engine, decoder, clock, prompts, a.max_tokens)
+        rows.append(row)
+        print("  ".join(c.rjust(w) for c, w in zip(cells(row), widths)), flush=True)
+        if not row["outputs_identical"]:
+            log(f"MISMATCH at batch {b}: {row['differing_requests']} of {b} speculative outputs differ from the "
+                "target-only ones")
+        doc["results"] = {"batches": rows, "outputs_identical": all(r["outputs_identical"] for r in rows)}
+        path = results.write(doc, Path(a.out_dir))  # (rewritten after each batch: a run cut short keeps them)
+        if a.markdown:
+            Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.markdown).write_text(markdown(rows, title))
+    log(f"wrote {path}" + (f" and {a.markdown}" if a.markdown else ""))
+    if not doc["results"]["outputs_identical"]:
+        log("FAILED: speculative and target-only greedy outputs differ (see MISMATCH above)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

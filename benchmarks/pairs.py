@@ -1,0 +1,60 @@
+"""Engines from a checkpoint pair (``muse-spark make-pair``'s folder: ``target/``, ``draft/``,
+``pair.json``) for the benchmarks that take ``--pair`` instead of a built ``--engine``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def default_device(device: str | None) -> str:
+    import torch
+
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_backend(device: str) -> str:
+    """aoti (its steps replayed from CUDA graphs) on CUDA; eager elsewhere (an aoti compile for the
+    CPU takes minutes and is not what anyone serves)."""
+    return "aoti" if device == "cuda" else "eager"
+
+
+def check_pair(pair: str | Path) -> Path:
+    pair = Path(pair)
+    missing = [sub for sub in ("target", "draft") if not (pair / sub / "config.json").is_file()]
+    if missing:
+        raise SystemExit(f"--pair {pair}: no {' or '.join(missing)} checkpoint there (expected {pair}/target and "
+                         f"{pair}/draft, as `muse-spark make-pair --out {pair}` writes them)")
+    return pair
+
+
+def pair_summary(pair: str | Path) -> dict:
+    """``pair.json`` (how the pair was made: preset, acceptance, seed …); {} where there is none."""
+    f = Path(pair) / "pair.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def pair_gamma(pair: str | Path) -> int:
+    return int(json.loads((Path(pair) / "draft" / "config.json").read_text())["block_size"])
+
+
+def window(prompt_len: int, max_tokens: int, gamma: int) -> int:
+    """The max_seq a run needs: prompt + output + two steps of γ+1 positions (a chained step's writes
+    stay inside the window until the end), rounded up to a multiple of 64."""
+    need = prompt_len + max_tokens + 2 * (gamma + 1)
+    return -(-need // 64) * 64
+
+
+def build_from_pair(pair: str | Path, work_dir: str | Path, *, backend: str, device: str, max_batch: int,
+                    max_seq: int, log) -> Path:
+    """Build an engine from the pair into ``work_dir`` (replacing one built there before) → its folder.
+    The build reports its progress on stderr."""
+    from muse_spark.builder.build import build_engine
+
+    pair = check_pair(pair)
+    out = Path(work_dir) / f"engine-{backend}-{device}-b{max_batch}-s{max_seq}"
+    log(f"building an engine from {pair} ({backend} backend, {device}, max_batch {max_batch}, max_seq {max_seq}) "
+        f"into {out}")
+    build_engine(pair / "target", pair / "draft", out, backend=backend, device=device, max_batch=max_batch,
+                 max_seq=max_seq, overwrite=True, quiet=False)
+    return out
