@@ -72,9 +72,10 @@ def record(benchmark: str, config: dict, results: dict, command: list[str] | Non
         "benchmark": benchmark,
         "date": now.isoformat(timespec="seconds"),
         "device": device or device_name(),
-        # a copy without git history (a machine the tree was sent to) names its commit in BENCH_COMMIT
-        "commit": _git("rev-parse", "--short=12", "HEAD") or os.environ.get("BENCH_COMMIT"),
-        "dirty": _dirty(),
+        # a copy of the tree sent to another machine names its commit in BENCH_COMMIT (its own git
+        # metadata, if any, may be older than the files it carries)
+        "commit": os.environ.get("BENCH_COMMIT") or _git("rev-parse", "--short=12", "HEAD"),
+        "dirty": None if os.environ.get("BENCH_COMMIT") else _dirty(),
         "versions": versions(),
         "command": " ".join(command if command is not None else [Path(sys.executable).name, *sys.argv]),
         "config": config,
