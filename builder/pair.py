@@ -2,8 +2,8 @@
 
 ``make_pair(out, preset, acceptance=P, confidence="informative"|"random", seed=S)`` writes ``out/target``
 and ``out/draft`` as HF-style checkpoints at the preset's real shapes (``PRESETS``): ``config.json``,
-sharded safetensors with ``model.safetensors.index.json`` (vLLM's unstacked weight names), and a
-``tokenizer.json``; ``out/pair.json`` records how the pair was made. The weights are generated on
+safetensors shards of 2 GiB with ``model.safetensors.index.json`` (one ``model.safetensors`` where it
+fits in one; vLLM's unstacked weight names), and a ``tokenizer.json``; ``out/pair.json`` records how the pair was made. The weights are generated on
 the given device (the GPU: seconds for the 8B preset) one shard at a time, so the host holds one
 shard, never the whole model.
 
@@ -145,18 +145,28 @@ def make_tokenizer(vocab_size: int = 259):
 
 
 # ---- the bigram plan --------------------------------------------------------------------------
-def plan_bigrams(vocab: int, draft_vocab: int, acceptance: float, g: torch.Generator,
-                 draft_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def plan_bigrams(vocab: int, draft_vocab: int, acceptance: float, g: torch.Generator) -> dict[str, torch.Tensor]:
     """The target's successor function ``f`` (all tokens → draft tokens, one cycle on the draft
-    vocabulary), the draft's ``g`` (a bijection of the draft vocabulary, equal to ``f`` outside
-    ``bad``) and the draft vocabulary itself (sorted target ids, no special tokens). CPU tensors."""
-    if draft_ids is None:
+    vocabulary; two, printable and other bytes, for the byte-level toy), the draft's ``g`` (a
+    bijection of the draft vocabulary, equal to ``f`` outside ``bad``) and the draft vocabulary
+    itself (sorted target ids, no special tokens). CPU tensors."""
+    if vocab <= 259:  # the byte-level toy: the printable bytes and others, each group a cycle of its own,
+        # so text made of printable bytes stays printable (readable demos)
+        printable = torch.arange(32, 127)
+        others = torch.tensor([b for b in range(256) if not 32 <= b < 127])
+        extra = others[torch.randperm(len(others), generator=g)[: draft_vocab - len(printable)]]
+        draft_ids = torch.sort(torch.cat([printable, extra])).values
+        cycles = [printable, extra]
+    else:
         ordinary = torch.tensor([t for t in range(vocab) if t not in (BOS, EOS, MASK)])
         draft_ids = torch.sort(ordinary[torch.randperm(len(ordinary), generator=g)[:draft_vocab]]).values
-    order = draft_ids[torch.randperm(draft_vocab, generator=g)]
+        cycles = [draft_ids]
     succ = torch.randint(0, draft_vocab, (vocab,), generator=g)
     f = draft_ids[succ]  # tokens outside the draft vocabulary: a random draft token
-    f[order] = torch.roll(order, -1)  # the cycle through the draft vocabulary
+    for cycle in cycles:
+        order = cycle[torch.randperm(len(cycle), generator=g)]
+        f[order] = torch.roll(order, -1)  # a cycle through these draft tokens
+    order = draft_ids[torch.randperm(draft_vocab, generator=g)]
     m = round((1.0 - acceptance) * draft_vocab)
     m = max(m, 2) if m else 0  # (one token alone cannot be given another's successor)
     gamma_sim = 7
@@ -231,8 +241,13 @@ class ShardWriter:
         self.pending, self.pending_bytes = {}, 0
 
     def close(self) -> None:
+        """Name the shards ``model-0000i-of-0000N.safetensors`` and write the index; a checkpoint that
+        fits in one shard is one ``model.safetensors`` without an index (as Hugging Face saves them)."""
         self.flush()
         n = len(self.shards)
+        if n == 1:
+            self.shards[0][0].rename(self.out / "model.safetensors")
+            return
         weight_map = {}
         for i, (path, names) in enumerate(self.shards):
             final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
