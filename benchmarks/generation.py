@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         a.backend = a.backend or default_backend(a.device)
         max_seq = window(a.prompt_len, a.max_tokens, pair_gamma(pair))
         engine_dir = build_from_pair(pair, a.work_dir, backend=a.backend, device=a.device, max_batch=batches[-1],
-                                     max_seq=max_seq, log=log)
+                                     max_seq=max_seq, log=log, buckets=batches)
         config["pair"] = pair_summary(pair)
     else:
         if a.backend:

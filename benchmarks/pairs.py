@@ -46,9 +46,10 @@ def window(prompt_len: int, max_tokens: int, gamma: int) -> int:
 
 
 def build_from_pair(pair: str | Path, work_dir: str | Path, *, backend: str, device: str, max_batch: int,
-                    max_seq: int, log) -> Path:
+                    max_seq: int, log, buckets: list[int] | None = None) -> Path:
     """Build an engine from the pair into ``work_dir`` (replacing one built there before) → its folder.
-    The build reports its progress on stderr."""
+    The build reports its progress on stderr. ``buckets``: the aoti engine's batch buckets (default:
+    powers of two up to max_batch); a benchmark that runs only some batch sizes compiles only those."""
     from muse_spark.builder.build import build_engine
 
     pair = check_pair(pair)
@@ -56,5 +57,6 @@ def build_from_pair(pair: str | Path, work_dir: str | Path, *, backend: str, dev
     log(f"building an engine from {pair} ({backend} backend, {device}, max_batch {max_batch}, max_seq {max_seq}) "
         f"into {out}")
     build_engine(pair / "target", pair / "draft", out, backend=backend, device=device, max_batch=max_batch,
-                 max_seq=max_seq, overwrite=True, quiet=False)
+                 max_seq=max_seq, overwrite=True, quiet=False,
+                 **({"buckets": sorted(set(buckets))} if buckets and backend == "aoti" else {}))
     return out
