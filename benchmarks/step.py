@@ -128,7 +128,14 @@ class Bench(AotiSections):
 
         a, dev = self.a, self.device
         batches = sorted(a.batches)
-        tcfg, dcfg = preset_configs(a.preset, a.layers, a.draft_layers)
+        if a.pair:
+            from muse_spark.checkpoint import load_pair
+
+            self.log(f"loading the pair {a.pair} on {dev}")
+            target, draft = load_pair(Path(a.pair) / "target", Path(a.pair) / "draft", device=dev)
+            tcfg, dcfg = target.cfg, draft.cfg
+        else:
+            tcfg, dcfg = preset_configs(a.preset, a.layers, a.draft_layers)
         g = dcfg.block_size
         max_seq = a.max_seq or (a.context + 128)
         slots = max(batches) + 1  # + the scratch slot the aoti engine pads with
@@ -139,8 +146,9 @@ class Bench(AotiSections):
         impl = resolve_plugin_impl(a.plugins, str(dev)) if "aoti" not in a.skip else "inline"
         self.result["config"]["plugin_impl"] = impl
 
-        self.log(f"random {a.preset} pair on {dev}")
-        target, draft = random_pair(tcfg, dcfg, dev)
+        if not a.pair:
+            self.log(f"random {a.preset} pair on {dev}")
+            target, draft = random_pair(tcfg, dcfg, dev)
         from muse_spark.models.layers import attention_path, linear_path
 
         self.result["config"]["attention"] = attention_path(dev, target.dtype, self.options)
@@ -471,6 +479,10 @@ class Bench(AotiSections):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="muse-spark-8b")
+    p.add_argument("--pair", default=None,
+                   help="time this checkpoint pair (a `muse-spark make-pair` folder: target/, draft/) instead of "
+                        "the preset's random weights; benchmarks/generation.py --pair measures its tokens/s at its "
+                        "real acceptance")
     p.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     p.add_argument("--batches", type=batch_list, default=[1, 8, 32], help="comma-separated, e.g. 1,8,32")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per request")

@@ -356,3 +356,19 @@ def test_interleaved_replays_time_the_copy_in_the_same_rounds_and_give_the_ratio
     assert turns["roofline_ms"] == pytest.approx(4_000_000 / turns["copy_GBps"] / 1e6)
     assert turns["aoti_replay_over_roofline"] == pytest.approx(got["aoti"] / turns["roofline_ms"])
     assert bench.replays == {} and "copy in the same rounds" in logged[-1]
+
+
+def test_the_step_benchmark_times_a_made_pair(tmp_path):
+    """`--pair DIR` times that checkpoint pair (a make-pair folder) instead of the preset's random weights."""
+    from muse_spark.builder.pair import make_pair
+
+    make_pair(tmp_path / "pair", "tiny", acceptance=0.8)
+    out = tmp_path / "results"
+    subprocess.run([sys.executable, "-m", "muse_spark.cli", "bench", "--pair", str(tmp_path / "pair"), "--device",
+                    "cpu", "--batches", "1", "--context", "16", "--iters", "2", "--skip", "compile,aoti",
+                    "--out-dir", str(out)], check=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    (path,) = result_files(out)
+    doc = json.loads(path.read_text())
+    assert doc["config"]["pair"] == str(tmp_path / "pair")
+    assert doc["results"]["config"]["target"]["vocab_size"] == 259 and doc["results"]["config"]["gamma"] == 5
+    assert doc["results"]["sections"]["eager"]["1"]["median_ms"] > 0
