@@ -77,8 +77,8 @@ from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
 from muse_spark.models.layers import attention_path, linear_path
 from muse_spark.plugins.pdl import pdl_active, PDL_KERNELS
 from muse_spark.options import KernelOptions, use_options
-from muse_spark.graphs.parts import (GRAPH_INPUTS, LAYOUT, GraphFn, build_pair, part_weight_names, torch_dtype,
-                                            weight_specs)
+from muse_spark.graphs.parts import (GRAPH_INPUTS, LAYOUT, GraphFn, SpecPair, build_pair, part_weight_names,
+                                            torch_dtype, weight_specs)
 
 PLUGIN_IMPLS = ("auto", "inline", "triton")
 
@@ -401,8 +401,6 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         f"prefill chunk {chunk}; static key window {max_seq}")
     if impl == "triton" and draft.cfg.dspark_draft_topk:
         raise ValueError("the fused Markov kernel does not support dspark_draft_topk; build with plugins='inline'")
-    from muse_spark.graphs.parts import SpecPair
-
     wspecs = weight_specs(SpecPair(target, draft))
     configs = inductor_configs(device, fast_compile)
     cache_dtype = str(target.dtype).removeprefix("torch.")

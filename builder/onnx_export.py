@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from muse_spark.builder.limits import check_max_batch, check_max_seq
-from muse_spark.graphs.parts import GraphFn, build_pair, weight_specs
+from muse_spark.graphs.parts import GraphFn, SpecPair, build_pair, weight_specs
 from muse_spark.graphs.onnx_parts import MUTATED, ONNX_LAYOUT, PLUGIN_DOMAIN, register_plugin_schemas
 from muse_spark.plugins.onnx_types import onnx_dtype
 
@@ -126,7 +126,6 @@ def export_onnx(target, draft, out_dir: Path, *, max_batch: int, max_seq: int, b
     ``cache_slots``: the caches' slots (default ``max_batch + 1``: a scratch slot for padding rows, as
     the ``aoti`` engine's)."""
     from muse_spark.builder.aoti import graph_jobs, graph_plan
-    from muse_spark.graphs.parts import SpecPair
 
     check_max_seq(target, draft, max_seq)
     if draft.cfg.dspark_draft_topk:

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from muse_spark.graphs.parts import LAYOUT
+
 TENSORRT_LAYOUT = "tensorrt-1"
 
 
@@ -61,7 +63,6 @@ def build_tensorrt(target, draft, out_dir: Path, *, max_batch: int, max_seq: int
     trt = require_tensorrt()
     import muse_spark.plugins.tensorrt_plugins  # noqa: F401  (registers the plugins with TensorRT)
     from muse_spark.builder.onnx_export import export_onnx
-    from muse_spark.graphs.parts import LAYOUT
 
     section = export_onnx(target, draft, out_dir, max_batch=max_batch, max_seq=max_seq, buckets=buckets,
                           prefill_chunk=prefill_chunk, log=log)

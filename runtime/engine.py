@@ -32,6 +32,7 @@ from muse_spark.models.layers import attention_path
 from muse_spark.models.target import MuseSpark1xForCausalLM
 from muse_spark.options import KernelOptions, engine_options, use_options
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
+from muse_spark.checkpoint import load_pair
 
 INPUT_NAMES = ("anchor", "anchor_pos", "slots", "seeds", "temperature")  # a step's per-request inputs
 
@@ -146,7 +147,6 @@ class EagerEngine:
                          max_seq=None, options: KernelOptions | None = None, **kw) -> "EagerEngine":
         """An engine straight from a checkpoint pair (no engine directory); ``options``: its kernel
         options, by default the environment's (``KernelOptions.from_env``)."""
-        from muse_spark.checkpoint import load_pair
 
         target, draft = load_pair(target_dir, draft_dir, dtype, device)
         tok = Path(target_dir) / "tokenizer.json"

@@ -17,6 +17,7 @@ import time
 import torch
 
 from muse_spark.runtime.generator import Generator, Request, RequestError, SamplingParams
+from muse_spark.runtime.cuda_graph import capture
 
 
 def generate_target_only(engine, prompt: list[int], params: SamplingParams, slot: int = 0) -> list[int]:
@@ -46,7 +47,6 @@ class _GraphStep:
 
     @torch.inference_mode()
     def __init__(self, engine, n: int, free_slot: int, pool):
-        from muse_spark.runtime.cuda_graph import capture
 
         dev = engine.device
         self.inputs = [torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(4)]
