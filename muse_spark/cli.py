@@ -7,6 +7,7 @@
     muse-spark generate (--engine DIR | --target DIR --draft DIR) (--prompt TEXT | --prompt-ids 1,2,3)
     muse-spark triton-repo --engine DIR --out REPO [--model-name muse_spark] [--instances N]
     muse-spark serve --repo REPO [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002] [--host 127.0.0.1]
+    muse-spark calibrate --engine DIR [--batches 1,8,32] [--schedule confidence] [--confidence-threshold X]
     muse-spark bench [--preset muse-spark-8b|tiny] [--batches 1,8,32] [--out-dir D] [--markdown F]
 """
 
@@ -180,6 +181,8 @@ def cmd_generate(a) -> int:
     else:
         prompt = ids
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed, ignore_eos=a.ignore_eos)
+    if a.schedule is not None or a.confidence_threshold is not None:
+        engine.set_schedule(engine.schedule.replace(mode=a.schedule, threshold=a.confidence_threshold))
     gen = Generator(engine)
     try:
         if a.stream:
@@ -200,7 +203,9 @@ def cmd_generate(a) -> int:
         print(json.dumps({
             "output_ids": req.output,
             "text": text,
-            "steps": [{"position": s.position, "draft_ids": s.draft_ids, "accepted": s.accepted, "emitted": s.emitted}
+            "steps": [{"position": s.position, "draft_ids": s.draft_ids, "accepted": s.accepted, "emitted": s.emitted,
+                       "verified": engine.gamma if s.verified is None else s.verified,
+                       "confidence": s.confidence}
                       for s in req.steps],
             "stats": stats,
         }))
@@ -213,8 +218,28 @@ def cmd_generate(a) -> int:
             f"(mean {stats['mean_accepted_per_step']:.2f} of γ={engine.gamma}, "
             f"{stats['mean_emitted_per_step']:.2f} tokens per step); per position: {per_pos}"
         )
+        if engine.schedule.on:
+            print(f"schedule {engine.schedule.mode}: {stats['mean_verified_per_step']:.2f} of γ={engine.gamma} drafts "
+                  "verified per step on average")
         print(f"generated {stats['generated_tokens']} tokens in {stats['seconds']:.3f}s "
               f"({stats['tokens_per_second']:.1f} tokens/s), finish reason: {stats['finish_reason']}")
+    return 0
+
+
+# ---- calibrate --------------------------------------------------------------------------------
+def cmd_calibrate(a) -> int:
+    from muse_spark.runtime import load_engine
+    from muse_spark.runtime.calibrate import cost_table, write_schedule
+
+    engine = load_engine(a.engine, device=a.device)
+    batches = a.batches or sorted({1, *[b for b in (2, 4, 8, 16, 32, 64) if b < engine.max_batch], engine.max_batch})
+    print(f"timing the step of {a.engine} ({engine.backend}, {engine.device}) at batch {batches}, "
+          f"verifying 0 … {engine.gamma} drafts per request", flush=True)
+    table = cost_table(engine, batches, iters=a.iters, log=lambda s: print(s, flush=True))
+    schedule = engine.schedule.replace(mode=a.schedule, threshold=a.confidence_threshold, cost_ms=table)
+    write_schedule(a.engine, schedule)
+    print(f"wrote the cost table and schedule {schedule.mode!r} (threshold {schedule.threshold}) into "
+          f"{a.engine}/manifest.json")
     return 0
 
 
@@ -303,7 +328,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None)
     g.add_argument("--dtype", default=None)
+    g.add_argument("--schedule", choices=["off", "confidence"], default=None,
+                   help="verification policy for this run (default: the engine's): confidence verifies each "
+                        "request's drafts while their cumulative confidence stays above the threshold")
+    g.add_argument("--confidence-threshold", type=float, default=None)
     g.set_defaults(fn=cmd_generate)
+
+    c = sub.add_parser("calibrate", help="time an engine's step against the drafts it verifies and record the "
+                                         "cost table (and a schedule) in its manifest")
+    c.add_argument("--engine", required=True)
+    c.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="comma-separated batch sizes (default: powers of two up to the engine's max batch)")
+    c.add_argument("--iters", type=int, default=5)
+    c.add_argument("--schedule", choices=["off", "confidence"], default="confidence",
+                   help="the engine's default schedule from now on (default: confidence)")
+    c.add_argument("--confidence-threshold", type=float, default=None)
+    c.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    c.set_defaults(fn=cmd_calibrate)
 
     from muse_spark.serving.repo import add_triton_repo_command  # light: no torch at parser time
     from muse_spark.serving.server import add_serve_command

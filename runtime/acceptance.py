@@ -46,6 +46,9 @@ def acceptance_stats(requests, gamma: int) -> dict:
             (sum(1 for a in accepted if a > k) / d) if (d := sum(1 for a in accepted if a >= k)) else None
             for k in range(gamma)],
     }
+    verified = [s.verified for s in steps if s.verified is not None]
+    if verified:
+        out["mean_verified_per_step"] = sum(verified) / len(verified)
     yes, no = [], []
     for s in steps:
         if s.confidence is None:

@@ -39,6 +39,7 @@ from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep, StepHandle
 from muse_spark.engine_format import (EngineError, check_cache_memory, check_plugins, configs_from_manifest,
                                       read_manifest, verify_files)
 from muse_spark.options import KernelOptions, current_options, engine_options
+from muse_spark.schedule import Schedule
 from muse_spark.runtime.engine import EagerEngine, build_modules, with_options
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,7 @@ def markov_words(aoti: dict, bucket: int, where) -> int:
 # ---- the engine -------------------------------------------------------------------------------
 class AOTIEngine(EagerEngine):
     backend = "aoti"
+    schedules = False  # (its compiled step verifies all γ drafts: schedule 'off')
     section = "aoti"  # the manifest's section that describes the parts
 
     def __init__(self, target, draft, *, engine_dir: str | Path, manifest: dict, device, max_batch: int,
@@ -220,6 +222,8 @@ class AOTIEngine(EagerEngine):
         self.target, self.draft = target, draft
         self.tcfg, self.dcfg = target.cfg, draft.cfg
         self.gamma = self.dcfg.block_size
+        self.schedule = Schedule()
+        self.set_schedule(Schedule.from_dict(manifest.get("schedule")))  # (refuses 'confidence')
         self.max_batch, self.max_seq = max_batch, manifest["max_seq"]
         self.device = torch.device(device)
         self.manifest = manifest

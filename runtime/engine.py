@@ -33,6 +33,7 @@ from muse_spark.models.target import MuseSpark1xForCausalLM
 from muse_spark.options import KernelOptions, engine_options, use_options
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 from muse_spark.checkpoint import load_pair
+from muse_spark.schedule import Schedule, plan
 
 INPUT_NAMES = ("anchor", "anchor_pos", "slots", "seeds", "temperature")  # a step's per-request inputs
 
@@ -93,7 +94,8 @@ class EagerEngine:
 
     def __init__(self, target: MuseSpark1xForCausalLM, draft: MuseSparkDSparkForCausalLM, *,
                  max_batch: int, max_seq: int, device, tokenizer_path: str | Path | None = None,
-                 manifest: dict | None = None, prefill_chunk: int = 128, options: KernelOptions | None = None):
+                 manifest: dict | None = None, prefill_chunk: int = 128, options: KernelOptions | None = None,
+                 schedule: Schedule | None = None):
         self.target, self.draft = target, draft
         self.options = options or KernelOptions()
         self.tcfg, self.dcfg = target.cfg, draft.cfg
@@ -109,6 +111,23 @@ class EagerEngine:
         # follow its context window, so on that path the window is the whole cache, as in the
         # compiled packages (plugins/attention, "Bits"); the Triton kernel skips the unseen tiles.
         self.full_draft_window = attention_path(self.device, target.dtype, self.options) == "triton"
+        self.schedule = Schedule()
+        self.set_schedule(schedule if schedule is not None else Schedule.from_dict(self.manifest.get("schedule")))
+        self._confidence = self._verified = None
+
+    def set_schedule(self, schedule: Schedule) -> None:
+        """The verification policy of the following steps (``muse_spark.schedule``). Confidence
+        scheduling needs the draft's confidence head, and an engine whose step verifies a chosen
+        number of drafts: the eager engine's."""
+        if schedule.needs_confidence and self.draft.model.confidence_head is None:
+            raise EngineError("schedule 'confidence' needs a draft with a confidence head "
+                              "(enable_confidence_head in its config.json); this draft has none")
+        if schedule.on and not self.schedules:
+            raise EngineError(f"schedule {schedule.mode!r} runs on the eager engine; the {self.backend} engine's "
+                              "compiled step verifies every draft (schedule 'off')")
+        self.schedule = schedule
+
+    schedules = True  # (the compiled engines' steps verify all γ drafts)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -189,22 +208,29 @@ class EagerEngine:
         ctx_len = self.max_seq if self.full_draft_window else kv_len - g - 1
         ids, probs, conf = self.draft.propose(anchor, anchor_pos, slots, self.draft_cache, ctx_len, seeds,
                                               temperature)
-        self._confidence = conf
-        tokens = torch.cat([anchor[:, None], ids], 1)  # [B, γ+1]
-        positions = anchor_pos[:, None] + torch.arange(g + 1, device=anchor.device)
+        verify, K = None, g
+        if self.schedule.on:  # t_1 … t_k of each request go to the target, K = max k rows of them
+            verify, K = plan(conf, self.schedule, anchor.shape[0], g, anchor.device)
+        self._confidence, self._verified = conf, verify
+        tokens = torch.cat([anchor[:, None], ids[:, :K]], 1)  # [B, K+1]
+        positions = anchor_pos[:, None] + torch.arange(K + 1, device=anchor.device)
         h, aux = self.target(tokens, positions, slots, self.target_cache, kv_len)
-        n, bonus = accept(self.target.logits(h), ids, probs, self.draft.d2t, temperature, seeds, anchor_pos)
+        n, bonus = accept(self.target.logits(h), ids[:, :K], probs[:, :K], self.draft.d2t, temperature, seeds,
+                          anchor_pos, verify)
         # Draft context for the newly verified tokens a, t_1 … t_n (positions p … p+n).
-        # All γ+1 are written (static shapes); those past p+n are overwritten next step
+        # All K+1 are written (static shapes); those past p+n are overwritten next step
         # before any query can read them.
         self.draft.store_context(aux, positions, slots, self.draft_cache)
         return torch.cat([ids, n[:, None], bonus[:, None]], 1)
 
-    def take_confidence(self) -> list[list[float]] | None:
-        """The confidence head's values for the last step's drafts ([B][γ], on the host), once; None
-        when the last step made none (no head, or an engine whose compiled step does not return them)."""
-        conf, self._confidence = getattr(self, "_confidence", None), None
-        return None if conf is None else conf.float().cpu().tolist()
+    def take_step_info(self) -> tuple[list[list[float]] | None, list[int] | None]:
+        """The last step's confidence head values ([B][γ]) and drafts verified per request ([B]; None:
+        all γ), on the host, once. (None, None) where the step made neither (no head, or a compiled
+        step that returns the drafts alone)."""
+        conf, verify = getattr(self, "_confidence", None), getattr(self, "_verified", None)
+        self._confidence = self._verified = None
+        return (None if conf is None else conf.float().cpu().tolist(),
+                None if verify is None else verify.cpu().tolist())
 
     def step_host(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> list[list[int]]:
         """``step`` for host values (sequences of n ints; n floats for the temperatures) → the packed

@@ -52,6 +52,7 @@ class StepRecord:
     accepted: int
     emitted: list[int]
     confidence: list[float] | None = None  # the confidence head's value per draft, where the engine reports it
+    verified: int | None = None  # drafts sent to the target (None: all γ; the schedule 'off')
 
 
 @dataclass
@@ -92,6 +93,9 @@ class Request:
             "mean_accepted_per_step": sum(accepted) / len(accepted) if accepted else 0.0,
             "mean_emitted_per_step": (sum(len(s.emitted) for s in self.steps) / len(self.steps)) if self.steps else 0.0,
             "acceptance_per_position": per_pos,
+            # drafts sent to the target per step (γ unless a confidence schedule verified fewer)
+            "mean_verified_per_step": (sum(gamma if s.verified is None else s.verified for s in self.steps)
+                                       / len(self.steps)) if self.steps else 0.0,
             "tokens_per_second": len(self.output) / secs,
             "seconds": secs,
             "finish_reason": self.finish_reason,
@@ -279,12 +283,12 @@ class Generator:
         if not eng.chains:
             # Host values in, lists out: two host→device copies and one back (the engines' step_host).
             packed = eng.step_host(*host_inputs(), last + g + 1)
-            confidence = eng.take_confidence() if hasattr(eng, "take_confidence") else None
+            confidence, verified = eng.take_step_info() if hasattr(eng, "take_step_info") else (None, None)
         else:
             if handle is None:
                 handle = eng.step_launch(*host_inputs(), last + g + 1)
             nxt = None
-            confidence = None  # (the compiled steps return the drafts, not their confidence)
+            confidence = verified = None  # (the compiled steps return the drafts alone)
             if self._chains(batch):
                 nxt = eng.step_next(handle, last + 2 * (g + 1))
             packed = eng.step_rows(handle)
@@ -298,7 +302,8 @@ class Generator:
             draft, n, bonus = row[:g], row[g], row[g + 1]
             emitted = draft[:n] + [bonus]
             shown = self._emit(req, emitted)
-            req.steps.append(StepRecord(req.position, draft, n, shown, confidence[i] if confidence else None))
+            req.steps.append(StepRecord(req.position, draft, n, shown, confidence[i] if confidence else None,
+                                        verified[i] if verified else None))
             req.anchor, req.position = bonus, req.position + n + 1
             done.append(req)
         return done

@@ -73,6 +73,13 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(resid.sum(-1, keepdim=True) > 0, resid, p)
 
 
+def at_the_cut(q_n: torch.Tensor, n: torch.Tensor, verify: torch.Tensor) -> torch.Tensor:
+    """The draft distribution the bonus is taken against at position ``n``: none (zero) where every
+    verified draft was accepted (``n == verify``: nothing was proposed at the cut, so the bonus comes
+    from p itself); ``q_n`` where the draft there was rejected (the residual)."""
+    return torch.where((n == verify)[:, None], torch.zeros_like(q_n), q_n)
+
+
 def accept(
     target_logits: torch.Tensor,  # [B, γ+1, V] transformed fp32 logits over [a, t_1 … t_γ]
     draft_ids: torch.Tensor,  # [B, γ] int64 target ids
@@ -81,10 +88,19 @@ def accept(
     temperature: torch.Tensor,  # [B] fp32
     seeds: torch.Tensor,  # [B] int64
     anchor_pos: torch.Tensor,  # [B] int64 p
+    verify: torch.Tensor | None = None,  # [B] int64 k ≤ γ: only t_1 … t_k are verified (None: all γ)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """→ (n accepted [B] int64, bonus token [B] int64)."""
+    """→ (n accepted [B] int64, bonus token [B] int64).
+
+    ``verify``: the drafts the scheduler sent to the target (a prefix, chosen from the draft's side
+    alone). Drafts past ``k`` are not candidates (``n ≤ k``); when all ``k`` are accepted the bonus
+    comes from ``P_k`` itself (nothing was proposed there: the cut is the end of a shorter draft),
+    and at a rejection before the cut from the residual as usual. Exact for any ``k`` that does not
+    depend on the target's randomness. Only ``P_0 … P_k`` are read: ``target_logits`` may hold
+    just the first ``max(k) + 1`` positions (with ``draft_ids``/``draft_probs`` cut to ``max(k)``)."""
     B, g1, V = target_logits.shape
     gamma = g1 - 1
+    draft_ids, draft_probs = draft_ids[:, :gamma], draft_probs[:, :gamma]
     Vd = draft_probs.shape[-1]
     dev = target_logits.device
     ar = torch.arange(gamma, device=dev)
@@ -109,12 +125,16 @@ def accept(
     # (a select in logic ops, not a where on booleans: the same values, and an ONNX Where over bool
     # tensors has no onnxruntime CPU kernel)
     ok = (greedy_row[:, None] & ok_greedy) | (~greedy_row[:, None] & ok_sample)
+    if verify is not None:
+        ok = ok & (ar[None, :] < verify[:, None])
     n = torch.cumprod(ok.to(torch.int64), -1).sum(-1)  # [B] leading accepts
 
     # ---- bonus -------------------------------------------------------------------------
     idx = n[:, None, None].expand(B, 1, V)
     p_n = P.gather(1, idx).squeeze(1)  # [B, V]
     q_n = Q.gather(1, idx).squeeze(1)  # zero row when n == γ
+    if verify is not None:
+        q_n = at_the_cut(q_n, n, verify)
     resid = residual_distribution(p_n, q_n)
     bonus_sampled = sample_from_probs(resid, seeds, anchor_pos + n + 1)
     bonus_greedy = tgt_argmax.gather(1, n[:, None]).squeeze(1)

@@ -1,0 +1,194 @@
+"""Confidence-scheduled verification (``muse_spark.schedule``): a step verifies a prefix of each
+request's drafts chosen from the draft's confidence, and the output stays exactly the target's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import small_engine
+from muse_spark.builder.pair import draft_token_ids, make_pair, random_prompts
+from muse_spark.plugins.acceptance import reference as acceptance
+from muse_spark.runtime import EagerEngine, Generator, SamplingParams
+from muse_spark.runtime.acceptance import acceptance_stats
+from muse_spark.runtime.target_only import generate_target_only
+from muse_spark.schedule import Schedule, best_cut, plan, verify_counts
+from muse_spark.engine_format import EngineError
+from stat_utils import chi2_pvalue
+
+import test_speculative as spec
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sched") / "pair"
+    make_pair(d, "tiny", acceptance=0.6, seed=2)
+    return d
+
+
+def _engine(pair, schedule=None, batch=8):
+    return EagerEngine.from_checkpoints(pair / "target", pair / "draft", max_batch=batch, max_seq=160,
+                                        schedule=schedule)
+
+
+def test_verify_counts_follow_the_cumulative_confidence():
+    conf = torch.tensor([[0.9, 0.9, 0.9, 0.1], [0.2, 0.9, 0.9, 0.9], [1.0, 1.0, 1.0, 1.0]])
+    assert verify_counts(conf, 0.5).tolist() == [3, 0, 4]  # 0.9, 0.81, 0.729 ≥ 0.5; 0.0729 < 0.5
+    assert verify_counts(conf, 0.0).tolist() == [4, 4, 4]
+    verify, K = plan(conf, Schedule("confidence", 0.5), 3, 4)
+    assert verify.tolist() == [3, 0, 4] and K == 4
+
+
+def test_the_cost_table_cuts_where_tokens_per_ms_peak():
+    conf = torch.tensor([[0.9, 0.5, 0.5, 0.5]] * 4)  # cumulative 0.9, 0.45, 0.225, 0.11
+    counts = verify_counts(conf, 0.0)
+    flat = [1.0] * 5  # verification free: verify everything
+    assert best_cut(conf, counts, flat) == 4
+    steep = [1.0, 1.2, 2.0, 3.0, 4.0]  # expected tokens 4, 7.6, 9.4, 10.3, 10.75 over these costs
+    assert best_cut(conf, counts, steep) == 1
+    s = Schedule("confidence", 0.0, cost_ms={"4": steep, "32": flat})
+    assert plan(conf, s, 4, 4)[1] == 1 and s.cost_row(3) == steep and s.cost_row(64) == flat
+    assert plan(conf, s.replace(budget=False), 4, 4)[1] == 4
+    verify, K = plan(None, Schedule("fixed", length=2), 4, 4)
+    assert verify.tolist() == [2] * 4 and K == 2
+
+
+def test_bad_policies_are_refused_with_the_reason(pair):
+    with pytest.raises(ValueError, match="unknown schedule"):
+        Schedule("sometimes")
+    with pytest.raises(ValueError, match="threshold"):
+        Schedule("confidence", 1.5)
+    with pytest.raises(ValueError, match="cost table"):
+        Schedule("confidence", cost_ms={"8": [0.0]})
+    no_head = small_engine(seed=3)
+    with pytest.raises(EngineError, match="confidence head"):
+        no_head.set_schedule(Schedule("confidence"))
+
+
+@pytest.mark.parametrize("threshold", [0.1, 0.5, 0.9])
+def test_greedy_output_is_the_targets_whatever_the_threshold(pair, threshold):
+    engine = _engine(pair, Schedule("confidence", threshold))
+    prompts = random_prompts(draft_token_ids(pair), 6, 8, seed=1)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    reqs = Generator(engine).generate(prompts, params)
+    for r in reqs:
+        assert r.output == generate_target_only(engine, r.prompt, params)
+        assert all(s.verified is not None and 0 <= s.accepted <= s.verified <= engine.gamma for s in r.steps)
+
+
+def test_off_is_todays_step_token_for_token(pair):
+    prompts = random_prompts(draft_token_ids(pair), 4, 8, seed=4)
+    params = [SamplingParams(max_tokens=32, temperature=0.9, seed=i, ignore_eos=True) for i in range(4)]
+    off = Generator(_engine(pair, Schedule())).generate(prompts, params)
+    default = Generator(_engine(pair)).generate(prompts, params)
+    assert [r.output for r in off] == [r.output for r in default]
+    assert all(s.verified is None for r in off for s in r.steps)
+    assert off[0].stats(5)["mean_verified_per_step"] == 5
+
+
+def test_an_informative_head_verifies_what_will_be_accepted(pair):
+    """On a pair whose confidence head knows which drafts the target accepts, the schedule sends about
+    as many drafts as are accepted (far fewer target rows) and accepts as many tokens per step."""
+    prompts = random_prompts(draft_token_ids(pair), 8, 8, seed=5)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    full = acceptance_stats(Generator(_engine(pair)).generate(prompts, params), 5)
+    sched = acceptance_stats(Generator(_engine(pair, Schedule("confidence", 0.5))).generate(prompts, params), 5)
+    assert sched["mean_accepted_per_step"] == pytest.approx(full["mean_accepted_per_step"], abs=0.05)
+    assert sched["mean_verified_per_step"] <= sched["mean_accepted_per_step"] + 0.5 < 5
+
+
+def test_seeded_tokens_do_not_depend_on_batch_mates_without_a_budget(pair):
+    engine = _engine(pair, Schedule("confidence", 0.4))
+    prompts = random_prompts(draft_token_ids(pair), 5, 8, seed=6)
+    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=10 + i, ignore_eos=True) for i in range(5)]
+    together = Generator(engine).generate(prompts, params)
+    for r, p, sp in zip(together, prompts, params):
+        assert r.output == Generator(engine).generate([p], sp)[0].output
+
+
+def test_with_a_budget_the_batch_shares_one_cut(pair):
+    """The cost table's cut K is one per step: every request verifies at most K (stated coupling)."""
+    steep = [1.0, 1.1, 5.0, 9.0, 13.0, 17.0]
+    engine = _engine(pair, Schedule("confidence", 0.05, cost_ms={"8": steep}))
+    prompts = random_prompts(draft_token_ids(pair), 8, 8, seed=7)
+    reqs = Generator(engine).generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert max(s.verified for r in reqs for s in r.steps) <= 1
+    for r in reqs[:3]:  # greedy: still the target's tokens
+        assert r.output == generate_target_only(engine, r.prompt, r.params)
+
+
+# ---- statistical losslessness with scheduling on (test_speculative's two-token test) ----------------
+@pytest.fixture(scope="module")
+def sched_stat_engine():
+    engine = small_engine(seed=21, max_batch=spec.ROWS + 1, max_seq=32, vocab=12, draft_vocab=7, gamma=3,
+                          enable_confidence_head=True, confidence_head_with_markov=True)
+    # A head that reads the previous token's Markov features alone, so that the confidence and with it
+    # the cut vary with the sampled drafts (this seed: cuts after 1, 2 and 3 drafts, a step of 64 rows).
+    head = engine.draft.model.confidence_head
+    w = torch.zeros(head.proj.weight.shape)
+    w[0, 16:] = torch.randn(4, generator=torch.Generator().manual_seed(0)) * 4
+    with torch.no_grad():
+        head.proj.weight.copy_(w)
+        head.proj.bias.fill_(1.5)
+    engine.set_schedule(Schedule("confidence", 0.5))
+    return engine
+
+
+def test_scheduling_cuts_often_on_the_statistical_engine(sched_stat_engine):
+    e = sched_stat_engine
+    p = 5
+    e.prefill([3, 1, 4, 1, 5], 1, 0, 1.0)
+    e.step(torch.full((64,), 9), torch.full((64,), p), torch.ones(64, dtype=torch.int64), torch.arange(64),
+           torch.ones(64), p + e.gamma + 1)
+    counts = np.bincount(e.take_step_info()[1], minlength=e.gamma + 1)
+    assert (counts > 0).sum() >= 3, counts  # several cut points, so every branch of the rule runs
+
+
+def test_sampled_output_with_scheduling_matches_the_target(sched_stat_engine):
+    pvals = spec._lossless_pvalues(sched_stat_engine)
+    assert min(pvals) > 1e-3, pvals
+
+
+def test_a_wrong_bonus_at_the_cut_fails_the_same_test(sched_stat_engine, monkeypatch):
+    # Bug: at the cut, take the bonus from the residual max(p − q, 0) as if the next draft had been rejected.
+    monkeypatch.setattr(acceptance, "at_the_cut", lambda q_n, n, verify: q_n)
+    pvals = spec._lossless_pvalues(sched_stat_engine)
+    assert min(pvals) < 1e-3, pvals
+
+
+# ---- the commands ------------------------------------------------------------------------------------
+def test_calibrate_records_the_cost_table_and_generate_follows_the_schedule(pair, tmp_path):
+    import json
+
+    from conftest import run_cli
+
+    engine = tmp_path / "engine"
+    assert run_cli("build", "--target", pair / "target", "--draft", pair / "draft", "--out", engine,
+                   "--max-batch", 2, "--max-seq", 128).returncode == 0
+    r = run_cli("calibrate", "--engine", engine, "--batches", "1,2", "--iters", 1, "--confidence-threshold", 0.5)
+    assert r.returncode == 0, r.stderr
+    sched = json.loads((engine / "manifest.json").read_text())["schedule"]
+    assert sched["mode"] == "confidence" and sched["threshold"] == 0.5
+    assert set(sched["cost_ms"]) == {"1", "2"} and all(len(v) == 6 and min(v) > 0 for v in sched["cost_ms"].values())
+
+    def gen(*extra):
+        r = run_cli("generate", "--engine", engine, "--prompt-ids", "65,66,67", "--max-tokens", 30, "--ignore-eos",
+                    "--json", *extra)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    on, off = gen(), gen("--schedule", "off")
+    assert on["output_ids"] == off["output_ids"]
+    assert all(s["verified"] == 5 for s in off["steps"])
+    assert all(s["accepted"] <= s["verified"] <= 5 and len(s["confidence"]) == 5 for s in on["steps"])
+    assert on["stats"]["mean_verified_per_step"] < 5
+    bad = run_cli("generate", "--engine", engine, "--prompt-ids", "1", "--confidence-threshold", 2)
+    assert bad.returncode == 2 and "threshold" in bad.stderr
+
+
+def test_compiled_engines_keep_verifying_every_draft(aoti_built):
+    from muse_spark.runtime.calibrate import write_schedule
+
+    with pytest.raises(EngineError, match="verifies every draft"):
+        write_schedule(aoti_built[0], Schedule("confidence"))
