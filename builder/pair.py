@@ -37,7 +37,6 @@ from __future__ import annotations
 import json
 import math
 import resource
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -142,6 +141,17 @@ def make_tokenizer(vocab_size: int = 259):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIALS))
     return tok
+
+
+def write_tokenizer_config(folder: str | Path) -> None:
+    """``folder/tokenizer_config.json`` for ``make_tokenizer``'s tokenizer: its special tokens and a chat
+    template (Jinja, rendered as ``transformers`` renders it): ``<|bos|>``, then ``role: content`` and a
+    newline per message, then ``assistant: `` when a reply is to follow."""
+    template = ("{{ bos_token }}{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+                "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
+              "mask_token": SPECIALS[2], "add_bos_token": False, "chat_template": template}
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 # ---- the bigram plan --------------------------------------------------------------------------
@@ -417,7 +427,11 @@ def make_pair(out: str | Path, preset: str = "tiny", *, acceptance: float = 0.8,
         if (out / sub).exists():
             if not overwrite:
                 raise PairError(f"{out / sub} exists: pass overwrite (--overwrite) or choose another folder")
-            shutil.rmtree(out / sub)
+            # Only this writer's files are replaced (nothing else in the folder is touched); old weight
+            # files go first, so no shard of another pair is left beside the new index.
+            for old in (out / sub).glob("model*.safetensors*"):
+                if old.is_file():
+                    old.unlink()
     dev = pick_device(device)
     tcfg, dcfg = preset_configs(preset, gamma=gamma, head_type=head_type, dtype=dtype)
     # the configs are checked as the loader checks them, before any weight is made
@@ -435,6 +449,7 @@ def make_pair(out: str | Path, preset: str = "tiny", *, acceptance: float = 0.8,
     for sub, cfg in (("target", tcfg), ("draft", dcfg)):
         (out / sub / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         tok.save(str(out / sub / "tokenizer.json"))
+        write_tokenizer_config(out / sub)
     gamma_ = dcfg["block_size"]
     draft_bad = int(plan["bad"][plan["draft_ids"]].sum())
     summary = {

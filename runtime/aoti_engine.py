@@ -40,7 +40,7 @@ from muse_spark.engine_format import (EngineError, check_cache_memory, check_plu
                                       read_manifest, verify_files)
 from muse_spark.options import KernelOptions, current_options, engine_options
 from muse_spark.schedule import Schedule
-from muse_spark.runtime.engine import EagerEngine, build_modules, with_options
+from muse_spark.runtime.engine import EagerEngine, PrefillChunk, build_modules, with_options
 
 log = logging.getLogger(__name__)
 
@@ -324,28 +324,28 @@ class AOTIEngine(EagerEngine):
     # ---- prefill -------------------------------------------------------------------------
     @with_options
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], slot: int, seed: int, temperature: float) -> torch.Tensor:
-        """The prompt in static chunks of ``prefill_chunk`` tokens (the last one padded) → [1] int64."""
-        dev, C, L = self.device, self.prefill_chunk, len(prompt)
-        if not 1 <= L < self.max_seq:
-            raise ValueError(f"prompt length {L} must be in [1, max_seq={self.max_seq})")
-        if not 0 <= slot < self.max_batch:
-            raise ValueError(f"slot {slot} outside [0, {self.max_batch})")
-        ids = torch.tensor(prompt, dtype=torch.int64)
-        slots = torch.tensor([slot], device=dev)
-        seeds = torch.tensor([seed], dtype=torch.int64, device=dev)
-        temps = torch.tensor([temperature], dtype=torch.float32, device=dev)
-        out = None
-        for start in range(0, L, C):
-            n = min(C, L - start)
+    def prefill_chunks(self, chunks: list[PrefillChunk]) -> list[torch.Tensor | None]:
+        """``EagerEngine.prefill_chunks`` on the compiled prefill: one static chunk of
+        ``prefill_chunk`` tokens a call (the last one padded), chunk after chunk."""
+        dev, C = self.device, self.prefill_chunk
+        out: list[torch.Tensor | None] = []
+        for c in chunks:
+            L = len(c.prompt)
+            if not 1 <= L < self.max_seq:
+                raise ValueError(f"prompt length {L} must be in [1, max_seq={self.max_seq})")
+            if not 0 <= c.slot < self.max_batch:
+                raise ValueError(f"slot {c.slot} outside [0, {self.max_batch})")
+            n = min(C, L - c.start)
             tokens = torch.zeros(1, C, dtype=torch.int64)
-            tokens[0, :n] = ids[start : start + n]
+            tokens[0, :n] = torch.tensor(c.prompt[c.start : c.start + n], dtype=torch.int64)
             # Pad positions continue past the prompt (clamped into the window): no
             # query of this prompt sees them, and later steps overwrite them.
-            positions = torch.arange(start, start + C).clamp_(max=self.max_seq - 1)[None]
-            last = torch.tensor([n - 1])
-            out = self.prefill_fn(self.weights, *self.caches, tokens.to(dev), positions.to(dev), slots,
-                                  last.to(dev), seeds, temps)
+            positions = torch.arange(c.start, c.start + C).clamp_(max=self.max_seq - 1)[None]
+            first = self.prefill_fn(self.weights, *self.caches, tokens.to(dev), positions.to(dev),
+                                    torch.tensor([c.slot], device=dev), torch.tensor([n - 1], device=dev),
+                                    torch.tensor([c.seed], dtype=torch.int64, device=dev),
+                                    torch.tensor([c.temperature], dtype=torch.float32, device=dev))
+            out.append(first if c.start + n == L else None)
         return out
 
     # ---- speculative step ------------------------------------------------------------------

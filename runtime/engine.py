@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,19 @@ from muse_spark.options import KernelOptions, engine_options, use_options
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 from muse_spark.checkpoint import load_pair
 from muse_spark.schedule import Schedule, plan
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One chunk of a prompt to prefill: the tokens from ``start`` (a multiple of the engine's
+    ``prefill_chunk``) up to the next chunk boundary, into cache slot ``slot``; ``seed`` and
+    ``temperature`` sample the first token when the chunk ends the prompt."""
+
+    prompt: list[int]
+    start: int
+    slot: int
+    seed: int
+    temperature: float
+
 
 INPUT_NAMES = ("anchor", "anchor_pos", "slots", "seeds", "temperature")  # a step's per-request inputs
 
@@ -175,25 +189,48 @@ class EagerEngine:
                    options=KernelOptions.from_env() if options is None else options, **kw)
 
     # ---- prefill -----------------------------------------------------------------------
-    @with_options
-    @torch.inference_mode()
     def prefill(self, prompt: list[int], slot: int, seed: int, temperature: float) -> torch.Tensor:
         """Run the target over the prompt (chunked), store target KV and draft context K/V,
         and sample the first token (position len(prompt)). → [1] int64 on the device."""
-        dev = self.device
-        slots = torch.tensor([slot], device=dev)
-        ids = torch.tensor(prompt, dtype=torch.int64, device=dev)
-        L = len(prompt)
-        h_last = None
-        for start in range(0, L, self.prefill_chunk):
-            end = min(L, start + self.prefill_chunk)
-            pos = torch.arange(start, end, device=dev)[None]
-            h, aux = self.target(ids[None, start:end], pos, slots, self.target_cache, end)
-            self.draft.store_context(aux, pos, slots, self.draft_cache)
-            h_last = h[:, -1]
-        logits = self.target.logits(h_last)  # [1, V]
-        return sample_tokens(logits, torch.tensor([temperature], device=dev, dtype=torch.float32),
-                             torch.tensor([seed], device=dev), torch.tensor([L], device=dev))
+        start, first = 0, None
+        while first is None:
+            (first,) = self.prefill_chunks([PrefillChunk(prompt, start, slot, seed, temperature)])
+            start += self.prefill_chunk
+        return first
+
+    @with_options
+    @torch.inference_mode()
+    def prefill_chunks(self, chunks: list["PrefillChunk"]) -> list[torch.Tensor | None]:
+        """The next chunk of each prompt (``prefill_chunk`` tokens from ``chunk.start``, a multiple of
+        it) in one forward over the batch: target KV and draft context K/V written into each chunk's
+        slot. A shorter (last) chunk is padded: its pad positions continue past its prompt (clamped
+        into the window), where no query of the prompt looks and later steps overwrite them. → per
+        chunk, the first generated token ([1] int64, position len(prompt)) where the chunk ends its
+        prompt, else None."""
+        dev, C = self.device, self.prefill_chunk
+        n = [min(len(c.prompt), c.start + C) - c.start for c in chunks]
+        width = max(n)
+        tokens = torch.zeros(len(chunks), width, dtype=torch.int64)
+        positions = torch.empty(len(chunks), width, dtype=torch.int64)
+        for i, c in enumerate(chunks):
+            tokens[i, : n[i]] = torch.tensor(c.prompt[c.start : c.start + n[i]])
+            positions[i] = torch.arange(c.start, c.start + width).clamp_(max=self.max_seq - 1)
+        slots = torch.tensor([c.slot for c in chunks], device=dev)
+        positions = positions.to(dev)
+        h, aux = self.target(tokens.to(dev), positions, slots, self.target_cache, int(positions.max()) + 1)
+        self.draft.store_context(aux, positions, slots, self.draft_cache)
+        done = [i for i, c in enumerate(chunks) if c.start + n[i] == len(c.prompt)]
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        if done:
+            rows = torch.tensor(done, device=dev)
+            logits = self.target.logits(h[rows, torch.tensor([n[i] - 1 for i in done], device=dev)])  # [D, V]
+            first = sample_tokens(
+                logits, torch.tensor([float(chunks[i].temperature) for i in done], device=dev, dtype=torch.float32),
+                torch.tensor([chunks[i].seed for i in done], device=dev),
+                torch.tensor([len(chunks[i].prompt) for i in done], device=dev))
+            for j, i in enumerate(done):
+                out[i] = first[j : j + 1]
+        return out
 
     # ---- speculative step ---------------------------------------------------------------
     @with_options

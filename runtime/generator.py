@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from muse_spark.runtime.engine import PrefillChunk
+
 
 GREEDY_BELOW = 1e-5
 
@@ -72,6 +74,7 @@ class Request:
     t_start: float = 0.0
     t_end: float = 0.0
     pending: list[int] = field(default_factory=list)  # emitted, not yet streamed
+    prefilled: int = 0  # prompt tokens prefilled so far (while the request is in ``Generator.prefilling``)
 
     @classmethod
     def ended(cls, prompt: list[int], params: SamplingParams | None, reason: str) -> Request:
@@ -108,17 +111,20 @@ class Generator:
     Safe to share between threads: a re-entrant lock serializes ``add``, ``cancel``,
     ``has_work``, ``step``, ``run`` and each step that ``generate`` and ``stream``/``iter_request``
     take (never held across a ``yield``), so concurrent callers interleave at step boundaries and
-    each request's tokens are exactly those it gets alone. The lists ``waiting``, ``active`` and
-    ``free_slots`` are the generator's state: read them under ``with gen.lock:`` when other
+    each request's tokens are exactly those it gets alone. The lists ``waiting``, ``prefilling``,
+    ``active`` and ``free_slots`` are the generator's state: read them under ``with gen.lock:`` when other
     threads drive it. ``generate`` is all-or-nothing: it checks every prompt and its params
     before it queues any, so a ``RequestError`` leaves the generator as it was."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, prefill_budget: int | None = None):
         self.engine = engine
         self.gamma = engine.gamma
         self.free_slots = list(range(engine.max_batch))[::-1]
         self.waiting: list[Request] = []
+        self.prefilling: list[Request] = []  # holding a slot, their prompts part-way through prefill
         self.active: list[Request] = []
+        # prompt tokens a scheduler iteration prefills (at least one chunk): what a step may wait for
+        self.prefill_budget = prefill_budget if prefill_budget is not None else 2 * engine.prefill_chunk
         self._ids = itertools.count()
         self.vocab = engine.tcfg.vocab_size
         self.eos = frozenset(engine.tcfg.eos_token_id)
@@ -192,7 +198,7 @@ class Generator:
 
     def has_work(self) -> bool:
         with self.lock:
-            return bool(self.waiting or self.active)
+            return bool(self.waiting or self.prefilling or self.active)
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.finished:
@@ -200,6 +206,8 @@ class Generator:
         req.finished, req.finish_reason, req.t_end = True, reason, time.perf_counter()
         if req in self.active:
             self.active.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         if req.slot >= 0:
             self.free_slots.append(req.slot)
             req.slot = -1
@@ -221,30 +229,66 @@ class Generator:
         return out
 
     # ---- scheduling ------------------------------------------------------------------
-    def _admit(self) -> list[Request]:
-        admitted = []
+    def _admit(self) -> None:
+        """Waiting requests take the free slots, in order, and start prefilling (no work yet)."""
         while self.waiting and self.free_slots:
             req = self.waiting.pop(0)
             req.slot = self.free_slots.pop()
             req.t_start = time.perf_counter()
-            p = req.params
-            try:
-                first = self.engine.prefill(req.prompt, req.slot, p.seed, float(p.temperature))
-            except Exception as e:  # this request fails alone; its slot is freed
-                req.error = f"{type(e).__name__}: {e}"
-                self._finish(req, "error")
-                admitted.append(req)
+            req.prefilled = 0
+            self.prefilling.append(req)
+
+    def _prefill_round(self) -> list[Request]:
+        """One prefill round: the next chunk of each prefilling request, in admission order, while
+        the round's token budget (``prefill_budget``) lasts (the first chunk always runs), in one
+        engine call (``engine.prefill_chunks``: one forward over the batch on the eager engine). A
+        request whose prompt is done emits its first token and joins the speculative steps. An
+        engine failure is retried chunk by chunk, so only a request whose own chunk fails ends (with
+        finish reason ``error``). → the requests that emitted."""
+        C, budget, picked = self.engine.prefill_chunk, self.prefill_budget, []
+        for req in self.prefilling:
+            n = min(C, len(req.prompt) - req.prefilled)
+            if picked and n > budget:
+                break
+            picked.append(req)
+            budget -= n
+        chunks = [PrefillChunk(r.prompt, r.prefilled, r.slot, r.params.seed, float(r.params.temperature))
+                  for r in picked]
+        try:
+            firsts = self.engine.prefill_chunks(chunks)
+        except Exception:
+            firsts = []
+            for req, chunk in zip(picked, chunks):
+                try:
+                    firsts.extend(self.engine.prefill_chunks([chunk]))
+                except Exception as e:  # this request fails alone; its slot is freed
+                    req.error = f"{type(e).__name__}: {e}"
+                    firsts.append(None)
+                    self._finish(req, "error")
+        emitted = []
+        for req, first in zip(picked, firsts):
+            if req.finished:
+                if req.finish_reason == "error":
+                    emitted.append(req)
                 continue
+            req.prefilled = min(len(req.prompt), req.prefilled + C)
+            if first is None:
+                continue
+            self.prefilling.remove(req)
             req.anchor, req.position = int(first.item()), len(req.prompt)
             self.active.append(req)
             self._emit(req, [req.anchor])
-            admitted.append(req)
-        return admitted
+            emitted.append(req)
+        return emitted
 
     def step(self) -> list[Request]:
-        """One scheduler iteration: admit (prefill) waiting requests if a slot is free —
-        their first token streams at once — otherwise run one speculative step over
-        all active requests. → the requests that emitted tokens (``pending`` holds them).
+        """One scheduler iteration: waiting requests take free slots, one speculative step runs over
+        the requests past their prefill, then one prefill round (``_prefill_round``: the next chunk
+        of each prefilling request, up to ``prefill_budget`` tokens; a request whose prompt is done
+        has its first token at the end of the call, and steps from the next). So a long prompt or a
+        burst of arrivals delays the running streams by at most one round per step, never by whole
+        prompts, and a first token never waits for a step. → the requests that emitted tokens
+        (``pending`` holds them).
 
         Chained steps (engines with ``chains``, the aoti engines): before it reads a step's rows,
         the generator launches the step after it for the same requests, its inputs advanced on the
@@ -255,13 +299,15 @@ class Generator:
         chained again until it is stepped afresh. Outputs are those of unchained steps, token for
         token: the chained step computes exactly what the next call would have launched."""
         with self.lock:
-            if self._inflight is None and self.waiting and self.free_slots:
-                return self._admit()
+            self._admit()
             try:
-                return self._step()
+                stepped = self._step()
             except BaseException:
                 self._inflight = None  # (an engine failure: nothing chained survives it)
                 raise
+            # (a chained step in flight means no request is prefilling: _chains)
+            prefilled = self._prefill_round() if self.prefilling and self._inflight is None else []
+            return stepped + [r for r in prefilled if r not in stepped]
 
     def _step(self) -> list[Request]:
         eng, g = self.engine, self.gamma
@@ -314,7 +360,7 @@ class Generator:
         caches (its largest position + γ is below max_seq), and some request surely needs it (more
         than γ+1 tokens left: this step emits at most γ+1)."""
         g = self.gamma
-        if any(r.finished for r in batch) or (self.waiting and self.free_slots):
+        if any(r.finished for r in batch) or self.prefilling or (self.waiting and self.free_slots):
             return False
         if max(r.position for r in batch) + 2 * (g + 1) > self.engine.max_seq:
             return False
@@ -323,7 +369,7 @@ class Generator:
     def run(self) -> None:
         while True:
             with self.lock:
-                if not (self.waiting or self.active):
+                if not (self.waiting or self.prefilling or self.active):
                     return
                 self.step()
 
@@ -373,7 +419,7 @@ class Generator:
                     chunk, req.pending = req.pending, []
                     done = req.finished
                     if not chunk and not done:
-                        if not (self.waiting or self.active):
+                        if not (self.waiting or self.prefilling or self.active):
                             raise RequestError(f"request {req.id} is not queued in this Generator")
                         self.step()
                         continue

@@ -274,7 +274,8 @@ class Scheduler:
             self.counters.outcomes[outcome] += 1
 
     def _publish(self) -> None:
-        occ = Occupancy(len(self.gen.active), len(self.gen.waiting), len(self.gen.free_slots))
+        occ = Occupancy(len(self.gen.active) + len(self.gen.prefilling), len(self.gen.waiting),
+                        len(self.gen.free_slots))
         with self._cond:
             self._queued = occ.waiting
         self._occupancy = occ

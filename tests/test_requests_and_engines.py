@@ -173,14 +173,14 @@ def test_a_prefill_failure_fails_that_request_alone(engine_dir, monkeypatch):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     ok = gen.add([1, 2, 3], params)
     gen.step()
-    real = engine.prefill
+    real = engine.prefill_chunks
 
-    def failing(prompt, *a):
-        if prompt == [66, 66]:
+    def failing(chunks):
+        if any(c.prompt == [66, 66] for c in chunks):
             raise RuntimeError("simulated device failure")
-        return real(prompt, *a)
+        return real(chunks)
 
-    monkeypatch.setattr(engine, "prefill", failing)
+    monkeypatch.setattr(engine, "prefill_chunks", failing)
     bad = gen.add([66, 66], params)
     gen.run()
     assert bad.finish_reason == "error" and "simulated device failure" in bad.error
