@@ -4,7 +4,7 @@ The ``eager`` backend stores the canonical (stacked, validated, converted)
 weights as safetensors next to the configs and the tokenizer; the manifest
 records what docs/design.md lists (schema, backend, device, versions,
 configs, checkpoint tensor hashes, dtype, γ, limits, batch buckets, plugin
-versions, tokenizer and a sha256 of every engine file). The ``migraphx`` backend
+versions, tokenizer, tokenizer config and a sha256 of every engine file). The ``migraphx`` backend
 writes the same files (its runtime compiles the step through MIGraphX on ROCm:
 ``runtime/migraphx_engine.py``); ``aoti`` adds its packages (``builder/aoti.py``), ``tensorrt``
 its parts as ONNX graphs and TensorRT plans (``builder/tensorrt.py``; unverified here).
@@ -136,6 +136,35 @@ def read_tokenizer(target_dir, draft_dir, vocab_size: int) -> tuple[Path, bytes]
         if top >= vocab_size:
             raise CheckpointError(f"{src}: the tokenizer has token id {top}, outside the target's vocabulary "
                                   f"[0, {vocab_size}): it is not this model's tokenizer")
+        return src, data
+    return None
+
+
+def read_tokenizer_config(target_dir, draft_dir) -> tuple[Path, bytes] | None:
+    """The pair's ``tokenizer_config.json`` (the target's, else the draft's: its ``chat_template``, special
+    tokens) → (its path, its bytes), checked to be a JSON object whose ``chat_template``, if any, is a
+    template or a list of named ones; None when neither folder has one."""
+    for src in (Path(target_dir) / "tokenizer_config.json", Path(draft_dir) / "tokenizer_config.json"):
+        try:
+            if not src.exists():
+                continue
+            data = src.read_bytes()
+        except OSError as e:
+            raise unreadable(src, e, "tokenizer config") from None
+        try:
+            config = json.loads(data.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{src}: not a readable tokenizer_config.json ({e}); fix or remove it") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{src}: a tokenizer_config.json must hold a JSON object, not "
+                                  f"{type(config).__name__}; fix or remove it")
+        template = config.get("chat_template")
+        named = isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in template)
+        if template is not None and not isinstance(template, str) and not named:
+            raise CheckpointError(f"{src}: chat_template must be a template (a string) or a list of "
+                                  f"{{\"name\", \"template\"}} objects; fix or remove it")
         return src, data
     return None
 
@@ -351,6 +380,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     dev = device_info(device)
     check_memory(target, draft, backend=backend, device=device, max_batch=max_batch, max_seq=max_seq)
     tokenizer = read_tokenizer(target_dir, draft_dir, target.cfg.vocab_size)
+    tokenizer_config = read_tokenizer_config(target_dir, draft_dir)
     log("hashing checkpoint tensors")
     hashes = {"target": tensors_hash(target_dir), "draft": tensors_hash(draft_dir)}
     with _Signals() as signals, out_lock(out, log):
@@ -365,7 +395,8 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
             with use_options(options):
                 manifest = _write_engine(tmp, target, draft, target_dir, draft_dir, backend=backend, device=device,
                                          dev=dev, max_batch=max_batch, max_seq=max_seq, gamma=gamma, hashes=hashes,
-                                         tokenizer=tokenizer, log=log, aoti_options=aoti_options, options=options)
+                                         tokenizer=tokenizer, tokenizer_config=tokenizer_config, log=log,
+                                         aoti_options=aoti_options, options=options)
             with signals.swap():
                 swap_in(tmp, out, log)
         except OSError as e:
@@ -381,7 +412,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
 
 
 def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, device, dev, max_batch, max_seq,
-                  gamma, hashes, tokenizer, log, aoti_options, options: KernelOptions) -> dict:
+                  gamma, hashes, tokenizer, tokenizer_config, log, aoti_options, options: KernelOptions) -> dict:
     """The engine's files and manifest, written into ``tmp``; → the manifest."""
     log("writing engine weights")
     save_canonical(target, tmp / "target.safetensors")
@@ -404,6 +435,10 @@ def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, d
     if tokenizer is not None:
         (tmp / "tokenizer.json").write_bytes(tokenizer[1])  # (the bytes that were checked)
         tokenizer_name = "tokenizer.json"
+    tokenizer_config_name = None
+    if tokenizer_config is not None:  # (the chat template and special tokens the OpenAI server reads)
+        (tmp / "tokenizer_config.json").write_bytes(tokenizer_config[1])
+        tokenizer_config_name = "tokenizer_config.json"
     parts = aoti or trt  # (the section that plans the compiled parts, if any)
     files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     manifest = {
@@ -425,6 +460,7 @@ def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, d
         # the kernel options it was built with (muse_spark/options.py; the runtime reads them back)
         "options": options.to_dict(),
         "tokenizer": tokenizer_name,
+        "tokenizer_config": tokenizer_config_name,  # one of the hashed files, like the tokenizer
         "files": files,
     }
     if aoti:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from muse_spark.builder.pair import make_pair, make_tokenizer, preset_configs
+from muse_spark.builder.pair import make_pair, make_tokenizer, preset_configs, write_tokenizer_config
 
 VOCAB = 259
 DRAFT_VOCAB = 131
@@ -131,4 +131,5 @@ def make_tiny(out: str | Path, kind: str = "agreeing", seed: int = 0, gamma: int
                 for k, v in tensors.items()}
         save_file(conv, str(p / "model.safetensors"))
         tok.save(str(p / "tokenizer.json"))
+        write_tokenizer_config(p)
     return {"out": str(out), "kind": kind, "seed": seed, "gamma": gamma}

@@ -7,6 +7,7 @@
     muse-spark generate (--engine DIR | --target DIR --draft DIR) (--prompt TEXT | --prompt-ids 1,2,3)
     muse-spark triton-repo --engine DIR --out REPO [--model-name muse_spark] [--instances N]
     muse-spark serve --repo REPO [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002] [--host 127.0.0.1]
+    muse-spark serve-openai --engine DIR [--port 8000] [--host 127.0.0.1] [--served-model-name NAME]
     muse-spark calibrate --engine DIR [--batches 1,8,32] [--schedule confidence] [--confidence-threshold X]
     muse-spark bench [--preset muse-spark-8b|tiny] [--batches 1,8,32] [--out-dir D] [--markdown F]
 """
@@ -347,10 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_calibrate)
 
     from muse_spark.serving.repo import add_triton_repo_command  # light: no torch at parser time
+    from muse_spark.serving.openai_server import add_serve_openai_command
     from muse_spark.serving.server import add_serve_command
 
     add_triton_repo_command(sub)
     add_serve_command(sub)
+    add_serve_openai_command(sub)
 
     # Its options are benchmarks/step.py's (`muse-spark bench --help`), passed to it as they are (no
     # option prefix here, so that none of them is taken for this parser's).
