@@ -21,15 +21,10 @@ import gc
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
 from pairs import (build_from_pair, check_pair, default_backend, default_device, pair_gamma,  # noqa: E402
                    pair_summary, window)
+from server_process import post, triton_server  # noqa: E402
 
 
 def workload(vocab: int, n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
@@ -83,44 +79,11 @@ def figures(n: int, tokens: int, elapsed: float, latencies: list[float]) -> dict
             "p90_latency_s": round(sorted(latencies)[int(0.9 * (len(latencies) - 1))], 4)}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(url: str, payload: dict, timeout: float = 600) -> dict:
-    req = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
 def through_server(engine_dir: str, device: str | None, prompts, max_tokens: int, concurrency: int,
                    serve_args: list[str], work: Path, log) -> dict:
     """``muse-spark triton-repo`` + ``serve``, then ``concurrency`` HTTP clients → figures and outputs."""
-    repo = work / "repo"
-    cmd = [sys.executable, "-m", "muse_spark.cli", "triton-repo", "--engine", engine_dir, "--out", str(repo)]
-    subprocess.run(cmd + (["--device", device] if device else []), check=True)
-    ports = [free_port() for _ in range(3)]
-    server_log = work / "server.log"
-    with open(server_log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "muse_spark.cli", "serve", "--repo", str(repo),
-                                 "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
-                                 "--metrics-port", str(ports[2]), *serve_args], stdout=f, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{ports[0]}/v2/models/muse_spark"
-    try:
-        t0 = time.monotonic()
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if proc.poll() is not None or time.monotonic() - t0 > 600:
-                raise RuntimeError(f"the server did not start:\n{server_log.read_text(errors='replace')[-4000:]}")
-            time.sleep(0.5)
-        log(f"server ready in {time.monotonic() - t0:.1f} s")
+    with triton_server(engine_dir, device, work, log, serve_args=serve_args) as srv:
+        base = srv.model_url
         post(f"{base}/generate", {"input_ids": prompts[0], "max_tokens": max_tokens, "ignore_eos": True})  # warm-up
 
         def one(p):
@@ -133,12 +96,6 @@ def through_server(engine_dir: str, device: str | None, prompts, max_tokens: int
         with ThreadPoolExecutor(concurrency) as pool:
             out = list(pool.map(one, prompts))
         elapsed = time.perf_counter() - t0
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     outputs = [o for o, _ in out]
     return {"figures": figures(len(prompts), sum(len(o) for o in outputs), elapsed, [t for _, t in out]),
             "outputs": outputs}

@@ -10,6 +10,7 @@
     muse-spark serve-openai --engine DIR [--port 8000] [--host 127.0.0.1] [--served-model-name NAME]
     muse-spark calibrate --engine DIR [--batches 1,8,32] [--schedule confidence] [--confidence-threshold X]
     muse-spark bench [--preset muse-spark-8b|tiny] [--batches 1,8,32] [--out-dir D] [--markdown F]
+    muse-spark bench-serving (--engine DIR | --pair DIR) --mode inprocess|triton-http|triton-grpc --concurrency N
 """
 
 from __future__ import annotations
@@ -246,15 +247,17 @@ def cmd_calibrate(a) -> int:
 
 # ---- bench ----------------------------------------------------------------------------------
 def cmd_bench(a) -> int:
-    """The repository's ``benchmarks/step.py`` (not part of the installed package), run in this process."""
+    """The repository's ``benchmarks/<a.script>`` (not part of the installed package), run in this process:
+    ``bench`` runs step.py, ``bench-serving`` bench_serving.py."""
     import runpy
 
-    step = Path(__file__).resolve().parents[1] / "benchmarks" / "step.py"
-    if not step.is_file():
-        return _die(f"muse-spark bench runs the repository's benchmarks/step.py, and there is none at {step}: "
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / a.script
+    if not script.is_file():
+        return _die(f"muse-spark {a.cmd} runs the repository's benchmarks/{a.script}, and there is none at {script}: "
                     "the package is installed without its repository. Run it from a checkout "
-                    "(`pip install -e .`, or `python benchmarks/step.py` there)")
-    return runpy.run_path(str(step), run_name="benchmarks_step")["main"](a.bench_args, prog="muse-spark bench")
+                    f"(`pip install -e .`, or `python benchmarks/{a.script}` there)")
+    return runpy.run_path(str(script), run_name=f"benchmarks_{script.stem}")["main"](a.bench_args,
+                                                                                   prog=f"muse-spark {a.cmd}")
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -355,12 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_command(sub)
     add_serve_openai_command(sub)
 
-    # Its options are benchmarks/step.py's (`muse-spark bench --help`), passed to it as they are (no
-    # option prefix here, so that none of them is taken for this parser's).
+    # Their options are benchmarks/step.py's and benchmarks/bench_serving.py's (`muse-spark bench --help`,
+    # `muse-spark bench-serving --help`), passed to them as they are (no option prefix here, so that none
+    # of them is taken for this parser's).
     k = sub.add_parser("bench", help="speculative-step latency: eager vs torch.compile vs aoti (GPU)",
                        add_help=False, prefix_chars="\0")
     k.add_argument("bench_args", nargs=argparse.REMAINDER)
-    k.set_defaults(fn=cmd_bench)
+    k.set_defaults(fn=cmd_bench, script="step.py")
+    k = sub.add_parser("bench-serving", help="serving under load: throughput, TTFT, inter-token latency (in process "
+                       "or through the Triton server)", add_help=False, prefix_chars="\0")
+    k.add_argument("bench_args", nargs=argparse.REMAINDER)
+    k.set_defaults(fn=cmd_bench, script="bench_serving.py")
     return p
 
 
