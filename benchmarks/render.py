@@ -3,7 +3,8 @@ time against the roofline by batch size.
 
     python benchmarks/render.py [--results benchmarks/results] [--png docs/performance.png]
 
-For each batch size the latest step result (``benchmarks/step.py``) that timed the aoti step at that
+One device's figures (``--device``; by default the GPU whose results cover the most batch sizes): for
+each batch size the latest step result (``benchmarks/step.py``) on it that timed the aoti step at that
 batch gives its row: the roofline of that run (its bytes a step must read over the copy bandwidth it
 measured), the GEMM floor, the aoti step as the runtime runs it (the CUDA-graph runner), the step
 graph replayed in turns with the copy (and that copy's roofline), eager and torch.compile where the
@@ -131,16 +132,31 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=results.RESULTS, help="the result files' folder")
     p.add_argument("--png", default=str(PNG), help="where the plot goes ('' for none)")
+    p.add_argument("--device", default=None,
+                   help="the GPU whose figures to show (a part of its name, e.g. H100); default: the one whose "
+                        "results cover the most batch sizes")
     a = p.parse_args(argv)
-    rows = step_rows(results.load(a.results, "step"))
-    if not rows:
-        print(f"no step results under {a.results}", file=sys.stderr)
+    docs = results.load(a.results, "step")
+    by_device = {dev: step_rows([d for d in docs if d["device"] == dev]) for dev in sorted({d["device"] for d in docs})}
+    by_device = {dev: rows for dev, rows in by_device.items() if rows}
+    if a.device:
+        by_device = {dev: rows for dev, rows in by_device.items() if a.device.lower() in dev.lower()}
+    if not by_device:
+        print(f"no step results under {a.results}" + (f" for a device named {a.device!r}" if a.device else ""),
+              file=sys.stderr)
         return 1
+    # (one device's figures: steps timed on different GPUs are not one table)
+    device = max(by_device, key=lambda dev: (len(by_device[dev]), max(r["date"] for r in by_device[dev])))
+    rows = by_device[device]
     print(table(rows))
     print()
     for r in {r["file"]: r for r in rows}.values():
         print(f"* batch {', '.join(str(x['batch']) for x in rows if x['file'] == r['file'])}: `{r['command']}` "
               f"({r['file']})")
+    others = [f"{dev} (batch {', '.join(str(r['batch']) for r in rws)})" for dev, rws in by_device.items()
+              if dev != device]
+    if others:
+        print(f"\nother devices: {'; '.join(others)} (`--device NAME`)")
     if a.png:
         print(f"\nplot: {plot(rows, Path(a.png))}", file=sys.stderr)
     return 0
