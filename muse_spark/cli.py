@@ -182,7 +182,10 @@ def cmd_generate(a) -> int:
         prompt = tok.encode(text).ids
     else:
         prompt = ids
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed, ignore_eos=a.ignore_eos)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed, ignore_eos=a.ignore_eos,
+                            top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                            presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                            min_tokens=a.min_tokens, logprobs=a.logprobs)
     if a.schedule is not None or a.confidence_threshold is not None:
         engine.set_schedule(engine.schedule.replace(mode=a.schedule, threshold=a.confidence_threshold))
     gen = Generator(engine)
@@ -210,6 +213,8 @@ def cmd_generate(a) -> int:
                        "confidence": s.confidence}
                       for s in req.steps],
             "stats": stats,
+            **({"logprobs": [{"token": t, "logprob": lp, "top": [[i, v] for i, v in top]}
+                             for t, (lp, top) in zip(req.output, req.logprobs)]} if a.logprobs is not None else {}),
         }))
     else:
         if not a.stream:
@@ -332,6 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None)
     g.add_argument("--dtype", default=None)
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this mass")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this × the top probability")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--min-tokens", type=int, default=0, help="hold stop tokens back until this many are out")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="--json: each output token's log-probability and the top N")
     g.add_argument("--schedule", choices=["off", "confidence"], default=None,
                    help="verification policy for this run (default: the engine's): confidence verifies each "
                         "request's drafts while their cumulative confidence stays above the threshold")

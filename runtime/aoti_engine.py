@@ -212,6 +212,7 @@ def markov_words(aoti: dict, bucket: int, where) -> int:
 class AOTIEngine(EagerEngine):
     backend = "aoti"
     schedules = False  # (its compiled step verifies all γ drafts: schedule 'off')
+    controls = False  # (its compiled step samples with temperature and seed only)
     section = "aoti"  # the manifest's section that describes the parts
 
     def __init__(self, target, draft, *, engine_dir: str | Path, manifest: dict, device, max_batch: int,

@@ -32,9 +32,27 @@ from muse_spark.models.draft import MuseSparkDSparkForCausalLM
 from muse_spark.models.layers import attention_path
 from muse_spark.models.target import MuseSpark1xForCausalLM
 from muse_spark.options import KernelOptions, engine_options, use_options
+from muse_spark.plugins.acceptance.processing import Processing, logprobs, process_logits
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 from muse_spark.checkpoint import load_pair
 from muse_spark.schedule import Schedule, plan
+
+def neutral_controls(prompt: list[int]) -> dict:
+    """Sampling controls that change nothing (a ``Processing.build`` row)."""
+    return {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+            "frequency_penalty": 0.0, "min_tokens": 0, "prompt": list(prompt), "output": [], "stop_ids": []}
+
+
+def _logprob_rows(lp: torch.Tensor, chosen: torch.Tensor, n: int) -> list[list[tuple]]:
+    """lp [B, S, V] log-probabilities, chosen [B, S] tokens → per row, per position: (the chosen
+    token's log-probability, [(token, logprob)] of the top ``n``), on the host."""
+    picked = lp.gather(-1, chosen[..., None]).squeeze(-1).cpu().tolist()
+    if n > 0:
+        vals, idx = lp.topk(min(n, lp.shape[-1]), -1)
+        vals, idx = vals.cpu().tolist(), idx.cpu().tolist()
+    return [[(picked[b][s], list(zip(idx[b][s], vals[b][s])) if n > 0 else []) for s in range(lp.shape[1])]
+            for b in range(lp.shape[0])]
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -47,6 +65,8 @@ class PrefillChunk:
     slot: int
     seed: int
     temperature: float
+    processing: dict | None = None  # the request's sampling controls (a ``Processing.build`` row)
+    logprobs_n: int | None = None
 
 
 INPUT_NAMES = ("anchor", "anchor_pos", "slots", "seeds", "temperature")  # a step's per-request inputs
@@ -127,7 +147,8 @@ class EagerEngine:
         self.full_draft_window = attention_path(self.device, target.dtype, self.options) == "triton"
         self.schedule = Schedule()
         self.set_schedule(schedule if schedule is not None else Schedule.from_dict(self.manifest.get("schedule")))
-        self._confidence = self._verified = None
+        self._confidence = self._verified = self._logprobs = None
+        self._prefill_logprobs: dict[int, tuple] = {}
 
     def set_schedule(self, schedule: Schedule) -> None:
         """The verification policy of the following steps (``muse_spark.schedule``). Confidence
@@ -142,6 +163,7 @@ class EagerEngine:
         self.schedule = schedule
 
     schedules = True  # (the compiled engines' steps verify all γ drafts)
+    controls = True  # sampling controls and logprobs (plugins/acceptance/processing.py)
 
     # ---- construction -----------------------------------------------------------------
     @classmethod
@@ -224,20 +246,40 @@ class EagerEngine:
         if done:
             rows = torch.tensor(done, device=dev)
             logits = self.target.logits(h[rows, torch.tensor([n[i] - 1 for i in done], device=dev)])  # [D, V]
-            first = sample_tokens(
-                logits, torch.tensor([float(chunks[i].temperature) for i in done], device=dev, dtype=torch.float32),
-                torch.tensor([chunks[i].seed for i in done], device=dev),
-                torch.tensor([len(chunks[i].prompt) for i in done], device=dev))
+            temps = torch.tensor([float(chunks[i].temperature) for i in done], device=dev, dtype=torch.float32)
+            procs = [chunks[i].processing for i in done]
+            if any(procs):  # (a request without controls gets the neutral ones)
+                proc = Processing.build([p or neutral_controls(chunks[i].prompt) for p, i in zip(procs, done)],
+                                        self.tcfg.vocab_size, dev)
+                logits = process_logits(logits[:, None], logits.new_zeros(len(done), 0, dtype=torch.int64), proc,
+                                        temps)[:, 0]
+            first = sample_tokens(logits, temps, torch.tensor([chunks[i].seed for i in done], device=dev),
+                                  torch.tensor([len(chunks[i].prompt) for i in done], device=dev))
+            wanted = [chunks[i].logprobs_n for i in done]
+            lp = None
+            if any(w is not None for w in wanted):
+                lp = _logprob_rows(logprobs(logits[:, None], temps), first[:, None],
+                                   max(w for w in wanted if w is not None))
             for j, i in enumerate(done):
                 out[i] = first[j : j + 1]
+                if lp is not None and wanted[j] is not None:
+                    self._prefill_logprobs[chunks[i].slot] = lp[j][0]
         return out
+
+    def take_prefill_logprobs(self, slot: int):
+        """The first token's (log-probability, top N) of the prompt prefilled into ``slot``, once."""
+        return self._prefill_logprobs.pop(slot, None)
 
     # ---- speculative step ---------------------------------------------------------------
     @with_options
     @torch.inference_mode()
     def step(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, slots: torch.Tensor, seeds: torch.Tensor,
-             temperature: torch.Tensor, kv_len: int) -> torch.Tensor:
+             temperature: torch.Tensor, kv_len: int, processing: Processing | None = None,
+             logprobs_n: int | None = None) -> torch.Tensor:
         """One speculative step for a batch. All inputs [B] on the device; ``kv_len`` ≥ max(p)+γ+1.
+        ``processing``: the requests' sampling controls (``plugins.acceptance.processing``), applied
+        to the target's distribution at every position; ``logprobs_n``: keep the log-probabilities of
+        the emitted tokens (and the top N at each position) for ``take_step_info``.
 
         → packed [B, γ+2] int64: the γ draft tokens (target ids), n accepted, the bonus token.
         """
@@ -252,31 +294,46 @@ class EagerEngine:
         tokens = torch.cat([anchor[:, None], ids[:, :K]], 1)  # [B, K+1]
         positions = anchor_pos[:, None] + torch.arange(K + 1, device=anchor.device)
         h, aux = self.target(tokens, positions, slots, self.target_cache, kv_len)
-        n, bonus = accept(self.target.logits(h), ids[:, :K], probs[:, :K], self.draft.d2t, temperature, seeds,
-                          anchor_pos, verify)
+        logits = self.target.logits(h)
+        if processing is not None:
+            logits = process_logits(logits, ids[:, :K], processing, temperature)
+        n, bonus = accept(logits, ids[:, :K], probs[:, :K], self.draft.d2t, temperature, seeds, anchor_pos, verify)
+        if logprobs_n is not None:  # the emitted tokens t_1 … t_n, bonus at positions 0 … n
+            at = torch.arange(K + 1, device=n.device)[None, :]
+            chosen = torch.where(at < n[:, None], torch.cat([ids[:, :K], bonus[:, None]], 1), bonus[:, None])
+            self._logprobs = _logprob_rows(logprobs(logits, temperature), chosen, logprobs_n)
         # Draft context for the newly verified tokens a, t_1 … t_n (positions p … p+n).
         # All K+1 are written (static shapes); those past p+n are overwritten next step
         # before any query can read them.
         self.draft.store_context(aux, positions, slots, self.draft_cache)
         return torch.cat([ids, n[:, None], bonus[:, None]], 1)
 
-    def take_step_info(self) -> tuple[list[list[float]] | None, list[int] | None]:
-        """The last step's confidence head values ([B][γ]) and drafts verified per request ([B]; None:
-        all γ), on the host, once. (None, None) where the step made neither (no head, or a compiled
-        step that returns the drafts alone)."""
-        conf, verify = getattr(self, "_confidence", None), getattr(self, "_verified", None)
-        self._confidence = self._verified = None
-        return (None if conf is None else conf.float().cpu().tolist(),
-                None if verify is None else verify.cpu().tolist())
+    def take_step_info(self) -> dict:
+        """The last step's extras on the host, once: ``confidence`` (the head's values, [B][γ]),
+        ``verified`` (drafts sent to the target per request, [B]; absent: all γ) and ``logprobs``
+        (per request, per position 0 … K: (the emitted token's log-probability, [(token, logprob)] of
+        the top N)), each where the step made it (a compiled step returns the drafts alone)."""
+        info = {}
+        if getattr(self, "_confidence", None) is not None:
+            info["confidence"] = self._confidence.float().cpu().tolist()
+        if getattr(self, "_verified", None) is not None:
+            info["verified"] = self._verified.cpu().tolist()
+        if getattr(self, "_logprobs", None) is not None:
+            info["logprobs"] = self._logprobs
+        self._confidence = self._verified = self._logprobs = None
+        return info
 
-    def step_host(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> list[list[int]]:
+    def step_host(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int, processing=None,
+                  logprobs_n: int | None = None) -> list[list[int]]:
         """``step`` for host values (sequences of n ints; n floats for the temperatures) → the packed
-        rows as lists of ints: the serving loop's form. Two host→device copies, one back."""
+        rows as lists of ints: the serving loop's form. Two host→device copies, one back.
+        ``processing``: per-request sampling controls as ``Processing.build``'s rows (dicts)."""
         dev = self.device
         *ints, temps = host_step_inputs(anchor, anchor_pos, slots, seeds, temperature)
         ints = torch.from_numpy(np.stack(ints).astype(np.int64)).to(dev)
         temps = torch.from_numpy(temps.astype(np.float32)).to(dev)
-        return self.step(*ints.unbind(0), temps, kv_len).cpu().tolist()
+        proc = Processing.build(processing, self.tcfg.vocab_size, dev) if processing else None
+        return self.step(*ints.unbind(0), temps, kv_len, proc, logprobs_n).cpu().tolist()
 
     # ---- target-only decoding (the reference the speculative output must equal) ---------
     @with_options

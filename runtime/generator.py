@@ -45,6 +45,21 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Sampling controls on the target's distribution (plugins/acceptance/processing.py; the eager
+    # engine): the defaults change nothing.
+    top_k: int = 0  # keep the k most likely tokens (0: all)
+    top_p: float = 1.0  # keep the most likely tokens up to this mass
+    min_p: float = 0.0  # drop tokens below min_p × the most likely one's probability
+    repetition_penalty: float = 1.0  # prompt and output tokens: z/r where z > 0, z·r elsewhere
+    presence_penalty: float = 0.0  # output tokens: − p once a token is out
+    frequency_penalty: float = 0.0  # output tokens: − f × its count
+    min_tokens: int = 0  # stop tokens are held back until this many tokens are out
+    logprobs: int | None = None  # the emitted tokens' log-probabilities, and the top N at each (0: none)
+
+    def controls(self) -> bool:
+        """Whether any sampling control or logprobs is asked for."""
+        return (self.top_k, self.top_p, self.min_p, self.repetition_penalty, self.presence_penalty,
+                self.frequency_penalty, self.min_tokens, self.logprobs) != (0, 1.0, 0.0, 1.0, 0.0, 0.0, 0, None)
 
 
 @dataclass
@@ -74,6 +89,7 @@ class Request:
     t_start: float = 0.0
     t_end: float = 0.0
     pending: list[int] = field(default_factory=list)  # emitted, not yet streamed
+    logprobs: list[tuple] = field(default_factory=list)  # per output token (SamplingParams.logprobs): (lp, top)
     prefilled: int = 0  # prompt tokens prefilled so far (while the request is in ``Generator.prefilling``)
 
     @classmethod
@@ -153,6 +169,7 @@ class Generator:
             raise RequestError(f"temperature must be a finite number >= 0, got {t!r}")
         if not isinstance(params.seed, int) or not -(2**63) <= params.seed < 2**64:
             raise RequestError(f"seed must be a 64-bit integer, got {params.seed!r}")
+        self._validate_controls(params)
         bad_stop = [s for s in params.stop_token_ids if not isinstance(s, int) or not 0 <= s < self.vocab]
         if bad_stop:
             raise RequestError(f"stop token ids {bad_stop[:5]} are outside the vocabulary [0, {self.vocab})")
@@ -162,6 +179,35 @@ class Generator:
                 f"prompt length {len(prompt)} + max_tokens {params.max_tokens} (+ {self.gamma} draft slots) = "
                 f"{need} exceeds the engine's maximum sequence length {self.engine.max_seq}"
             )
+
+    def _validate_controls(self, p: SamplingParams) -> None:
+        def number(name, lo, hi, integer=False):
+            v = getattr(p, name)
+            ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+            if not ok or isinstance(v, bool) or not math.isfinite(v) or not lo <= v <= hi:
+                kind = "an integer" if integer else "a number"
+                raise RequestError(f"{name} must be {kind} in [{lo}, {hi}], got {v!r}")
+
+        number("top_k", 0, self.vocab, integer=True)
+        number("top_p", 0.0, 1.0)
+        if p.top_p == 0:
+            raise RequestError("top_p must be > 0 (1 keeps every token)")
+        number("min_p", 0.0, 1.0)
+        number("repetition_penalty", 1e-6, 100.0)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("min_tokens", 0, p.max_tokens if isinstance(p.max_tokens, int) else 0, integer=True)
+        if p.logprobs is not None:
+            number("logprobs", 0, 20, integer=True)
+        if p.controls() and not getattr(self.engine, "controls", False):
+            raise RequestError(f"sampling controls (top_k, top_p, min_p, penalties, min_tokens, logprobs) run on the "
+                               f"eager engine; this {self.engine.backend} engine samples with temperature and seed only")
+
+    def _controls_row(self, req: Request) -> dict:
+        p = req.params
+        return {"top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repetition_penalty": p.repetition_penalty,
+                "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+                "min_tokens": p.min_tokens, "prompt": req.prompt, "output": req.output, "stop_ids": sorted(req.stop_ids)}
 
     # ---- requests --------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams | None = None) -> Request:
@@ -252,7 +298,8 @@ class Generator:
                 break
             picked.append(req)
             budget -= n
-        chunks = [PrefillChunk(r.prompt, r.prefilled, r.slot, r.params.seed, float(r.params.temperature))
+        chunks = [PrefillChunk(r.prompt, r.prefilled, r.slot, r.params.seed, float(r.params.temperature),
+                               self._controls_row(r) if r.params.controls() else None, r.params.logprobs)
                   for r in picked]
         try:
             firsts = self.engine.prefill_chunks(chunks)
@@ -277,6 +324,8 @@ class Generator:
             self.prefilling.remove(req)
             req.anchor, req.position = int(first.item()), len(req.prompt)
             self.active.append(req)
+            if req.params.logprobs is not None:
+                req.logprobs.append(self._top(self.engine.take_prefill_logprobs(req.slot), req.params.logprobs))
             self._emit(req, [req.anchor])
             emitted.append(req)
         return emitted
@@ -328,13 +377,20 @@ class Generator:
 
         if not eng.chains:
             # Host values in, lists out: two host→device copies and one back (the engines' step_host).
-            packed = eng.step_host(*host_inputs(), last + g + 1)
-            confidence, verified = eng.take_step_info() if hasattr(eng, "take_step_info") else (None, None)
+            controlled = [r.params.controls() for r in batch]
+            if any(controlled):
+                wanted = [r.params.logprobs for r in batch if r.params.logprobs is not None]
+                packed = eng.step_host(*host_inputs(), last + g + 1, processing=[self._controls_row(r) for r in batch],
+                                       logprobs_n=max(wanted) if wanted else None)
+            else:
+                packed = eng.step_host(*host_inputs(), last + g + 1)
+            info = eng.take_step_info() if hasattr(eng, "take_step_info") else {}
+            confidence, verified, logprobs = info.get("confidence"), info.get("verified"), info.get("logprobs")
         else:
             if handle is None:
                 handle = eng.step_launch(*host_inputs(), last + g + 1)
             nxt = None
-            confidence = verified = None  # (the compiled steps return the drafts alone)
+            confidence = verified = logprobs = None  # (the compiled steps return the drafts alone)
             if self._chains(batch):
                 nxt = eng.step_next(handle, last + 2 * (g + 1))
             packed = eng.step_rows(handle)
@@ -348,11 +404,18 @@ class Generator:
             draft, n, bonus = row[:g], row[g], row[g + 1]
             emitted = draft[:n] + [bonus]
             shown = self._emit(req, emitted)
+            if logprobs is not None and req.params.logprobs is not None:
+                req.logprobs.extend(self._top(lp, req.params.logprobs) for lp in logprobs[i][: len(shown)])
             req.steps.append(StepRecord(req.position, draft, n, shown, confidence[i] if confidence else None,
                                         verified[i] if verified else None))
             req.anchor, req.position = bonus, req.position + n + 1
             done.append(req)
         return done
+
+    @staticmethod
+    def _top(lp: tuple, n: int) -> tuple[float, list[tuple[int, float]]]:
+        """(the token's log-probability, the top ``n`` (token, logprob)) of one position."""
+        return lp[0], lp[1][:n]
 
     def _chains(self, batch: list[Request]) -> bool:
         """Whether to launch the step after this one before reading its rows: the same requests are

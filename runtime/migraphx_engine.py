@@ -69,6 +69,7 @@ def compile_step(engine: EagerEngine, backend: str):
 class MIGraphXEngine(EagerEngine):
     backend = "migraphx"
     schedules = False  # (its compiled step verifies all γ drafts: schedule 'off')
+    controls = False  # (its compiled step samples with temperature and seed only)
 
     def __init__(self, *args, compile_backend: str | None = MIGRAPHX_BACKEND, **kw):
         """``compile_backend``: the torch.compile backend of the step ("migraphx"; tests pass torch's

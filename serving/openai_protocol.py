@@ -6,8 +6,10 @@ nothing else:
 
 * **Shapes** by pydantic models in strict mode (``"5"`` is not an integer, ``true``
   is not a token id); unknown fields are collected and judged next.
-* **Parameters the engine does not implement** (``top_p`` ≠ 1, penalties ≠ 0,
-  ``logprobs``, tools, ``n`` > 1, …) are refused with a 400 naming the parameter,
+* **Sampling controls** (``top_p``, ``top_k``, ``min_p``, the penalties, ``min_tokens``) go to the
+  runtime (``SamplingParams``; an engine that cannot apply them refuses with a 400).
+* **Parameters the engine does not implement** (``logprobs``, tools, ``n`` > 1, …) are refused
+  with a 400 naming the parameter,
   never ignored: a client asking for nucleus sampling must not silently get
   plain sampling. A parameter at its neutral value (``top_p: 1``,
   ``presence_penalty: 0``, ``null``) changes nothing and is taken. Fields
@@ -154,9 +156,30 @@ def _same(value, neutral) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
+# Sampling controls the runtime implements (SamplingParams; the eager engine), taken from the body.
+_CONTROLS = ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens")
+
+
+def _controls(extra: dict[str, Any]) -> dict[str, Any]:
+    """The sampling controls a request sets (``top_k`` −1, OpenAI's and vLLM's "all", is 0 here)."""
+    out = {}
+    for name in _CONTROLS:
+        value = extra.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise invalid(f"{name} must be a number, got {json.dumps(value)[:40]}", param=name)
+        if name in ("top_k", "min_tokens"):
+            if value != int(value):
+                raise invalid(f"{name} must be an integer, got {value}", param=name)
+            value = int(value)
+        out[name] = 0 if name == "top_k" and value == -1 else value
+    return out
+
+
 def _check_extra(extra: dict[str, Any], neutral: dict[str, tuple]) -> None:
     for name, value in extra.items():
-        if value is None or name in _IGNORED:
+        if value is None or name in _IGNORED or name in _CONTROLS:
             continue
         if name not in neutral:
             raise invalid(f"unknown parameter {name!r}: this server does not know it (and does not ignore "
@@ -356,14 +379,19 @@ def _finish(r: _Common, ids: list[int], max_tokens: int, served: ServedModel, pr
     if not -(2**63) <= seed < 2**64:
         raise invalid(f"seed must be a 64-bit integer, got {seed}", param="seed")
     stop = (r.stop,) if isinstance(r.stop, str) else tuple(r.stop or ())
+    controls = _controls(r.model_extra or {})
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), seed=seed,
-                            ignore_eos=bool(r.ignore_eos))
+                            ignore_eos=bool(r.ignore_eos), **controls)
     try:
-        served.generator.validate(ids, params)  # (the vocabulary and the window: the runtime's own check)
+        served.generator.validate(ids, params)  # (the vocabulary, the window, the controls: the runtime's checks)
     except RequestError as e:
         message = str(e)
         window = "exceeds the engine's maximum sequence length" in message
-        raise invalid(message, param=prompt_param, code="context_length_exceeded" if window else None) from None
+        param = next((c for c in controls if message.startswith(c)), None)
+        if "sampling controls" in message:
+            param = next(iter(controls), None)
+        raise invalid(message, param=param or prompt_param,
+                      code="context_length_exceeded" if window else None) from None
     include_usage = bool(r.stream_options and r.stream_options.include_usage)
     return ParsedRequest(ids, params, tuple(s for s in stop if s), bool(r.stream), include_usage)
 

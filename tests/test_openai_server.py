@@ -330,13 +330,14 @@ def _error(excinfo) -> dict:
 
 @pytest.mark.parametrize("kw, param, says", [
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0"),
-    ({"top_p": 0.5}, "top_p", "top_p is not supported by this server yet"),
-    ({"presence_penalty": 0.3}, "presence_penalty", "presence_penalty is not supported"),
-    ({"frequency_penalty": -1}, "frequency_penalty", "frequency_penalty is not supported"),
+    ({"top_p": 1.5}, "top_p", "top_p must be a number in [0.0, 1.0]"),
+    ({"presence_penalty": 3}, "presence_penalty", "presence_penalty must be a number in [-2.0, 2.0]"),
+    ({"frequency_penalty": "x"}, "frequency_penalty", "frequency_penalty must be a number"),
     ({"logprobs": 2}, "logprobs", "logprobs is not supported"),
     ({"best_of": 3}, "best_of", "best_of is not supported"),
     ({"n": 2}, "n", "n=2 is not supported yet"),
-    ({"extra_body": {"top_k": 5}}, "top_k", "top_k is not supported"),
+    ({"extra_body": {"top_k": -5}}, "top_k", "top_k must be an integer in [0, 259]"),
+    ({"extra_body": {"min_tokens": 1.5}}, "min_tokens", "min_tokens must be an integer"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate", "unknown parameter 'frobnicate'"),
     ({"temperature": -1}, "temperature", "temperature must be a finite number >= 0"),
     ({"prompt": [1, 2, 999]}, "prompt", "outside the vocabulary [0, 259)"),
@@ -360,6 +361,19 @@ def test_neutral_values_of_unsupported_parameters_are_taken(client):
                                   presence_penalty=0, frequency_penalty=0, n=1, user="someone",
                                   extra_body={"top_k": -1})
     assert r.choices[0].finish_reason == "length"
+
+
+def test_sampling_controls_reach_the_runtime(client):
+    """top_k 1 samples the most likely token whatever the temperature: the greedy text; a penalty changes
+    the text, and the same request twice gives the same text (seeded)."""
+    greedy = client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0)
+    top1 = client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=1.0, seed=3,
+                                     extra_body={"top_k": 1})
+    assert top1.choices[0].text == greedy.choices[0].text
+    kw = dict(model="tiny", prompt="Hello", max_tokens=24, temperature=0.9, seed=5, top_p=0.8, presence_penalty=1.5,
+              extra_body={"repetition_penalty": 1.4, "min_p": 0.05})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == 24
 
 
 def test_an_unknown_model_is_a_404(client):

@@ -95,10 +95,11 @@ def test_closing_a_stream_early_frees_the_slot(engine_dir):
 def test_manifest_records_what_the_design_asks(engine_dir):
     m = json.loads((engine_dir / "manifest.json").read_text())
     for key in ("schema_version", "backend", "device", "versions", "target_config", "draft_config",
-                "checkpoint_hashes", "dtype", "gamma", "max_seq", "batch_buckets", "plugins", "tokenizer", "files"):
+                "checkpoint_hashes", "dtype", "gamma", "max_seq", "batch_buckets", "plugins", "tokenizer",
+                "tokenizer_config", "files"):
         assert key in m
     assert m["backend"] == "eager" and m["gamma"] == 5 and m["batch_buckets"] == [1, 2, 4]
-    assert set(m["files"]) == {"target.safetensors", "draft.safetensors", "tokenizer.json"}
+    assert set(m["files"]) == {"target.safetensors", "draft.safetensors", "tokenizer.json", "tokenizer_config.json"}
     assert len(m["checkpoint_hashes"]["target"]) == 64
 
 
