@@ -171,6 +171,8 @@ def cmd_generate(a) -> int:
     # The prompt is checked before the (slower) engine load.
     text = _utf8_text(a.prompt, "--prompt") if a.prompt is not None else None
     ids = _parse_ids(a.prompt_ids) if a.prompt_ids is not None else None
+    if a.tp != 1:
+        return _generate_tensor_parallel(a, text, ids)
     if a.engine:
         engine = load_engine(a.engine, device=a.device, dtype=a.dtype)
     else:
@@ -230,6 +232,38 @@ def cmd_generate(a) -> int:
                   "verified per step on average")
         print(f"generated {stats['generated_tokens']} tokens in {stats['seconds']:.3f}s "
               f"({stats['tokens_per_second']:.1f} tokens/s), finish reason: {stats['finish_reason']}")
+    return 0
+
+
+def _generate_tensor_parallel(a, text, ids) -> int:
+    """``generate --tp N``: the pair split across N ranks (processes; runtime/tensor_parallel.py)."""
+    from muse_spark.runtime import SamplingParams, load_tokenizer
+    from muse_spark.runtime.tensor_parallel import TensorParallelError, check_split, generate
+    from muse_spark.config import MuseSpark1xConfig
+
+    if a.engine:
+        return _die("--tp runs from a checkpoint pair: give --target DIR and --draft DIR (engine directories are "
+                    "built for one device)")
+    try:
+        check_split(MuseSpark1xConfig.from_dict(json.loads((Path(a.target) / "config.json").read_text()),
+                                                f"{a.target}/config.json"), a.tp)
+    except TensorParallelError as e:
+        return _die(str(e))
+    tok_path = Path(a.target) / "tokenizer.json"
+    tok = load_tokenizer(tok_path if tok_path.is_file() else None)
+    if text is not None and tok is None:
+        return _die("this pair has no tokenizer: use --prompt-ids")
+    prompt = tok.encode(text).ids if text is not None else ids
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed, ignore_eos=a.ignore_eos)
+    (r,) = generate(a.target, a.draft, [prompt], [params], a.tp, device=a.device or "cpu", max_batch=1)
+    out_text = tok.decode(r["output"], skip_special_tokens=True) if tok else None
+    if a.json:
+        print(json.dumps({"output_ids": r["output"], "text": out_text, "stats": r["stats"], "tp": a.tp}))
+    else:
+        print(out_text if out_text is not None else " ".join(map(str, r["output"])))
+        st = r["stats"]
+        print(f"tensor parallel over {a.tp} ranks: {st['mean_accepted_per_step']:.2f} accepted drafts per step, "
+              f"{st['generated_tokens']} tokens in {st['seconds']:.3f}s")
     return 0
 
 
@@ -337,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None)
     g.add_argument("--dtype", default=None)
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="split the target across N ranks (processes: gloo on CPU, NCCL on CUDA; --target/--draft)")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this mass")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this × the top probability")

@@ -304,6 +304,9 @@ class DecoderLayer(nn.Module):
         # … and the materialized constants g = residual_multiplier · gate (fp32).
         self.register_buffer("g_attn", torch.ones(cfg.hidden_size), persistent=False)
         self.register_buffer("g_ffn", torch.ones(cfg.hidden_size), persistent=False)
+        # Tensor parallelism (runtime/tensor_parallel.py): the process group whose ranks hold the
+        # other slices of this layer; its o_proj/down_proj products are partial sums to all-reduce.
+        self.tp_group = None
 
     def materialize_residual_constants(self) -> None:
         m = self.cfg.residual_multiplier
@@ -340,7 +343,13 @@ class DecoderLayer(nn.Module):
         """stream + gate ⊙ branch_norm(branch_in @ wᵀ) and its norm (``norm_weight``; none without
         ``apply_norm``): the projection, then one gated residual plugin call."""
         c = self.cfg
-        return dispatch.gated_residual_add(stream, linear(branch_in, w), gate, norm_weight, c.rms_norm_eps,
+        if self.tp_group is None:
+            proj = linear(branch_in, w)
+        else:  # this rank's partial product, summed over the ranks in FP32, rounded once as the whole GEMM is
+            proj = torch.nn.functional.linear(branch_in.float(), w.float())
+            torch.distributed.all_reduce(proj, group=self.tp_group)
+            proj = proj.to(w.dtype)
+        return dispatch.gated_residual_add(stream, proj, gate, norm_weight, c.rms_norm_eps,
                                            c.norm_zero_centered_gamma, apply_norm, w.dtype, branch_norm_weight, True)
 
 

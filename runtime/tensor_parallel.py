@@ -1,0 +1,180 @@
+"""Tensor parallelism: the target split across ranks (Megatron style), one speculative step per rank set.
+
+Each of ``world`` ranks holds a slice of every target layer:
+
+* the stacked q/k/v/o_gate projection **by heads** (column-parallel): rank ``r`` has q heads
+  ``[r·H/world, (r+1)·H/world)``, their output-gate rows, and the K/V heads they read — its share of
+  the KV heads where there are at least ``world`` of them, else the one KV head its q heads share
+  (replicated on the ranks of that group);
+* ``o_proj`` by the same heads' columns and ``down_proj`` by its input columns (row-parallel): each
+  rank's product is a partial sum, added over the ranks with one all-reduce per branch
+  (``DecoderLayer.residual``, in FP32) before the branch norm and the gated FP32 residual;
+* ``gate_proj``/``up_proj`` by the intermediate dimension (column-parallel).
+
+The embedding, the final norm and the lm_head are replicated (every rank computes the full logits
+from the same hidden state, so acceptance and sampling, keyed by (seed, position), give every rank the
+same tokens without a gather); the draft is replicated too: its five layers at batch 1 cost less
+than the collectives sharding them would add. Every rank therefore runs the same scheduler on the same
+requests (SPMD): the collectives in the target's layers keep them in step, and rank 0 reports.
+
+``launch(world, fn, *args)`` starts the ranks as processes with ``torch.distributed`` (gloo on CPU,
+NCCL on CUDA), a timeout on every collective so a rank that dies ends the group with an error instead
+of a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from muse_spark.checkpoint import load_pair
+from muse_spark.models.target import MuseSpark1xForCausalLM
+from muse_spark.runtime.engine import EagerEngine
+
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+class TensorParallelError(ValueError):
+    """A split the model or the machine cannot take."""
+
+
+def check_split(cfg, world: int) -> None:
+    """Refuse a world size the target's heads and FFN do not divide, with the reason."""
+    H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    if world < 1:
+        raise TensorParallelError(f"--tp must be at least 1, got {world}")
+    if H % world:
+        raise TensorParallelError(f"--tp {world}: the target's {H} attention heads do not split over {world} ranks")
+    if (KV >= world and KV % world) or (KV < world and world % KV):
+        raise TensorParallelError(f"--tp {world}: the target's {KV} KV heads neither split over nor replicate evenly "
+                                  f"on {world} ranks")
+    if inter % world:
+        raise TensorParallelError(f"--tp {world}: the FFN width {inter} does not split over {world} ranks")
+
+
+def shard_config(cfg, world: int):
+    check_split(cfg, world)
+    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
+                               num_key_value_heads=max(cfg.num_key_value_heads // world, 1),
+                               intermediate_size=cfg.intermediate_size // world)
+
+
+def shard_state_dict(sd: dict[str, torch.Tensor], cfg, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s slice of the target's canonical state dict (the layout above)."""
+    H, KV, Dh, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    Hr, Ir = H // world, inter // world
+    kv_heads = (list(range(rank * KV // world, (rank + 1) * KV // world)) if KV >= world
+                else [rank * Hr // (H // KV)])
+    q_rows = torch.arange(rank * Hr * Dh, (rank + 1) * Hr * Dh)
+    kv_rows = torch.cat([torch.arange(h * Dh, (h + 1) * Dh) for h in kv_heads])
+    out = {}
+    for name, t in sd.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            q_end, k_end, v_end = H * Dh, H * Dh + KV * Dh, H * Dh + 2 * KV * Dh
+            parts = [t[:q_end][q_rows], t[q_end:k_end][kv_rows], t[k_end:v_end][kv_rows]]
+            if cfg.attn_output_gate:
+                parts.append(t[v_end:][q_rows])
+            out[name] = torch.cat(parts)
+        elif name.endswith("self_attn.o_proj.weight"):
+            out[name] = t[:, q_rows]
+        elif name.endswith("feed_forward.gate_up_proj.weight"):
+            out[name] = torch.cat([t[rank * Ir : (rank + 1) * Ir], t[inter + rank * Ir : inter + (rank + 1) * Ir]])
+        elif name.endswith("feed_forward.down_proj.weight"):
+            out[name] = t[:, rank * Ir : (rank + 1) * Ir]
+        else:
+            out[name] = t
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def shard_target(target: MuseSpark1xForCausalLM, rank: int, world: int, group) -> MuseSpark1xForCausalLM:
+    """A new target module holding rank ``rank``'s slice, its layers all-reducing over ``group``."""
+    cfg = shard_config(target.cfg, world)
+    sd = shard_state_dict(target.state_dict(), target.cfg, rank, world)
+    with torch.device("meta"):
+        part = MuseSpark1xForCausalLM(cfg, target.aux_layer_ids)
+    part.load_state_dict(sd, strict=True, assign=True)
+    part.after_load()
+    part.eval().requires_grad_(False)
+    for layer in part.model.layers:
+        layer.tp_group = group
+    return part
+
+
+def engine_from_checkpoints(target_dir, draft_dir, rank: int, world: int, *, device="cpu", dtype=None,
+                            max_batch: int = 8, max_seq: int | None = None) -> EagerEngine:
+    """This rank's eager engine over the pair: its target slice, the whole draft (bound to the
+    replicated embedding)."""
+    if str(device) == "cuda":
+        device = f"cuda:{rank}"
+    target, draft = load_pair(target_dir, draft_dir, dtype, device)
+    part = shard_target(target, rank, world, dist.group.WORLD if world > 1 else None)
+    draft.bind_target_embeddings(part.model.embed_tokens.weight)
+    del target
+    tok = Path(target_dir) / "tokenizer.json"
+    return EagerEngine(part, draft, max_batch=max_batch, max_seq=max_seq or min(part.cfg.max_position_embeddings, 2048),
+                       device=device, tokenizer_path=tok if tok.is_file() else None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float, fn: Callable, args: tuple,
+               results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        out = fn(rank, world, *args)
+        if rank == 0:
+            results.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(world: int, fn: Callable, *args, device: str = "cpu", timeout_s: float = COLLECTIVE_TIMEOUT_S):
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks (processes; gloo on CPU, NCCL on CUDA) → rank 0's
+    result. A rank that fails ends the others (their collectives time out after ``timeout_s`` at the
+    latest) and raises here with its error."""
+    import torch.multiprocessing as mp
+
+    if device.startswith("cuda") and torch.cuda.device_count() < world:
+        raise TensorParallelError(f"--tp {world} needs {world} GPUs; this machine has {torch.cuda.device_count()}")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_rank_main, args=(world, _free_port(), backend, timeout_s, fn, args, results), nprocs=world,
+                       join=True, start_method="spawn")
+    return results.get()
+
+
+def generate_rank(rank: int, world: int, target_dir, draft_dir, prompts, params, device: str = "cpu",
+                  max_batch: int = 8, max_seq: int | None = None, fail_rank: int | None = None):
+    """One rank of ``generate``: this rank's engine, the same ``Generator.generate`` on every rank (the
+    layers' collectives keep them in step) → the requests' outputs and stats (rank 0's are returned by
+    ``launch``). ``fail_rank``: that rank exits at once (tests: a rank that dies)."""
+    from muse_spark.runtime.generator import Generator
+
+    engine = engine_from_checkpoints(target_dir, draft_dir, rank, world, device=device, max_batch=max_batch,
+                                     max_seq=max_seq)
+    if rank == fail_rank:
+        os._exit(3)
+    reqs = Generator(engine).generate(prompts, params)
+    return [{"output": r.output, "stats": r.stats(engine.gamma), "steps": len(r.steps)} for r in reqs]
+
+
+def generate(target_dir, draft_dir, prompts, params, world: int, **kw) -> list[dict]:
+    """``Generator.generate`` over a pair split across ``world`` ranks (processes) → per request its
+    output and stats."""
+    return launch(world, generate_rank, str(target_dir), str(draft_dir), prompts, params, kw.get("device", "cpu"),
+                  kw.get("max_batch", 8), kw.get("max_seq"), kw.get("fail_rank"), device=kw.get("device", "cpu"),
+                  timeout_s=kw.get("timeout_s", COLLECTIVE_TIMEOUT_S))

@@ -1,0 +1,79 @@
+"""Tensor parallelism on CPU (gloo): the target split across 2 and 4 ranks gives the single-process
+engine's tokens, greedy and seeded, with in-flight batching; a rank that dies ends the group with an
+error in bounded time; splits the model cannot take are refused."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import run_cli
+from muse_spark.checkpoint import load_pair
+from muse_spark.runtime import EagerEngine, Generator, SamplingParams
+from muse_spark.runtime import tensor_parallel as tp
+
+PROMPTS = [[65, 66, 67], [70, 71], [40 + i % 20 for i in range(30)], [5]]
+PARAMS = [SamplingParams(max_tokens=24, ignore_eos=True),
+          SamplingParams(max_tokens=20, temperature=0.8, seed=4, ignore_eos=True),
+          SamplingParams(max_tokens=16, ignore_eos=True),
+          SamplingParams(max_tokens=28, temperature=1.0, seed=9, ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def single(agreeing_pair):
+    engine = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=2, max_seq=128)
+    return [r.output for r in Generator(engine).generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_split_target_gives_the_single_process_tokens(agreeing_pair, single, world):
+    # max_batch 2 for 4 requests: requests join and leave between steps on every rank alike
+    out = tp.generate(*agreeing_pair, PROMPTS, PARAMS, world, max_batch=2, max_seq=128)
+    assert [o["output"] for o in out] == single
+
+
+def test_the_shards_hold_the_whole_layer(agreeing_pair):
+    """The slices put back together are the layer's weights: q/k/v/gate rows by heads (K/V heads
+    replicated where there are fewer than ranks), o_proj and down_proj by columns, gate/up by rows."""
+    target, _ = load_pair(*agreeing_pair)
+    cfg, sd = target.cfg, target.state_dict()
+    name = "model.layers.1.feed_forward.down_proj.weight"
+    for world in (2, 4):
+        parts = [tp.shard_state_dict(sd, cfg, r, world) for r in range(world)]
+        assert torch.equal(torch.cat([p[name] for p in parts], 1), sd[name])
+        assert torch.equal(torch.cat([p["model.layers.0.self_attn.o_proj.weight"] for p in parts], 1),
+                           sd["model.layers.0.self_attn.o_proj.weight"])
+        shard_cfg = tp.shard_config(cfg, world)
+        qkv = parts[world - 1]["model.layers.0.self_attn.qkv_proj.weight"]
+        assert qkv.shape[0] == shard_cfg.qkv_out
+        assert torch.equal(parts[0]["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
+
+
+def test_splits_the_model_cannot_take_are_refused(agreeing_pair):
+    target, _ = load_pair(*agreeing_pair)
+    for world, says in ((3, "attention heads"), (0, "at least 1")):
+        with pytest.raises(tp.TensorParallelError, match=says):
+            tp.check_split(target.cfg, world)
+    r = run_cli("generate", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--prompt-ids", "1", "--tp", 3)
+    assert r.returncode == 2 and "do not split over 3 ranks" in r.stderr
+
+
+def test_a_rank_that_dies_ends_the_group_with_an_error(agreeing_pair):
+    t0 = time.perf_counter()
+    with pytest.raises(Exception, match="exit|terminated|3"):
+        tp.generate(*agreeing_pair, PROMPTS[:1], PARAMS[:1], 2, max_batch=1, max_seq=128, fail_rank=1, timeout_s=20)
+    assert time.perf_counter() - t0 < 60
+
+
+def test_generate_tp_prints_the_tokens_of_one_process(agreeing_pair):
+    import json
+
+    args = ["generate", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--prompt-ids", "72,101",
+            "--max-tokens", 16, "--json"]
+    one = json.loads(run_cli(*args).stdout.strip().splitlines()[-1])
+    r = run_cli(*args, "--tp", 2)
+    assert r.returncode == 0, r.stderr
+    two = json.loads(r.stdout.strip().splitlines()[-1])
+    assert two["output_ids"] == one["output_ids"] and two["tp"] == 2
