@@ -91,7 +91,7 @@ from muse_spark.serving.scheduler import Scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
-from pairs import (build_from_pair, check_pair, default_backend, default_device, pair_gamma,  # noqa: E402
+from pairs import (add_engine_arguments, build_from_pair, check_pair, default_backend, default_device, pair_gamma,  # noqa: E402
                    pair_summary, window)
 from server_process import check_tritonserver, triton_server  # noqa: E402
 
@@ -679,9 +679,7 @@ def _modes(s: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--engine", help="an engine directory")
-    src.add_argument("--pair", help="a make-pair folder (target/, draft/): an engine is built from it first")
+    add_engine_arguments(p)
     p.add_argument("--mode", type=_modes, default=["inprocess"],
                    help=f"{' | '.join(MODES)}, or a comma list of them (default inprocess)")
     p.add_argument("--concurrency", type=_list(int), default=[8],
@@ -698,11 +696,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="seeds the lengths, prompts, arrivals and per-request seeds")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
-    p.add_argument("--device", default=None, help="override the engine's device (cpu, cuda)")
-    p.add_argument("--backend", choices=["aoti", "eager"], default=None,
-                   help="with --pair: the engine's backend (default aoti on cuda, eager on cpu)")
-    p.add_argument("--work-dir", default=None, help="with --pair: where the engine is built (default: a temporary "
-                                                    "folder)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="CPU threads of the engine (in process, and passed to muse-spark triton-repo)")
     p.add_argument("--stub-numpy", default=None, help="passed to muse-spark serve")

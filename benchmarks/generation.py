@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
-from pairs import (build_from_pair, check_pair, default_backend, default_device, pair_gamma,  # noqa: E402
+from pairs import (add_engine_arguments, build_from_pair, check_pair, default_backend, default_device, pair_gamma,  # noqa: E402
                    pair_summary, window)
 from timing import batch_list, host_description  # noqa: E402
 
@@ -138,18 +138,11 @@ def measure(engine, decoder, clock: Clock, prompts: list[list[int]], max_tokens:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--pair", help="a make-pair folder (target/, draft/, pair.json): an engine is built from it")
-    src.add_argument("--engine", help="an engine directory")
-    p.add_argument("--backend", choices=["aoti", "eager"], default=None,
-                   help="with --pair: the engine's backend (default aoti on cuda, eager on cpu)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                   help="default: cuda where available (--engine: the engine's own)")
+    add_engine_arguments(p, work_dir="/tmp/muse-spark-generation")
     p.add_argument("--batches", type=batch_list, default=[1, 8, 32], help="comma-separated, e.g. 1,8,32")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="the prompts' seed")
-    p.add_argument("--work-dir", default="/tmp/muse-spark-generation", help="where --pair's engine is built")
     p.add_argument("--out-dir", default=str(results.RESULTS),
                    help="where the result goes, in the common schema (default: benchmarks/results)")
     p.add_argument("--markdown", default=None, help="also write the table here (Markdown)")

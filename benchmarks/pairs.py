@@ -60,3 +60,18 @@ def build_from_pair(pair: str | Path, work_dir: str | Path, *, backend: str, dev
                  max_seq=max_seq, overwrite=True, quiet=False,
                  **({"buckets": sorted(set(buckets))} if buckets and backend == "aoti" else {}))
     return out
+
+
+def add_engine_arguments(p, work_dir: str | None = None) -> None:
+    """The engine a benchmark runs: ``--engine DIR`` or ``--pair DIR`` (built first, ``--backend``,
+    into ``--work-dir``), and ``--device``."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--engine", help="an engine directory")
+    src.add_argument("--pair", help="a make-pair folder (target/, draft/, pair.json): an engine is built from it first")
+    p.add_argument("--backend", choices=["aoti", "eager"], default=None,
+                   help="with --pair: the engine's backend (default aoti on cuda, eager on cpu)")
+    p.add_argument("--work-dir", default=work_dir,
+                   help="with --pair: where the engine is built (default: " + (work_dir or "a temporary folder") + ")")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="default: the engine's own (--pair: cuda where available)")
+

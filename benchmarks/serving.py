@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
-from pairs import (build_from_pair, check_pair, default_backend, default_device, pair_gamma,  # noqa: E402
+from pairs import (add_engine_arguments, build_from_pair, check_pair, default_backend, default_device, pair_gamma,  # noqa: E402
                    pair_summary, window)
 from server_process import post, triton_server  # noqa: E402
 
@@ -103,14 +103,7 @@ def through_server(engine_dir: str, device: str | None, prompts, max_tokens: int
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--engine", help="an engine directory")
-    src.add_argument("--pair", help="a make-pair folder (target/, draft/): an engine is built from it first")
-    p.add_argument("--backend", choices=["aoti", "eager"], default=None,
-                   help="with --pair: the engine's backend (default aoti on cuda, eager on cpu)")
-    p.add_argument("--work-dir", default=None,
-                   help="with --pair: where the engine is built (default: a temporary folder)")
-    p.add_argument("--device", default=None, help="override the engine's device")
+    add_engine_arguments(p)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
