@@ -9,6 +9,7 @@
 #                                # JSON header: the nlohmann-json wheel)
 #   scripts/gpu_check.sh serving # the Triton server on the GPU: exact outputs and its throughput beside
 #                                # the in-process runtime (carry .whl/: scripts/device_wheels.py)
+#   scripts/gpu_check.sh tp      # tensor parallelism over the machine's GPUs (2, 4, 8 as it has them)
 #
 # MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default triton).
 #
@@ -70,8 +71,14 @@ serving)
     OUT="$OUT" timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -rfEs -s tests/test_gpu_serving.py 2>&1 |
         tee "$OUT/serving-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|tok/s|[0-9]+ (passed|failed)"
     ;;
+tp)
+    # tensor parallelism over the machine's GPUs (NCCL): the split target's tokens against one GPU's
+    # (tests/test_gpu_tensor_parallel.py, 2/4/8 ranks as the GPUs allow) and the CPU (gloo) tests
+    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -rfEs tests/test_gpu_tensor_parallel.py tests/test_tensor_parallel.py \
+        2>&1 | tee "$OUT/tp-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
+    ;;
 *)
-    echo "usage: $0 tests|engines|bench|cxx|serving" >&2
+    echo "usage: $0 tests|engines|bench|cxx|serving|tp" >&2
     exit 2
     ;;
 esac
