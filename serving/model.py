@@ -82,7 +82,12 @@ class _ResponseSink:
             ids, text = new_tokens, self.decoder.push(req.output, final=req.finished)
         else:
             ids, text = req.output, self.decoder.full(req.output)
-        arrays = response_arrays(ids, text, req.finish_reason if req.finished else None, req.stats(self.gamma))
+        log_probs = None
+        if req.params.logprobs is not None:  # (return_log_probs: the logprobs of these ids, the last of the output)
+            start = len(req.output) - len(ids)
+            log_probs = [lp for lp, _ in req.logprobs[start:len(req.output)]]
+        arrays = response_arrays(ids, text, req.finish_reason if req.finished else None, req.stats(self.gamma),
+                                 log_probs)
         response = pb_utils.InferenceResponse([pb_utils.Tensor(name, a) for name, a in arrays.items()])
         try:
             self.sender.send(response, flags=FINAL if req.finished else 0)

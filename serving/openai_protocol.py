@@ -6,9 +6,11 @@ nothing else:
 
 * **Shapes** by pydantic models in strict mode (``"5"`` is not an integer, ``true``
   is not a token id); unknown fields are collected and judged next.
-* **Sampling controls** (``top_p``, ``top_k``, ``min_p``, the penalties, ``min_tokens``) go to the
-  runtime (``SamplingParams``; an engine that cannot apply them refuses with a 400).
-* **Parameters the engine does not implement** (``logprobs``, tools, ``n`` > 1, …) are refused
+* **Sampling controls** (``top_p``, ``top_k``, ``min_p``, the penalties, ``min_tokens``) and
+  log-probabilities (completions' ``logprobs: N``, chat's ``logprobs: true`` with
+  ``top_logprobs: N``) go to the runtime (``SamplingParams``; an engine that cannot apply them
+  refuses with a 400). ``n`` (1 … ``MAX_N``) asks for that many independent samples.
+* **Parameters the engine does not implement** (tools, ``best_of``, ``logit_bias``, …) are refused
   with a 400 naming the parameter,
   never ignored: a client asking for nucleus sampling must not silently get
   plain sampling. A parameter at its neutral value (``top_p: 1``,
@@ -35,16 +37,22 @@ writes them).
 ``TextStream`` turns a request's tokens into text one token at a time and
 applies the stop strings: the text is cut exactly before the first stop string
 (wherever the step boundaries fall), and while streaming, the tail that could
-still become a stop string is held back until it cannot.
+still become a stop string is held back until it cannot. With log-probabilities
+it also keeps where each token's text starts, so a token is reported once its
+text is handed out, and a token wholly cut off by a stop string never is.
+``TokenText`` gives one token's text and bytes for the log-probabilities.
 """
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
 import math
+import re
 import secrets
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from jinja2 import TemplateError
@@ -56,6 +64,8 @@ from muse_spark.runtime.generator import RequestError, SamplingParams
 from muse_spark.serving.protocol import StreamDecoder
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_N = 8  # choices per request (each one a request of its own to the scheduler)
+MAX_LOGPROBS = 20  # the most likely tokens reported at each position (OpenAI's limit)
 
 
 class ApiError(Exception):
@@ -116,11 +126,15 @@ class _Common(_Strict):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # the top N at each token (0 … 20), and each token's own
+
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # (with logprobs: true) the top N at each token, 0 … 20
 
 
 # What a field of a union must be, said once (pydantic reports every member of the union).
@@ -140,9 +154,8 @@ _NEUTRAL: dict[str, tuple] = {
     "store": (False,), "stop_token_ids": ([],), "bad_words": ([],), "prediction": (), "audio": (),
     "reasoning_effort": (), "web_search_options": (), "verbosity": (), "guided_json": (), "guided_regex": (),
     "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,), "logprobs": (),
+    "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,),
 }
-_NEUTRAL_CHAT = {**_NEUTRAL, "logprobs": (False,)}  # (chat's logprobs is a flag; completions' a count)
 # Fields that do not change what is generated: taken and ignored.
 _IGNORED = frozenset({"user", "metadata", "parallel_tool_calls", "service_tier", "safety_identifier",
                       "prompt_cache_key"})
@@ -282,15 +295,25 @@ class ServedModel:
 @dataclass(frozen=True)
 class ParsedRequest:
     prompt: list[int]
-    params: SamplingParams
+    params: SamplingParams  # the first choice's (choice i samples with seed + i: ``choice_params``)
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    n: int = 1
+
+    def choice_params(self, i: int) -> SamplingParams:
+        """Choice ``i``'s parameters: the request's, with seed + i (modulo 2⁶⁴, as the runtime stores seeds)."""
+        if i == 0:
+            return self.params
+        seed = (self.params.seed + i) % 2**64
+        return SamplingParams(**{**self.params.__dict__, "seed": seed})
 
 
 def parse_completion(body: bytes, served: ServedModel) -> ParsedRequest:
     r = _validate(CompletionRequest, body)
     _common_checks(r, served, _NEUTRAL)
+    if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
+        raise invalid(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {r.logprobs}", param="logprobs")
     prompt = r.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -306,12 +329,19 @@ def parse_completion(body: bytes, served: ServedModel) -> ParsedRequest:
     if not ids:
         raise invalid("the prompt is empty", param="prompt")
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if r.max_tokens is None else r.max_tokens
-    return _finish(r, ids, max_tokens, served, "prompt")
+    return _finish(r, ids, max_tokens, served, "prompt", logprobs=r.logprobs)
 
 
 def parse_chat(body: bytes, served: ServedModel) -> ParsedRequest:
     r = _validate(ChatCompletionRequest, body)
-    _common_checks(r, served, _NEUTRAL_CHAT)
+    _common_checks(r, served, _NEUTRAL)
+    if r.top_logprobs is not None:
+        if not 0 <= r.top_logprobs <= MAX_LOGPROBS:
+            raise invalid(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {r.top_logprobs}",
+                          param="top_logprobs")
+        if not r.logprobs and r.top_logprobs > 0:
+            raise invalid("top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (r.top_logprobs or 0) if r.logprobs else None
     if served.chat_template is None:
         raise invalid(f"the model {served.name!r} has no chat template (its engine has no tokenizer_config.json "
                       f"with a chat_template): use /v1/completions with a prompt", param="messages",
@@ -338,7 +368,7 @@ def parse_chat(body: bytes, served: ServedModel) -> ParsedRequest:
             raise invalid(f"the prompt is {len(ids)} tokens, which leaves no room to generate in the engine's "
                           f"window of {served.max_seq} tokens ({served.gamma} of them draft slots)",
                           param="messages", code="context_length_exceeded")
-    return _finish(r, ids, max_tokens, served, "messages", name="max_completion_tokens")
+    return _finish(r, ids, max_tokens, served, "messages", name="max_completion_tokens", logprobs=logprobs)
 
 
 def _message(i: int, m: ChatMessage) -> dict:
@@ -361,15 +391,14 @@ def _common_checks(r: _Common, served: ServedModel, neutral: dict[str, tuple]) -
         raise ApiError(404, f"the model {r.model!r} does not exist; this server serves {served.name!r}",
                        param="model", code="model_not_found")
     _check_extra(r.model_extra or {}, neutral)
-    if r.n is not None and r.n != 1:
-        raise invalid(f"n={r.n} is not supported yet: this server returns one choice per request (n=1)",
-                      param="n", code="unsupported_parameter")
+    if r.n is not None and not 1 <= r.n <= MAX_N:
+        raise invalid(f"n must be an integer in [1, {MAX_N}], got {r.n}", param="n")
     if r.stream_options is not None and not r.stream:
         raise invalid("stream_options is only allowed with stream: true", param="stream_options")
 
 
 def _finish(r: _Common, ids: list[int], max_tokens: int, served: ServedModel, prompt_param: str,
-            name: str = "max_tokens") -> ParsedRequest:
+            name: str = "max_tokens", logprobs: int | None = None) -> ParsedRequest:
     if max_tokens < 1:
         raise invalid(f"{name} must be at least 1, got {max_tokens}", param=name)
     temperature = 1.0 if r.temperature is None else r.temperature
@@ -381,7 +410,7 @@ def _finish(r: _Common, ids: list[int], max_tokens: int, served: ServedModel, pr
     stop = (r.stop,) if isinstance(r.stop, str) else tuple(r.stop or ())
     controls = _controls(r.model_extra or {})
     params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), seed=seed,
-                            ignore_eos=bool(r.ignore_eos), **controls)
+                            ignore_eos=bool(r.ignore_eos), logprobs=logprobs, **controls)
     try:
         served.generator.validate(ids, params)  # (the vocabulary, the window, the controls: the runtime's checks)
     except RequestError as e:
@@ -389,11 +418,11 @@ def _finish(r: _Common, ids: list[int], max_tokens: int, served: ServedModel, pr
         window = "exceeds the engine's maximum sequence length" in message
         param = next((c for c in controls if message.startswith(c)), None)
         if "sampling controls" in message:
-            param = next(iter(controls), None)
+            param = next(iter(controls), "logprobs" if logprobs is not None else None)
         raise invalid(message, param=param or prompt_param,
                       code="context_length_exceeded" if window else None) from None
     include_usage = bool(r.stream_options and r.stream_options.include_usage)
-    return ParsedRequest(ids, params, tuple(s for s in stop if s), bool(r.stream), include_usage)
+    return ParsedRequest(ids, params, tuple(s for s in stop if s), bool(r.stream), include_usage, r.n or 1)
 
 
 # ---- text ---------------------------------------------------------------------------------------
@@ -405,9 +434,15 @@ class TextStream:
     stop strings in the text each token adds (with the tail before it, so a stop string spanning
     tokens or steps is found); at the first match the text is cut just before it, ``stopped`` is set
     and ``tokens`` says how many tokens it took. ``take()`` hands out the text not handed out yet,
-    holding back a tail that is the start of a stop string until the request finishes."""
+    holding back a tail that is the start of a stop string until the request finishes.
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    ``offsets=True`` (log-probabilities) decodes one token at a time too and keeps, per token, the
+    length of the text before it (``offsets``: where its text starts; a token that only begins a
+    multi-byte character starts where the character does). ``reportable(final)`` → how many tokens
+    are out: those whose text starts before the end of the text handed out; at the end all of them,
+    unless a stop string cut the text: then the ones wholly after the cut are never out."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), offsets: bool = False):
         self.decoder = StreamDecoder(tokenizer)
         self.stop = stop
         self.longest = max((len(s) for s in stop), default=0)
@@ -415,9 +450,15 @@ class TextStream:
         self.tokens = 0  # tokens decoded into text (up to the one that completed a stop string)
         self.sent = 0  # characters of text handed out by take()
         self.stopped = False
+        self.offsets: list[int] | None = [] if offsets else None
+
+    @property
+    def per_token(self) -> bool:
+        """Whether tokens are decoded one at a time (stop strings or offsets), as they come."""
+        return bool(self.stop) or self.offsets is not None
 
     def feed(self, output: list[int], final: bool = False) -> None:
-        if not self.stop:  # (no stop string to look for: a step's tokens at once, a whole output in one go)
+        if not self.per_token:  # (nothing to look for: a step's tokens at once, a whole output in one go)
             if final and self.tokens == 0:
                 self.text = self.decoder.full(output)
             else:
@@ -426,12 +467,17 @@ class TextStream:
             return
         while self.tokens < len(output) and not self.stopped:
             self.tokens += 1
+            if self.offsets is not None:
+                self.offsets.append(len(self.text))
             self._add(self.decoder.push(output[:self.tokens]))
         if final and not self.stopped:
             self._add(self.decoder.push(output, final=True))  # (flushes a held-back incomplete character)
 
     def _add(self, piece: str) -> None:
         if not piece:
+            return
+        if not self.stop:
+            self.text += piece
             return
         start = max(0, len(self.text) - self.longest + 1)
         self.text += piece
@@ -448,10 +494,101 @@ class TextStream:
         self.sent = max(self.sent, end)
         return piece
 
+    def reportable(self, final: bool) -> int:
+        """Tokens whose log-probabilities may go out now (after ``take``; needs ``offsets``)."""
+        if final and not self.stopped:
+            return self.tokens
+        return bisect.bisect_left(self.offsets, self.sent)
+
     def _held_back(self) -> int:
         """The length of the longest tail of the text that a stop string starts with."""
+        if not self.stop:
+            return 0
         tail = self.text[max(self.sent, len(self.text) - self.longest + 1):]
         for k in range(len(tail), 0, -1):
             if any(s.startswith(tail[-k:]) for s in self.stop):
                 return k
         return 0
+
+
+# ---- log-probabilities ----------------------------------------------------------------------------
+FLOOR_LOGPROB = -9999.0  # what a token the sampling controls ruled out (log 0) is reported as: JSON has no -inf
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level BPE alphabet: each byte as a printable character (the printable bytes as
+    themselves, the others from U+0100 on, in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+_BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # a byte-fallback token (SentencePiece style)
+
+
+class TokenText:
+    """One token's text (its id decoded alone, special tokens shown) and its bytes: a byte-level
+    BPE token's or a byte-fallback token's own bytes (a token holding part of a multi-byte character
+    has bytes though its text alone is U+FFFD), else its text's UTF-8. Without a tokenizer a token
+    is ``token_id:N``."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.byte_level = tokenizer is not None and type(tokenizer.decoder).__name__ == "ByteLevel"
+        self.special = set()
+        if tokenizer is not None and hasattr(tokenizer, "get_added_tokens_decoder"):
+            self.special = set(tokenizer.get_added_tokens_decoder())
+        self.get = lru_cache(maxsize=1 << 16)(self._get)
+
+    def _get(self, token: int) -> tuple[str, list[int]]:
+        if self.tok is None:
+            text = f"token_id:{token}"
+            return text, list(text.encode())
+        text = self.tok.decode([token], skip_special_tokens=False)
+        piece = self.tok.id_to_token(token)
+        if piece is not None and token not in self.special:
+            m = _BYTE_TOKEN.match(piece)
+            if m:
+                return text, [int(m[1], 16)]
+            if self.byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+                return text, [_BYTE_OF_CHAR[c] for c in piece]
+        return text, list(text.encode("utf-8"))
+
+
+def _finite(lp: float) -> float:
+    return lp if lp > FLOOR_LOGPROB else FLOOR_LOGPROB
+
+
+def completion_logprobs(entries: list[tuple], tokens: TokenText) -> dict:
+    """The legacy completions ``logprobs`` object of ``entries`` (token, logprob, top, text offset):
+    ``tokens``, ``token_logprobs``, ``top_logprobs`` (per token {text: logprob} of the top N and the
+    token itself; of several tokens with one text, the likelier) and ``text_offset``."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, lp, top, offset in entries:
+        text = tokens.get(token)[0]
+        alternatives: dict[str, float] = {}
+        for t, v in [*top, (token, lp)]:
+            alternatives.setdefault(tokens.get(t)[0], _finite(v))
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_finite(lp))
+        out["top_logprobs"].append(alternatives)
+        out["text_offset"].append(offset)
+    return out
+
+
+def chat_logprobs(entries: list[tuple], tokens: TokenText) -> dict:
+    """The chat ``logprobs`` object of ``entries`` (token, logprob, top, text offset): ``content``, one
+    {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]} per token."""
+    def one(token: int, lp: float) -> dict:
+        text, raw = tokens.get(token)
+        return {"token": text, "logprob": _finite(lp), "bytes": raw}
+
+    return {"content": [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]}
+                        for token, lp, top, _ in entries], "refusal": None}

@@ -15,10 +15,13 @@ speculative steps and a finished one frees its slot at once (in-flight
 batching). Each request's sink (``_Sink``, called on the scheduler thread)
 detokenizes its new tokens, applies its stop strings — at the first one the
 request is ended on the spot (``Generator.cancel(req, "stop")``), so its slot
-goes to the next request in the same step — and hands the text to the request's
-handler on the event loop. A client that goes away (mid-stream, or while a
-non-streamed request waits) marks its sink cancelled; the scheduler then
-cancels the request and frees its slot.
+goes to the next request in the same step — and hands the text (and, where
+asked for, the log-probabilities of the tokens now out) to the request's
+handler on the event loop. ``n`` > 1 choices are ``n`` scheduler requests of
+one prompt, with seeds seed, seed + 1, …, each with its own sink feeding the
+one handler (``_Answer``); they do not share the prompt's prefill. A client
+that goes away (mid-stream, or while a non-streamed request waits) marks its
+answer gone; the scheduler then cancels its requests and frees their slots.
 
 What a request may ask, and how a bad one is answered, is in
 ``openai_protocol.py``. Errors come in OpenAI's shape
@@ -97,7 +100,7 @@ class OpenAIService:
         # (torch and the runtime load here, when a server is made, not when the CLI parses its arguments)
         from muse_spark.engine_format import read_manifest
         from muse_spark.runtime import load_engine, load_tokenizer
-        from muse_spark.serving.openai_protocol import ServedModel
+        from muse_spark.serving.openai_protocol import ServedModel, TokenText
         from muse_spark.serving.scheduler import Scheduler
 
         engine_dir = Path(engine_dir)
@@ -110,6 +113,7 @@ class OpenAIService:
         name = served_model_name or engine_dir.resolve().name
         self.served = ServedModel(name, self.scheduler.gen, tokenizer, template, self.engine.max_seq,
                                   self.engine.gamma)
+        self.token_text = TokenText(tokenizer)  # (log-probabilities: each token's text and bytes)
         self.stats = _Stats(self.engine.gamma)
         self.draining = False
         self._started = False
@@ -172,21 +176,26 @@ def _epoch(iso) -> int:
         return int(time.time())
 
 
-# ---- one request: the scheduler's sink and the handler's events -----------------------------
+# ---- one request: the scheduler's sinks and the handler's events -----------------------------
 @dataclass(frozen=True)
 class _Text:
-    """New text of a request (``finished``: the last, with its finish reason and token counts)."""
+    """New text of one choice (``finished``: its last, with its finish reason and token counts);
+    ``logprobs``: the tokens now out, (token, logprob, top [(token, logprob)], text offset), or None
+    where none were asked for."""
+    index: int
     text: str
     finished: bool
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list | None = None
 
 
 @dataclass(frozen=True)
 class _Failure:
     message: str
     kind: str  # 'invalid' | 'unavailable' | 'cancelled' | 'internal' (the scheduler's kinds)
+    index: int = 0
 
     def error(self):
         from muse_spark.serving.openai_protocol import ApiError
@@ -204,39 +213,21 @@ class _Disconnected(Exception):
     pass
 
 
-class _Sink:
-    """The scheduler's sink of one request (``scheduler.Sink``); its events go to the handler's loop."""
+class _Answer:
+    """The events of one HTTP request's choices (each a request of its own to the scheduler), for the
+    handler on the event loop. ``gone``: the client went away (or the answer ended early), so the
+    scheduler cancels the choices still running; ``done``: the handler has every choice's last event."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, service: OpenAIService, text, stream: bool):
-        self.loop, self.service, self.text, self.stream = loop, service, text, stream
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
         self.events: deque = deque()
         self.ready = asyncio.Event()
-        self.gone = False  # the client went away: the scheduler cancels the request
-        self.done = False  # the handler has the request's last event
+        self.gone = False
+        self.done = False
 
-    # -- the scheduler thread's side --
-    def deliver(self, req, new_tokens: list[int]) -> None:
-        text = self.text
-        if self.stream or text.stop or req.finished:
-            text.feed(req.output, final=req.finished)
-            if text.stopped and not req.finished:
-                # A stop string: end the request now (the scheduler sees it finished and frees its slot).
-                self.service.scheduler.gen.cancel(req, "stop")
-        if not req.finished and not self.stream:
-            return  # a non-streamed request gets one answer
-        if req.finished and req.finish_reason in ("stop", "length"):
-            self.service.stats.add(req)
-        event = _Text(text.take(final=req.finished), req.finished, req.finish_reason if req.finished else None,
-                      len(req.prompt), text.tokens if text.stopped else len(req.output))
+    def push_threadsafe(self, event) -> None:
         self.loop.call_soon_threadsafe(self._push, event)  # (raises once the loop is gone: the client is)
 
-    def fail(self, message: str, kind: str) -> None:
-        self.loop.call_soon_threadsafe(self._push, _Failure(message, kind))
-
-    def cancelled(self) -> bool:
-        return self.gone
-
-    # -- the event loop's side --
     def _push(self, event) -> None:
         self.events.append(event)
         self.ready.set()
@@ -256,11 +247,48 @@ class _Sink:
         return self.events.popleft()
 
 
+class _Sink:
+    """The scheduler's sink of one choice (``scheduler.Sink``); its events go to the answer's loop."""
+
+    def __init__(self, answer: _Answer, index: int, service: OpenAIService, text, stream: bool):
+        self.answer, self.index, self.service, self.text, self.stream = answer, index, service, text, stream
+        self.reported = 0  # tokens whose log-probabilities went out
+
+    # -- the scheduler thread's side --
+    def deliver(self, req, new_tokens: list[int]) -> None:
+        text = self.text
+        if self.stream or text.per_token or req.finished:
+            text.feed(req.output, final=req.finished)
+            if text.stopped and not req.finished:
+                # A stop string: end the request now (the scheduler sees it finished and frees its slot).
+                self.service.scheduler.gen.cancel(req, "stop")
+        if not req.finished and not self.stream:
+            return  # a non-streamed request gets one answer
+        if req.finished and req.finish_reason in ("stop", "length"):
+            self.service.stats.add(req)
+        piece = text.take(final=req.finished)
+        logprobs = None
+        if text.offsets is not None:
+            end = min(text.reportable(req.finished), len(req.logprobs))
+            logprobs = [(req.output[k], *req.logprobs[k], text.offsets[k]) for k in range(self.reported, end)]
+            self.reported = max(self.reported, end)
+        self.answer.push_threadsafe(_Text(self.index, piece, req.finished,
+                                          req.finish_reason if req.finished else None, len(req.prompt),
+                                          text.tokens if text.stopped else len(req.output), logprobs))
+
+    def fail(self, message: str, kind: str) -> None:
+        self.answer.push_threadsafe(_Failure(message, kind, self.index))
+
+    def cancelled(self) -> bool:
+        return self.answer.gone
+
+
 class _Shape:
     """The JSON of one request's answer: a completion or a chat completion, whole or in chunks."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool):
+    def __init__(self, chat: bool, model: str, include_usage: bool, tokens=None, logprobs: bool = False):
         self.chat, self.model, self.include_usage = chat, model, include_usage
+        self.tokens, self.logprobs = tokens, logprobs  # (a TokenText, where log-probabilities were asked for)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -268,57 +296,73 @@ class _Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     @staticmethod
-    def usage(ev: _Text) -> dict:
-        return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-                "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+    def usage(evs: list[_Text]) -> dict:
+        """The prompt once (every choice has the same), the completion tokens of all choices."""
+        prompt, completion = evs[0].prompt_tokens, sum(ev.completion_tokens for ev in evs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def response(self, ev: _Text) -> dict:
+    def _logprobs(self, entries) -> dict | None:
+        from muse_spark.serving.openai_protocol import chat_logprobs, completion_logprobs
+
+        if not self.logprobs:
+            return None
+        return (chat_logprobs if self.chat else completion_logprobs)(entries or [], self.tokens)
+
+    def response(self, evs: list[_Text]) -> dict:
+        """The whole answer of the choices' last events (in index order)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": ev.text}, "logprobs": None,
-                      "finish_reason": ev.finish_reason}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(ev)}
-        choice = {"index": 0, "text": ev.text, "logprobs": None, "finish_reason": ev.finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(ev)}
+            choices = [{"index": ev.index, "message": {"role": "assistant", "content": ev.text},
+                        "logprobs": self._logprobs(ev.logprobs), "finish_reason": ev.finish_reason} for ev in evs]
+            return {**self._head("chat.completion"), "choices": choices, "usage": self.usage(evs)}
+        choices = [{"index": ev.index, "text": ev.text, "logprobs": self._logprobs(ev.logprobs),
+                    "finish_reason": ev.finish_reason} for ev in evs]
+        return {**self._head("text_completion"), "choices": choices, "usage": self.usage(evs)}
 
-    def chunk(self, text: str, finish_reason: str | None, *, role: bool = False) -> dict:
+    def chunk(self, index: int, text: str, finish_reason: str | None, logprobs=None, *, role: bool = False) -> dict:
+        lp = self._logprobs(logprobs) if logprobs is not None else None
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, ev: _Text) -> dict:
+    def usage_chunk(self, evs: list[_Text]) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": self.usage(ev)}
+                "usage": self.usage(evs)}
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _events(sink: _Sink, shape: _Shape, first):
-    """The event stream of a running request (its first event already came); ``sink.done`` once its
-    last event is out."""
-    ev = first
+async def _events(answer: _Answer, shape: _Shape, first, n: int):
+    """The event stream of a running request's ``n`` choices (its first event already came), their
+    chunks in the order the steps produce them; ``answer.done`` once every choice's last event is out
+    (an error ends the stream: the choices still running are then cancelled)."""
+    ev, last = first, {}
     if shape.chat:
-        yield _sse(shape.chunk("", None, role=True))
+        for i in range(n):
+            yield _sse(shape.chunk(i, "", None, role=True))
     while True:
         if isinstance(ev, _Failure):
             yield _sse(ev.error().body())
             break
-        if ev.text or ev.finished:
-            yield _sse(shape.chunk(ev.text, ev.finish_reason))
+        if ev.text or ev.logprobs or ev.finished:
+            yield _sse(shape.chunk(ev.index, ev.text, ev.finish_reason, ev.logprobs))
         if ev.finished:
-            if shape.include_usage:
-                yield _sse(shape.usage_chunk(ev))
-            break
-        ev = await sink.next()
-    sink.done = True
+            last[ev.index] = ev
+            if len(last) == n:
+                if shape.include_usage:
+                    yield _sse(shape.usage_chunk([last[i] for i in range(n)]))
+                answer.done = True
+                break
+        ev = await answer.next()
+    answer.gone = not answer.done
     yield "data: [DONE]\n\n"
 
 
@@ -335,20 +379,20 @@ def create_app(service: OpenAIService, *, max_request_bytes: int = 1 << 20):
     app.state.service = service
 
     class EventStream(StreamingResponse):
-        """An event stream whose request is cancelled when the response ends before its last event
+        """An event stream whose choices are cancelled when the response ends before their last event
         (the client went away: mid-stream, or before the stream began)."""
 
-        def __init__(self, sink: _Sink, shape: _Shape, first):
-            super().__init__(_events(sink, shape, first), media_type="text/event-stream",
+        def __init__(self, answer: _Answer, shape: _Shape, first, n: int):
+            super().__init__(_events(answer, shape, first, n), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            self.sink = sink
+            self.answer = answer
 
         async def __call__(self, scope, receive, send) -> None:
             try:
                 await super().__call__(scope, receive, send)
             finally:
-                if not self.sink.done:
-                    self.sink.gone = True
+                if not self.answer.done:
+                    self.answer.gone = True
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -403,24 +447,41 @@ def create_app(service: OpenAIService, *, max_request_bytes: int = 1 << 20):
         except ApiError as e:
             service.scheduler.reject(_Answered(), e.message)  # (counted with the scheduler's rejections)
             raise
-        shape = _Shape(chat, service.served.name, parsed.include_usage)
-        sink = _Sink(asyncio.get_running_loop(), service, TextStream(service.served.tokenizer, parsed.stop),
-                     parsed.stream)
-        service.scheduler.submit(parsed.prompt, parsed.params, sink)
+        logprobs = parsed.params.logprobs is not None
+        shape = _Shape(chat, service.served.name, parsed.include_usage, service.token_text, logprobs)
+        answer = _Answer(asyncio.get_running_loop())
+        for i in range(parsed.n):  # (n independent requests: each prefills the prompt itself)
+            text = TextStream(service.served.tokenizer, parsed.stop, offsets=logprobs)
+            service.scheduler.submit(parsed.prompt, parsed.choice_params(i), _Sink(answer, i, service, text,
+                                                                                    parsed.stream))
         streaming = False
         try:
-            first = await sink.next(request)
+            first = await answer.next(request)
             if isinstance(first, _Failure):
                 raise first.error()
             if not parsed.stream:
-                return JSONResponse(shape.response(first))
+                last = {}
+                ev = first
+                while True:
+                    if isinstance(ev, _Failure):
+                        raise ev.error()
+                    last[ev.index] = ev
+                    if len(last) == parsed.n:
+                        break
+                    ev = await answer.next(request)
+                answer.done = True
+                return JSONResponse(shape.response([last[i] for i in range(parsed.n)]))
+            # a choice refused at once (the queue full, say) fails the whole request before it streams
+            refused = next((e for e in answer.events if isinstance(e, _Failure)), None)
+            if refused is not None:
+                raise refused.error()
             streaming = True
-            return EventStream(sink, shape, first)
+            return EventStream(answer, shape, first, parsed.n)
         except _Disconnected:
             return Response(status_code=499)  # (nobody reads it)
         finally:
-            if not streaming:
-                sink.gone = True  # (a no-op for a finished request; cancels one whose client went away)
+            if not streaming and not answer.done:
+                answer.gone = True  # (cancels the choices still running: the client went away, or one failed)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -4,9 +4,14 @@ One table (``INPUTS`` / ``OUTPUTS``) is the single source of the tensor names:
 ``repo.py`` renders ``config.pbtxt`` from it and the python-backend model reads
 requests through it. Names follow NVIDIA's tensorrtllm_backend (``text_input``,
 ``input_ids``, ``max_tokens``, ``temperature``, ``random_seed``, ``stream``,
-``end_id``, ``stop_words``, ``bad_words``; ``text_output``, ``output_ids``) so
-its clients and Triton's ``generate`` / ``generate_stream`` endpoints work;
-``seed``, ``stop_ids`` and ``ignore_eos`` are ours.
+``end_id``, ``stop_words``, ``bad_words``, ``runtime_top_k``, ``runtime_top_p``,
+``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+``min_tokens`` / ``min_length``, ``return_log_probs``; ``text_output``,
+``output_ids``, ``output_log_probs``) so its clients and Triton's ``generate`` /
+``generate_stream`` endpoints work; ``seed``, ``stop_ids``, ``ignore_eos`` and
+``min_p`` are ours. The sampling controls and log-probabilities go to the
+runtime's ``SamplingParams`` (the eager engine applies them; an engine that
+cannot refuses the request when ``Generator.add`` validates it).
 
 Footguns handled here rather than in the model:
 
@@ -61,6 +66,16 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("stop_words", "TYPE_STRING", (-1,), True, "stop strings; each must be one token"),
     TensorSpec("bad_words", "TYPE_STRING", (-1,), True, "accepted for compatibility; must be empty"),
     TensorSpec("ignore_eos", "TYPE_BOOL", (1,), True, "do not stop at the engine's EOS ids"),
+    # sampling controls (SamplingParams; the eager engine): left out, they change nothing
+    TensorSpec("runtime_top_k", "TYPE_INT32", (1,), True, "keep the k most likely tokens (0: all)"),
+    TensorSpec("runtime_top_p", "TYPE_FP32", (1,), True, "keep the most likely tokens up to this mass, (0, 1]"),
+    TensorSpec("min_p", "TYPE_FP32", (1,), True, "drop tokens below min_p × the most likely one's probability"),
+    TensorSpec("repetition_penalty", "TYPE_FP32", (1,), True, "prompt and output tokens: z/r where z > 0, else z·r"),
+    TensorSpec("presence_penalty", "TYPE_FP32", (1,), True, "output tokens: − p once a token is out"),
+    TensorSpec("frequency_penalty", "TYPE_FP32", (1,), True, "output tokens: − f × its count"),
+    TensorSpec("min_tokens", "TYPE_INT32", (1,), True, "stop tokens are held back until this many are out"),
+    TensorSpec("min_length", "TYPE_INT32", (1,), True, "tensorrtllm_backend's name for min_tokens"),
+    TensorSpec("return_log_probs", "TYPE_BOOL", (1,), True, "output output_log_probs (default false)"),
 )
 
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -72,6 +87,9 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("accepted_draft_tokens", "TYPE_INT32", (1,), doc="draft tokens accepted so far"),
     TensorSpec("mean_accepted_per_step", "TYPE_FP32", (1,), doc="accepted draft tokens per step"),
     TensorSpec("acceptance_per_position", "TYPE_FP32", (-1,), doc="[γ] acceptance rate of each draft position"),
+    TensorSpec("output_log_probs", "TYPE_FP32", (-1,),
+               doc="with return_log_probs: each output token's log-probability (the step's new ones when "
+                   "streaming); absent otherwise"),
 )
 
 @dataclass(frozen=True)
@@ -208,8 +226,39 @@ def parse_request(get: Callable[[str], np.ndarray | None], tokenizer, parameters
         raise RequestError("bad_words is not supported by this model (send an empty string or leave it out)")
 
     params = SamplingParams(max_tokens=int(max_tokens), temperature=temperature, seed=seed,
-                            stop_token_ids=tuple(stop), ignore_eos=ignore_eos)
+                            stop_token_ids=tuple(stop), ignore_eos=ignore_eos, **_controls(get))
     return ParsedRequest(prompt, params, stream)
+
+
+# input → (SamplingParams field, Python type); the runtime checks the values (Generator.validate)
+_CONTROLS = {"runtime_top_k": ("top_k", int), "runtime_top_p": ("top_p", float), "min_p": ("min_p", float),
+             "repetition_penalty": ("repetition_penalty", float), "presence_penalty": ("presence_penalty", float),
+             "frequency_penalty": ("frequency_penalty", float), "min_tokens": ("min_tokens", int)}
+
+
+def _controls(get: Callable[[str], np.ndarray | None]) -> dict:
+    """The sampling controls and log-probabilities a request sets, as ``SamplingParams`` fields."""
+    out = {}
+    for name, (field, kind) in _CONTROLS.items():
+        arr = get(name)
+        if arr is not None:
+            value = _scalar(name, arr)
+            if kind is int and not isinstance(value, (np.integer, int)):
+                raise RequestError(f"{name} must be an integer, got {value!r}")
+            out[field] = kind(value)
+    min_length = get("min_length")
+    if min_length is not None:
+        value = _scalar("min_length", min_length)
+        if not isinstance(value, (np.integer, int)):
+            raise RequestError(f"min_length must be an integer, got {value!r}")
+        if "min_tokens" in out and out["min_tokens"] != int(value):
+            raise RequestError(f"min_tokens ({out['min_tokens']}) and min_length ({int(value)}) disagree; "
+                               f"send one of them")
+        out["min_tokens"] = int(value)
+    wanted = get("return_log_probs")
+    if wanted is not None and bool(_scalar("return_log_probs", wanted)):
+        out["logprobs"] = 0  # (each token's own log-probability; no alternatives)
+    return out
 
 
 def _stop_word_ids(words: list[str], tokenizer) -> list[int]:
@@ -227,8 +276,12 @@ def _stop_word_ids(words: list[str], tokenizer) -> list[int]:
 
 
 # ---- responses ------------------------------------------------------------------------------
-def response_arrays(ids: list[int], text: str, finish_reason: str | None, stats: dict) -> dict[str, np.ndarray]:
-    """The output tensors of one response, each with the batch dimension 1."""
+def response_arrays(ids: list[int], text: str, finish_reason: str | None, stats: dict,
+                    log_probs: list[float] | None = None) -> dict[str, np.ndarray]:
+    """The output tensors of one response, each with the batch dimension 1 (``output_log_probs``
+    only with ``log_probs``)."""
+    extra = {} if log_probs is None else {
+        "output_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, len(log_probs))}
     return {
         "text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
         "output_ids": np.array([ids], dtype=np.int32).reshape(1, len(ids)),
@@ -237,6 +290,7 @@ def response_arrays(ids: list[int], text: str, finish_reason: str | None, stats:
         "accepted_draft_tokens": np.array([[stats["accepted_draft_tokens"]]], dtype=np.int32),
         "mean_accepted_per_step": np.array([[stats["mean_accepted_per_step"]]], dtype=np.float32),
         "acceptance_per_position": np.array([stats["acceptance_per_position"]], dtype=np.float32),
+        **extra,
     }
 
 

@@ -294,6 +294,144 @@ def test_a_stop_string_in_a_chat(client, ref):
     assert r.choices[0].message.content == text[:text.find(stop)] and r.choices[0].finish_reason == "stop"
 
 
+# ---- log-probabilities and n ------------------------------------------------------------------------
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) < 1e-4 for x, y in zip(a, b))
+
+
+def _alike(a, b) -> bool:
+    """Equal, the floats within 1e-4 (the same tokens computed in another request)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_alike(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_alike(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) < 1e-4
+    return a == b
+
+
+def _lp_stream(chunks, chat: bool) -> dict:
+    """The log-probabilities of a stream's chunks, concatenated (completions: the four lists; chat: content)."""
+    out: dict = {"content": []} if chat else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in chunks:
+        if not c.choices or c.choices[0].logprobs is None:
+            continue
+        lp = c.choices[0].logprobs
+        for key in out:
+            out[key] += [x.model_dump() if hasattr(x, "model_dump") else x for x in getattr(lp, key) or []]
+    return out
+
+
+def test_completion_logprobs_are_the_generators(client, ref):
+    ids = ref.tok.encode("Hello").ids
+    req = ref.run(ids, 24, logprobs=3)
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0, logprobs=3)
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    assert choice.text == ref.text(req.output)  # (asking for logprobs changes no token)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 24
+    assert lp.tokens == [ref.tok.decode([t], skip_special_tokens=False) for t in req.output]
+    assert _close(lp.token_logprobs, [x for x, _ in req.logprobs])
+    for got, (mine, top) in zip(lp.top_logprobs, req.logprobs):
+        want = {}
+        for t, v in top:
+            want.setdefault(ref.tok.decode([t], skip_special_tokens=False), v)
+        assert got.keys() == want.keys() and _close([got[k] for k in want], list(want.values()))
+    assert lp.text_offset == [len("".join(lp.tokens[:k])) for k in range(24)]  # (one character a token here)
+    # streamed: the chunks' log-probabilities concatenate to the whole answer's
+    chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0, logprobs=3,
+                                            stream=True))
+    assert len(chunks) > 3 and _alike(_lp_stream(chunks, chat=False), lp.model_dump())
+    # logprobs 0: each token's own log-probability (its top_logprobs hold just itself)
+    r0 = client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0, logprobs=0)
+    assert r0.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    assert [list(d) for d in r0.choices[0].logprobs.top_logprobs] == [[t] for t in lp.tokens]
+
+
+def test_logprobs_stop_at_a_stop_string(client, ref):
+    """Tokens cut off by a stop string are not reported, streamed or not."""
+    text, stop, before = _stop_across_a_step(ref, "Hello")
+    kw = dict(model="tiny", prompt="Hello", max_tokens=60, temperature=0, stop=stop, logprobs=2)
+    r = client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == before and "".join(lp.tokens) == before
+    streamed = _lp_stream(client.completions.create(**kw, stream=True), chat=False)
+    assert _alike(streamed, lp.model_dump())
+
+
+def test_chat_logprobs_are_the_generators(client, ref):
+    ids = ref.tok.encode("<|bos|>user: hi\nassistant: ").ids
+    req = ref.run(ids, 20, logprobs=2)
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=20, temperature=0, logprobs=True,
+              top_logprobs=2)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == ref.text(req.output)
+    assert len(content) == r.usage.completion_tokens == 20
+    for got, token, (mine, top) in zip(content, req.output, req.logprobs):
+        assert got.token == ref.tok.decode([token], skip_special_tokens=False)
+        assert got.bytes == list(got.token.encode()) and abs(got.logprob - mine) < 1e-4
+        assert [a.token for a in got.top_logprobs] == [ref.tok.decode([t], skip_special_tokens=False) for t, _ in top]
+        assert _close([a.logprob for a in got.top_logprobs], [v for _, v in top])
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert _alike(_lp_stream(chunks, chat=True)["content"], [c.model_dump() for c in content])
+    # without top_logprobs: each token's own, no alternatives
+    r = client.chat.completions.create(**{**kw, "top_logprobs": None})
+    assert [c.top_logprobs for c in r.choices[0].logprobs.content] == [[]] * 20
+
+
+def test_token_bytes_of_a_split_character():
+    """A byte-level token holding part of a multi-byte character: its text alone is U+FFFD, its bytes its own."""
+    from muse_spark.builder.pair import make_tokenizer
+    from muse_spark.serving.openai_protocol import TokenText
+
+    tok = make_tokenizer(300)
+    tokens = TokenText(tok)
+    ids = tok.encode("é").ids
+    assert len(ids) == 2 and [tokens.get(t)[0] for t in ids] == ["\ufffd", "\ufffd"]
+    assert sum((tokens.get(t)[1] for t in ids), []) == list("é".encode())
+    assert tokens.get(tok.token_to_id("<|eos|>")) == ("<|eos|>", list(b"<|eos|>"))
+    assert tokens.get(tok.encode(" ").ids[0]) == (" ", [32])
+    assert TokenText(None).get(7) == ("token_id:7", list(b"token_id:7"))
+
+
+def test_n_choices_are_the_generators_with_seeds_seed_plus_i(client, plain_server, engines, ref):
+    # (the random pair: its target is far from certain, so the seeds give different texts at temperature 1)
+    plain, plain_ref = plain_server.client(), Reference(engines[1])
+    ids = plain_ref.tok.encode("Hello").ids
+    want = [plain_ref.text(plain_ref.run(ids, 20, temperature=1.0, seed=77 + i, ignore_eos=True).output)
+            for i in range(3)]
+    assert len(set(want)) == 3  # (the seeds really differ)
+    kw = dict(model="plain", prompt="Hello", max_tokens=20, temperature=1.0, seed=77, n=3,
+              extra_body={"ignore_eos": True})
+    r = plain.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == want
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 60)
+    # streamed: the choices' chunks interleave, each with its index
+    chunks = list(plain.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == want
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 60
+    # chat, with logprobs: each choice has its own
+    messages = [{"role": "user", "content": "hi"}]
+    chat_ids = ref.tok.encode("<|bos|>user: hi\nassistant: ").ids
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0, seed=5, n=2,
+                                       logprobs=True)
+    for i, c in enumerate(r.choices):
+        req = ref.run(chat_ids, 12, temperature=1.0, seed=5 + i, logprobs=0)
+        assert c.index == i and c.message.content == ref.text(req.output)
+        assert _close([x.logprob for x in c.logprobs.content], [x for x, _ in req.logprobs])
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1.0,
+                                                 seed=5, n=2, stream=True))
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].delta.role) == [0, 1]
+    assert ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
+            for i in range(2)] == [c.message.content for c in r.choices]
+    # greedy: every choice is the same text
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=10, temperature=0, n=2)
+    assert r.choices[0].text == r.choices[1].text
+
+
 # ---- many clients ------------------------------------------------------------------------------
 def test_concurrent_clients_get_their_solo_outputs(server, client, ref):
     jobs = [("Hello", 40, False), ("The quick brown fox", 25, True), ("a", 60, False), ("zz top", 33, True),
@@ -333,9 +471,10 @@ def _error(excinfo) -> dict:
     ({"top_p": 1.5}, "top_p", "top_p must be a number in [0.0, 1.0]"),
     ({"presence_penalty": 3}, "presence_penalty", "presence_penalty must be a number in [-2.0, 2.0]"),
     ({"frequency_penalty": "x"}, "frequency_penalty", "frequency_penalty must be a number"),
-    ({"logprobs": 2}, "logprobs", "logprobs is not supported"),
+    ({"logprobs": 21}, "logprobs", "logprobs must be an integer in [0, 20], got 21"),
     ({"best_of": 3}, "best_of", "best_of is not supported"),
-    ({"n": 2}, "n", "n=2 is not supported yet"),
+    ({"n": 9}, "n", "n must be an integer in [1, 8], got 9"),
+    ({"n": 0}, "n", "n must be an integer in [1, 8], got 0"),
     ({"extra_body": {"top_k": -5}}, "top_k", "top_k must be an integer in [0, 259]"),
     ({"extra_body": {"min_tokens": 1.5}}, "min_tokens", "min_tokens must be an integer"),
     ({"extra_body": {"frobnicate": 1}}, "frobnicate", "unknown parameter 'frobnicate'"),
@@ -393,7 +532,9 @@ def test_bad_chat_requests_are_400s(client):
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
          "content parts of type 'image_url' are not supported"),
         ({"messages": [{"content": "no role"}]}, "messages.0.role is required"),
-        ({"messages": hi, "logprobs": True}, "logprobs is not supported"),
+        ({"messages": hi, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+        ({"messages": hi, "logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer in [0, 20]"),
+        ({"messages": hi, "n": 9}, "n must be an integer in [1, 8]"),
         ({"messages": hi, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported"),
         ({"messages": hi, "max_tokens": 5, "max_completion_tokens": 6}, "disagree"),
         ({"messages": [{"role": "user", "content": "x" * 300}]}, "leaves no room to generate"),
@@ -545,3 +686,23 @@ def test_text_stream_cuts_at_stop_strings_and_keeps_characters_whole():
     assert all("w" not in p for p in pieces)  # "w" (a start of the stop string) was held back, never sent
     ts, pieces = run(("xyz", ", w"), step=1)
     assert "".join(pieces) == "héllo wörld" and ts.stopped
+
+
+def test_text_stream_offsets_say_which_tokens_are_out():
+    from muse_spark.builder.pair import make_tokenizer
+    from muse_spark.serving.openai_protocol import TextStream
+
+    tok = make_tokenizer(259)
+    ids = tok.encode("aé, wörld").ids  # é and ö: two byte tokens each
+    ts = TextStream(tok, offsets=True)
+    ts.feed(ids[:2])  # "a" and the first byte of é: only "a" is out
+    assert ts.take() == "a" and ts.offsets == [0, 1] and ts.reportable(False) == 1
+    ts.feed(ids, final=True)
+    assert ts.take(final=True) == "é, wörld" and ts.text == "aé, wörld" and ts.reportable(True) == len(ids)
+    assert ts.offsets == [0, 1, 1, 2, 3, 4, 5, 5, 6, 7, 8]  # (both bytes of a character start where it does)
+    # a stop string: the tokens wholly in it or after it are never out
+    ts = TextStream(tok, (", w",), offsets=True)
+    ts.feed(ids[:5])
+    assert ts.take() == "aé" and ts.reportable(False) == 3  # ("," might begin the stop string: held back)
+    ts.feed(ids, final=True)
+    assert ts.stopped and ts.take(final=True) == "" and ts.text == "aé" and ts.reportable(True) == 3

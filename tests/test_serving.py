@@ -21,8 +21,8 @@ import pytest
 
 from muse_spark.builder.build import build_engine
 from muse_spark.cli import main as cli_main
-from muse_spark.runtime import SamplingParams, load_engine
-from muse_spark.serving.protocol import StreamDecoder
+from muse_spark.runtime import RequestError, SamplingParams, load_engine
+from muse_spark.serving.protocol import StreamDecoder, parse_request
 from muse_spark.serving.repo import RepoError, render_config, write_repository
 from muse_spark.serving.scheduler import Scheduler
 from muse_spark.serving.server import ServingError, check_repository
@@ -70,6 +70,12 @@ def test_repository_layout_and_config(engine_dir, tmp_path):
                  "acceptance_per_position"):
         assert f'name: "{name}"' in cfg
     assert f'string_value: "{Path(engine_dir).resolve().as_posix()}"' in cfg
+    # the sampling controls and log-probabilities: optional inputs, and their output
+    for name in ("runtime_top_k", "runtime_top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "min_tokens", "min_length", "return_log_probs"):
+        assert f'name: "{name}"' in cfg
+        assert "optional: true" in cfg[cfg.index(f'name: "{name}"'):].split("}", 1)[0]
+    assert 'name: "output_log_probs"' in cfg
     assert check_repository(tmp_path / "repo") == [MODEL]
 
 
@@ -93,6 +99,44 @@ def test_serve_refuses_a_missing_or_broken_repository(tmp_path, capsys):
     (tmp_path / "repo" / MODEL / "config.pbtxt").write_text(render_config(MODEL, tmp_path / "gone"))
     with pytest.raises(ServingError, match="engine directory .* is missing"):
         check_repository(tmp_path / "repo")
+
+
+def test_sampling_inputs_map_to_the_runtimes_params():
+    def parse(**inputs):
+        arrays = {"input_ids": np.array([[1, 2, 3]], np.int32), "max_tokens": np.array([[8]], np.int32)}
+        for name, value in inputs.items():
+            arrays[name] = np.array([[value]], dtype={bool: np.bool_, int: np.int32, float: np.float32}[type(value)])
+        return parse_request(arrays.get, None).params
+
+    p = parse(runtime_top_k=5, runtime_top_p=0.75, min_p=0.125, repetition_penalty=1.25, presence_penalty=0.5,
+              frequency_penalty=-0.25, min_length=3, return_log_probs=True)
+    assert (p.top_k, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_tokens,
+            p.logprobs) == (5, 0.75, 0.125, 1.25, 0.5, -0.25, 3, 0)
+    assert parse(min_tokens=2).min_tokens == 2 and parse(min_tokens=2, min_length=2).min_tokens == 2
+    assert parse(return_log_probs=False).logprobs is None and not parse().controls()
+    with pytest.raises(RequestError, match="min_tokens .2. and min_length .3. disagree"):
+        parse(min_tokens=2, min_length=3)
+    with pytest.raises(RequestError, match="runtime_top_k must be an integer"):
+        parse(runtime_top_k=1.5)
+
+
+def test_an_engine_without_sampling_controls_fails_the_request_alone(engine_dir, ref):
+    """An engine that samples with temperature and seed only (the compiled ones) refuses a request with
+    controls through the scheduler's error path; the next request is served."""
+    engine = load_engine(engine_dir)
+    engine.controls = False  # (as the compiled engines declare)
+    with one_torch_thread():
+        sched = Scheduler(engine, max_queue=8)
+        sched.start()
+        try:
+            refused, served = Collector(), Collector()
+            sched.submit([1, 2, 3], SamplingParams(max_tokens=4, top_k=1, temperature=1.0), refused)
+            sched.submit([1, 2, 3], SamplingParams(max_tokens=4), served)
+            assert refused.done.wait(60) and served.done.wait(60)
+        finally:
+            sched.stop()
+    assert refused.error[0] == "invalid" and "run on the eager engine" in refused.error[1]
+    assert served.error is None and sum(served.chunks, []) == ref.run([1, 2, 3], max_tokens=4).output
 
 
 def test_stream_decoder_holds_back_split_characters(ref):
@@ -194,6 +238,43 @@ def test_generate_stream_yields_each_step_and_concatenates_to_the_result(server,
     _, whole = generate(server, {**payload, "stream": False})
     assert sum(chunks, []) == ids_of(whole)
     assert "".join(e["text_output"] for e in events) == whole["text_output"]
+
+
+def test_sampling_controls_and_log_probs(server, ref):
+    base = {"input_ids": [1, 2, 3], "max_tokens": 30, "ignore_eos": True}
+    # runtime_top_k 1 keeps the most likely token alone: at temperature 1 the output is the greedy one
+    greedy = ref.run([1, 2, 3], max_tokens=30, ignore_eos=True).output
+    status, body = generate(server, {**base, "temperature": 1.0, "seed": 11, "runtime_top_k": 1})
+    assert status == 200, body
+    assert ids_of(body) == greedy
+    # the other controls reach the runtime (values exact in fp32)
+    controls = dict(top_p=0.75, min_p=0.0625, repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=0.25,
+                    min_tokens=4)
+    want = ref.run([1, 2, 3], max_tokens=30, ignore_eos=True, temperature=2.0, seed=11, **controls).output
+    status, body = generate(server, {**base, "temperature": 2.0, "seed": 11, "runtime_top_p": 0.75, "min_p": 0.0625,
+                                     "repetition_penalty": 1.25, "presence_penalty": 0.5, "frequency_penalty": 0.25,
+                                     "min_length": 4})
+    assert status == 200 and ids_of(body) == want
+    # return_log_probs: one log-probability per output token, the runtime's
+    req = ref.run([1, 2, 3], max_tokens=30, ignore_eos=True, logprobs=0)
+    status, body = generate(server, {**base, "return_log_probs": True})
+    assert status == 200 and ids_of(body) == req.output
+    lps = body["output_log_probs"]
+    assert len(lps) == 30 and all(abs(a - b) < 1e-4 for a, (b, _) in zip(lps, req.logprobs))
+    assert "output_log_probs" not in generate(server, base)[1]
+    # streamed: each response carries its new tokens' log-probabilities
+    status, events = generate_stream(server, {**base, "return_log_probs": True, "stream": True})
+    assert status == 200 and len(events) > 3
+    per_event = [e["output_log_probs"] if isinstance(e["output_log_probs"], list) else [e["output_log_probs"]]
+                 for e in events]
+    assert [len(x) for x in per_event] == [len(ids_of(e)) for e in events]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(sum(per_event, []), lps)) and len(sum(per_event, [])) == 30
+    # bad values: the runtime's checks
+    for extra, says in (({"runtime_top_p": 1.5}, "top_p must be a number in [0.0, 1.0]"),
+                        ({"runtime_top_k": -1}, "top_k must be an integer in"),
+                        ({"min_tokens": 2, "min_length": 3}, "disagree")):
+        status, body = generate(server, {**base, **extra})
+        assert status == 400 and says in body["error"], (extra, body)
 
 
 def test_grpc_streaming_with_tritonclient(server, ref):
