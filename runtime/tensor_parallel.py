@@ -14,8 +14,10 @@ Each of ``world`` ranks holds a slice of every target layer:
 The embedding, the final norm and the lm_head are replicated (every rank computes the full logits
 from the same hidden state, so acceptance and sampling, keyed by (seed, position), give every rank the
 same tokens without a gather); the draft is replicated too: its five layers at batch 1 cost less
-than the collectives sharding them would add. Every rank therefore runs the same scheduler on the same
-requests (SPMD): the collectives in the target's layers keep them in step, and rank 0 reports.
+than the collectives sharding them would add. Rank 0 owns the scheduler: its ``LeaderEngine``
+broadcasts each call that runs the model (a prefill round, a step, with their inputs) before running
+it, and the other ranks (``follow``) run the same call on their slices, so any scheduler — the
+Generator, the serving scheduler thread — drives a rank set unchanged.
 
 ``launch(world, fn, *args)`` starts the ranks as processes with ``torch.distributed`` (gloo on CPU,
 NCCL on CUDA), a timeout on every collective so a rank that dies ends the group with an error instead
@@ -36,7 +38,7 @@ import torch.distributed as dist
 
 from muse_spark.checkpoint import load_pair
 from muse_spark.models.target import MuseSpark1xForCausalLM
-from muse_spark.runtime.engine import EagerEngine
+from muse_spark.runtime.engine import EagerEngine, PrefillChunk
 
 COLLECTIVE_TIMEOUT_S = 60.0
 
@@ -157,19 +159,27 @@ def launch(world: int, fn: Callable, *args, device: str = "cpu", timeout_s: floa
     return results.get()
 
 
-def generate_rank(rank: int, world: int, target_dir, draft_dir, prompts, params, device: str = "cpu",
-                  max_batch: int = 8, max_seq: int | None = None, fail_rank: int | None = None):
-    """One rank of ``generate``: this rank's engine, the same ``Generator.generate`` on every rank (the
-    layers' collectives keep them in step) → the requests' outputs and stats (rank 0's are returned by
-    ``launch``). ``fail_rank``: that rank exits at once (tests: a rank that dies)."""
+def _generate_lead(leader, prompts, params) -> list[dict]:
     from muse_spark.runtime.generator import Generator
 
-    engine = engine_from_checkpoints(target_dir, draft_dir, rank, world, device=device, max_batch=max_batch,
-                                     max_seq=max_seq)
+    reqs = Generator(leader).generate(prompts, params)
+    return [{"output": r.output, "stats": r.stats(leader.gamma), "steps": len(r.steps)} for r in reqs]
+
+
+def generate_rank(rank: int, world: int, target_dir, draft_dir, prompts, params, device: str = "cpu",
+                  max_batch: int = 8, max_seq: int | None = None, fail_rank: int | None = None):
+    """One rank of ``generate``: rank 0 runs ``Generator.generate`` over its ``LeaderEngine``, the others
+    follow → the requests' outputs and stats (rank 0's, returned by ``launch``). ``fail_rank``: that
+    rank exits once its engine is loaded (tests: a rank that dies)."""
+    import functools
+
     if rank == fail_rank:
+        engine_from_checkpoints(target_dir, draft_dir, rank, world, device=device, max_batch=max_batch,
+                                max_seq=max_seq)
         os._exit(3)
-    reqs = Generator(engine).generate(prompts, params)
-    return [{"output": r.output, "stats": r.stats(engine.gamma), "steps": len(r.steps)} for r in reqs]
+    return lead_or_follow(rank, world, target_dir, draft_dir, functools.partial(_generate_lead, prompts=prompts,
+                                                                                 params=params),
+                          device=device, max_batch=max_batch, max_seq=max_seq)
 
 
 def generate(target_dir, draft_dir, prompts, params, world: int, **kw) -> list[dict]:
@@ -178,3 +188,74 @@ def generate(target_dir, draft_dir, prompts, params, world: int, **kw) -> list[d
     return launch(world, generate_rank, str(target_dir), str(draft_dir), prompts, params, kw.get("device", "cpu"),
                   kw.get("max_batch", 8), kw.get("max_seq"), kw.get("fail_rank"), device=kw.get("device", "cpu"),
                   timeout_s=kw.get("timeout_s", COLLECTIVE_TIMEOUT_S))
+
+
+class LeaderEngine:
+    """Rank 0's engine in a rank set driven by one scheduler: every call that runs the model
+    (``prefill_chunks``, ``step_host``) is broadcast to the other ranks (``follow``) before it runs
+    here, so they run the same call on their slices and the layers' collectives meet. Any scheduler
+    over an engine (``Generator``, the serving scheduler thread) drives it unchanged; requests, their
+    validation and their cancellation stay on rank 0. ``close()`` releases the followers."""
+
+    def __init__(self, engine: EagerEngine, group=None):
+        self._engine, self._group = engine, group
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def _send(self, call: str, *args, **kw) -> None:
+        dist.broadcast_object_list([(call, args, kw)], src=0, group=self._group)
+
+    def prefill_chunks(self, chunks):
+        self._send("prefill_chunks", chunks)
+        return self._engine.prefill_chunks(chunks)
+
+    def step_host(self, *args, **kw):
+        self._send("step_host", *args, **kw)
+        return self._engine.step_host(*args, **kw)
+
+    def step(self, *args, **kw):
+        self._send("step", *args, **kw)
+        return self._engine.step(*args, **kw)
+
+    def prefill(self, prompt, slot, seed, temperature):
+        """``EagerEngine.prefill``, chunk by chunk through the broadcast ``prefill_chunks``."""
+        start, first = 0, None
+        while first is None:
+            (first,) = self.prefill_chunks([PrefillChunk(prompt, start, slot, seed, temperature)])
+            start += self._engine.prefill_chunk
+        return first
+
+    def close(self) -> None:
+        self._send("close")
+
+
+def follow(engine: EagerEngine, group=None) -> int:
+    """A follower rank: run each call rank 0's ``LeaderEngine`` broadcasts, until it closes → the
+    number of calls run."""
+    n = 0
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        call, args, kw = box[0]
+        if call == "close":
+            return n
+        getattr(engine, call)(*args, **kw)
+        engine.take_step_info()  # (the extras are rank 0's to report)
+        n += 1
+
+
+def lead_or_follow(rank: int, world: int, target_dir, draft_dir, lead: Callable, device: str = "cpu",
+                   max_batch: int = 8, max_seq: int | None = None):
+    """This rank's engine; rank 0 calls ``lead(LeaderEngine)`` (and returns its result), the others
+    follow until it is done."""
+    engine = engine_from_checkpoints(target_dir, draft_dir, rank, world, device=device, max_batch=max_batch,
+                                     max_seq=max_seq)
+    if rank != 0:
+        follow(engine)
+        return None
+    leader = LeaderEngine(engine)
+    try:
+        return lead(leader)
+    finally:
+        leader.close()

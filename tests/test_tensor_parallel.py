@@ -4,6 +4,8 @@ error in bounded time; splits the model cannot take are refused."""
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 
 import pytest
@@ -77,3 +79,46 @@ def test_generate_tp_prints_the_tokens_of_one_process(agreeing_pair):
     assert r.returncode == 0, r.stderr
     two = json.loads(r.stdout.strip().splitlines()[-1])
     assert two["output_ids"] == one["output_ids"] and two["tp"] == 2
+
+
+class _Collect:
+    """A scheduler sink that keeps a request's tokens and says when it is done."""
+
+    def __init__(self):
+        self.tokens, self.done, self.error = [], threading.Event(), None
+
+    def deliver(self, req, new_tokens):
+        self.tokens.extend(new_tokens)
+        if req.finished:
+            self.done.set()
+
+    def fail(self, message, kind):
+        self.error = message
+        self.done.set()
+
+    def cancelled(self):
+        return False
+
+
+def _serve_lead(leader, prompts, params):
+    """Rank 0: the serving scheduler thread over the leader engine, requests submitted from threads."""
+    from muse_spark.serving.scheduler import Scheduler
+
+    sched = Scheduler(leader, log=lambda *a: None)
+    sched.start()
+    sinks = [_Collect() for _ in prompts]
+    threads = [threading.Thread(target=sched.submit, args=(p, sp, s)) for p, sp, s in zip(prompts, params, sinks)]
+    for t in threads:
+        t.start()
+    for s in sinks:
+        assert s.done.wait(120)
+    sched.stop()
+    return [s.tokens for s in sinks]
+
+
+def test_the_serving_scheduler_drives_a_rank_set(agreeing_pair, single):
+    """Rank 0's scheduler thread, requests arriving from several threads and batched in flight: the
+    other ranks follow its engine calls and every request gets its single-process tokens."""
+    out = tp.launch(2, tp.lead_or_follow, str(agreeing_pair[0]), str(agreeing_pair[1]),
+                    functools.partial(_serve_lead, prompts=PROMPTS, params=PARAMS), "cpu", 2, 128)
+    assert out == single
