@@ -14,6 +14,16 @@
   be float32), so an int8 or fp16 ``q_proj`` in a bf16 checkpoint is refused with its
   name and dtypes; ``d2t`` must be an integer tensor. ``--dtype`` then converts the
   checked weights (it overrides the compute dtype, not what the files must hold);
+* FP8 (E4M3) checkpoints (docs/fp8.md; ``quantization_config`` with quant_method ``fp8``): the
+  decoder layers' projections are ``float8_e4m3fn`` ``*.weight`` with float32 (or exactly widened
+  bf16/fp16) ``*.weight_scale`` per tensor ([] or [1]) or per output channel ([out, 1] or [out]),
+  and with ``activation_scheme`` ``static`` a scalar ``*.input_scale``. They stay FP8: the module
+  becomes an ``Fp8Linear`` holding the FP8 weight and float32 per-channel scales [out, 1] (a
+  per-tensor scale expanded; stacking q/k/v/o_gate or gate/up stacks the parts' scales, so parts
+  with different per-tensor scales keep them; stacked input scales: the largest). Everything else
+  keeps the rules above; an FP8 tensor anywhere else, a projection of the wrong dtype, a missing or
+  misshaped scale, non-positive or non-finite scales, NaN weights and block-wise scales are errors
+  naming the tensor;
 * a file or folder that cannot be read (permission denied, a folder where a file
   should be, …) is a ``CheckpointError`` naming the path and the reason;
 * memory: safetensors maps the files; tensors are converted one at a time and
@@ -34,9 +44,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from muse_spark.config import (MuseSpark1xConfig, MuseSparkDSparkConfig, dtype_name, load_config, missing_note,
-                               os_error_reason, parse_dtype)
+from muse_spark.config import (QUANTIZABLE_STACKED, MuseSpark1xConfig, MuseSparkDSparkConfig, dtype_name, load_config,
+                               missing_note, os_error_reason, parse_dtype, quantizable)
 from muse_spark.models.draft import MuseSparkDSparkForCausalLM
+from muse_spark.models.layers import FP8, Fp8Linear
 from muse_spark.models.target import MuseSpark1xForCausalLM
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -188,7 +199,63 @@ def expected_shapes(cfg: MuseSpark1xConfig) -> dict[str, tuple[int, ...]]:
         s["model.embed_tokens.weight"] = (cfg.vocab_size, d)
         if not cfg.tie_word_embeddings:
             s["lm_head.weight"] = (cfg.vocab_size, d)
+    static = cfg.quantization_config is not None and cfg.quantization_config.static
+    for module in fp8_projections(cfg):
+        s[f"{module}.weight_scale"] = (s[f"{module}.weight"][0], 1)
+        if static:
+            s[f"{module}.input_scale"] = ()
     return s
+
+
+# ---- FP8 ----------------------------------------------------------------------------------
+def _checkpoint_name(cfg: MuseSpark1xConfig, canonical: str) -> str:
+    """A canonical name as the checkpoint spells it (the draft's lack the ``model.`` prefix)."""
+    return canonical.removeprefix("model.") if isinstance(cfg, MuseSparkDSparkConfig) else canonical
+
+
+def _stacked_parts(cfg: MuseSpark1xConfig, module: str) -> list[str]:
+    """The checkpoint's (unstacked) module names of the canonical projection ``module``."""
+    prefix, _, proj = module.rpartition(".")
+    parts = {"qkv_proj": _STACKED_QKV if cfg.attn_output_gate else _STACKED_QKV[:3],
+             "gate_up_proj": _STACKED_FFN}.get(proj, (proj,))
+    return [_checkpoint_name(cfg, f"{prefix}.{p}") for p in parts]
+
+
+def fp8_projections(cfg: MuseSpark1xConfig) -> list[str]:
+    """The canonical projections (``model.layers.N.self_attn.qkv_proj`` …) an FP8 checkpoint of ``cfg``
+    holds in FP8: every decoder layer's ``qkv_proj``, ``o_proj``, ``gate_up_proj`` and ``down_proj``
+    whose modules ``ignored_layers`` does not name; none without ``quantization_config``. A stacked
+    projection is quantized whole: ignoring some of its parts (``q_proj`` but not ``k_proj``) is an error."""
+    quant = cfg.quantization_config
+    if quant is None:
+        return []
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        for proj in QUANTIZABLE_STACKED:
+            module = f"model.layers.{i}.{proj}"
+            parts = _stacked_parts(cfg, module)
+            ignored = [quant.ignores(p, "model." + p.removeprefix("model."), module) for p in parts]
+            if all(ignored):
+                continue
+            if any(ignored):
+                kept = [p for p, ig in zip(parts, ignored) if not ig]
+                raise CheckpointError(
+                    f"quantization_config: ignored_layers names {[p for p, ig in zip(parts, ignored) if ig]} but not "
+                    f"{kept}; they are stacked into one projection ({module}), quantized whole or not at all")
+            out.append(module)
+    return out
+
+
+def _fp8_role(cfg: MuseSpark1xConfig, ck_module: str) -> str:
+    """Why the module ``ck_module`` (checkpoint spelling) holds no FP8 tensors, in words."""
+    quant = cfg.quantization_config
+    if quant is None:
+        return "the checkpoint's config.json has no quantization_config (FP8 checkpoints declare quant_method 'fp8')"
+    canonical = ck_module if ck_module.startswith("model.") or ck_module == "lm_head" else "model." + ck_module
+    if quantizable(ck_module) or quantizable(canonical):
+        return f"{ck_module} is in quantization_config's ignored_layers"
+    return ("only the decoder layers' projections (q/k/v/o_gate/o, gate/up/down) are FP8; embeddings, lm_heads, "
+            "norms, residual gates, the draft's fc, Markov and confidence heads stay in torch_dtype")
 
 
 # ---- name mapping (vLLM's WeightsMapper) -------------------------------------------
@@ -221,10 +288,11 @@ def _draft_rename(source: TensorSource) -> dict[str, str]:
     return out
 
 
-# vLLM's stacked mapping: per-layer suffix → (stacked suffix, part).
+# vLLM's stacked mapping: per-layer suffix → (stacked suffix, part); FP8 scales follow their weights.
+_KINDS = ("weight", "weight_scale", "input_scale")
 _STACKED = {
-    **{f"self_attn.{p}.weight": ("self_attn.qkv_proj.weight", p) for p in _STACKED_QKV},
-    **{f"feed_forward.{p}.weight": ("feed_forward.gate_up_proj.weight", p) for p in _STACKED_FFN},
+    **{f"self_attn.{p}.{k}": (f"self_attn.qkv_proj.{k}", p) for p in _STACKED_QKV for k in _KINDS},
+    **{f"feed_forward.{p}.{k}": (f"feed_forward.gate_up_proj.{k}", p) for p in _STACKED_FFN for k in _KINDS},
 }
 
 
@@ -246,9 +314,29 @@ def _is_integer(t: torch.Tensor) -> bool:
     return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
-def check_dtype(directory, ck_name: str, name: str, t: torch.Tensor, cfg: MuseSpark1xConfig) -> None:
-    """A checkpoint tensor's dtype against the checkpoint's: ``d2t`` integer; every other tensor the
-    config's ``torch_dtype``, except that vectors (norm weights, residual gates, biases) may be float32."""
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                                                  "float8_e8m0fnu") if hasattr(torch, n))
+
+
+def check_dtype(directory, ck_name: str, name: str, t: torch.Tensor, cfg: MuseSpark1xConfig, fp8: bool = False) -> None:
+    """A checkpoint tensor's dtype against the checkpoint's: ``d2t`` integer; an FP8 projection's weight
+    (``fp8``) float8_e4m3fn; every other tensor the config's ``torch_dtype``, except that vectors (norm
+    weights, residual gates, biases) may be float32."""
+    if fp8:
+        if t.dtype != FP8:
+            raise CheckpointError(
+                f"{directory}: tensor {ck_name!r} has dtype {dtype_name(t.dtype)}, expected float8_e4m3fn: the "
+                f"config's quantization_config (quant_method 'fp8') quantizes the decoder layers' projections (list "
+                f"the module in ignored_layers to keep it in {cfg.torch_dtype})")
+        return
+    if t.dtype in _FP8_DTYPES:
+        module = ck_name.rpartition(".")[0]
+        if t.dtype != FP8:
+            why = "FP8 weights are E4M3 (float8_e4m3fn)"
+        else:
+            why = _fp8_role(cfg, module)
+        raise CheckpointError(f"{directory}: tensor {ck_name!r} has dtype {dtype_name(t.dtype)}, expected "
+                              f"{dtype_name(cfg.dtype)}: {why}")
     if name == "draft_id_to_target_id":
         if not _is_integer(t):
             raise CheckpointError(f"{directory}: tensor {ck_name!r} has dtype {dtype_name(t.dtype)}, expected an "
@@ -266,6 +354,11 @@ def check_dtype(directory, ck_name: str, name: str, t: torch.Tensor, cfg: MuseSp
 
 
 def _check_finite(name: str, t: torch.Tensor) -> None:
+    if t.dtype == FP8:  # (E4M3 has no infinities; NaN is S.1111.111)
+        n_nan = int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        if n_nan:
+            raise CheckpointError(f"tensor {name!r} has non-finite values ({n_nan} NaN)")
+        return
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         n_nan = int(torch.isnan(t).sum())
         n_inf = int(torch.isinf(t).sum())
@@ -273,16 +366,24 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
 
 
 def load_state_dict(directory: str | Path, cfg: MuseSpark1xConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read, map, stack, validate and convert a checkpoint → canonical state dict."""
+    """Read, map, stack, validate and convert a checkpoint → canonical state dict (FP8 projections:
+    their float8_e4m3fn weight and float32 [out, 1] ``weight_scale``, not converted)."""
     source = TensorSource(directory)
+    fp8 = set(fp8_projections(cfg))
     expect = expected_shapes(cfg)
     is_draft = isinstance(cfg, MuseSparkDSparkConfig)
     order_qkv = _STACKED_QKV if cfg.attn_output_gate else _STACKED_QKV[:3]
     sd: dict[str, torch.Tensor] = {}
+    scale_groups: dict[str, list[tuple[str, str]]] = {}
+    layouts: dict[str, list[tuple[str, str, int]]] = {}  # FP8 module → [(part, checkpoint module, rows)]
     for name, parts in _iter_canonical(source, cfg):
         if name not in expect:
-            shown = parts[0][1]
-            raise CheckpointError(f"{directory}: unexpected tensor {shown!r} (not part of this {cfg.KIND} model)")
+            raise _unexpected(directory, name, parts, cfg, fp8)
+        if name.endswith((".weight_scale", ".input_scale")):
+            scale_groups[name] = parts  # (read with their weight's layout, below)
+            continue
+        module = name.rpartition(".")[0]
+        quantized = module in fp8
         if name.endswith("qkv_proj.weight") or name.endswith("gate_up_proj.weight"):
             order = order_qkv if "qkv" in name else _STACKED_FFN
             have = {p: n for p, n in parts}
@@ -297,24 +398,37 @@ def load_state_dict(directory: str | Path, cfg: MuseSpark1xConfig, dtype: torch.
                 raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}")
             pieces = [(have[part], source.get(have[part])) for part in order]
             for ck, piece in pieces:  # (before the stacking, which would promote a mixed set)
-                check_dtype(directory, ck, name, piece, cfg)
+                check_dtype(directory, ck, name, piece, cfg, quantized)
             tensor = _stack_checked(directory, pieces, order, cfg)
+            layouts[module] = [(part, ck.removesuffix(".weight"), int(piece.shape[0]))
+                               for part, (ck, piece) in zip(order, pieces)]
         else:
             tensor = source.get(parts[0][1])
-            check_dtype(directory, parts[0][1], name, tensor, cfg)
+            check_dtype(directory, parts[0][1], name, tensor, cfg, quantized)
+            if quantized:
+                layouts[module] = [("", parts[0][1].removesuffix(".weight"), expect[name][0])]
         shape = expect[name]
         if tuple(tensor.shape) != shape:
             raise CheckpointError(
                 f"{directory}: tensor {parts[0][1]!r} has shape {list(tensor.shape)}, expected {list(shape)}"
             )
         _check_finite(parts[0][1], tensor)
-        if name == "draft_id_to_target_id":
+        if quantized:
+            pass  # FP8 stays FP8 (the scales are read below)
+        elif name == "draft_id_to_target_id":
             tensor = tensor.to(torch.int64)
         elif name.endswith("residual_gate"):
             tensor = tensor.to(torch.float32)
         else:
             tensor = tensor.to(dtype)
         sd[name] = tensor
+    static = cfg.quantization_config is not None and cfg.quantization_config.static
+    for module in sorted(fp8 & set(layouts)):
+        sd[f"{module}.weight_scale"] = _load_scales(directory, source, module, "weight_scale", layouts[module],
+                                                    scale_groups.pop(f"{module}.weight_scale", []))
+        if static:
+            sd[f"{module}.input_scale"] = _load_scales(directory, source, module, "input_scale", layouts[module],
+                                                       scale_groups.pop(f"{module}.input_scale", []))
     for name, shape in expect.items():
         if name.endswith("residual_gate") and name not in sd:
             sd[name] = torch.ones(shape, dtype=torch.float32)  # absent gates mean 1
@@ -327,6 +441,72 @@ def load_state_dict(directory: str | Path, cfg: MuseSpark1xConfig, dtype: torch.
         check_d2t(sd["draft_id_to_target_id"], cfg)
     source.close()
     return sd
+
+
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # (widened to float32 exactly)
+
+
+def _load_scales(directory, source: TensorSource, module: str, kind: str, layout: list[tuple[str, str, int]],
+                 parts: list[tuple[str, str]]) -> torch.Tensor:
+    """An FP8 projection's ``weight_scale`` (→ float32 [out, 1]: a per-tensor scale expanded over its
+    rows, parts stacked as their weights) or ``input_scale`` (→ float32 []: the parts' largest)."""
+    have = dict(parts)
+    wanted = {part for part, _, _ in layout}
+    extra = sorted(set(have) - wanted)
+    if extra:
+        raise CheckpointError(f"{directory}: unexpected tensor {have[extra[0]]!r} (the weights of {module} are "
+                              f"stored as {[ck + '.weight' for _, ck, _ in layout]})")
+    pieces = []
+    for part, ck_module, rows in layout:
+        ck = f"{ck_module}.{kind}"
+        if part not in have:
+            what = ("its FP8 weight's scale" if kind == "weight_scale"
+                    else "the static activation scale quantization_config's activation_scheme 'static' asks for")
+            raise CheckpointError(f"{directory}: missing tensor {ck!r} ({what})")
+        t = source.get(have[part])
+        ck = have[part]
+        if t.dtype not in _SCALE_DTYPES:
+            raise CheckpointError(f"{directory}: tensor {ck!r} has dtype {dtype_name(t.dtype)}, expected float32 "
+                                  "(FP8 scales are float32; bfloat16 and float16 are widened exactly)")
+        shape = tuple(t.shape)
+        if shape in ((), (1,)):
+            t = t.reshape(1, 1).float().expand(rows, 1) if kind == "weight_scale" else t.reshape(()).float()
+        elif kind == "weight_scale" and shape in ((rows,), (rows, 1)):
+            t = t.reshape(rows, 1).float()
+        else:
+            want = ("a per-tensor scale ([] or [1]) or a per-output-channel scale "
+                    f"([{rows}, 1] or [{rows}]); block-wise scales are not supported") if kind == "weight_scale" \
+                else "a per-tensor scale ([] or [1])"
+            raise CheckpointError(f"{directory}: tensor {ck!r} has shape {list(shape)}, expected {want}")
+        bad = ~(torch.isfinite(t) & (t > 0))
+        if bool(bad.any()):
+            raise CheckpointError(f"{directory}: tensor {ck!r} has {int(bad.sum())} scale(s) that are not positive "
+                                  f"finite numbers (e.g. {float(t[bad][0])})")
+        pieces.append(t)
+    if kind == "input_scale":
+        return torch.stack(pieces).max().contiguous()
+    return torch.cat(pieces, 0).contiguous()
+
+
+def _unexpected(directory, name: str, parts: list[tuple[str, str]], cfg: MuseSpark1xConfig,
+                fp8: set[str]) -> CheckpointError:
+    """The error for a tensor the model has no place for, saying why for FP8 scales."""
+    shown = parts[0][1]
+    module, _, kind = name.rpartition(".")
+    if kind == "weight_scale_inv":
+        return CheckpointError(f"{directory}: tensor {shown!r}: block-wise FP8 scales (weight_scale_inv) are not "
+                               "supported; FP8 scales must be per tensor or per output channel (docs/fp8.md)")
+    if kind in ("weight_scale", "input_scale"):
+        quant = cfg.quantization_config
+        ck_module = shown.rpartition(".")[0]
+        if module in fp8 and kind == "input_scale":
+            return CheckpointError(
+                f"{directory}: tensor {shown!r} is a static activation scale, but quantization_config's "
+                "activation_scheme is 'dynamic' (activations are scaled per call): set it to 'static' or drop the "
+                "input_scale tensors")
+        if quant is None or module not in fp8:
+            return CheckpointError(f"{directory}: unexpected tensor {shown!r}: {_fp8_role(cfg, ck_module)}")
+    return CheckpointError(f"{directory}: unexpected tensor {shown!r} (not part of this {cfg.KIND} model)")
 
 
 def _stack_checked(directory, pieces, order, cfg) -> torch.Tensor:
@@ -361,7 +541,12 @@ def check_d2t(d2t: torch.Tensor, cfg: MuseSparkDSparkConfig) -> None:
 
 
 # ---- building modules ---------------------------------------------------------------------
-def _materialize(module: torch.nn.Module, sd: dict[str, torch.Tensor], device) -> None:
+def _materialize(module: torch.nn.Module, sd: dict[str, torch.Tensor], device, dtype: torch.dtype) -> None:
+    for name in sd:  # FP8 projections: an Fp8Linear in place of the nn.Linear (on meta, as the rest)
+        if name.endswith(".weight_scale"):
+            path = name.removesuffix(".weight_scale")
+            with torch.device("meta"):
+                Fp8Linear.install(module, path, dtype, static=f"{path}.input_scale" in sd)
     module.load_state_dict(sd, strict=True, assign=True)
     module.after_load()  # materializes the non-persistent constants (still on meta until now)
     module.to(device)
@@ -377,7 +562,7 @@ def load_target(directory: str | Path, dtype: torch.dtype | str | None = None, d
     sd = load_state_dict(directory, cfg, dt)
     with torch.device("meta"):
         model = MuseSpark1xForCausalLM(cfg, aux_layer_ids)
-    _materialize(model, sd, device)
+    _materialize(model, sd, device, dt)
     return model
 
 
@@ -392,7 +577,7 @@ def load_draft(directory: str | Path, target_cfg: MuseSpark1xConfig | None = Non
     sd = load_state_dict(directory, cfg, dt)
     with torch.device("meta"):
         model = MuseSparkDSparkForCausalLM(cfg)
-    _materialize(model, sd, device)
+    _materialize(model, sd, device, dt)
     return model
 
 
@@ -407,7 +592,13 @@ def load_pair(target_dir, draft_dir, dtype=None, device="cpu"):
 
 # ---- saving / hashing ---------------------------------------------------------------------
 def save_canonical(module: torch.nn.Module, path: str | Path) -> None:
-    """Save a module's canonical state dict (contiguous) as one safetensors file."""
+    """Save a module's canonical state dict (contiguous) as one safetensors file. Modules with FP8
+    projections are refused: engine directories hold torch_dtype weights (docs/fp8.md)."""
+    if any(isinstance(m, Fp8Linear) for m in module.modules()):
+        raise CheckpointError(
+            f"the {module.cfg.KIND} checkpoint is FP8 (quantization_config): engine builds of FP8 checkpoints are "
+            "not supported yet — run the pair straight from its checkpoints (`muse-spark generate --target DIR "
+            "--draft DIR`, EagerEngine.from_checkpoints), or build the engine from the bf16 checkpoint (docs/fp8.md)")
     sd = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
     save_file(sd, str(path))
 

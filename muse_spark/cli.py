@@ -4,6 +4,7 @@
     muse-spark make-pair OUT [--preset tiny|muse-spark-8b] [--acceptance P] [--confidence informative|random]
     muse-spark build --target DIR --draft DIR --out DIR [--backend eager] [--device cpu|cuda]
     muse-spark export-onnx --target DIR --draft DIR --out DIR [--max-batch 8] [--max-seq 1024]
+    muse-spark quantize --target DIR --out DIR [--draft DIR --draft-out DIR] [--scheme per-channel|per-tensor]
     muse-spark generate (--engine DIR | --target DIR --draft DIR) (--prompt TEXT | --prompt-ids 1,2,3)
     muse-spark triton-repo --engine DIR --out REPO [--model-name muse_spark] [--instances N]
     muse-spark serve --repo REPO [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002] [--host 127.0.0.1]
@@ -106,6 +107,15 @@ def cmd_build(a) -> int:
     build_engine(a.target, a.draft, a.out, backend=a.backend, device=a.device, max_batch=a.max_batch,
                  max_seq=a.max_seq, dtype=a.dtype, **aoti)
     print(f"engine: {a.out}")
+    return 0
+
+
+# ---- quantize -------------------------------------------------------------------------------
+def cmd_quantize(a) -> int:
+    from muse_spark.builder.quantize import quantize_pair
+
+    quantize_pair(a.target, a.out, draft=a.draft, draft_out=a.draft_out, scheme=a.scheme, overwrite=a.overwrite,
+                  log=lambda s: print(s, flush=True))
     return 0
 
 
@@ -346,6 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="aoti: the plugin kernels compiled in. auto (default): the Triton kernels on CUDA, falling "
                         "back to the reference functions if they fail to compile; inline: the reference functions")
     b.set_defaults(fn=cmd_build)
+
+    q = sub.add_parser("quantize", help="write the FP8 (E4M3) checkpoint of a bf16/fp16/fp32 target (and draft): "
+                                        "decoder-layer projections in float8 with absmax scales (docs/fp8.md)")
+    q.add_argument("--target", required=True)
+    q.add_argument("--out", required=True)
+    q.add_argument("--draft", default=None)
+    q.add_argument("--draft-out", default=None)
+    q.add_argument("--scheme", choices=["per-channel", "per-tensor"], default="per-channel",
+                   help="one scale per output channel (default) or per weight tensor")
+    q.add_argument("--overwrite", action="store_true", help="write into --out/--draft-out even if they exist")
+    q.set_defaults(fn=cmd_quantize)
 
     x = sub.add_parser("export-onnx", help="the engine's parts as ONNX graphs with muse_spark plugin nodes "
                                           "(the tensorrt backend's input)")

@@ -3,6 +3,14 @@
 Both are parsed from HF-style ``config.json`` files (docs/design.md). Every
 inconsistency is a ``ValueError`` naming the field and the values, so a bad
 checkpoint fails at load time and never half-way through a build.
+
+FP8 checkpoints (docs/fp8.md) carry ``quantization_config``
+(``QuantizationConfig``): ``quant_method`` ``"fp8"`` (E4M3 weights with per-tensor or
+per-output-channel scales; block-wise scales and other methods are refused by name). What is
+quantized is fixed: the decoder layers' projections of the target and the draft (``q/k/v/o_gate/o``,
+``gate/up/down``) unless ``ignored_layers``/``modules_to_not_convert`` names them. The embeddings,
+the lm_heads, the norms, the residual gates, the draft's ``fc``, its Markov head and its
+confidence head always stay in ``torch_dtype``.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import dataclasses
 import errno
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +36,8 @@ _DTYPES = {
 }
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+QUANT_METHODS = ("fp8",)
+ACTIVATION_SCHEMES = ("dynamic", "static")
 
 
 def parse_dtype(name: str | torch.dtype, what: str = "dtype") -> torch.dtype:
@@ -80,6 +91,109 @@ class MetapConfig:
     metap_mode: str = "mup"
 
 
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """``config.json``'s ``quantization_config`` for FP8 (E4M3) weights (docs/fp8.md).
+
+    * ``quant_method``: ``"fp8"`` (the only method read; others — ``compressed-tensors``,
+      ``fbgemm_fp8``, ``modelopt``, int4/int8 methods — are refused by name);
+    * ``activation_scheme``: ``"dynamic"`` (no ``input_scale`` tensors; the reference path is
+      weight-only, W8A16) or ``"static"`` (every quantized projection carries a scalar
+      ``input_scale``, kept for a W8A8 kernel);
+    * ``ignored_layers`` (vLLM's name) and ``modules_to_not_convert`` (transformers'): module
+      names kept in ``torch_dtype``; an entry matches a module equal to it, ending in ``.entry``
+      or inside it (``entry.…``), or, written ``re:PATTERN``, one the pattern matches whole;
+    * ``weight_block_size``: must be null — block-wise scales are refused.
+
+    Scales are per tensor or per output channel; what is quantized is fixed (the decoder layers'
+    projections; ``quantizable``)."""
+
+    quant_method: str = "fp8"
+    activation_scheme: str = "dynamic"
+    ignored_layers: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "config.json") -> "QuantizationConfig":
+        w = f"{where}: quantization_config"
+        if not isinstance(d, dict):
+            raise ValueError(f"{w} must be an object, got {d!r}")
+        method = d.get("quant_method")
+        if not isinstance(method, str):
+            raise ValueError(f"{w}: missing or non-string 'quant_method' (expected one of {list(QUANT_METHODS)})")
+        if method not in QUANT_METHODS:
+            raise ValueError(f"{w}: unsupported quant_method {method!r}; this loader reads FP8 (E4M3) checkpoints "
+                             f"with quant_method 'fp8' and per-tensor or per-channel scales (docs/fp8.md) — "
+                             "requantize the bf16 checkpoint with `muse-spark quantize`")
+        block = d.get("weight_block_size")
+        if block is not None:
+            raise ValueError(f"{w}: block-wise FP8 (weight_block_size {block!r}) is not supported: the weights' "
+                             "scales must be per tensor or per output channel (weight_block_size null) — "
+                             "requantize the bf16 checkpoint with `muse-spark quantize`")
+        fmt = d.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"{w}: fmt {fmt!r} is not supported (FP8 weights are E4M3, float8_e4m3fn)")
+        kv = d.get("kv_cache_scheme")
+        if kv is not None:
+            raise ValueError(f"{w}: kv_cache_scheme {kv!r} is not supported (the KV cache is kept in torch_dtype)")
+        scheme = d.get("activation_scheme", "dynamic")
+        if scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(f"{w}: activation_scheme must be one of {list(ACTIVATION_SCHEMES)}, got {scheme!r}")
+        ignored: list[str] = []
+        for key in ("ignored_layers", "modules_to_not_convert"):
+            names = d.get(key)
+            if names is None:
+                continue
+            if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+                raise ValueError(f"{w}: {key} must be a list of module names, got {names!r}")
+            for n in names:
+                if n.startswith("re:"):
+                    try:
+                        re.compile(n[3:])
+                    except re.error as e:
+                        raise ValueError(f"{w}: {key} entry {n!r} is not a valid regular expression ({e})") from None
+                if n not in ignored:
+                    ignored.append(n)
+        return cls(method, scheme, tuple(ignored))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quant_method": self.quant_method, "activation_scheme": self.activation_scheme,
+                "ignored_layers": list(self.ignored_layers), "weight_block_size": None}
+
+    @property
+    def static(self) -> bool:
+        return self.activation_scheme == "static"
+
+    def ignores(self, *module_names: str) -> bool:
+        """Whether an entry of ``ignored_layers`` names the module (any of its spellings: the
+        checkpoint's and the canonical name)."""
+        for entry in self.ignored_layers:
+            for name in module_names:
+                if entry.startswith("re:"):
+                    if re.fullmatch(entry[3:], name):
+                        return True
+                elif name == entry or name.endswith("." + entry) or name.startswith(entry + "."):
+                    return True
+        return False
+
+
+# The decoder-layer projections FP8 may quantize (the suffix after ``layers.N.``), as the checkpoints
+# name them (vLLM's unstacked names) and stacked as the modules hold them.
+QUANTIZABLE_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_gate_proj",
+                     "self_attn.o_proj", "feed_forward.gate_proj", "feed_forward.up_proj",
+                     "feed_forward.down_proj")
+QUANTIZABLE_STACKED = ("self_attn.qkv_proj", "self_attn.o_proj", "feed_forward.gate_up_proj",
+                       "feed_forward.down_proj")
+_QUANTIZABLE_RE = re.compile(r"^(?:model\.)?layers\.\d+\.(?:%s)$" % "|".join(
+    re.escape(p) for p in sorted(set(QUANTIZABLE_PARTS + QUANTIZABLE_STACKED))))
+
+
+def quantizable(module_name: str) -> bool:
+    """Whether a module (``model.layers.3.self_attn.q_proj``, a draft's ``layers.0.feed_forward.down_proj``,
+    or the stacked ``….qkv_proj``/``….gate_up_proj``) is one FP8 may quantize: a decoder layer's projection.
+    Embeddings, lm_heads, norms, residual gates, the draft's fc, Markov and confidence heads are not."""
+    return bool(_QUANTIZABLE_RE.match(module_name))
+
+
 def _req(d: dict, key: str, kind: type | tuple, where: str) -> Any:
     if key not in d:
         raise ValueError(f"{where}: missing required field {key!r}")
@@ -126,6 +240,8 @@ class MuseSpark1xConfig:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     architectures: tuple[str, ...] = ("MuseSpark1xForCausalLM",)
+    # FP8 checkpoints: the parsed ``quantization_config`` (None: every weight in torch_dtype)
+    quantization_config: QuantizationConfig | None = None
 
     KIND = "target"
 
@@ -187,6 +303,9 @@ class MuseSpark1xConfig:
         arch = d.get("architectures")
         if arch is not None:
             out["architectures"] = tuple(arch)
+        quant = d.get("quantization_config")
+        if quant is not None:
+            out["quantization_config"] = QuantizationConfig.from_dict(quant, where)
         return out
 
     @classmethod
@@ -204,6 +323,10 @@ class MuseSpark1xConfig:
         d = dataclasses.asdict(self)
         d["eos_token_id"] = list(self.eos_token_id)
         d["architectures"] = list(self.architectures)
+        if self.quantization_config is None:
+            del d["quantization_config"]
+        else:
+            d["quantization_config"] = self.quantization_config.to_dict()
         return d
 
     def save(self, path: str | Path) -> None:

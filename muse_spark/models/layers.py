@@ -13,6 +13,11 @@ in the eager engine and in the compiled packages.
 
 Which kernels run is the current kernel options' (``muse_spark.options.current_options()``: the
 builder and the engines set them with ``use_options``).
+
+FP8 checkpoints (docs/fp8.md): the loader holds a quantized decoder projection as an ``Fp8Linear``
+(float8_e4m3fn ``weight`` + float32 per-channel ``weight_scale``); the layers pass
+``proj_weight(module)`` to ``linear``, which for an ``Fp8Weight`` runs the W8A16 reference
+(``fp8_linear_reference``: dequantized per call, computed in the activations' dtype).
 """
 
 from __future__ import annotations
@@ -158,7 +163,9 @@ def linear_path(device, dtype: torch.dtype, options: KernelOptions | None = None
     return (options or current_options()).linear if fused else "reference"
 
 
-def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+def _triton_linear_fits(x: torch.Tensor, w) -> bool:
+    if isinstance(w, Fp8Weight):  # (the skinny kernel reads bf16/fp16 weights)
+        return False
     if linear_path(x.device, x.dtype) != "triton" or not _triton_ops_available():  # (imports Triton)
         return False
     from muse_spark.plugins.linear.triton_kernel import fits
@@ -166,18 +173,113 @@ def _triton_linear_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     return fits(x, w)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite E4M3 (float8_e4m3fn) value
+
+
+class Fp8Weight:
+    """An FP8 (E4M3) projection weight as ``linear`` takes it: ``weight`` [out, in] float8_e4m3fn,
+    ``scale`` [out, 1] float32 (per output channel; a per-tensor scale is held expanded), optional
+    ``input_scale`` (a static activation scale, [] float32; the reference path does not use it).
+    The weight it stands for is ``weight.float() * scale`` (``dequantize``).
+
+    ``dtype`` is the compute dtype (the activations' and outputs' dtype, as a plain weight's dtype
+    is), not the storage dtype (``weight.dtype``); ``shape`` is the weight's. Rows slice weight
+    and scale together (``w[a:b]``: the k/v rows of the stacked projection)."""
+
+    __slots__ = ("weight", "scale", "input_scale", "dtype")
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.bfloat16):
+        self.weight, self.scale, self.input_scale, self.dtype = weight, scale, input_scale, dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def __getitem__(self, rows: slice) -> "Fp8Weight":
+        if not isinstance(rows, slice):
+            raise TypeError("an Fp8Weight is sliced by rows (a slice)")
+        return Fp8Weight(self.weight[rows], self.scale[rows], self.input_scale, self.dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``weight.float() * scale`` (exact in float32), rounded to ``dtype`` (default: float32)."""
+        w = self.weight.float() * self.scale
+        return w if dtype is None else w.to(dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A decoder projection held in FP8: parameters ``weight`` (float8_e4m3fn [out, in]) and
+    ``weight_scale`` (float32 [out, 1]), and with static activation scales ``input_scale`` (float32
+    []), as the canonical state dict names them (``<proj>.weight``, ``<proj>.weight_scale``,
+    ``<proj>.input_scale``). ``compute_dtype``: the dtype its products are computed in (the model's).
+    The loader puts these in place of the ``nn.Linear`` projections a quantized checkpoint holds
+    (``install``); nothing is dequantized at load."""
+
+    def __init__(self, in_features: int, out_features: int, compute_dtype: torch.dtype, static: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False)
+        self.input_scale = (nn.Parameter(torch.empty((), dtype=torch.float32), requires_grad=False) if static
+                            else None)
+
+    def fp8(self) -> Fp8Weight:
+        return Fp8Weight(self.weight, self.weight_scale, self.input_scale, self.compute_dtype)
+
+    @classmethod
+    def install(cls, root: nn.Module, path: str, compute_dtype: torch.dtype, static: bool) -> "Fp8Linear":
+        """Replace the ``nn.Linear`` at ``path`` under ``root`` (``model.layers.0.self_attn.qkv_proj``) by an
+        ``Fp8Linear`` of its shape (built on the current device: meta, before ``load_state_dict``)."""
+        parent_path, _, name = path.rpartition(".")
+        parent = root.get_submodule(parent_path)
+        old = getattr(parent, name)
+        if not isinstance(old, nn.Linear) or old.bias is not None:
+            raise TypeError(f"{path} is not a bias-free nn.Linear projection: it cannot hold FP8 weights")
+        new = cls(old.in_features, old.out_features, compute_dtype, static)
+        setattr(parent, name, new)
+        return new
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn weight, "
+                f"per-channel scales, compute {self.compute_dtype}")
+
+
+def proj_weight(proj: nn.Module) -> torch.Tensor | Fp8Weight:
+    """What ``linear`` takes for a projection module: its weight, or an ``Fp8Linear``'s ``Fp8Weight``."""
+    return proj.fp8() if isinstance(proj, Fp8Linear) else proj.weight
+
+
+def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) -> torch.Tensor:
+    """The W8A16 spec: ``x @ (w.weight.float() * w.scale).T`` computed in x's dtype (the weight
+    dequantized per call, exactly in float32, then rounded to x's dtype; the product as ``F.linear``
+    in x's dtype); with ``silu_mul``, ``silu(g) · u`` of its halves. The GPU kernels (a W8A16 GEMM
+    for few rows, W8A8 ``torch._scaled_mm`` for many) are to be checked against it (docs/fp8.md)."""
+    return linear_reference(x, w.dequantize(x.dtype), silu_mul)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """``F.linear(x, w)`` (no bias). With few rows (≤ 16: a speculative step at batch 1–2) in bf16/fp16
     on CUDA, unless ``KernelOptions.linear`` is ``cublas``: the skinny Triton kernel, in the eager engine and the
-    compiled packages alike; otherwise cuBLAS (or the CPU's GEMM)."""
+    compiled packages alike; otherwise cuBLAS (or the CPU's GEMM). An ``Fp8Weight``: the W8A16 reference
+    (``fp8_linear_reference``) on every device, for now."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear_reference(x, w)
     if _triton_linear_fits(x, w):
         return torch.ops.muse_spark.linear_triton(x, w, False)
     return linear_reference(x, w)
 
 
-def linear_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """``silu(g) · u`` of ``[g | u] = F.linear(x, w)``, each rounded to x's dtype as the plain modules
-    round them; one kernel (the gate/up output never stored) where ``linear`` takes the Triton path."""
+    round them; one kernel (the gate/up output never stored) where ``linear`` takes the Triton path.
+    An ``Fp8Weight``: ``fp8_linear_reference``."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear_reference(x, w, True)
     if _triton_linear_fits(x, w):
         return torch.ops.muse_spark.linear_triton(x, w, True)
     return linear_reference(x, w, True)
@@ -194,7 +296,7 @@ class Attention(nn.Module):
     def kv_weight(self) -> torch.Tensor:
         """The k and v rows of the stacked projection, [2·KV·Dh, D]."""
         q = self.cfg.q_size
-        return self.qkv_proj.weight[q : q + 2 * self.cfg.kv_size]
+        return proj_weight(self.qkv_proj)[q : q + 2 * self.cfg.kv_size]
 
     def normalize_heads(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Per-head weightless RMS norm, then RoPE at ``positions``. x: [B, S, heads, Dh] (q and k of
@@ -230,7 +332,8 @@ class Attention(nn.Module):
         fused attention kernel takes the layer (the default, ``attends_from_cache_write``) it reads it instead."""
         c = self.cfg
         return (current_options().rope_table and c.use_rope and x.dim() == 3
-                and positions.numel() == x.shape[0] * x.shape[1] and CacheKV.at(kv, positions, x.dtype) and _triton_linear_fits(x, self.qkv_proj.weight)
+                and positions.numel() == x.shape[0] * x.shape[1] and CacheKV.at(kv, positions, x.dtype)
+                and _triton_linear_fits(x, proj_weight(self.qkv_proj))
                 and _head_norm_rope_fits_heads(x.dtype, c.head_dim))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider, project: bool = True) -> torch.Tensor:
@@ -244,7 +347,7 @@ class Attention(nn.Module):
             qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_rope_table_triton(
                 x, self.qkv_proj.weight, positions, c.rope_theta, c.head_dim)
         else:
-            qkv = linear(x, self.qkv_proj.weight)
+            qkv = linear(x, proj_weight(self.qkv_proj))
         qs, kvs = c.q_size, c.kv_size
         # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
         qk = qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim)
@@ -273,7 +376,7 @@ class Attention(nn.Module):
         if c.attn_output_gate:
             gate = qkv[..., c.q_size + 2 * c.kv_size :]
             out = (out.float() * torch.sigmoid(gate.float())).to(out.dtype)
-        return linear(out, self.o_proj.weight) if project else out
+        return linear(out, proj_weight(self.o_proj)) if project else out
 
 
 class FeedForward(nn.Module):
@@ -284,7 +387,7 @@ class FeedForward(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(linear_silu_mul(x, self.gate_up_proj.weight), self.down_proj.weight)
+        return linear(linear_silu_mul(x, proj_weight(self.gate_up_proj)), proj_weight(self.down_proj))
 
 
 class DecoderLayer(nn.Module):
@@ -326,14 +429,14 @@ class DecoderLayer(nn.Module):
         output (the next layer's input norm, or the model's final norm), fused into the last
         residual kernel; without it the second result is an empty tensor."""
         if x is None:
-            x = self.input_norm(stream, self.self_attn.qkv_proj.weight.dtype)
+            x = self.input_norm(stream, proj_weight(self.self_attn.qkv_proj).dtype)
         attn = self.self_attn(x, positions, kv, project=False)
         # stream += g_attn ⊙ post_attn_norm(o_proj(attn)); x = pre_ffn_norm(stream)
-        stream, x = self.residual(stream, attn, self.self_attn.o_proj.weight, self.g_attn, self.pre_ffn_norm.weight,
-                                  self.post_attn_norm.weight)
-        ffn = linear_silu_mul(x, self.feed_forward.gate_up_proj.weight)
+        stream, x = self.residual(stream, attn, proj_weight(self.self_attn.o_proj), self.g_attn,
+                                  self.pre_ffn_norm.weight, self.post_attn_norm.weight)
+        ffn = linear_silu_mul(x, proj_weight(self.feed_forward.gate_up_proj))
         # stream += g_ffn ⊙ post_ffn_norm(down_proj(ffn)); x_next = next_norm(stream)
-        return self.residual(stream, ffn, self.feed_forward.down_proj.weight, self.g_ffn,
+        return self.residual(stream, ffn, proj_weight(self.feed_forward.down_proj), self.g_ffn,
                              next_norm.weight if next_norm is not None else None, self.post_ffn_norm.weight,
                              apply_norm=next_norm is not None)
 
