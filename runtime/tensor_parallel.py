@@ -52,6 +52,9 @@ def check_split(cfg, world: int) -> None:
     H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     if world < 1:
         raise TensorParallelError(f"--tp must be at least 1, got {world}")
+    if getattr(cfg, "quantization_config", None) is not None and world > 1:
+        raise TensorParallelError(f"--tp {world}: FP8 checkpoints are not split across ranks yet; run them on one "
+                                  "device")
     if H % world:
         raise TensorParallelError(f"--tp {world}: the target's {H} attention heads do not split over {world} ranks")
     if (KV >= world and KV % world) or (KV < world and world % KV):
