@@ -129,6 +129,9 @@ class _Metrics:
             "steps": family("muse_spark_steps_total", "Per-request speculative steps", counter),
             "accepted_draft_tokens": family("muse_spark_accepted_draft_tokens_total", "Draft tokens accepted",
                                             counter),
+            "verified_draft_tokens": family("muse_spark_verified_draft_tokens_total",
+                                            "Draft tokens sent to the target (gamma a step unless a confidence "
+                                            "schedule verifies fewer)", counter),
         }
         self.counters = {k: f.Metric(labels=labels) for k, f in self.counters.items()}
         self.gauges = {
@@ -142,7 +145,8 @@ class _Metrics:
     def update(self, counters, occupancy) -> None:
         totals = {**{f"outcome:{o}": counters.outcomes[o] for o in self.OUTCOMES},
                   "generated_tokens": counters.generated_tokens, "steps": counters.steps,
-                  "accepted_draft_tokens": counters.accepted_draft_tokens}
+                  "accepted_draft_tokens": counters.accepted_draft_tokens,
+                  "verified_draft_tokens": counters.verified_draft_tokens}
         for key, value in totals.items():
             delta = value - self._last.get(key, 0)
             if delta:

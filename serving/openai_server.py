@@ -549,6 +549,9 @@ def metrics_text(service: OpenAIService) -> str:
            [("", c.steps)])
     family("muse_spark_accepted_draft_tokens_total", "counter",
            "Draft tokens accepted (accepted / steps = mean accepted length - 1)", [("", c.accepted_draft_tokens)])
+    family("muse_spark_verified_draft_tokens_total", "counter",
+           "Draft tokens sent to the target (gamma a step unless a confidence schedule verifies fewer)",
+           [("", c.verified_draft_tokens)])
     family("muse_spark_accepted_draft_tokens_by_position_total", "counter",
            "Steps whose draft at this position (1 = the first) was accepted; / steps = acceptance rate per position",
            [(f',position="{k + 1}"', n) for k, n in enumerate(by_position)])

@@ -86,6 +86,8 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("num_steps", "TYPE_INT32", (1,), doc="speculative steps so far"),
     TensorSpec("accepted_draft_tokens", "TYPE_INT32", (1,), doc="draft tokens accepted so far"),
     TensorSpec("mean_accepted_per_step", "TYPE_FP32", (1,), doc="accepted draft tokens per step"),
+    TensorSpec("mean_verified_per_step", "TYPE_FP32", (1,),
+               doc="draft tokens sent to the target per step (γ unless a confidence schedule verifies fewer)"),
     TensorSpec("acceptance_per_position", "TYPE_FP32", (-1,), doc="[γ] acceptance rate of each draft position"),
     TensorSpec("output_log_probs", "TYPE_FP32", (-1,),
                doc="with return_log_probs: each output token's log-probability (the step's new ones when "
@@ -289,6 +291,7 @@ def response_arrays(ids: list[int], text: str, finish_reason: str | None, stats:
         "num_steps": np.array([[stats["steps"]]], dtype=np.int32),
         "accepted_draft_tokens": np.array([[stats["accepted_draft_tokens"]]], dtype=np.int32),
         "mean_accepted_per_step": np.array([[stats["mean_accepted_per_step"]]], dtype=np.float32),
+        "mean_verified_per_step": np.array([[stats["mean_verified_per_step"]]], dtype=np.float32),
         "acceptance_per_position": np.array([stats["acceptance_per_position"]], dtype=np.float32),
         **extra,
     }

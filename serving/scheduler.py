@@ -64,6 +64,7 @@ class Counters:
     generated_tokens: int = 0
     steps: int = 0  # per-request speculative steps, summed
     accepted_draft_tokens: int = 0
+    verified_draft_tokens: int = 0  # drafts sent to the target (γ a step unless a confidence schedule sends fewer)
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,7 @@ class Scheduler:
         c.generated_tokens += len(req.output)
         c.steps += len(req.steps)
         c.accepted_draft_tokens += sum(s.accepted for s in req.steps)
+        c.verified_draft_tokens += sum(self.gamma if s.verified is None else s.verified for s in req.steps)
 
     def _fail_all(self, message: str, kind: str) -> None:
         for req, sink in list(self._live.values()):

@@ -601,6 +601,7 @@ def test_health_and_metrics(server, client):
     assert by_position == sorted(by_position, reverse=True) and by_position[0] > 0
     assert sum(by_position) == m["muse_spark_accepted_draft_tokens_total"]
     assert m["muse_spark_accepted_draft_tokens_total"] <= 5 * m["muse_spark_steps_total"]
+    assert m["muse_spark_verified_draft_tokens_total"] == 5 * m["muse_spark_steps_total"]  # (the schedule 'off')
 
 
 def _open_stream(srv: Server, max_tokens: int) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:

@@ -375,6 +375,9 @@ def test_metrics_count_the_requests(server):
     after = wait_for(server, lambda m: all(m[k] >= before[k] + n for k, n in expected.items()), "the three requests")
     assert {k: after[k] - before[k] for k in expected} == expected
     assert after["muse_spark_steps_total"] > before["muse_spark_steps_total"]
+    # every step sends γ = 5 drafts to the target (the schedule 'off')
+    steps = after["muse_spark_steps_total"] - before["muse_spark_steps_total"]
+    assert after["muse_spark_verified_draft_tokens_total"] - before["muse_spark_verified_draft_tokens_total"] == 5 * steps
 
 
 def test_load_loop_ends_without_failure_or_leaked_slot(server, ref):
