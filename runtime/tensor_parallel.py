@@ -133,8 +133,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when the launching process dies (no rank outlives it)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float, fn: Callable, args: tuple,
                results) -> None:
+    _die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
@@ -157,9 +169,36 @@ def launch(world: int, fn: Callable, *args, device: str = "cpu", timeout_s: floa
     backend = "nccl" if device.startswith("cuda") else "gloo"
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(world, _free_port(), backend, timeout_s, fn, args, results), nprocs=world,
-                       join=True, start_method="spawn")
+    procs = mp.start_processes(_rank_main, args=(world, _free_port(), backend, timeout_s, fn, args, results),
+                               nprocs=world, join=False, start_method="spawn")
+    with _forward_signals(procs.processes[0].pid):
+        while not procs.join(timeout=0.5):
+            pass
     return results.get()
+
+
+class _forward_signals:
+    """While the ranks run: SIGTERM to this process goes on to rank 0 (a server drains, then ends the
+    others), and SIGINT is left to the ranks (a terminal sends it to the whole group; rank 0 handles
+    it). Only from the main thread (elsewhere signal handlers cannot be set)."""
+
+    def __init__(self, leader_pid: int):
+        self.pid, self.old = leader_pid, {}
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self.old[signal.SIGTERM] = signal.signal(signal.SIGTERM, lambda *_: os.kill(self.pid, signal.SIGTERM))
+            self.old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
 
 
 def _generate_lead(leader, prompts, params) -> list[dict]:
@@ -248,13 +287,36 @@ def follow(engine: EagerEngine, group=None) -> int:
         n += 1
 
 
+def engine_from_dir(engine_dir, rank: int, world: int, *, device: str | None = None) -> EagerEngine:
+    """This rank's engine from an eager engine directory (its weights, limits, tokenizer and options):
+    its target slice and the whole draft."""
+    if device is not None and str(device) == "cuda":
+        device = f"cuda:{rank}"
+    full = EagerEngine.from_dir(engine_dir, device=device)
+    if full.backend != "eager":
+        raise TensorParallelError(f"{engine_dir}: a {full.backend} engine runs on one device; --tp splits eager "
+                                  "engines (and checkpoint pairs)")
+    part = shard_target(full.target, rank, world, dist.group.WORLD if world > 1 else None)
+    full.draft.bind_target_embeddings(part.model.embed_tokens.weight)
+    return EagerEngine(part, full.draft, max_batch=full.max_batch, max_seq=full.max_seq, device=full.device,
+                       tokenizer_path=full.tokenizer_path, manifest=full.manifest, options=full.options)
+
+
 def lead_or_follow(rank: int, world: int, target_dir, draft_dir, lead: Callable, device: str = "cpu",
                    max_batch: int = 8, max_seq: int | None = None):
-    """This rank's engine; rank 0 calls ``lead(LeaderEngine)`` (and returns its result), the others
-    follow until it is done."""
-    engine = engine_from_checkpoints(target_dir, draft_dir, rank, world, device=device, max_batch=max_batch,
-                                     max_seq=max_seq)
+    """This rank's engine (from a checkpoint pair; ``draft_dir`` None: ``target_dir`` is an eager engine
+    directory); rank 0 calls ``lead(LeaderEngine)`` (and returns its result), the others follow until
+    it is done. Followers ignore SIGINT: a terminal's Ctrl-C reaches the whole group, and rank 0 ends
+    them when it is done (or their collectives time out)."""
+    import signal
+
+    if draft_dir is None:
+        engine = engine_from_dir(target_dir, rank, world, device=device)
+    else:
+        engine = engine_from_checkpoints(target_dir, draft_dir, rank, world, device=device, max_batch=max_batch,
+                                         max_seq=max_seq)
     if rank != 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         follow(engine)
         return None
     leader = LeaderEngine(engine)

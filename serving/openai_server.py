@@ -96,7 +96,7 @@ class OpenAIService:
     """The engine, its tokenizer and chat template, and the scheduler thread the routes submit to."""
 
     def __init__(self, engine_dir: str | Path, *, served_model_name: str | None = None, device: str | None = None,
-                 max_queue: int = 256, log=_log):
+                 max_queue: int = 256, log=_log, engine=None):
         # (torch and the runtime load here, when a server is made, not when the CLI parses its arguments)
         from muse_spark.engine_format import read_manifest
         from muse_spark.runtime import load_engine, load_tokenizer
@@ -104,7 +104,8 @@ class OpenAIService:
         from muse_spark.serving.scheduler import Scheduler
 
         engine_dir = Path(engine_dir)
-        self.engine = load_engine(engine_dir, device=device)
+        # (``engine``: one already loaded — rank 0's LeaderEngine of a tensor-parallel rank set)
+        self.engine = engine if engine is not None else load_engine(engine_dir, device=device)
         manifest = read_manifest(engine_dir)
         self.created = _epoch(manifest.get("created"))
         tokenizer = load_tokenizer(self.engine.tokenizer_path)
@@ -566,8 +567,9 @@ def metrics_text(service: OpenAIService) -> str:
 # ---- running it ---------------------------------------------------------------------------------
 def serve_openai(engine_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, device: str | None = None, max_request_bytes: int = 1 << 20,
-                 max_queue: int = 256, exit_timeout: float = 10.0, log_level: str = "info") -> int:
-    """Load the engine, then serve on ``host:port`` until SIGINT/SIGTERM (which drains: see the module doc)."""
+                 max_queue: int = 256, exit_timeout: float = 10.0, log_level: str = "info", engine=None) -> int:
+    """Load the engine (or take ``engine``), then serve on ``host:port`` until SIGINT/SIGTERM (which
+    drains: see the module doc)."""
     try:
         import uvicorn
         import fastapi  # noqa: F401
@@ -576,7 +578,8 @@ def serve_openai(engine_dir: str | Path, *, host: str = "127.0.0.1", port: int =
         raise ServingError(f"{e.name} is not installed; {OPENAI_EXTRA_HINT}") from None
     if port_in_use(host, port):
         raise ServingError(f"the port {host}:{port} is in use; choose another with --port")
-    service = OpenAIService(engine_dir, served_model_name=served_model_name, device=device, max_queue=max_queue)
+    service = OpenAIService(engine_dir, served_model_name=served_model_name, device=device, max_queue=max_queue,
+                            engine=engine)
     app = create_app(service, max_request_bytes=max_request_bytes)
 
     class Server(uvicorn.Server):
@@ -628,14 +631,46 @@ def add_serve_openai_command(sub) -> None:
                    help="on SIGINT/SIGTERM, seconds running requests may go on before they end with finish "
                         "reason 'shutdown' (default 10)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--tp", type=_positive, default=1, metavar="N",
+                   help="split the target across N ranks (an eager engine; processes: gloo on CPU, NCCL on CUDA)")
     s.set_defaults(fn=cmd_serve_openai)
 
 
+def _serve_lead(leader, **kw) -> int:
+    """Rank 0 of a tensor-parallel rank set: the server over its LeaderEngine."""
+    return serve_openai(engine=leader, **kw)
+
+
 def cmd_serve_openai(a: argparse.Namespace) -> int:
+    kw = dict(engine_dir=a.engine, host=a.host, port=a.port, served_model_name=a.served_model_name, device=a.device,
+              max_request_bytes=a.max_request_bytes, max_queue=a.max_queue, exit_timeout=a.exit_timeout,
+              log_level=a.log_level)
     try:
-        return serve_openai(a.engine, host=a.host, port=a.port, served_model_name=a.served_model_name,
-                            device=a.device, max_request_bytes=a.max_request_bytes, max_queue=a.max_queue,
-                            exit_timeout=a.exit_timeout, log_level=a.log_level)
+        if a.tp > 1:
+            import functools
+
+            from muse_spark.runtime import tensor_parallel as tp
+
+            from muse_spark.engine_format import EngineError, configs_from_manifest, read_manifest
+
+            if port_in_use(a.host, a.port):  # (before the ranks load)
+                raise ServingError(f"the port {a.host}:{a.port} is in use; choose another with --port")
+            try:
+                manifest = read_manifest(a.engine)
+                if manifest["backend"] != "eager":
+                    raise tp.TensorParallelError(f"{a.engine}: a {manifest['backend']} engine runs on one device; "
+                                                 "--tp splits eager engines")
+                tp.check_split(configs_from_manifest(manifest)[0], a.tp)
+            except EngineError as e:
+                raise ServingError(str(e)) from None
+            except tp.TensorParallelError as e:
+                raise ServingError(str(e)) from None
+            try:
+                return tp.launch(a.tp, tp.lead_or_follow, a.engine, None, functools.partial(_serve_lead, **kw),
+                                 a.device or "cpu", device=a.device or "cpu")
+            except tp.TensorParallelError as e:
+                raise ServingError(str(e)) from None
+        return serve_openai(**kw)
     except ServingError as e:
         print(f"muse-spark: error: {e}", file=sys.stderr)
         return 2

@@ -122,3 +122,50 @@ def test_the_serving_scheduler_drives_a_rank_set(agreeing_pair, single):
     out = tp.launch(2, tp.lead_or_follow, str(agreeing_pair[0]), str(agreeing_pair[1]),
                     functools.partial(_serve_lead, prompts=PROMPTS, params=PARAMS), "cpu", 2, 128)
     assert out == single
+
+
+def test_the_openai_server_over_a_rank_set(agreeing_pair, tmp_path):
+    """`serve-openai --tp 2`: rank 0 serves, rank 1 follows; the official client gets the single-process
+    greedy text, and SIGTERM drains and ends the whole set."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    import openai
+
+    from muse_spark.builder.build import build_engine
+    from muse_spark.runtime import load_engine, load_tokenizer
+
+    engine_dir = tmp_path / "engine"
+    build_engine(*agreeing_pair, engine_dir, backend="eager", device="cpu", max_batch=2, max_seq=128, quiet=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "muse_spark.cli", "serve-openai", "--engine", str(engine_dir),
+                             "--port", str(port), "--tp", "2", "--served-model-name", "tiny", "--log-level",
+                             "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        got = client.completions.create(model="tiny", prompt=[72, 101, 108], max_tokens=20, temperature=0)
+        engine = load_engine(engine_dir)
+        want = Generator(engine).generate([[72, 101, 108]], SamplingParams(max_tokens=20))[0].output
+        assert got.choices[0].text == load_tokenizer(engine.tokenizer_path).decode(want)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    r = run_cli("serve-openai", "--engine", engine_dir, "--tp", 3, "--port", port)
+    assert r.returncode == 2 and "do not split over 3 ranks" in r.stderr
