@@ -332,6 +332,8 @@ class EagerEngine:
         *ints, temps = host_step_inputs(anchor, anchor_pos, slots, seeds, temperature)
         ints = torch.from_numpy(np.stack(ints).astype(np.int64)).to(dev)
         temps = torch.from_numpy(temps.astype(np.float32)).to(dev)
+        if not processing and logprobs_n is None:  # (the plain step: what the compiled engines' steps take)
+            return self.step(*ints.unbind(0), temps, kv_len).cpu().tolist()
         proc = Processing.build(processing, self.tcfg.vocab_size, dev) if processing else None
         return self.step(*ints.unbind(0), temps, kv_len, proc, logprobs_n).cpu().tolist()
 

@@ -51,7 +51,7 @@ def outputs(engine) -> list[list[int]]:
 def test_the_build_writes_an_engine_of_its_own_backend(built):
     m = json.loads((built / "manifest.json").read_text())
     assert m["backend"] == "migraphx" and set(m["files"]) == {"target.safetensors", "draft.safetensors",
-                                                             "tokenizer.json"}
+                                                             "tokenizer.json", "tokenizer_config.json"}
 
 
 def test_without_migraphx_it_runs_the_eager_path_and_says_why(built, eager, caplog):
