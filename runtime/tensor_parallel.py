@@ -260,6 +260,11 @@ class LeaderEngine:
         self._send("step", *args, **kw)
         return self._engine.step(*args, **kw)
 
+    def set_schedule(self, schedule) -> None:
+        """Every rank verifies the same drafts a step (their target rows must match)."""
+        self._engine.set_schedule(schedule)  # (refused here first: then no rank changes)
+        self._send("set_schedule", schedule)
+
     def prefill(self, prompt, slot, seed, temperature):
         """``EagerEngine.prefill``, chunk by chunk through the broadcast ``prefill_chunks``."""
         start, first = 0, None

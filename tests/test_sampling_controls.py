@@ -245,3 +245,16 @@ def test_generate_takes_the_controls_and_prints_logprobs(agreeing_pair, tmp_path
     assert all(e["logprob"] == pytest.approx(0.0, abs=1e-5) and len(e["top"]) == 2 for e in out["logprobs"])
     bad = run_cli(*args, "--repetition-penalty", 0)
     assert bad.returncode == 2 and "repetition_penalty" in bad.stderr
+
+
+def test_controls_under_a_confidence_schedule_stay_exact(agreeing_pair):
+    """Penalties and filters at a cut (fewer verified rows than γ) still give target-only decoding's tokens."""
+    from muse_spark.schedule import Schedule
+
+    engine = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=2, max_seq=160,
+                                          schedule=Schedule("confidence", 0.5))
+    prompt = [72, 101, 108, 108, 111]
+    params = SamplingParams(max_tokens=30, repetition_penalty=1.5, top_k=5, presence_penalty=0.5)
+    r = Generator(engine).generate([prompt], params)[0]
+    assert any(s.verified < engine.gamma for s in r.steps)
+    assert r.output == _reference(engine, prompt, params)

@@ -169,3 +169,27 @@ def test_the_openai_server_over_a_rank_set(agreeing_pair, tmp_path):
             proc.wait()
     r = run_cli("serve-openai", "--engine", engine_dir, "--tp", 3, "--port", port)
     assert r.returncode == 2 and "do not split over 3 ranks" in r.stderr
+
+
+def test_controls_and_a_confidence_schedule_over_ranks(agreeing_pair):
+    """Sampling controls and confidence-scheduled verification run on a rank set as on one process."""
+    from muse_spark.schedule import Schedule
+
+    params = [SamplingParams(max_tokens=20, repetition_penalty=1.5, top_k=4, temperature=0.9, seed=2,
+                             ignore_eos=True, logprobs=1)]
+    engine = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=1, max_seq=128)
+    want = Generator(engine).generate(PROMPTS[:1], params)[0].output
+    out = tp.generate(*agreeing_pair, PROMPTS[:1], params, 2, max_batch=1, max_seq=128)
+    assert out[0]["output"] == want
+    engine.set_schedule(Schedule("confidence", 0.5))
+    want = Generator(engine).generate(PROMPTS[:1], params)[0].output
+    out = tp.launch(2, tp.lead_or_follow, str(agreeing_pair[0]), str(agreeing_pair[1]),
+                    functools.partial(_scheduled_lead, prompts=PROMPTS[:1], params=params), "cpu", 1, 128)
+    assert out == [want]
+
+
+def _scheduled_lead(leader, prompts, params):
+    from muse_spark.schedule import Schedule
+
+    leader.set_schedule(Schedule("confidence", 0.5))  # (rank 0's schedule: the followers get its cut per step)
+    return [r.output for r in Generator(leader).generate(prompts, params)]
