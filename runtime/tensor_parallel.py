@@ -260,6 +260,11 @@ class LeaderEngine:
         self._send("step", *args, **kw)
         return self._engine.step(*args, **kw)
 
+    def time_collectives(self, rows: int, iters: int) -> float:
+        """Median ms of one step's all-reduces alone (benchmarks), the other ranks running the same."""
+        self._send("time_collectives", rows, iters)
+        return time_collectives(self._engine, rows, iters)
+
     def set_schedule(self, schedule) -> None:
         """Every rank verifies the same drafts a step (their target rows must match)."""
         self._engine.set_schedule(schedule)  # (refused here first: then no rank changes)
@@ -277,6 +282,27 @@ class LeaderEngine:
         self._send("close")
 
 
+def time_collectives(engine: EagerEngine, rows: int, iters: int, group=None) -> float:
+    """Median ms of a step's all-reduces alone: two a target layer over [rows, hidden] FP32, the
+    device synchronized around each repetition (every rank runs it together)."""
+    import statistics
+    import time
+
+    buf = torch.zeros(rows, engine.tcfg.hidden_size, device=engine.device)
+    times = []
+    for i in range(iters + 1):
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        t0 = time.perf_counter()
+        for _ in range(2 * engine.tcfg.num_hidden_layers):
+            dist.all_reduce(buf, group=group)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def follow(engine: EagerEngine, group=None) -> int:
     """A follower rank: run each call rank 0's ``LeaderEngine`` broadcasts, until it closes → the
     number of calls run."""
@@ -287,6 +313,9 @@ def follow(engine: EagerEngine, group=None) -> int:
         call, args, kw = box[0]
         if call == "close":
             return n
+        if call == "time_collectives":
+            time_collectives(engine, *args, group=group)
+            continue
         getattr(engine, call)(*args, **kw)
         engine.take_step_info()  # (the extras are rank 0's to report)
         n += 1

@@ -10,6 +10,7 @@
 #   scripts/gpu_check.sh serving # the Triton server on the GPU: exact outputs and its throughput beside
 #                                # the in-process runtime (carry .whl/: scripts/device_wheels.py)
 #   scripts/gpu_check.sh tp      # tensor parallelism over the machine's GPUs (2, 4, 8 as it has them)
+#   scripts/gpu_check.sh tp-bench # its benchmark on the 8B-shaped pair at each size the GPUs allow
 #
 # MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default triton).
 #
@@ -77,8 +78,18 @@ tp)
     timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -rfEs tests/test_gpu_tensor_parallel.py tests/test_tensor_parallel.py \
         2>&1 | tee "$OUT/tp-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
     ;;
+tp-bench)
+    # the 8B-shaped pair (acceptance 0.85) split over 1, 2, 4, 8 GPUs as the machine has them: step,
+    # all-reduce and tokens/s against each size's roofline (benchmarks/tensor_parallel.py; JSON in $OUT)
+    n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    sizes=$(python3 -c "print(','.join(str(k) for k in (1, 2, 4, 8) if k <= $n))")
+    python3 -m muse_spark.cli make-pair /tmp/tp-pair --preset muse-spark-8b --acceptance 0.85 --device cuda \
+        --no-measure --overwrite >"$OUT/make-pair.log" 2>&1 || { tail "$OUT/make-pair.log"; exit 1; }
+    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/tensor_parallel.py --pair /tmp/tp-pair --tp "$sizes" \
+        --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
+    ;;
 *)
-    echo "usage: $0 tests|engines|bench|cxx|serving|tp" >&2
+    echo "usage: $0 tests|engines|bench|cxx|serving|tp|tp-bench" >&2
     exit 2
     ;;
 esac

@@ -193,3 +193,26 @@ def _scheduled_lead(leader, prompts, params):
 
     leader.set_schedule(Schedule("confidence", 0.5))  # (rank 0's schedule: the followers get its cut per step)
     return [r.output for r in Generator(leader).generate(prompts, params)]
+
+
+def test_the_tensor_parallel_benchmark_writes_its_figures(agreeing_pair, tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pair = Path(agreeing_pair[0]).parent
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "tensor_parallel.py"), "--pair", str(pair), "--tp",
+                        "1,2", "--batches", "1,2", "--context", "8", "--max-tokens", "8", "--iters", "1", "--device",
+                        "cpu", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (path,) = tmp_path.glob("*_tensor-parallel.json")
+    runs = json.loads(path.read_text())["results"]["tp"]
+    assert set(runs) == {"1", "2"}
+    for world, run in runs.items():
+        for row in run["batches"].values():
+            assert row["step_ms"] > 0 and row["tokens_per_s"] > 0 and row["roofline_ms"] > 0
+            assert (row["allreduce_ms"] > 0) == (world == "2")
+    # a rank reads less at tp 2: its half of the split matrices
+    assert runs["2"]["batches"]["1"]["rank_bytes"] < runs["1"]["batches"]["1"]["rank_bytes"]
