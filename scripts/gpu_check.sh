@@ -9,6 +9,9 @@
 #                                # JSON header: the nlohmann-json wheel)
 #   scripts/gpu_check.sh serving # the Triton server on the GPU: exact outputs and its throughput beside
 #                                # the in-process runtime (carry .whl/: scripts/device_wheels.py)
+#   scripts/gpu_check.sh workload # tokens/s at real acceptance: an 8B-shaped pair (ACCEPTANCE=0.85), its aoti
+#                                # engine, generation at batch 1/8/32 against target-only decoding
+#   scripts/gpu_check.sh serving-sweep # bench-serving on the 8B-shaped pair, in process and through tritonserver
 #   scripts/gpu_check.sh tp      # tensor parallelism over the machine's GPUs (2, 4, 8 as it has them)
 #   scripts/gpu_check.sh tp-bench # its benchmark on the 8B-shaped pair at each size the GPUs allow
 #
@@ -72,6 +75,32 @@ serving)
     OUT="$OUT" timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -rfEs -s tests/test_gpu_serving.py 2>&1 |
         tee "$OUT/serving-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|tok/s|[0-9]+ (passed|failed)"
     ;;
+workload)
+    # tokens/s at real acceptance: an 8B-shaped pair whose drafts agree at ACCEPTANCE (default 0.85),
+    # an aoti engine built from it, and the Generator's 256-token generations at batch 1, 8 and 32
+    # against the same engine's target-only decoding (benchmarks/generation.py; JSON and table in $OUT)
+    p=${ACCEPTANCE:-0.85}
+    python3 -m muse_spark.cli make-pair /tmp/workload-pair --preset muse-spark-8b --acceptance "$p" --device cuda \
+        --no-measure --overwrite 2>&1 | tee "$OUT/make-pair-$p.log" || exit 1
+    cp /tmp/workload-pair/pair.json "$OUT/pair-$p.json"
+    timeout "${BENCH_TIMEOUT:-500}" python3 benchmarks/generation.py --pair /tmp/workload-pair --batches 1,8,32 \
+        --max-tokens 256 --prompt-len 32 --work-dir /tmp/workload-engine --out-dir "$OUT" \
+        --markdown "$OUT/generation-$p.md" 2>&1 | grep -v "^\[build\]" | tee "$OUT/generation-$p.log"
+    ;;
+serving-sweep)
+    # what a serving user sees on the 8B-shaped pair (acceptance 0.8): a concurrency sweep in process and
+    # through tritonserver (benchmarks/bench_serving.py; carry .whl/ as for `serving`)
+    if ls .whl/nvidia_pytriton-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-deps --no-compile --target /tmp/site .whl/nvidia_pytriton-*.whl &&
+            export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    stub=$(ls .whl/numpy-1.*.whl 2>/dev/null | head -1)
+    python3 -m muse_spark.cli make-pair /tmp/sweep-pair --preset muse-spark-8b --acceptance 0.8 --device cuda \
+        --no-measure --overwrite >"$OUT/make-pair.log" 2>&1 || { tail "$OUT/make-pair.log"; exit 1; }
+    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_serving.py --pair /tmp/sweep-pair --work-dir /tmp/sweep-engine \
+        --mode inprocess,triton-grpc --concurrency 1,4,16,32 --num-requests 64 --prompt-len 128 --output-len 128 \
+        ${stub:+--stub-numpy "$PWD/$stub"} --out-dir "$OUT" --plot "$OUT/bench-serving.png" 2>&1 | tee "$OUT/sweep.log"
+    ;;
 tp)
     # tensor parallelism over the machine's GPUs (NCCL): the split target's tokens against one GPU's
     # (tests/test_gpu_tensor_parallel.py, 2/4/8 ranks as the GPUs allow) and the CPU (gloo) tests
@@ -89,7 +118,7 @@ tp-bench)
         --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
     ;;
 *)
-    echo "usage: $0 tests|engines|bench|cxx|serving|tp|tp-bench" >&2
+    echo "usage: $0 tests|engines|bench|cxx|serving|workload|serving-sweep|tp|tp-bench" >&2
     exit 2
     ;;
 esac
