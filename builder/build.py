@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 import muse_spark
 from muse_spark.builder.limits import check_max_batch, check_max_seq
@@ -59,6 +60,7 @@ from muse_spark.checkpoint import CheckpointError, file_sha256, load_pair, save_
 from muse_spark.config import dtype_name, missing_note, os_error_reason
 from muse_spark.models.layers import nvidia
 from muse_spark.options import KernelOptions, use_options
+from muse_spark.sharding import check_split, shard_state_dict
 from muse_spark.plugins import PLUGIN_VERSIONS
 from muse_spark.engine_format import ENGINE_FORMAT, SCHEMA_VERSION, cache_memory_shortfall, device_memory
 
@@ -337,7 +339,7 @@ _WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQ
 
 def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path, *, backend: str = "eager",
                  device: str = "cpu", max_batch: int = 8, max_seq: int = 1024, dtype: str | None = None,
-                 overwrite: bool = True, quiet: bool = False, options: KernelOptions | None = None,
+                 overwrite: bool = True, quiet: bool = False, options: KernelOptions | None = None, tp: int = 1,
                  **aoti_options) -> dict:
     """Build an engine directory; returns its manifest. (The module's docstring: how ``out`` is
     replaced atomically, and how builds into one ``out`` are serialized.)
@@ -362,6 +364,8 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     if aoti_options and backend != "aoti":
         raise ValueError(f"options {sorted(aoti_options)} apply to --backend aoti only")
     check_max_batch(max_batch)
+    if tp != 1 and backend != "eager":
+        raise ValueError(f"--tp {tp}: tensor-parallel engines are eager engines for now (--backend eager)")
     t0 = time.perf_counter()
     log = lambda m: _log(m, quiet)  # noqa: E731
     out = Path(out)
@@ -375,6 +379,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
         raise BuildError(f"cannot create the folder of --out {e.filename or out.parent}: {os_error_reason(e)}") from None
     log(f"loading checkpoints {target_dir} + {draft_dir}")
     target, draft = load_pair(target_dir, draft_dir, dtype, "cpu")
+    check_split(target.cfg, tp)  # (before anything is written)
     gamma = draft.cfg.block_size
     check_max_seq(target, draft, max_seq)
     dev = device_info(device)
@@ -396,7 +401,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
                 manifest = _write_engine(tmp, target, draft, target_dir, draft_dir, backend=backend, device=device,
                                          dev=dev, max_batch=max_batch, max_seq=max_seq, gamma=gamma, hashes=hashes,
                                          tokenizer=tokenizer, tokenizer_config=tokenizer_config, log=log,
-                                         aoti_options=aoti_options, options=options)
+                                         aoti_options=aoti_options, options=options, tp=tp)
             with signals.swap():
                 swap_in(tmp, out, log)
         except OSError as e:
@@ -412,10 +417,22 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
 
 
 def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, device, dev, max_batch, max_seq,
-                  gamma, hashes, tokenizer, tokenizer_config, log, aoti_options, options: KernelOptions) -> dict:
-    """The engine's files and manifest, written into ``tmp``; → the manifest."""
+                  gamma, hashes, tokenizer, tokenizer_config, log, aoti_options, options: KernelOptions,
+                  tp: int = 1) -> dict:
+    """The engine's files and manifest, written into ``tmp``; → the manifest. ``tp`` > 1: the target as
+    one weight file per tensor-parallel rank (``target.tp{r}.safetensors``: that rank's slice,
+    ``muse_spark.sharding``), so a rank reads only its own."""
     log("writing engine weights")
-    save_canonical(target, tmp / "target.safetensors")
+    target_files = None
+    if tp == 1:
+        save_canonical(target, tmp / "target.safetensors")
+    else:
+        check_split(target.cfg, tp)
+        sd = target.state_dict()
+        target_files = [f"target.tp{r}.safetensors" for r in range(tp)]
+        for r, name in enumerate(target_files):
+            log(f"  rank {r}: {name}")
+            save_file(shard_state_dict(sd, target.cfg, r, tp), str(tmp / name))
     save_canonical(draft, tmp / "draft.safetensors")
     aoti = embedding = trt = None
     if backend == "tensorrt":
@@ -463,6 +480,8 @@ def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, d
         "tokenizer_config": tokenizer_config_name,  # one of the hashed files, like the tokenizer
         "files": files,
     }
+    if target_files:  # (runtime/tensor_parallel.py loads it; a single-device load refuses it)
+        manifest["tensor_parallel"] = {"world": tp, "target_files": target_files}
     if aoti:
         manifest["aoti"] = aoti
         manifest["embedding"] = embedding

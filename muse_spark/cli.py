@@ -105,7 +105,7 @@ def cmd_build(a) -> int:
 
     aoti = {"plugins": a.plugins} if a.plugins is not None else {}
     build_engine(a.target, a.draft, a.out, backend=a.backend, device=a.device, max_batch=a.max_batch,
-                 max_seq=a.max_seq, dtype=a.dtype, **aoti)
+                 max_seq=a.max_seq, dtype=a.dtype, tp=a.tp, **aoti)
     print(f"engine: {a.out}")
     return 0
 
@@ -247,25 +247,40 @@ def cmd_generate(a) -> int:
 
 def _generate_tensor_parallel(a, text, ids) -> int:
     """``generate --tp N``: the pair split across N ranks (processes; runtime/tensor_parallel.py)."""
-    from muse_spark.runtime import SamplingParams, load_tokenizer
-    from muse_spark.runtime.tensor_parallel import TensorParallelError, check_split, generate
-    from muse_spark.config import MuseSpark1xConfig
+    import functools
 
-    if a.engine:
-        return _die("--tp runs from a checkpoint pair: give --target DIR and --draft DIR (engine directories are "
-                    "built for one device)")
+    from muse_spark.config import MuseSpark1xConfig
+    from muse_spark.engine_format import configs_from_manifest, read_manifest
+    from muse_spark.runtime import SamplingParams, load_tokenizer
+    from muse_spark.runtime import tensor_parallel as tp
+
     try:
-        check_split(MuseSpark1xConfig.from_dict(json.loads((Path(a.target) / "config.json").read_text()),
-                                                f"{a.target}/config.json"), a.tp)
-    except TensorParallelError as e:
+        if a.engine:  # (an eager engine directory: split at load, or built for exactly this many ranks)
+            m = read_manifest(a.engine)
+            world = (m.get("tensor_parallel") or {}).get("world")
+            if m["backend"] != "eager":
+                return _die(f"{a.engine}: a {m['backend']} engine runs on one device; --tp splits eager engines")
+            if world and world != a.tp:
+                return _die(f"{a.engine}: this engine is split for {world} ranks, not {a.tp}: run it with --tp {world}")
+            tp.check_split(configs_from_manifest(m)[0], a.tp)
+            tok_path = Path(a.engine) / (m.get("tokenizer") or "tokenizer.json")
+        else:
+            tp.check_split(MuseSpark1xConfig.from_dict(json.loads((Path(a.target) / "config.json").read_text()),
+                                                       f"{a.target}/config.json"), a.tp)
+            tok_path = Path(a.target) / "tokenizer.json"
+    except tp.TensorParallelError as e:
         return _die(str(e))
-    tok_path = Path(a.target) / "tokenizer.json"
     tok = load_tokenizer(tok_path if tok_path.is_file() else None)
     if text is not None and tok is None:
         return _die("this pair has no tokenizer: use --prompt-ids")
     prompt = tok.encode(text).ids if text is not None else ids
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed, ignore_eos=a.ignore_eos)
-    (r,) = generate(a.target, a.draft, [prompt], [params], a.tp, device=a.device or "cpu", max_batch=1)
+    if a.engine:
+        (r,) = tp.launch(a.tp, tp.lead_or_follow, a.engine, None,
+                         functools.partial(tp.generate_lead, prompts=[prompt], params=[params]), a.device,
+                         device=a.device or "cpu")
+    else:
+        (r,) = tp.generate(a.target, a.draft, [prompt], [params], a.tp, device=a.device or "cpu", max_batch=1)
     out_text = tok.decode(r["output"], skip_special_tokens=True) if tok else None
     if a.json:
         print(json.dumps({"output_ids": r["output"], "text": out_text, "stats": r["stats"], "tp": a.tp}))
@@ -352,6 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch", type=int, default=8)
     b.add_argument("--max-seq", type=int, default=1024)
     b.add_argument("--dtype", default=None, help="override the checkpoint's torch_dtype")
+    b.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="write the target as N tensor-parallel ranks' weight files (eager; run with --tp N)")
     b.add_argument("--plugins", choices=["auto", "inline", "triton"], default=None,
                    help="aoti: the plugin kernels compiled in. auto (default): the Triton kernels on CUDA, falling "
                         "back to the reference functions if they fail to compile; inline: the reference functions")

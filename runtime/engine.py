@@ -36,6 +36,7 @@ from muse_spark.plugins.acceptance.processing import Processing, logprobs, proce
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 from muse_spark.checkpoint import load_pair
 from muse_spark.schedule import Schedule, plan
+from muse_spark.sharding import shard_config
 
 def neutral_controls(prompt: list[int]) -> dict:
     """Sampling controls that change nothing (a ``Processing.build`` row)."""
@@ -168,12 +169,20 @@ class EagerEngine:
     # ---- construction -----------------------------------------------------------------
     @classmethod
     def from_dir(cls, engine_dir: str | Path, device: str | None = None, dtype: str | None = None,
-                 max_batch: int | None = None, options: KernelOptions | None = None, **kw) -> "EagerEngine":
+                 max_batch: int | None = None, options: KernelOptions | None = None, tp_rank: int | None = None,
+                 **kw) -> "EagerEngine":
         """The engine at ``engine_dir``, run with the kernel options its manifest records
         (``options.engine_options``: the run-scope ones from ``options`` where given, else from the
-        environment where it sets them)."""
+        environment where it sets them). An engine built for tensor parallelism (``build --tp``)
+        loads rank ``tp_rank``'s slice of the target (``runtime/tensor_parallel.py`` does)."""
         d = Path(engine_dir)
         m = read_manifest(d)
+        split = m.get("tensor_parallel") or {}
+        if split and tp_rank is None:
+            raise EngineError(f"{d}: this engine is split for {split.get('world')} tensor-parallel ranks: run it with "
+                              f"--tp {split.get('world')}")
+        if split and not 0 <= tp_rank < int(split.get("world", 0)):
+            raise EngineError(f"{d}: rank {tp_rank} is outside the engine's {split.get('world')} ranks")
         if m["backend"] != cls.backend:
             raise EngineError(f"{d}: this is a {m['backend']!r} engine; {cls.__name__} loads {cls.backend!r} "
                               f"engines (muse_spark.runtime.load_engine loads any)")
@@ -181,12 +190,14 @@ class EagerEngine:
         verify_files(d, m)
         check_plugins(m)
         tcfg, dcfg = configs_from_manifest(m)
+        if split:
+            tcfg = shard_config(tcfg, int(split["world"]))
         dev = torch.device(device or m.get("device", {}).get("kind", "cpu"))
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise EngineError(f"{d}: engine device is cuda but no CUDA device is available (use --device cpu)")
         dt = parse_dtype(dtype or m["dtype"])
         try:
-            target_sd = load_file(str(d / "target.safetensors"))
+            target_sd = load_file(str(d / (split["target_files"][tp_rank] if split else "target.safetensors")))
             draft_sd = load_file(str(d / "draft.safetensors"))
             target, draft = build_modules(tcfg, dcfg, target_sd, draft_sd, dt, dev)
         except (RuntimeError, ValueError, OSError) as e:

@@ -26,7 +26,6 @@ of a hang.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import socket
@@ -37,65 +36,11 @@ import torch
 import torch.distributed as dist
 
 from muse_spark.checkpoint import load_pair
+from muse_spark.sharding import TensorParallelError, check_split, shard_config, shard_state_dict  # noqa: F401
 from muse_spark.models.target import MuseSpark1xForCausalLM
 from muse_spark.runtime.engine import EagerEngine, PrefillChunk
 
 COLLECTIVE_TIMEOUT_S = 60.0
-
-
-class TensorParallelError(ValueError):
-    """A split the model or the machine cannot take."""
-
-
-def check_split(cfg, world: int) -> None:
-    """Refuse a world size the target's heads and FFN do not divide, with the reason."""
-    H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
-    if world < 1:
-        raise TensorParallelError(f"--tp must be at least 1, got {world}")
-    if getattr(cfg, "quantization_config", None) is not None and world > 1:
-        raise TensorParallelError(f"--tp {world}: FP8 checkpoints are not split across ranks yet; run them on one "
-                                  "device")
-    if H % world:
-        raise TensorParallelError(f"--tp {world}: the target's {H} attention heads do not split over {world} ranks")
-    if (KV >= world and KV % world) or (KV < world and world % KV):
-        raise TensorParallelError(f"--tp {world}: the target's {KV} KV heads neither split over nor replicate evenly "
-                                  f"on {world} ranks")
-    if inter % world:
-        raise TensorParallelError(f"--tp {world}: the FFN width {inter} does not split over {world} ranks")
-
-
-def shard_config(cfg, world: int):
-    check_split(cfg, world)
-    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
-                               num_key_value_heads=max(cfg.num_key_value_heads // world, 1),
-                               intermediate_size=cfg.intermediate_size // world)
-
-
-def shard_state_dict(sd: dict[str, torch.Tensor], cfg, rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s slice of the target's canonical state dict (the layout above)."""
-    H, KV, Dh, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
-    Hr, Ir = H // world, inter // world
-    kv_heads = (list(range(rank * KV // world, (rank + 1) * KV // world)) if KV >= world
-                else [rank * Hr // (H // KV)])
-    q_rows = torch.arange(rank * Hr * Dh, (rank + 1) * Hr * Dh)
-    kv_rows = torch.cat([torch.arange(h * Dh, (h + 1) * Dh) for h in kv_heads])
-    out = {}
-    for name, t in sd.items():
-        if name.endswith("self_attn.qkv_proj.weight"):
-            q_end, k_end, v_end = H * Dh, H * Dh + KV * Dh, H * Dh + 2 * KV * Dh
-            parts = [t[:q_end][q_rows], t[q_end:k_end][kv_rows], t[k_end:v_end][kv_rows]]
-            if cfg.attn_output_gate:
-                parts.append(t[v_end:][q_rows])
-            out[name] = torch.cat(parts)
-        elif name.endswith("self_attn.o_proj.weight"):
-            out[name] = t[:, q_rows]
-        elif name.endswith("feed_forward.gate_up_proj.weight"):
-            out[name] = torch.cat([t[rank * Ir : (rank + 1) * Ir], t[inter + rank * Ir : inter + (rank + 1) * Ir]])
-        elif name.endswith("feed_forward.down_proj.weight"):
-            out[name] = t[:, rank * Ir : (rank + 1) * Ir]
-        else:
-            out[name] = t
-    return {k: v.contiguous() for k, v in out.items()}
 
 
 def shard_target(target: MuseSpark1xForCausalLM, rank: int, world: int, group) -> MuseSpark1xForCausalLM:
@@ -201,7 +146,8 @@ class _forward_signals:
             signal.signal(sig, handler)
 
 
-def _generate_lead(leader, prompts, params) -> list[dict]:
+def generate_lead(leader, prompts, params) -> list[dict]:
+    """Rank 0 of ``generate``: ``Generator.generate`` over the leader engine → outputs and stats."""
     from muse_spark.runtime.generator import Generator
 
     reqs = Generator(leader).generate(prompts, params)
@@ -219,7 +165,7 @@ def generate_rank(rank: int, world: int, target_dir, draft_dir, prompts, params,
         engine_from_checkpoints(target_dir, draft_dir, rank, world, device=device, max_batch=max_batch,
                                 max_seq=max_seq)
         os._exit(3)
-    return lead_or_follow(rank, world, target_dir, draft_dir, functools.partial(_generate_lead, prompts=prompts,
+    return lead_or_follow(rank, world, target_dir, draft_dir, functools.partial(generate_lead, prompts=prompts,
                                                                                  params=params),
                           device=device, max_batch=max_batch, max_seq=max_seq)
 
@@ -324,8 +270,19 @@ def follow(engine: EagerEngine, group=None) -> int:
 def engine_from_dir(engine_dir, rank: int, world: int, *, device: str | None = None) -> EagerEngine:
     """This rank's engine from an eager engine directory (its weights, limits, tokenizer and options):
     its target slice and the whole draft."""
+    from muse_spark.engine_format import EngineError, read_manifest
+
     if device is not None and str(device) == "cuda":
         device = f"cuda:{rank}"
+    split = read_manifest(engine_dir).get("tensor_parallel")
+    if split:  # (built for ranks: this rank's weight file alone)
+        if int(split["world"]) != world:
+            raise EngineError(f"{engine_dir}: this engine is split for {split['world']} ranks, not {world}: run it "
+                              f"with --tp {split['world']}")
+        engine = EagerEngine.from_dir(engine_dir, device=device, tp_rank=rank)
+        for layer in engine.target.model.layers:
+            layer.tp_group = dist.group.WORLD
+        return engine
     full = EagerEngine.from_dir(engine_dir, device=device)
     if full.backend != "eager":
         raise TensorParallelError(f"{engine_dir}: a {full.backend} engine runs on one device; --tp splits eager "

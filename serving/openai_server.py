@@ -660,6 +660,10 @@ def cmd_serve_openai(a: argparse.Namespace) -> int:
                 if manifest["backend"] != "eager":
                     raise tp.TensorParallelError(f"{a.engine}: a {manifest['backend']} engine runs on one device; "
                                                  "--tp splits eager engines")
+                world = (manifest.get("tensor_parallel") or {}).get("world")
+                if world and world != a.tp:
+                    raise tp.TensorParallelError(f"{a.engine}: this engine is split for {world} ranks, not {a.tp}: "
+                                                 f"serve it with --tp {world}")
                 tp.check_split(configs_from_manifest(manifest)[0], a.tp)
             except EngineError as e:
                 raise ServingError(str(e)) from None

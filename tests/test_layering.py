@@ -26,7 +26,7 @@ LAYERS = [
     ("muse_spark.plugins",),
     ("muse_spark.models",),
     ("muse_spark.checkpoint",),
-    ("muse_spark.engine_format", "muse_spark.graphs"),
+    ("muse_spark.engine_format", "muse_spark.graphs", "muse_spark.sharding"),
     ("muse_spark.builder", "muse_spark.runtime"),
     ("muse_spark.serving", "muse_spark.cli"),
 ]

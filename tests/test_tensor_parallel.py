@@ -216,3 +216,31 @@ def test_the_tensor_parallel_benchmark_writes_its_figures(agreeing_pair, tmp_pat
             assert (row["allreduce_ms"] > 0) == (world == "2")
     # a rank reads less at tp 2: its half of the split matrices
     assert runs["2"]["batches"]["1"]["rank_bytes"] < runs["1"]["batches"]["1"]["rank_bytes"]
+
+
+def test_an_engine_built_for_ranks_loads_each_ranks_slice_only(agreeing_pair, single, tmp_path):
+    """`build --tp 2`: one target weight file per rank (rank r reads its own); generate and the
+    single-device loader say what the engine needs."""
+    import json
+
+    from muse_spark.engine_format import EngineError
+    from muse_spark.runtime import load_engine
+
+    engine = tmp_path / "engine"
+    r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", engine, "--tp", 2,
+                "--max-batch", 2, "--max-seq", 128)
+    assert r.returncode == 0, r.stderr
+    m = json.loads((engine / "manifest.json").read_text())
+    assert m["tensor_parallel"] == {"world": 2, "target_files": ["target.tp0.safetensors", "target.tp1.safetensors"]}
+    assert not (engine / "target.safetensors").exists()
+    assert set(m["files"]) >= {"target.tp0.safetensors", "target.tp1.safetensors", "draft.safetensors"}
+    with pytest.raises(EngineError, match="split for 2 tensor-parallel ranks"):
+        load_engine(engine)
+    out = tp.launch(2, tp.lead_or_follow, str(engine), None,
+                    functools.partial(tp.generate_lead, prompts=PROMPTS, params=PARAMS), "cpu")
+    assert [o["output"] for o in out] == single
+    bad = run_cli("generate", "--engine", engine, "--prompt-ids", "1", "--tp", 4)
+    assert bad.returncode == 2 and "split for 2 ranks, not 4" in bad.stderr
+    r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", tmp_path / "x",
+                "--tp", 3)
+    assert r.returncode == 2 and "do not split over 3 ranks" in r.stderr and not (tmp_path / "x").exists()

@@ -1,0 +1,70 @@
+"""How the target splits across tensor-parallel ranks (Megatron style): the arithmetic the builder
+(``build --tp``: per-rank weight files) and the runtime (``runtime/tensor_parallel.py``) share.
+
+Rank ``r`` of ``world`` holds the stacked q/k/v/o_gate projection's rows of q heads
+``[r·H/world, (r+1)·H/world)`` with their gate rows and the K/V heads they read (its share where
+there are at least ``world`` KV heads, else the one its q heads share), ``gate_proj``/``up_proj``'s
+rows of its FFN slice, and the matching input columns of ``o_proj`` and ``down_proj``; every other
+tensor whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+class TensorParallelError(ValueError):
+    """A split the model or the machine cannot take."""
+
+
+def check_split(cfg, world: int) -> None:
+    """Refuse a world size the target's heads and FFN do not divide, with the reason."""
+    H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    if world < 1:
+        raise TensorParallelError(f"--tp must be at least 1, got {world}")
+    if getattr(cfg, "quantization_config", None) is not None and world > 1:
+        raise TensorParallelError(f"--tp {world}: FP8 checkpoints are not split across ranks yet; run them on one "
+                                  "device")
+    if H % world:
+        raise TensorParallelError(f"--tp {world}: the target's {H} attention heads do not split over {world} ranks")
+    if (KV >= world and KV % world) or (KV < world and world % KV):
+        raise TensorParallelError(f"--tp {world}: the target's {KV} KV heads neither split over nor replicate evenly "
+                                  f"on {world} ranks")
+    if inter % world:
+        raise TensorParallelError(f"--tp {world}: the FFN width {inter} does not split over {world} ranks")
+
+
+def shard_config(cfg, world: int):
+    check_split(cfg, world)
+    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
+                               num_key_value_heads=max(cfg.num_key_value_heads // world, 1),
+                               intermediate_size=cfg.intermediate_size // world)
+
+
+def shard_state_dict(sd: dict[str, torch.Tensor], cfg, rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s slice of the target's canonical state dict (the layout above)."""
+    H, KV, Dh, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    Hr, Ir = H // world, inter // world
+    kv_heads = (list(range(rank * KV // world, (rank + 1) * KV // world)) if KV >= world
+                else [rank * Hr // (H // KV)])
+    q_rows = torch.arange(rank * Hr * Dh, (rank + 1) * Hr * Dh)
+    kv_rows = torch.cat([torch.arange(h * Dh, (h + 1) * Dh) for h in kv_heads])
+    out = {}
+    for name, t in sd.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            q_end, k_end, v_end = H * Dh, H * Dh + KV * Dh, H * Dh + 2 * KV * Dh
+            parts = [t[:q_end][q_rows], t[q_end:k_end][kv_rows], t[k_end:v_end][kv_rows]]
+            if cfg.attn_output_gate:
+                parts.append(t[v_end:][q_rows])
+            out[name] = torch.cat(parts)
+        elif name.endswith("self_attn.o_proj.weight"):
+            out[name] = t[:, q_rows]
+        elif name.endswith("feed_forward.gate_up_proj.weight"):
+            out[name] = torch.cat([t[rank * Ir : (rank + 1) * Ir], t[inter + rank * Ir : inter + (rank + 1) * Ir]])
+        elif name.endswith("feed_forward.down_proj.weight"):
+            out[name] = t[:, rank * Ir : (rank + 1) * Ir]
+        else:
+            out[name] = t
+    return {k: v.contiguous() for k, v in out.items()}
