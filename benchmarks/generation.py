@@ -42,10 +42,12 @@ from pairs import (add_engine_arguments, build_from_pair, check_pair, default_ba
                    pair_summary, window)
 from timing import batch_list, host_description  # noqa: E402
 
-COLUMNS = [("batch", "batch", "{}"), ("spec tok/s", ("speculative", "tokens_per_s"), "{:.1f}"),
+COLUMNS = [("schedule", "schedule", "{}"), ("batch", "batch", "{}"),
+           ("spec tok/s", ("speculative", "tokens_per_s"), "{:.1f}"),
            ("spec decode tok/s", ("speculative", "decode_tokens_per_s"), "{:.1f}"),
            ("spec step ms", ("speculative", "mean_step_ms"), "{:.3f}"),
            ("accepted/step", ("speculative", "mean_accepted_per_step"), "{:.2f}"),
+           ("verified/step", ("speculative", "mean_verified_per_step"), "{:.2f}"),
            ("emitted/step", ("speculative", "mean_emitted_per_step"), "{:.2f}"),
            ("target tok/s", ("target_only", "tokens_per_s"), "{:.1f}"),
            ("target decode tok/s", ("target_only", "decode_tokens_per_s"), "{:.1f}"),
@@ -125,11 +127,12 @@ def measure(engine, decoder, clock: Clock, prompts: list[list[int]], max_tokens:
     s = figures(spec, secs, decode, gen.step_times)
     acc = acceptance_stats(spec, engine.gamma)
     s.update({k: acc[k] for k in ("mean_accepted_per_step", "mean_emitted_per_step", "acceptance_per_position")})
+    s["mean_verified_per_step"] = acc.get("mean_verified_per_step", float(engine.gamma))
 
     decoder.step_times.clear()
     base, secs, decode = clock.time(lambda: decoder.generate(prompts, params))
     t = figures(base, secs, decode, decoder.step_times)
-    return {"batch": len(prompts), "speculative": s, "target_only": t,
+    return {"schedule": engine.schedule.mode, "batch": len(prompts), "speculative": s, "target_only": t,
             "speedup": round(s["tokens_per_s"] / t["tokens_per_s"], 3),
             "decode_speedup": round(s["decode_tokens_per_s"] / t["decode_tokens_per_s"], 3),
             "outputs_identical": [r.output for r in spec] == [r.output for r in base],
@@ -139,6 +142,12 @@ def measure(engine, decoder, clock: Clock, prompts: list[list[int]], max_tokens:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_arguments(p, work_dir="/tmp/muse-spark-generation")
+    p.add_argument("--schedule", type=lambda v: v.split(","), default=["off"],
+                   help="verification schedules to run, comma-separated: off, confidence (the eager engine; "
+                        "confidence needs a draft with a confidence head)")
+    p.add_argument("--confidence-threshold", type=float, default=0.25)
+    p.add_argument("--calibrate", action="store_true",
+                   help="time the step by drafts verified first (muse-spark calibrate) and cut by that table")
     p.add_argument("--batches", type=batch_list, default=[1, 8, 32], help="comma-separated, e.g. 1,8,32")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -159,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     from muse_spark.builder.pair import draft_token_ids, random_prompts
     from muse_spark.runtime import load_engine
     from muse_spark.runtime.target_only import TargetOnlyDecoder
+    from muse_spark.schedule import Schedule
 
     batches = sorted(a.batches)
     config = {k: v for k, v in vars(a).items() if k not in ("out_dir", "markdown")}
@@ -199,7 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     widths = [max(len(name), 9) for name, _, _ in COLUMNS]
     print("  ".join(n.rjust(w) for (n, _, _), w in zip(COLUMNS, widths)), flush=True)
-    for b in batches:
+    schedules = [Schedule.from_dict({**engine.schedule.to_dict(), "mode": m, "threshold": a.confidence_threshold})
+                 for m in a.schedule]
+    if a.calibrate and "confidence" in a.schedule:
+        from muse_spark.runtime.calibrate import cost_table
+
+        log("calibrating: the step's time by drafts verified, at each batch size")
+        table = cost_table(engine, batches, log=log)
+        schedules = [s.replace(cost_ms=table) if s.mode == "confidence" else s for s in schedules]
+        config["cost_ms"] = table
+    for schedule, b in [(s, b) for s in schedules for b in batches]:
+        engine.set_schedule(schedule)
         prompts = random_prompts(vocab, b, a.prompt_len, seed=a.seed + b)
         row = measure(engine, decoder, clock, prompts, a.max_tokens)
         rows.append(row)

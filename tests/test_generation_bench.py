@@ -35,4 +35,23 @@ def test_the_benchmark_measures_both_sides_on_a_pair(tmp_path):
         assert row["speculative"]["mean_accepted_per_step"] > 0.5
         assert row["target_only"]["steps"] == 15 and row["speedup"] > 0
     table = md.read_text()
-    assert "| batch | spec tok/s" in table and table.count("| True |") == 2
+    assert "| schedule | batch | spec tok/s" in table and table.count("| True |") == 2
+
+
+def test_schedules_off_and_confidence_side_by_side(tmp_path):
+    """`--schedule off,confidence --calibrate`: both policies on the same engine, the cost table measured
+    first; confidence verifies fewer drafts a step and the outputs stay the target's."""
+    make_pair(tmp_path / "pair", "tiny", acceptance=0.6, seed=0)
+    out = tmp_path / "results"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--pair", str(tmp_path / "pair"),
+                        "--backend", "eager", "--device", "cpu", "--batches", "2", "--max-tokens", "16",
+                        "--prompt-len", "8", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out),
+                        "--schedule", "off,confidence", "--confidence-threshold", "0.5", "--calibrate"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    (doc,) = [json.loads(p.read_text()) for p in out.glob("*_generation.json")]
+    rows = {row["schedule"]: row for row in doc["results"]["batches"]}
+    assert set(rows) == {"off", "confidence"} and all(row["outputs_identical"] for row in rows.values())
+    assert rows["off"]["speculative"]["mean_verified_per_step"] == 5
+    assert rows["confidence"]["speculative"]["mean_verified_per_step"] < 5
+    assert len(doc["config"]["cost_ms"]["2"]) == 6
