@@ -11,6 +11,7 @@
 #                                # the in-process runtime (carry .whl/: scripts/device_wheels.py)
 #   scripts/gpu_check.sh workload # tokens/s at real acceptance: an 8B-shaped pair (ACCEPTANCE=0.85), its aoti
 #                                # engine, generation at batch 1/8/32 against target-only decoding
+#   scripts/gpu_check.sh schedule # confidence-scheduled verification against fixed γ (8B-shaped pair, eager)
 #   scripts/gpu_check.sh serving-sweep # bench-serving on the 8B-shaped pair, in process and through tritonserver
 #   scripts/gpu_check.sh tp      # tensor parallelism over the machine's GPUs (2, 4, 8 as it has them)
 #   scripts/gpu_check.sh tp-bench # its benchmark on the 8B-shaped pair at each size the GPUs allow
@@ -87,6 +88,18 @@ workload)
         --max-tokens 256 --prompt-len 32 --work-dir /tmp/workload-engine --out-dir "$OUT" \
         --markdown "$OUT/generation-$p.md" 2>&1 | grep -v "^\[build\]" | tee "$OUT/generation-$p.log"
     ;;
+schedule)
+    # confidence-scheduled verification against fixed γ on the 8B-shaped pair (ACCEPTANCE, default 0.6,
+    # informative confidence), the cost table measured first: the eager engine (the compiled engines
+    # verify all γ), batch 1, 8, 32 (benchmarks/generation.py --schedule off,confidence --calibrate)
+    p=${ACCEPTANCE:-0.6}
+    python3 -m muse_spark.cli make-pair /tmp/schedule-pair --preset muse-spark-8b --acceptance "$p" --device cuda \
+        --no-measure --overwrite >"$OUT/make-pair-$p.log" 2>&1 || { tail "$OUT/make-pair-$p.log"; exit 1; }
+    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/generation.py --pair /tmp/schedule-pair --backend eager \
+        --batches 1,8,32 --max-tokens 128 --prompt-len 32 --work-dir /tmp/schedule-engine --out-dir "$OUT" \
+        --schedule off,confidence --calibrate --markdown "$OUT/schedule-$p.md" 2>&1 | grep -v "^\[build\]" |
+        tee "$OUT/schedule-$p.log"
+    ;;
 serving-sweep)
     # what a serving user sees on the 8B-shaped pair (acceptance 0.8): a concurrency sweep in process and
     # through tritonserver (benchmarks/bench_serving.py; carry .whl/ as for `serving`)
@@ -118,7 +131,7 @@ tp-bench)
         --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
     ;;
 *)
-    echo "usage: $0 tests|engines|bench|cxx|serving|workload|serving-sweep|tp|tp-bench" >&2
+    echo "usage: $0 tests|engines|bench|cxx|serving|workload|schedule|serving-sweep|tp|tp-bench" >&2
     exit 2
     ;;
 esac
