@@ -132,7 +132,7 @@ class Generator:
     threads drive it. ``generate`` is all-or-nothing: it checks every prompt and its params
     before it queues any, so a ``RequestError`` leaves the generator as it was."""
 
-    def __init__(self, engine, prefill_budget: int | None = None):
+    def __init__(self, engine, prefill_budget: int | None = None, prefix_cache=None):
         self.engine = engine
         self.gamma = engine.gamma
         self.free_slots = list(range(engine.max_batch))[::-1]
@@ -141,6 +141,8 @@ class Generator:
         self.active: list[Request] = []
         # prompt tokens a scheduler iteration prefills (at least one chunk): what a step may wait for
         self.prefill_budget = prefill_budget if prefill_budget is not None else 2 * engine.prefill_chunk
+        # stored prompt prefixes (runtime/prefix_cache.py): a request starting with one prefills after it
+        self.prefix_cache = prefix_cache
         self._ids = itertools.count()
         self.vocab = engine.tcfg.vocab_size
         self.eos = frozenset(engine.tcfg.eos_token_id)
@@ -282,6 +284,11 @@ class Generator:
             req.slot = self.free_slots.pop()
             req.t_start = time.perf_counter()
             req.prefilled = 0
+            if self.prefix_cache is not None:
+                blocks = self.prefix_cache.lookup(req.prompt)
+                if blocks:
+                    self.prefix_cache.restore(req.prompt, blocks, req.slot)
+                    req.prefilled = blocks * self.engine.prefill_chunk
             self.prefilling.append(req)
 
     def _prefill_round(self) -> list[Request]:
@@ -318,6 +325,8 @@ class Generator:
                 if req.finish_reason == "error":
                     emitted.append(req)
                 continue
+            if self.prefix_cache is not None and req.prefilled + C <= len(req.prompt):  # a full chunk: keep it
+                self.prefix_cache.insert(req.prompt, req.prefilled // C, req.slot)
             req.prefilled = min(len(req.prompt), req.prefilled + C)
             if first is None:
                 continue

@@ -11,7 +11,8 @@ scheduler thread (``scheduler.py``) and returns at once; responses are sent
 from the scheduler thread — one per speculative step for ``stream=true``, one
 final response otherwise. Bad requests get an INVALID_ARG error response and
 touch nothing else. ``config.pbtxt`` parameters: ``engine_dir`` (required),
-``device`` (optional override of the engine's device), ``max_queue``,
+``device`` (optional override of the engine's device), ``max_queue``, ``prefix_cache_mib``
+(memory for stored prompt prefixes, ``runtime/prefix_cache.py``; 0: none),
 ``torch_threads`` (CPU threads of this instance; default torch's).
 
 Shutdown: ``muse-spark serve`` names a file in ``MUSE_SPARK_SERVE_DRAIN_FILE`` (``options.serve_drain_file``)
@@ -196,6 +197,7 @@ class TritonPythonModel:
         if hasattr(pb_utils, "MetricFamily"):
             self.metrics = _Metrics(self.name, args["model_instance_name"])
         self.scheduler = Scheduler(self.engine, max_queue=int(params.get("max_queue") or 256),
+                                   prefix_cache_bytes=int(float(params.get("prefix_cache_mib") or 0) * 2**20),
                                    on_change=self.metrics.update if self.metrics else None,
                                    log=lambda m: _log(m, error=True))
         self.scheduler.start()

@@ -96,7 +96,7 @@ class OpenAIService:
     """The engine, its tokenizer and chat template, and the scheduler thread the routes submit to."""
 
     def __init__(self, engine_dir: str | Path, *, served_model_name: str | None = None, device: str | None = None,
-                 max_queue: int = 256, log=_log, engine=None):
+                 max_queue: int = 256, log=_log, engine=None, prefix_cache_mib: float = 0):
         # (torch and the runtime load here, when a server is made, not when the CLI parses its arguments)
         from muse_spark.engine_format import read_manifest
         from muse_spark.runtime import load_engine, load_tokenizer
@@ -110,7 +110,8 @@ class OpenAIService:
         self.created = _epoch(manifest.get("created"))
         tokenizer = load_tokenizer(self.engine.tokenizer_path)
         template = chat_template(engine_dir, manifest)
-        self.scheduler = Scheduler(self.engine, max_queue=max_queue, log=log)
+        self.scheduler = Scheduler(self.engine, max_queue=max_queue, log=log,
+                                   prefix_cache_bytes=int(prefix_cache_mib * 2**20))
         name = served_model_name or engine_dir.resolve().name
         self.served = ServedModel(name, self.scheduler.gen, tokenizer, template, self.engine.max_seq,
                                   self.engine.gamma)
@@ -567,7 +568,8 @@ def metrics_text(service: OpenAIService) -> str:
 # ---- running it ---------------------------------------------------------------------------------
 def serve_openai(engine_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, device: str | None = None, max_request_bytes: int = 1 << 20,
-                 max_queue: int = 256, exit_timeout: float = 10.0, log_level: str = "info", engine=None) -> int:
+                 max_queue: int = 256, exit_timeout: float = 10.0, log_level: str = "info", engine=None,
+                 prefix_cache_mib: float = 0) -> int:
     """Load the engine (or take ``engine``), then serve on ``host:port`` until SIGINT/SIGTERM (which
     drains: see the module doc)."""
     try:
@@ -579,7 +581,7 @@ def serve_openai(engine_dir: str | Path, *, host: str = "127.0.0.1", port: int =
     if port_in_use(host, port):
         raise ServingError(f"the port {host}:{port} is in use; choose another with --port")
     service = OpenAIService(engine_dir, served_model_name=served_model_name, device=device, max_queue=max_queue,
-                            engine=engine)
+                            engine=engine, prefix_cache_mib=prefix_cache_mib)
     app = create_app(service, max_request_bytes=max_request_bytes)
 
     class Server(uvicorn.Server):
@@ -631,6 +633,9 @@ def add_serve_openai_command(sub) -> None:
                    help="on SIGINT/SIGTERM, seconds running requests may go on before they end with finish "
                         "reason 'shutdown' (default 10)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--prefix-cache-mib", type=float, default=0,
+                   help="memory (MiB) for stored prompt prefixes: a request starting with one (a shared system "
+                        "prompt) skips its prefill (default 0: none)")
     s.add_argument("--tp", type=_positive, default=1, metavar="N",
                    help="split the target across N ranks (an eager engine; processes: gloo on CPU, NCCL on CUDA)")
     s.set_defaults(fn=cmd_serve_openai)
@@ -644,8 +649,12 @@ def _serve_lead(leader, **kw) -> int:
 def cmd_serve_openai(a: argparse.Namespace) -> int:
     kw = dict(engine_dir=a.engine, host=a.host, port=a.port, served_model_name=a.served_model_name, device=a.device,
               max_request_bytes=a.max_request_bytes, max_queue=a.max_queue, exit_timeout=a.exit_timeout,
-              log_level=a.log_level)
+              log_level=a.log_level, prefix_cache_mib=a.prefix_cache_mib)
     try:
+        if a.prefix_cache_mib < 0:
+            raise ServingError(f"--prefix-cache-mib must be >= 0, got {a.prefix_cache_mib}")
+        if a.tp > 1 and a.prefix_cache_mib:
+            raise ServingError("--prefix-cache-mib over tensor-parallel ranks (--tp) is not supported yet")
         if a.tp > 1:
             import functools
 

@@ -40,11 +40,14 @@ def _param(key: str, value) -> str:
 
 
 def render_config(model_name: str, engine_dir: Path, *, instances: int = 1, kind: str = "KIND_CPU",
-                  max_queue: int = 256, device: str | None = None, torch_threads: int | None = None) -> str:
+                  max_queue: int = 256, device: str | None = None, torch_threads: int | None = None,
+                  prefix_cache_mib: float = 0) -> str:
     """The text of config.pbtxt."""
     from muse_spark.serving.protocol import INPUTS, OUTPUTS  # imports torch (via the runtime): keep it lazy
 
     params = [_param("engine_dir", engine_dir.as_posix()), _param("max_queue", max_queue)]
+    if prefix_cache_mib:
+        params.append(_param("prefix_cache_mib", prefix_cache_mib))
     if device:
         params.append(_param("device", device))
     if torch_threads:
@@ -64,7 +67,7 @@ def render_config(model_name: str, engine_dir: Path, *, instances: int = 1, kind
 
 def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str = "muse_spark",
                      instances: int = 1, max_queue: int = 256, device: str | None = None,
-                     torch_threads: int | None = None) -> Path:
+                     torch_threads: int | None = None, prefix_cache_mib: float = 0) -> Path:
     """Write (or replace) model ``model_name`` in repository ``out``; → the model directory.
 
     Other models already in ``out`` are left alone; a model directory of the same
@@ -82,6 +85,8 @@ def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str
         raise RepoError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     if torch_threads is not None and torch_threads < 1:
         raise RepoError(f"--torch-threads must be >= 1, got {torch_threads}")
+    if not prefix_cache_mib >= 0:
+        raise RepoError(f"--prefix-cache-mib must be >= 0, got {prefix_cache_mib}")
     engine_dir = Path(engine_dir).resolve()
     manifest = read_manifest(engine_dir)  # a clear error now rather than at model load
     dev = device or manifest.get("device", {}).get("kind", "cpu")
@@ -98,7 +103,7 @@ def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str
     shutil.copy(MODEL_TEMPLATE, model_dir / "1" / "model.py")
     (model_dir / "config.pbtxt").write_text(
         render_config(model_name, engine_dir, instances=instances, kind=kind, max_queue=max_queue, device=device,
-                      torch_threads=torch_threads))
+                      torch_threads=torch_threads, prefix_cache_mib=prefix_cache_mib))
     return model_dir
 
 
@@ -115,12 +120,16 @@ def add_triton_repo_command(sub) -> None:
     r.add_argument("--torch-threads", type=int, default=None,
                    help="CPU threads per instance (default: torch's, one per core); on a CPU shared with other "
                         "work, fewer threads avoid OpenMP oversubscription, which can slow steps 10-50x")
+    r.add_argument("--prefix-cache-mib", type=float, default=0,
+                   help="memory (MiB) for stored prompt prefixes: a request starting with one skips its prefill "
+                        "(default 0: none)")
     r.set_defaults(fn=cmd_triton_repo)
 
 
 def cmd_triton_repo(a) -> int:
     model_dir = write_repository(a.engine, a.out, model_name=a.model_name, instances=a.instances,
-                                 max_queue=a.max_queue, device=a.device, torch_threads=a.torch_threads)
+                                 max_queue=a.max_queue, device=a.device, torch_threads=a.torch_threads,
+                                 prefix_cache_mib=a.prefix_cache_mib)
     print(f"model repository: {Path(a.out)} (model {a.model_name!r} in {model_dir}); "
           f"serve it with: muse-spark serve --repo {a.out}")
     return 0

@@ -75,8 +75,13 @@ class Occupancy:
 
 
 class Scheduler:
-    def __init__(self, engine, *, max_queue: int = 256, on_change=None, log=print):
-        self.gen = Generator(engine)
+    def __init__(self, engine, *, max_queue: int = 256, on_change=None, log=print, prefix_cache_bytes: int = 0):
+        cache = None
+        if prefix_cache_bytes:  # (stored prompt prefixes: runtime/prefix_cache.py)
+            from muse_spark.runtime.prefix_cache import PrefixCache
+
+            cache = PrefixCache(engine, prefix_cache_bytes)
+        self.gen = Generator(engine, prefix_cache=cache)
         self.gamma = engine.gamma
         self.max_queue = max_queue
         self.counters = Counters()

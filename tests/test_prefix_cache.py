@@ -1,0 +1,111 @@
+"""Prefix caching (runtime/prefix_cache.py): a prompt that starts with a stored prefix skips its
+prefill and gets the tokens it gets without the cache; the store stays within its capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+from muse_spark.runtime import EagerEngine, Generator, SamplingParams
+from muse_spark.runtime.prefix_cache import PrefixCache
+
+CHUNK = 8
+SYSTEM = [32 + (7 * i) % 90 for i in range(40)]  # a shared "system prompt": 5 chunks
+
+
+@pytest.fixture(scope="module")
+def engine(agreeing_pair):
+    e = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=3, max_seq=192)
+    e.prefill_chunk = CHUNK
+    return e
+
+
+def _prompts():
+    return [SYSTEM + [65, 66, 67], SYSTEM + [70], SYSTEM[:20] + [1, 2, 3], SYSTEM + [65, 66, 67]]
+
+
+PARAMS = [SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=16, temperature=0.9, seed=3,
+                                                                         ignore_eos=True),
+          SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=20, temperature=1.0, seed=8,
+                                                                         ignore_eos=True)]
+
+
+def test_hits_skip_the_prefix_and_give_the_same_tokens(engine, monkeypatch):
+    plain = [r.output for r in Generator(engine).generate(_prompts(), PARAMS)]
+    cache = PrefixCache(engine, capacity_bytes=1 << 30)
+    gen = Generator(engine, prefix_cache=cache)
+    first = gen.generate(_prompts()[:1], PARAMS[:1])[0]  # stores the system prompt's 5 chunks
+    assert cache.stats()["blocks"] == 5 and first.output == plain[0]
+    prefilled = []
+    real = engine.prefill_chunks
+    monkeypatch.setattr(engine, "prefill_chunks", lambda chunks: (prefilled.extend(c.start for c in chunks),
+                                                                  real(chunks))[1])
+    got = [r.output for r in gen.generate(_prompts()[1:], PARAMS[1:])]
+    assert got == plain[1:]
+    # the two prompts behind the whole system prompt start prefilling at chunk 5 (token 40), the one that
+    # leaves it after 20 tokens at chunk 2 (token 16): each prefills one chunk
+    assert sorted(prefilled) == [16, 40, 40]
+    s = cache.stats()
+    assert s["hits"] == 3 and s["reused_tokens"] == 40 + 16 + 40
+
+
+def test_the_store_keeps_to_its_capacity_and_evicts_least_recently_used(engine):
+    block_bytes = sum(c[0, :CHUNK].numel() * c.element_size() for c in PrefixCache(engine, 0)._caches())
+    cache = PrefixCache(engine, capacity_bytes=3 * block_bytes)
+    gen = Generator(engine, prefix_cache=cache)
+    gen.generate([SYSTEM + [5]], SamplingParams(max_tokens=4, ignore_eos=True))
+    s = cache.stats()
+    assert s["blocks"] == 3 and s["bytes"] <= 3 * block_bytes and s["evicted_blocks"] == 2
+    # the deepest chunks went first: a request behind the system prompt finds its first three
+    assert cache.lookup(SYSTEM + [6]) == 3
+    out = gen.generate([SYSTEM + [6]], SamplingParams(max_tokens=8, ignore_eos=True))[0].output
+    assert out == Generator(engine).generate([SYSTEM + [6]], SamplingParams(max_tokens=8, ignore_eos=True))[0].output
+
+
+def test_a_one_token_remainder_is_always_prefilled(engine):
+    cache = PrefixCache(engine, capacity_bytes=1 << 30)
+    gen = Generator(engine, prefix_cache=cache)
+    gen.generate([SYSTEM], SamplingParams(max_tokens=4, ignore_eos=True))  # exactly 5 chunks
+    assert cache.lookup(SYSTEM) == 4  # the last chunk is prefilled again, for the first token's logits
+    again = gen.generate([SYSTEM], SamplingParams(max_tokens=10, ignore_eos=True))[0].output
+    assert again == Generator(engine).generate([SYSTEM], SamplingParams(max_tokens=10, ignore_eos=True))[0].output
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixCache(engine, -1)
+
+
+def test_the_serving_scheduler_reuses_prefixes(engine):
+    """The scheduler thread the servers share (``prefix_cache_bytes``): a request behind a stored system
+    prompt gets its plain tokens, and the store records the hit."""
+    import threading
+
+    from muse_spark.serving.scheduler import Scheduler
+
+    class Sink:
+        def __init__(self):
+            self.tokens, self.done = [], threading.Event()
+
+        def deliver(self, req, new):
+            self.tokens += new
+            if req.finished:
+                self.done.set()
+
+        def fail(self, message, kind):
+            self.done.set()
+
+        def cancelled(self):
+            return False
+
+    sched = Scheduler(engine, prefix_cache_bytes=1 << 30, log=lambda *a: None)
+    sched.start()
+    try:
+        outs = []
+        for prompt in (SYSTEM + [65], SYSTEM + [66, 67]):
+            sink = Sink()
+            sched.submit(prompt, SamplingParams(max_tokens=12, ignore_eos=True), sink)
+            assert sink.done.wait(60)
+            outs.append(sink.tokens)
+    finally:
+        sched.stop()
+    plain = Generator(engine).generate([SYSTEM + [65], SYSTEM + [66, 67]], SamplingParams(max_tokens=12,
+                                                                                          ignore_eos=True))
+    assert outs == [r.output for r in plain]
+    assert sched.gen.prefix_cache.stats()["hits"] == 1
