@@ -145,3 +145,24 @@ def chained_generation(engine, eager, monkeypatch, prompts=ENGINE_PROMPTS):
     params = [SamplingParams(max_tokens=n, temperature=t, seed=s, ignore_eos=True)
               for n, t, s in ((40, 0.0, 0), (23, 0.9, 3), (9, 0.0, 0), (31, 1.2, 5))][: len(prompts)]
     return Generator(engine).generate(prompts, params), Generator(eager).generate(prompts, params), chained
+
+
+def clone(src, dst, edit=None, config_edit=None):
+    """A copy of checkpoint folder ``src`` at ``dst``, its one-file weights passed through ``edit(tensors)``
+    and its config through ``config_edit(dict)`` (each in place), for tests of what the loader refuses."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if edit is not None:
+        t = load_file(str(dst / "model.safetensors"))
+        edit(t)
+        save_file(t, str(dst / "model.safetensors"))
+    if config_edit is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        config_edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+

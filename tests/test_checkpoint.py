@@ -9,19 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from muse_spark.checkpoint import CheckpointError, load_draft, load_pair, load_target, save_canonical
 from muse_spark.config import load_config
+from conftest import clone
 
 
-def clone(src, dst, edit=None, config_edit=None):
-    shutil.copytree(src, dst)
-    if edit is not None:
-        t = load_file(str(dst / "model.safetensors"))
-        edit(t)
-        save_file(t, str(dst / "model.safetensors"))
-    if config_edit is not None:
-        cfg = json.loads((dst / "config.json").read_text())
-        config_edit(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def test_pair_loads_and_shares_embeddings(agreeing_pair):

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
-from conftest import run_cli
+from conftest import clone, run_cli
 from muse_spark.builder.pair import draft_token_ids, make_pair, random_prompts
 from muse_spark.builder.quantize import FP8_MAX, QuantizeError, quantize_checkpoint, quantize_pair, quantize_weight
 from muse_spark.checkpoint import CheckpointError, load_draft, load_pair, load_target, save_canonical
@@ -251,16 +251,7 @@ def test_per_tensor_scalars_and_ignored_layers(pair, tmp_path):
 
 # ---- refusals ----------------------------------------------------------------------------------
 def _edit(src, dst, tensors=None, config=None):
-    shutil.copytree(src, dst)
-    if tensors is not None:
-        t = load_file(str(dst / "model.safetensors"))
-        tensors(t)
-        save_file(t, str(dst / "model.safetensors"))
-    if config is not None:
-        cfg = json.loads((dst / "config.json").read_text())
-        config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    return clone(src, dst, edit=tensors, config_edit=config)
 
 
 def _qc(**kw):

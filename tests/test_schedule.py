@@ -15,7 +15,6 @@ from muse_spark.runtime.acceptance import acceptance_stats
 from muse_spark.runtime.target_only import generate_target_only
 from muse_spark.schedule import Schedule, best_cut, plan, verify_counts
 from muse_spark.engine_format import EngineError
-from stat_utils import chi2_pvalue
 
 import test_speculative as spec
 
