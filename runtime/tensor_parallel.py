@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -95,12 +96,15 @@ def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        out = fn(rank, world, *args)
-        if rank == 0:
-            results.put(out)
-    finally:
-        dist.destroy_process_group()
+    out = fn(rank, world, *args)
+    if rank == 0:
+        results.put(out)
+    dist.barrier()  # every rank done before any leaves
+    # Leave without tearing the group down: rank 0 hosts the group's store, and gloo's connection threads
+    # abort the process (std::terminate) when the store goes away while another rank is still closing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(world: int, fn: Callable, *args, device: str = "cpu", timeout_s: float = COLLECTIVE_TIMEOUT_S):
