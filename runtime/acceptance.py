@@ -9,7 +9,7 @@ rejection) say nothing about the head and are left out.
 
 from __future__ import annotations
 
-from muse_spark.runtime.generator import Generator, SamplingParams
+from muse_spark.runtime.generator import Generator, SamplingParams, decided_confidences
 
 
 def auroc(positives: list[float], negatives: list[float]) -> float | None:
@@ -49,12 +49,7 @@ def acceptance_stats(requests, gamma: int) -> dict:
     verified = [s.verified for s in steps if s.verified is not None]
     if verified:
         out["mean_verified_per_step"] = sum(verified) / len(verified)
-    yes, no = [], []
-    for s in steps:
-        if s.confidence is None:
-            continue
-        for k in range(min(s.accepted + 1, gamma)):
-            (yes if k < s.accepted else no).append(s.confidence[k])
+    yes, no = decided_confidences(steps, gamma)
     if yes or no:
         out["confidence"] = {
             "decided_positions": len(yes) + len(no),

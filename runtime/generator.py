@@ -103,6 +103,7 @@ class Request:
 
     def stats(self, gamma: int) -> dict:
         accepted = [s.accepted for s in self.steps]
+        yes, no = decided_confidences(self.steps, gamma)
         per_pos = [sum(1 for a in accepted if a > k) / len(accepted) if accepted else 0.0 for k in range(gamma)]
         secs = max(self.t_end - self.t_start, 1e-9)
         return {
@@ -118,7 +119,23 @@ class Request:
             "tokens_per_second": len(self.output) / secs,
             "seconds": secs,
             "finish_reason": self.finish_reason,
+            **({"confidence": {"decided_positions": len(yes) + len(no),
+                               "mean_when_accepted": sum(yes) / len(yes) if yes else None,
+                               "mean_when_rejected": sum(no) / len(no) if no else None}} if yes or no else {}),
         }
+
+
+def decided_confidences(steps: list[StepRecord], gamma: int) -> tuple[list[float], list[float]]:
+    """The confidence head's values at the decided draft positions of ``steps`` (positions ``0 …
+    accepted``: every draft before them accepted), split into the accepted and the rejected ones; steps
+    without confidences (compiled engines) count for nothing."""
+    yes, no = [], []
+    for s in steps:
+        if s.confidence is None:
+            continue
+        for k in range(min(s.accepted + 1, gamma)):
+            (yes if k < s.accepted else no).append(s.confidence[k])
+    return yes, no
 
 
 class Generator:

@@ -191,3 +191,11 @@ def test_compiled_engines_keep_verifying_every_draft(aoti_built):
 
     with pytest.raises(EngineError, match="verifies every draft"):
         write_schedule(aoti_built[0], Schedule("confidence"))
+
+
+def test_a_requests_stats_carry_its_confidence_calibration(pair):
+    """The Generator's per-request stats (and so `generate --json`) give the head's mean value where
+    drafts were accepted and where they were rejected: far apart for the informative head."""
+    r = Generator(_engine(pair)).generate([[65, 66, 67]], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    c = r.stats(5)["confidence"]
+    assert c["decided_positions"] > 0 and c["mean_when_accepted"] > 0.9 and c["mean_when_rejected"] < 0.1
