@@ -23,6 +23,8 @@ import os
 import sys
 from pathlib import Path
 
+from muse_spark.serving.server import _positive  # (argparse's positive integers, said once)
+
 
 def _die(msg: str, code: int = 2) -> int:
     print(f"muse-spark: error: {msg}", file=sys.stderr)
@@ -325,6 +327,11 @@ def cmd_bench(a) -> int:
 
 
 # ---- main -----------------------------------------------------------------------------------
+def _positive_list(text: str) -> list[int]:
+    """``1,8,32`` → [1, 8, 32]: comma-separated positive integers (argparse's type)."""
+    return [_positive(part) for part in text.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="muse-spark", description="Muse Spark DSpark deployment backend")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -354,8 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--measure", action=argparse.BooleanOptionalAction, default=None,
                    help="measure the acceptance with the eager engine afterwards (default: for the tiny preset "
                         "and on a GPU)")
-    m.add_argument("--prompts", type=int, default=64, help="prompts of the measurement")
-    m.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt in the measurement")
+    m.add_argument("--prompts", type=_positive, default=64, help="prompts of the measurement")
+    m.add_argument("--max-tokens", type=_positive, default=64, help="tokens generated per prompt in the measurement")
     m.set_defaults(fn=cmd_make_pair)
 
     b = sub.add_parser("build", help="build an engine directory from a checkpoint pair")
@@ -429,9 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="time an engine's step against the drafts it verifies and record the "
                                          "cost table (and a schedule) in its manifest")
     c.add_argument("--engine", required=True)
-    c.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=None,
+    c.add_argument("--batches", type=_positive_list, default=None,
                    help="comma-separated batch sizes (default: powers of two up to the engine's max batch)")
-    c.add_argument("--iters", type=int, default=5)
+    c.add_argument("--iters", type=_positive, default=5)
     c.add_argument("--schedule", choices=["off", "confidence"], default="confidence",
                    help="the engine's default schedule from now on (default: confidence)")
     c.add_argument("--confidence-threshold", type=float, default=None)

@@ -31,6 +31,8 @@ def _sync(device: torch.device) -> None:
 def cost_table(engine, batches: list[int], iters: int = 5, prompt_len: int = 16,
                log: Callable[[str], None] = lambda s: None) -> dict[str, list[float]]:
     """{str(B): [median step ms verifying K drafts per request, for K = 0 … γ]} on ``engine``."""
+    if iters < 1:
+        raise ValueError(f"calibrate: iters must be at least 1, got {iters}")
     dev, g = engine.device, engine.gamma
     saved = engine.schedule
     table = {}

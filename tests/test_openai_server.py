@@ -395,12 +395,12 @@ def test_token_bytes_of_a_split_character():
 
 
 def test_n_choices_are_the_generators_with_seeds_seed_plus_i(client, plain_server, engines, ref):
-    # (the random pair: its target is far from certain, so the seeds give different texts at temperature 1)
+    # (the random pair: its target is far from certain, so different seeds give different texts at temperature 1)
     plain, plain_ref = plain_server.client(), Reference(engines[1])
     ids = plain_ref.tok.encode("Hello").ids
     want = [plain_ref.text(plain_ref.run(ids, 20, temperature=1.0, seed=77 + i, ignore_eos=True).output)
             for i in range(3)]
-    assert len(set(want)) == 3  # (the seeds really differ)
+    assert len(set(want)) == 3  # (the three choices' seeds really give three texts)
     kw = dict(model="plain", prompt="Hello", max_tokens=20, temperature=1.0, seed=77, n=3,
               extra_body={"ignore_eos": True})
     r = plain.completions.create(**kw)
