@@ -118,57 +118,61 @@ def check_memory(target, draft, *, backend: str, device: str, max_batch: int, ma
         raise BuildError(f"--max-batch {max_batch} does not fit: {why} (give a smaller --max-batch or --max-seq)")
 
 
+def _pair_file(target_dir, draft_dir, name: str, what: str) -> tuple[Path, bytes] | None:
+    """The pair's file ``name`` (the target's, else the draft's) → (its path, its bytes); None when
+    neither folder has one."""
+    for src in (Path(target_dir) / name, Path(draft_dir) / name):
+        try:
+            if src.exists():
+                return src, src.read_bytes()
+        except OSError as e:
+            raise unreadable(src, e, what) from None
+    return None
+
+
 def read_tokenizer(target_dir, draft_dir, vocab_size: int) -> tuple[Path, bytes] | None:
     """The pair's ``tokenizer.json`` (the target's, else the draft's) → (its path, its bytes), checked
     by loading it as the runtime will; None when neither folder has one."""
-    for src in (Path(target_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"):
-        try:
-            if not src.exists():
-                continue
-            data = src.read_bytes()
-        except OSError as e:
-            raise unreadable(src, e, "tokenizer") from None
-        from tokenizers import Tokenizer
+    found = _pair_file(target_dir, draft_dir, "tokenizer.json", "tokenizer")
+    if found is None:
+        return None
+    src, data = found
+    from tokenizers import Tokenizer
 
-        try:
-            tok = Tokenizer.from_str(data.decode("utf-8"))
-        except Exception as e:  # (tokenizers raises plain Exception; a bad encoding raises UnicodeDecodeError)
-            raise CheckpointError(f"{src}: not a readable tokenizer.json ({str(e).strip()}); fix or remove it") from None
-        top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
-        if top >= vocab_size:
-            raise CheckpointError(f"{src}: the tokenizer has token id {top}, outside the target's vocabulary "
-                                  f"[0, {vocab_size}): it is not this model's tokenizer")
-        return src, data
-    return None
+    try:
+        tok = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # (tokenizers raises plain Exception; a bad encoding raises UnicodeDecodeError)
+        raise CheckpointError(f"{src}: not a readable tokenizer.json ({str(e).strip()}); fix or remove it") from None
+    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size:
+        raise CheckpointError(f"{src}: the tokenizer has token id {top}, outside the target's vocabulary "
+                              f"[0, {vocab_size}): it is not this model's tokenizer")
+    return found
 
 
 def read_tokenizer_config(target_dir, draft_dir) -> tuple[Path, bytes] | None:
     """The pair's ``tokenizer_config.json`` (the target's, else the draft's: its ``chat_template``, special
     tokens) → (its path, its bytes), checked to be a JSON object whose ``chat_template``, if any, is a
     template or a list of named ones; None when neither folder has one."""
-    for src in (Path(target_dir) / "tokenizer_config.json", Path(draft_dir) / "tokenizer_config.json"):
-        try:
-            if not src.exists():
-                continue
-            data = src.read_bytes()
-        except OSError as e:
-            raise unreadable(src, e, "tokenizer config") from None
-        try:
-            config = json.loads(data.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{src}: not a readable tokenizer_config.json ({e}); fix or remove it") from None
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{src}: a tokenizer_config.json must hold a JSON object, not "
-                                  f"{type(config).__name__}; fix or remove it")
-        template = config.get("chat_template")
-        named = isinstance(template, list) and all(
-            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
-            for t in template)
-        if template is not None and not isinstance(template, str) and not named:
-            raise CheckpointError(f"{src}: chat_template must be a template (a string) or a list of "
-                                  f"{{\"name\", \"template\"}} objects; fix or remove it")
-        return src, data
-    return None
+    found = _pair_file(target_dir, draft_dir, "tokenizer_config.json", "tokenizer config")
+    if found is None:
+        return None
+    src, data = found
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{src}: not a readable tokenizer_config.json ({e}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{src}: a tokenizer_config.json must hold a JSON object, not "
+                              f"{type(config).__name__}; fix or remove it")
+    template = config.get("chat_template")
+    named = isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+        for t in template)
+    if template is not None and not isinstance(template, str) and not named:
+        raise CheckpointError(f"{src}: chat_template must be a template (a string) or a list of "
+                              f"{{\"name\", \"template\"}} objects; fix or remove it")
+    return found
 
 
 def check_out(out: Path, overwrite: bool) -> None:
