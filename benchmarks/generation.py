@@ -14,7 +14,8 @@ pair's acceptance holds from the first step), seeded; a short warm-up of both si
 (wall clock, the device synchronized before and after), greedy with EOS ignored so every request
 generates ``--max-tokens``:
 
-* speculative: ``Generator(engine).generate`` (in-flight batching, the engine's steps);
+* speculative: ``Generator(engine).generate`` (in-flight batching, the engine's steps; every prompt
+  prefilled in its first round, ``PREFILL_ALL``);
 * target-only: ``TargetOnlyDecoder`` (one token a step; on CUDA each batch size's step replayed from
   a CUDA graph);
 
@@ -72,9 +73,15 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The speculative side prefills every prompt in its first round, before its first step, as the
+# target-only decoder does: "decode" then means the same on both sides.
+PREFILL_ALL = 1 << 30
+
+
 class Clock:
-    """The wall time of a generation and when its last prefill returned (``engine.prefill`` wrapped:
-    synchronized and stamped as it returns; its caller reads the token right after, a sync anyway)."""
+    """The wall time of a generation and when its last prefill returned (``engine.prefill_chunks``, the
+    engines' one way in to prefill, wrapped: synchronized and stamped as it returns; its caller reads
+    the first tokens right after, a sync anyway)."""
 
     def __init__(self, engine):
         import torch
@@ -82,7 +89,7 @@ class Clock:
         self.cuda = engine.device.type == "cuda"
         self.sync = (lambda: torch.cuda.synchronize(engine.device)) if self.cuda else (lambda: None)
         self.prefilled: list[float] = []
-        prefill = engine.prefill
+        prefill = engine.prefill_chunks
 
         def stamped(*args, **kw):
             out = prefill(*args, **kw)
@@ -90,7 +97,7 @@ class Clock:
             self.prefilled.append(time.perf_counter())
             return out
 
-        engine.prefill = stamped  # (an instance attribute: the Generator and the decoder call it)
+        engine.prefill_chunks = stamped  # (an instance attribute: the Generator and the decoder reach it)
 
     def time(self, run):
         """→ (run()'s requests, seconds, seconds after the last prefill)."""
@@ -119,10 +126,11 @@ def measure(engine, decoder, clock: Clock, prompts: list[list[int]], max_tokens:
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(max_tokens=min(max_tokens, 2 * (engine.gamma + 1)), ignore_eos=True)
-    Generator(engine).generate(prompts, warm)  # (first launches; the decoder captures this batch's graph)
+    # (first launches; the decoder captures this batch's graph)
+    Generator(engine, prefill_budget=PREFILL_ALL).generate(prompts, warm)
     decoder.generate(prompts, warm)
 
-    gen = Generator(engine)
+    gen = Generator(engine, prefill_budget=PREFILL_ALL)
     spec, secs, decode = clock.time(lambda: gen.generate(prompts, params))
     s = figures(spec, secs, decode, gen.step_times)
     acc = acceptance_stats(spec, engine.gamma)
