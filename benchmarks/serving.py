@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
-from pairs import (add_engine_arguments, build_from_pair, check_pair, default_backend, default_device, pair_gamma,  # noqa: E402
-                   pair_summary, window)
+from pairs import (add_engine_arguments, build_from_pair, check_pair, default_backend,  # noqa: E402
+                   default_device, pair_gamma, pair_summary, window)
 from server_process import post, triton_server  # noqa: E402
 
 
