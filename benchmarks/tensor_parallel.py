@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,18 +38,6 @@ def _sync(device) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _median_ms(fn, device, iters: int) -> float:
-    times = []
-    for i in range(iters + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if i:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def rank_bytes(engine, batch: int, context: int) -> int:
@@ -75,6 +62,7 @@ def _lead(leader, batches: list[int], context: int, iters: int, max_tokens: int,
     import torch
 
     from muse_spark.builder.pair import random_prompts
+    from muse_spark.runtime.calibrate import median_ms
     from muse_spark.runtime.generator import Generator, SamplingParams
 
     eng, dev, g = leader, leader.device, leader.gamma
@@ -86,7 +74,7 @@ def _lead(leader, batches: list[int], context: int, iters: int, max_tokens: int,
         for slot, p in enumerate(prompts):
             eng.prefill(p, slot, slot, 0.0)
         args = ([p[-1] for p in prompts], [context] * B, list(range(B)), list(range(B)), [0.0] * B)
-        step_ms = _median_ms(lambda: eng.step_host(*args, context + g + 1), dev, iters)
+        step_ms = median_ms(lambda: eng.step_host(*args, context + g + 1), dev, iters)
         # the step's collectives alone (none at one rank)
         reduce_ms = leader.time_collectives(B * (g + 1), iters) if world > 1 else 0.0
         reqs = Generator(leader).generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

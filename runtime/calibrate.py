@@ -23,9 +23,22 @@ from muse_spark.engine_format import EngineError, read_manifest
 from muse_spark.schedule import Schedule
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def median_ms(fn, device: torch.device, iters: int) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls after one warm-up, the device synchronized
+    around each (wall clock: what a caller waits)."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times = []
+    for i in range(iters + 1):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def cost_table(engine, batches: list[int], iters: int = 5, prompt_len: int = 16,
@@ -49,15 +62,8 @@ def cost_table(engine, batches: list[int], iters: int = 5, prompt_len: int = 16,
             row = []
             for K in range(g + 1):
                 engine.set_schedule(Schedule("fixed", length=K))
-                times = []
-                for i in range(iters + 1):  # (the first is a warm-up)
-                    _sync(dev)
-                    t0 = time.perf_counter()
-                    engine.step(*args, prompt_len + g + 1)  # (the same position each time: it rewrites its own rows)
-                    _sync(dev)
-                    if i:
-                        times.append((time.perf_counter() - t0) * 1e3)
-                row.append(round(statistics.median(times), 4))
+                # (the same position each time: the step rewrites its own rows)
+                row.append(round(median_ms(lambda: engine.step(*args, prompt_len + g + 1), dev, iters), 4))
             engine.take_step_info()
             table[str(B)] = row
             log(f"batch {B}: step ms by drafts verified 0…{g}: " + " ".join(f"{x:.3f}" for x in row))

@@ -403,8 +403,7 @@ class Generator:
 
         if not eng.chains:
             # Host values in, lists out: two host→device copies and one back (the engines' step_host).
-            controlled = [r.params.controls() for r in batch]
-            if any(controlled):
+            if any(r.params.controls() for r in batch):
                 wanted = [r.params.logprobs for r in batch if r.params.logprobs is not None]
                 packed = eng.step_host(*host_inputs(), last + g + 1, processing=[self._controls_row(r) for r in batch],
                                        logprobs_n=max(wanted) if wanted else None)

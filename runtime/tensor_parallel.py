@@ -39,7 +39,7 @@ import torch.distributed as dist
 from muse_spark.checkpoint import load_pair
 from muse_spark.sharding import TensorParallelError, check_split, shard_config, shard_state_dict  # noqa: F401
 from muse_spark.models.target import MuseSpark1xForCausalLM
-from muse_spark.runtime.engine import EagerEngine, PrefillChunk
+from muse_spark.runtime.engine import EagerEngine
 
 COLLECTIVE_TIMEOUT_S = 60.0
 
@@ -220,13 +220,8 @@ class LeaderEngine:
         self._engine.set_schedule(schedule)  # (refused here first: then no rank changes)
         self._send("set_schedule", schedule)
 
-    def prefill(self, prompt, slot, seed, temperature):
-        """``EagerEngine.prefill``, chunk by chunk through the broadcast ``prefill_chunks``."""
-        start, first = 0, None
-        while first is None:
-            (first,) = self.prefill_chunks([PrefillChunk(prompt, start, slot, seed, temperature)])
-            start += self._engine.prefill_chunk
-        return first
+    # chunk by chunk through the broadcast ``prefill_chunks``
+    prefill = EagerEngine.prefill
 
     def close(self) -> None:
         self._send("close")
@@ -235,22 +230,15 @@ class LeaderEngine:
 def time_collectives(engine: EagerEngine, rows: int, iters: int, group=None) -> float:
     """Median ms of a step's all-reduces alone: two a target layer over [rows, hidden] FP32, the
     device synchronized around each repetition (every rank runs it together)."""
-    import statistics
-    import time
+    from muse_spark.runtime.calibrate import median_ms
 
     buf = torch.zeros(rows, engine.tcfg.hidden_size, device=engine.device)
-    times = []
-    for i in range(iters + 1):
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-        t0 = time.perf_counter()
+
+    def reduces():
         for _ in range(2 * engine.tcfg.num_hidden_layers):
             dist.all_reduce(buf, group=group)
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-        if i:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+
+    return median_ms(reduces, engine.device, iters)
 
 
 def follow(engine: EagerEngine, group=None) -> int:
