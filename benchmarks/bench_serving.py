@@ -736,7 +736,8 @@ def main(argv: list[str] | None = None, prog: str = "python benchmarks/bench_ser
             a.device = default_device(a.device)
             need = window(max(p for p, _ in lengths), max(o for _, o in lengths), pair_gamma(pair))
             a.engine = str(build_from_pair(pair, a.work_dir or tmp, backend=a.backend or default_backend(a.device),
-                                           device=a.device, max_batch=max(a.concurrency), max_seq=need, log=log))
+                                           device=a.device, max_batch=max(a.concurrency), max_seq=need, log=log,
+                                           reuse=a.reuse_engine))
         return run(a, lengths, log, prog)
 
 

@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_arguments(p, work_dir="/tmp/muse-spark-generation")
     p.add_argument("--schedule", type=lambda v: v.split(","), default=["off"],
-                   help="verification schedules to run, comma-separated: off, confidence (the eager engine; "
-                        "confidence needs a draft with a confidence head)")
+                   help="verification schedules to run, comma-separated: off, confidence (confidence needs a "
+                        "draft with a confidence head; an aoti engine built from --pair gets the default "
+                        "verification widths for it)")
     p.add_argument("--confidence-threshold", type=float, default=0.25)
     p.add_argument("--calibrate", action="store_true",
                    help="time the step by drafts verified first (muse-spark calibrate) and cut by that table")
@@ -186,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         a.backend = a.backend or default_backend(a.device)
         max_seq = window(a.prompt_len, a.max_tokens, pair_gamma(pair))
         engine_dir = build_from_pair(pair, a.work_dir, backend=a.backend, device=a.device, max_batch=batches[-1],
-                                     max_seq=max_seq, log=log, buckets=batches)
+                                     max_seq=max_seq, log=log, buckets=batches,
+                                     verify_widths="default" if "confidence" in a.schedule else None,
+                                     reuse=a.reuse_engine)
         config["pair"] = pair_summary(pair)
     else:
         if a.backend:

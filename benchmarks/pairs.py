@@ -46,19 +46,27 @@ def window(prompt_len: int, max_tokens: int, gamma: int) -> int:
 
 
 def build_from_pair(pair: str | Path, work_dir: str | Path, *, backend: str, device: str, max_batch: int,
-                    max_seq: int, log, buckets: list[int] | None = None) -> Path:
+                    max_seq: int, log, buckets: list[int] | None = None, verify_widths=None,
+                    reuse: bool = False) -> Path:
     """Build an engine from the pair into ``work_dir`` (replacing one built there before) → its folder.
     The build reports its progress on stderr. ``buckets``: the aoti engine's batch buckets (default:
-    powers of two up to max_batch); a benchmark that runs only some batch sizes compiles only those."""
+    powers of two up to max_batch); a benchmark that runs only some batch sizes compiles only those.
+    ``verify_widths``: the aoti engine's narrower verification widths (``build --verify-widths``;
+    "default": the ones ``--schedule confidence`` builds). ``reuse``: an engine already built there
+    by the same plan (its folder's name says backend, device, max_batch and max_seq) is used as it is."""
     from muse_spark.builder.build import build_engine
 
     pair = check_pair(pair)
     out = Path(work_dir) / f"engine-{backend}-{device}-b{max_batch}-s{max_seq}"
+    if reuse and (out / "manifest.json").is_file():
+        log(f"reusing the engine built before in {out}")
+        return out
     log(f"building an engine from {pair} ({backend} backend, {device}, max_batch {max_batch}, max_seq {max_seq}) "
         f"into {out}")
     build_engine(pair / "target", pair / "draft", out, backend=backend, device=device, max_batch=max_batch,
                  max_seq=max_seq, overwrite=True, quiet=False,
-                 **({"buckets": sorted(set(buckets))} if buckets and backend == "aoti" else {}))
+                 **({"buckets": sorted(set(buckets))} if buckets and backend == "aoti" else {}),
+                 **({"verify_widths": verify_widths} if verify_widths and backend == "aoti" else {}))
     return out
 
 
@@ -72,6 +80,8 @@ def add_engine_arguments(p, work_dir: str | None = None) -> None:
                    help="with --pair: the engine's backend (default aoti on cuda, eager on cpu)")
     p.add_argument("--work-dir", default=work_dir,
                    help="with --pair: where the engine is built (default: " + (work_dir or "a temporary folder") + ")")
+    p.add_argument("--reuse-engine", action="store_true",
+                   help="with --pair: use the engine an earlier run built in --work-dir instead of building again")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: the engine's own (--pair: cuda where available)")
 

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             a.device = default_device(a.device)
             a.engine = str(build_from_pair(pair, a.work_dir or tmp, backend=a.backend or default_backend(a.device),
                                            device=a.device, max_batch=a.concurrency,
-                                           max_seq=window(a.prompt_len, a.max_tokens, pair_gamma(pair)), log=log))
+                                           max_seq=window(a.prompt_len, a.max_tokens, pair_gamma(pair)), log=log,
+                                           reuse=a.reuse_engine))
         return run(a, log)
 
 

@@ -147,31 +147,56 @@ def inductor_configs(device: str, fast_compile: bool) -> dict:
     return out
 
 
-def graph_plan_names(buckets: list[int], with_prefill: bool = True) -> list[tuple[str, str, int]]:
-    """(graph name, SpecPair function, batch) of every package an engine holds."""
-    names = [("prefill_layer", "layer", 1), ("prefill_finish", "prefill_finish", 1)] if with_prefill else []
+def width_suffix(K: int | None) -> str:
+    """The package-name suffix of verification width ``K`` (None: the full width γ, no suffix)."""
+    return "" if K is None else f"_k{K}"
+
+
+def graph_plan_names(buckets: list[int], with_prefill: bool = True,
+                     widths: list[int] = ()) -> list[tuple[str, str, int, int | None]]:
+    """(graph name, SpecPair function, batch, verification width) of every package an engine holds.
+    ``widths``: the narrower verification widths K < γ (each bucket gets a layer, verify and context
+    package per width, ``_k{K}``); the width is None for the prefill, the draft and the full width."""
+    names = [("prefill_layer", "layer", 1, None), ("prefill_finish", "prefill_finish", 1, None)] if with_prefill else []
     for b in sorted(buckets, reverse=True):  # the largest compiles longest: start it first
-        names += [(f"step_verify_b{b}", "step_verify", b), (f"step_draft_b{b}", "step_draft", b),
-                  (f"step_layer_b{b}", "layer", b), (f"step_context_b{b}", "step_context", b)]
+        names += [(f"step_verify_b{b}", "step_verify", b, None), (f"step_draft_b{b}", "step_draft", b, None),
+                  (f"step_layer_b{b}", "layer", b, None), (f"step_context_b{b}", "step_context", b, None)]
+        for K in sorted(widths, reverse=True):
+            names += [(f"step_{part}_b{b}{width_suffix(K)}", fn, b, K)
+                      for part, fn in (("verify", "step_verify"), ("layer", "layer"), ("context", "step_context"))]
     return names
+
+
+def check_widths(widths: list[int] | str | None, gamma: int) -> list[int]:
+    """The narrower verification widths an engine is built with, sorted (γ itself is always there
+    and is left out; ``"default"``: 1 and about γ/2); a width outside [1, γ] is refused."""
+    if widths == "default":
+        widths = [1, (gamma + 1) // 2]
+    widths = sorted(set(int(k) for k in widths or ()))
+    bad = [k for k in widths if not 1 <= k <= gamma]
+    if bad:
+        raise ValueError(f"verification widths {bad}: each must be in [1, γ={gamma}] (drafts verified per request)")
+    return [k for k in widths if k < gamma]
 
 
 def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: list[list], *, device: str,
                max_seq: int, cache_slots: int, buckets: list[int], prefill_chunk: int, impl: str,
                cache_dtype: str, configs: dict, out_dir: Path, with_prefill: bool = True,
-               markov_words: dict[int, int] | None = None, options: KernelOptions | None = None) -> list[dict]:
+               markov_words: dict[int, int] | None = None, options: KernelOptions | None = None,
+               widths: list[int] = ()) -> list[dict]:
     """One self-contained job per package (picklable: a worker rebuilds everything from it).
     ``markov_words``: the Markov kernel's kept workspace per batch bucket (``markov_workspaces``);
-    ``options``: the kernel options the graphs are traced under (default: the defaults)."""
+    ``options``: the kernel options the graphs are traced under (default: the defaults);
+    ``widths``: the narrower verification widths (``graph_plan_names``)."""
     names = [w[0] for w in wspecs]
     common = dict(tcfg=tcfg.to_dict(), dcfg=dcfg.to_dict(), device=device, max_seq=max_seq,
                   cache_slots=cache_slots, cache_dtype=cache_dtype, impl=impl, configs=configs,
                   options=(options or KernelOptions()).to_dict())
     jobs = []
     spec = {w[0]: w for w in wspecs}
-    for name, fn, batch in graph_plan_names(buckets, with_prefill):
-        tokens = prefill_chunk if name.startswith("prefill") else dcfg.block_size + 1
-        jobs.append(dict(common, name=name, fn=fn, batch=batch, tokens=tokens,
+    for name, fn, batch, K in graph_plan_names(buckets, with_prefill, widths):
+        tokens = prefill_chunk if name.startswith("prefill") else (dcfg.block_size if K is None else K) + 1
+        jobs.append(dict(common, name=name, fn=fn, batch=batch, tokens=tokens, width=K,
                          markov_words=(markov_words or {}).get(batch, 0),  # in the runtime's feed order
                          weights=[spec[n] for n in part_weight_names(names, fn)], out=str(out_dir / f"{name}.pt2")))
     return jobs
@@ -323,7 +348,7 @@ def _compile_job(job: dict) -> dict:
         torch._inductor.aoti_compile_and_package(ep, package_path=job["out"], inductor_configs=job["configs"])
     check_package(job["out"])
     return {"name": job["name"], "file": Path(job["out"]).name, "fn": job["fn"], "batch": job["batch"],
-            "tokens": job["tokens"], "export_s": round(t1 - t0, 1),
+            "tokens": job["tokens"], "width": job.get("width"), "export_s": round(t1 - t0, 1),
             "compile_s": round(time.perf_counter() - t1, 1)}
 
 
@@ -388,17 +413,20 @@ def compile_graphs(jobs: list[dict], workers: int | None = None,
 def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max_seq: int,
                buckets: list[int] | None = None, prefill_chunk: int | None = None, fast_compile: bool | None = None,
                plugins: str = "auto", jobs: int | None = None, log: Callable[[str], None] = lambda m: None,
-               options: KernelOptions | None = None) -> dict:
+               options: KernelOptions | None = None, verify_widths: list[int] | None = None) -> dict:
     """Compile the prefill and step packages into ``out_dir`` under the kernel ``options`` (default:
-    the defaults); → the manifest's ``aoti`` section."""
+    the defaults); → the manifest's ``aoti`` section. ``verify_widths``: verification widths K < γ
+    to compile step packages for beside the full width (confidence-scheduled steps verify the first
+    K drafts of every row; ``muse_spark/schedule.py``)."""
     options = options or KernelOptions()
     buckets, chunk = graph_plan(device, max_batch, max_seq, buckets, prefill_chunk)
+    widths = check_widths(verify_widths, draft.cfg.block_size)
     if fast_compile is None:
         fast_compile = torch.device(device).type == "cpu"
     impl = resolve_plugin_impl(plugins, device)
     attention, linear = attention_path(device, target.dtype, options), linear_path(device, target.dtype, options)
     log(f"plugins: {impl}; attention: {attention}; linear: {linear}; batch buckets {buckets}; "
-        f"prefill chunk {chunk}; static key window {max_seq}")
+        f"verification widths {widths + [draft.cfg.block_size]}; prefill chunk {chunk}; static key window {max_seq}")
     if impl == "triton" and draft.cfg.dspark_draft_topk:
         raise ValueError("the fused Markov kernel does not support dspark_draft_topk; build with plugins='inline'")
     wspecs = weight_specs(SpecPair(target, draft))
@@ -410,7 +438,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         job_list = graph_jobs(target.cfg, draft.cfg, wspecs, device=device, max_seq=max_seq,
                               cache_slots=max_batch + 1, buckets=buckets, prefill_chunk=chunk, impl=impl,
                               cache_dtype=cache_dtype, configs=configs, out_dir=out_dir, markov_words=words,
-                              options=options)
+                              options=options, widths=widths)
         return compile_graphs(job_list, jobs, log), words
 
     fallback = None
@@ -428,6 +456,9 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         results, words = compile_with(impl)
     graphs = {r["name"]: {"file": r["file"], "fn": r["fn"], "batch": r["batch"], "tokens": r["tokens"]}
               for r in results}
+    for r in results:
+        if r.get("width") is not None:
+            graphs[r["name"]]["width"] = r["width"]
     # options.pdl (CUDA builds with the Triton plugins on sm_90+): these kernels wait first, and the step
     # graphs launch them as PDL dependents
     pdl = pdl_active(options) and impl == "triton" and torch.device(device).type == "cuda"
@@ -453,6 +484,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "pdl_gemm_trigger": pdl and options.pdl_gemm_trigger,
         "graphs": graphs,
         "batch_buckets": buckets,
+        # the verification widths the step packages were compiled for (drafts verified per request; γ: all)
+        "verify_widths": widths + [draft.cfg.block_size],
         # The fused Markov kernel's kept workspace per bucket: int64 words the runtime zeroes once
         # (the step_draft package's markov_workspace input; 0: the reference loop, an empty tensor)
         "markov_workspace_words": {str(b): n for b, n in words.items()},

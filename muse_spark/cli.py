@@ -106,8 +106,22 @@ def cmd_build(a) -> int:
     from muse_spark.builder.build import build_engine
 
     aoti = {"plugins": a.plugins} if a.plugins is not None else {}
+    if a.verify_widths is not None:
+        if a.backend != "aoti":
+            print("error: --verify-widths applies to --backend aoti (the eager engine verifies any number of drafts)",
+                  file=sys.stderr)
+            return 2
+        aoti["verify_widths"] = a.verify_widths
+    elif a.backend == "aoti" and a.schedule == "confidence":
+        aoti["verify_widths"] = "default"
     build_engine(a.target, a.draft, a.out, backend=a.backend, device=a.device, max_batch=a.max_batch,
                  max_seq=a.max_seq, dtype=a.dtype, tp=a.tp, **aoti)
+    if a.schedule is not None:
+        from muse_spark.runtime.calibrate import write_schedule
+        from muse_spark.schedule import Schedule
+
+        write_schedule(a.out, Schedule(a.schedule))
+        print(f"schedule: {a.schedule} (`muse-spark calibrate --engine {a.out}` adds the measured cost table)")
     print(f"engine: {a.out}")
     return 0
 
@@ -379,6 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plugins", choices=["auto", "inline", "triton"], default=None,
                    help="aoti: the plugin kernels compiled in. auto (default): the Triton kernels on CUDA, falling "
                         "back to the reference functions if they fail to compile; inline: the reference functions")
+    b.add_argument("--schedule", choices=["off", "confidence"], default=None,
+                   help="the engine's default verification policy (confidence: each step verifies the drafts the "
+                        "confidence head expects accepted; an aoti engine gets verification widths for it)")
+    b.add_argument("--verify-widths", type=_positive_list, default=None, metavar="K,K",
+                   help="aoti: also compile steps verifying only the first K drafts of each request, for "
+                        "confidence scheduling (default with --schedule confidence: 1 and about γ/2)")
     b.set_defaults(fn=cmd_build)
 
     q = sub.add_parser("quantize", help="write the FP8 (E4M3) checkpoint of a bf16/fp16/fp32 target (and draft): "

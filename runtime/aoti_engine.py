@@ -39,7 +39,7 @@ from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep, StepHandle
 from muse_spark.engine_format import (EngineError, check_cache_memory, check_plugins, configs_from_manifest,
                                       read_manifest, verify_files)
 from muse_spark.options import KernelOptions, current_options, engine_options
-from muse_spark.schedule import Schedule
+from muse_spark.schedule import Schedule, plan
 from muse_spark.runtime.engine import EagerEngine, PrefillChunk, build_modules, with_options
 
 log = logging.getLogger(__name__)
@@ -174,21 +174,25 @@ def _part(d: Path, graphs: dict | None, name: str, device, single_threaded: bool
 
 
 def load_step(d: str | Path, graphs: dict | None, bucket: int, target, draft, device,
-              single_threaded: bool = False, side_stream: bool | None = None, loader=None) -> LayeredStep:
+              single_threaded: bool = False, side_stream: bool | None = None, loader=None,
+              widths: list[int] = ()) -> LayeredStep:
     """Bucket ``bucket``'s speculative step from its four packages in ``d`` (``graphs``: the
-    manifest's file names; None: the builder's default names). ``side_stream``: run the draft
+    manifest's file names; None: the builder's default names), and for each narrower verification
+    width K in ``widths`` its layer, verify and context packages (``_k{K}``). ``side_stream``: run the draft
     context on a second CUDA stream beside the last target layers and the verification
     (``LayeredStep``); None: as the current kernel options' ``context_stream`` says; CUDA only.
     ``loader``: part name → the callable part (default: its AOTI package in ``d``)."""
     d, names = Path(d), weight_names(SpecPair(target, draft))
     loader = loader or (lambda name: _part(d, graphs, name, device, single_threaded))
     parts = [loader(f"step_{p}_b{bucket}") for p in ("draft", "layer", "verify", "context")]
+    narrower = {K: tuple(loader(f"step_{p}_b{bucket}_k{K}") for p in ("layer", "verify", "context"))
+                for K in widths if K < draft.cfg.block_size}
     device = torch.device(device)
     if side_stream is None:
         side_stream = current_options().context_stream
     side = torch.cuda.Stream(device) if side_stream and device.type == "cuda" else None
     return LayeredStep(names, target.cfg.num_hidden_layers, target.aux_layer_ids, *parts, draft.cfg.block_size,
-                       side=side)
+                       side=side, widths=narrower)
 
 
 def load_prefill(d: str | Path, graphs: dict | None, target, draft, device, loader=None) -> LayeredPrefill:
@@ -211,7 +215,6 @@ def markov_words(aoti: dict, bucket: int, where) -> int:
 # ---- the engine -------------------------------------------------------------------------------
 class AOTIEngine(EagerEngine):
     backend = "aoti"
-    schedules = False  # (its compiled step verifies all γ drafts: schedule 'off')
     controls = False  # (its compiled step samples with temperature and seed only)
     section = "aoti"  # the manifest's section that describes the parts
 
@@ -224,7 +227,9 @@ class AOTIEngine(EagerEngine):
         self.tcfg, self.dcfg = target.cfg, draft.cfg
         self.gamma = self.dcfg.block_size
         self.schedule = Schedule()
-        self.set_schedule(Schedule.from_dict(manifest.get("schedule")))  # (refuses 'confidence')
+        # the verification widths its step packages were compiled for (drafts verified per request)
+        self.verify_widths = sorted(a.get("verify_widths") or [self.gamma])
+        self._confidence = self._verified = self._logprobs = None
         self.max_batch, self.max_seq = max_batch, manifest["max_seq"]
         self.device = torch.device(device)
         self.manifest = manifest
@@ -262,13 +267,51 @@ class AOTIEngine(EagerEngine):
         with torch.inference_mode():
             for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
                 fn = load_step(d, a["graphs"], b, target, draft, self.device, single_threaded=self.cuda_graphs,
-                               side_stream=self.options.context_stream, loader=self.part_loader(d, a))
+                               side_stream=self.options.context_stream, loader=self.part_loader(d, a),
+                               widths=self.verify_widths)
                 if self.cuda_graphs:
                     self.runners[b] = CUDAGraphStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
-                                                    pool=pool, markov_words=words[b], programmatic=self.pdl_kernels)
+                                                    pool=pool, markov_words=words[b], programmatic=self.pdl_kernels,
+                                                    split=self.schedules)
                 else:
                     self.runners[b] = StaticStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
                                                  markov_words=words[b])
+        self.set_schedule(Schedule.from_dict(manifest.get("schedule")))
+
+    # ---- confidence scheduling ---------------------------------------------------------------
+    @property
+    def schedules(self) -> bool:
+        """Whether its steps can verify fewer drafts than γ: built with narrower verification widths
+        (``build --verify-widths`` / ``--schedule confidence``)."""
+        return len(self.verify_widths) > 1
+
+    def set_schedule(self, schedule: Schedule) -> None:
+        """``EagerEngine.set_schedule`` for the compiled step: a scheduled step runs the draft half,
+        reads the confidences, and verifies the first K drafts of every request, K the plan's cut
+        rounded up to a compiled width (the rows of a batch are padded to one width anyway, so every
+        request verifies K: the batch shares one cut). ``fixed`` lengths must be compiled widths."""
+        if schedule.needs_confidence and self.draft.model.confidence_head is None:
+            raise EngineError("schedule 'confidence' needs a draft with a confidence head "
+                              "(enable_confidence_head in its config.json); this draft has none")
+        if schedule.on and not self.schedules:
+            raise EngineError(f"schedule {schedule.mode!r}: this {self.backend} engine's compiled step verifies every "
+                              f"draft; rebuild it with narrower verification widths (build --verify-widths, or "
+                              f"--schedule confidence)")
+        if schedule.mode == "fixed" and schedule.length not in self.verify_widths:
+            raise EngineError(f"schedule 'fixed' with {schedule.length} drafts: this engine's steps verify "
+                              f"{self.verify_widths} drafts per request")
+        self.schedule = schedule
+        for runner in getattr(self, "runners", {}).values():
+            runner.planner = self._plan if schedule.on else None
+
+    def _plan(self, confidence: torch.Tensor) -> int:
+        """A scheduled step's width from its drafts' confidences ([n, γ] on the host)."""
+        n = confidence.shape[0]
+        _, K = plan(confidence, self.schedule, n, self.gamma)
+        K = next(w for w in self.verify_widths if w >= max(K, 1))
+        self._confidence = confidence
+        self._verified = torch.full((n,), K, dtype=torch.int64)
+        return K
 
     # ---- construction -----------------------------------------------------------------
     def part_loader(self, d: Path, section: dict):
@@ -373,8 +416,9 @@ class AOTIEngine(EagerEngine):
     def chains(self) -> bool:
         """Whether the ``Generator`` chains this engine's steps (the next step launched before this
         one's rows are read: ``step_launch``/``step_next``/``step_rows``): the kernel option
-        ``chained_steps`` of this engine (``self.options``)."""
-        return self.options.chained_steps
+        ``chained_steps`` of this engine (``self.options``), unless a schedule is on (a scheduled
+        step waits for its drafts' confidences before it verifies)."""
+        return self.options.chained_steps and not self.schedule.on
 
     @torch.inference_mode()
     def step_launch(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> StepHandle:

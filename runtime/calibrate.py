@@ -3,7 +3,9 @@ the table a confidence schedule cuts its batches by (``muse_spark.schedule``).
 
 For each batch size B and each K = 0 … γ, the engine's step runs with every request verifying
 exactly K drafts (``Schedule("fixed", length=K)``) on B prompts already prefilled, and the median of
-``iters`` timed steps (the device synchronized around each) is the table's entry. The table is
+``iters`` timed steps (the device synchronized around each) is the table's entry. A compiled engine
+verifies only the widths it was built with (``verify_widths``): those are timed, and each K's entry is
+the time of the narrowest width ≥ K (the step that runs when the plan cuts at K). The table is
 written into the engine's manifest (``schedule.cost_ms``) with the policy, so every load of the engine
 schedules by it; measure on the machine that will serve (the table is that device's).
 """
@@ -59,11 +61,13 @@ def cost_table(engine, batches: list[int], iters: int = 5, prompt_len: int = 16,
                 engine.prefill(prompt, slot, slot, 0.0)
             args = [torch.full((B,), prompt[-1], device=dev), torch.full((B,), prompt_len, device=dev),
                     torch.arange(B, device=dev), torch.arange(B, device=dev), torch.zeros(B, device=dev)]
-            row = []
-            for K in range(g + 1):
+            widths = getattr(engine, "verify_widths", None) or list(range(g + 1))
+            timed = {}
+            for K in widths:
                 engine.set_schedule(Schedule("fixed", length=K))
                 # (the same position each time: the step rewrites its own rows)
-                row.append(round(median_ms(lambda: engine.step(*args, prompt_len + g + 1), dev, iters), 4))
+                timed[K] = round(median_ms(lambda: engine.step(*args, prompt_len + g + 1), dev, iters), 4)
+            row = [timed[next(w for w in widths if w >= K)] for K in range(g + 1)]
             engine.take_step_info()
             table[str(B)] = row
             log(f"batch {B}: step ms by drafts verified 0…{g}: " + " ".join(f"{x:.3f}" for x in row))
@@ -77,9 +81,11 @@ def write_schedule(engine_dir: str | Path, schedule: Schedule) -> None:
     manifest atomically."""
     d = Path(engine_dir)
     m = read_manifest(d)
-    if m["backend"] != "eager" and schedule.on:
-        raise EngineError(f"{d}: a {m['backend']} engine's compiled step verifies every draft; "
-                          f"schedule {schedule.mode!r} runs on eager engines")
+    widths = (m.get(m["backend"]) or {}).get("verify_widths") or []
+    if m["backend"] != "eager" and schedule.on and len(widths) < 2:
+        raise EngineError(f"{d}: this {m['backend']} engine's compiled step verifies every draft; schedule "
+                          f"{schedule.mode!r} needs narrower verification widths: rebuild it with --verify-widths "
+                          "(or --schedule confidence)")
     m["schedule"] = schedule.to_dict()
     tmp = d / "manifest.json.tmp"
     tmp.write_text(json.dumps(m, indent=2) + "\n")

@@ -177,12 +177,41 @@ class StaticStep:
 
     _execute = _run  # the step as this runner runs it (CUDAGraphStep: the graph's replay)
 
+    # ---- scheduled steps: the draft, a choice on the host, the verification of K drafts -------------
+    # ``planner``: None, the whole step at once (``_execute``); else a function of the drafts'
+    # confidences on the host ([n, γ] float32, the batch's real rows) → the verification width K, a
+    # width the step holds (``LayeredStep.widths``): the step runs as its two halves with that choice
+    # between them (``_scheduled``). ``last_plan``: (confidences, K) of the last scheduled step.
+    planner: Callable[[Tensor], int] | None = None
+    last_plan: tuple[Tensor, int] | None = None
+
+    def _step(self) -> Tensor:
+        """The step over the static inputs → its packed [bucket, γ+2] output."""
+        return self._execute() if self.planner is None else self._scheduled()
+
+    def _draft_half(self) -> tuple:
+        tk, tv, dk, dv = self.caches
+        return self.fn.draft(self.weights, dk, dv, self.markov_ws, *self.static_inputs)
+
+    def _verify_half(self, drafted: tuple, K: int) -> Tensor:
+        return self.fn.verify(self.weights, *self.caches, self.markov_ws, self.slots, self.seeds, self.temperature,
+                              drafted, K)
+
+    def _scheduled(self) -> Tensor:
+        """The draft half, its confidences to the host (the one wait inside the step), the planner's
+        width, the verification half at that width."""
+        drafted = self._draft_half()
+        conf = drafted[5][: self._real_rows].to("cpu", torch.float32)
+        K = self.planner(conf)
+        self.last_plan = (conf, K)
+        return self._verify_half(drafted, K)
+
     def __call__(self, anchor, anchor_pos, slots, seeds, temperature) -> Tensor:
         """→ packed [n, γ+2] int64 on the device (a fresh tensor, not a view of a static buffer).
         n = −1 in every row: the fused Markov kernel failed (see ``step_host``); run it again after
         ``reset_markov()``."""
         n = self._fill(anchor, anchor_pos, slots, seeds, temperature)
-        return self._execute()[:n].clone()
+        return self._step()[:n].clone()
 
     def step_host(self, anchor, anchor_pos, slots, seeds, temperature) -> list[list[int]]:
         """``__call__`` for host values (sequences of n ints, n floats for the temperatures) → the
@@ -194,7 +223,7 @@ class StaticStep:
         workspace. That is exact: the inputs, seeds and cache rows it reads are unchanged, and it
         writes the same cache positions again. A second failure raises ``MarkovKernelError``."""
         n = self._fill_host(anchor, anchor_pos, slots, seeds, temperature)
-        return self._retried(self._to_host(self._execute(), n), n)
+        return self._retried(self._to_host(self._step(), n), n)
 
     def _flagged(self, rows: list[list[int]]) -> bool:
         """Whether a step's rows say the fused Markov kernel failed (n = −1; only with a workspace)."""
@@ -205,7 +234,7 @@ class StaticStep:
         once more on a zeroed workspace; a second failure raises ``MarkovKernelError``."""
         if self._flagged(rows):
             self.reset_markov()
-            rows = self._to_host(self._execute(), n)
+            rows = self._to_host(self._step(), n)
             if self._flagged(rows):
                 self.reset_markov()
                 raise MarkovKernelError(
@@ -238,7 +267,7 @@ class StaticStep:
         return self._launch(n, None, prev)
 
     def _launch(self, n: int, inputs, parent) -> "StepHandle":
-        out = self._execute()
+        out = self._step()
         self._serial += 1
         if not self._out_ring:  # (a runner's output has one shape: [bucket, γ+2])
             pin = self.copied_out is not None
@@ -363,7 +392,7 @@ class CUDAGraphStep(StaticStep):
     instantiated. ``programmatic_edges``: how many did."""
 
     def __init__(self, *args, pool=None, warmup: int = 2, programmatic: Collection[str] = (),
-                 pdl_port: str = "programmatic", **kw):
+                 pdl_port: str = "programmatic", split: bool = False, **kw):
         super().__init__(*args, **kw)
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
@@ -380,6 +409,14 @@ class CUDAGraphStep(StaticStep):
 
         # Warmed up before the capture: all rows are padding, so only the scratch slot is written.
         self.graph, self.out, self.programmatic_edges, self.graph_kernels = capture_step(self._run, warmup)
+        # ``split`` (a step with narrower verification widths): the halves of a scheduled step too, the
+        # draft half once and the verification half at each width, over the draft half's outputs.
+        self.halves: dict = {}
+        if split:
+            self.halves["draft"] = capture_step(lambda: StaticStep._draft_half(self), warmup)[:2]
+            drafted = self.halves["draft"][1]
+            for K in sorted(self.fn.widths):
+                self.halves[K] = capture_step(lambda K=K: StaticStep._verify_half(self, drafted, K), warmup)[:2]
         torch.cuda.synchronize(self.device)
         # What a replay reads and writes, as captured: their pointers, checked on every replay, and their
         # storages, kept: a tensor given other memory in place (``set_``) or replaced in the caller's cache
@@ -413,11 +450,21 @@ class CUDAGraphStep(StaticStep):
             self.check(self.live_caches)  # a cache replaced in the caller's lists
             raise AssertionError("CUDA graph replay after a captured input tensor was reallocated")
 
-    def _replay(self) -> Tensor:
+    def _draft_half(self) -> tuple:
+        graph, drafted = self.halves["draft"]
+        self._replay(graph)
+        return drafted
+
+    def _verify_half(self, drafted: tuple, K: int) -> Tensor:
+        graph, out = self.halves[K]
+        return self._replay(graph, out)
+
+    def _replay(self, graph: "torch.cuda.CUDAGraph | None" = None, out: Tensor | None = None) -> Tensor:
+        """Replay ``graph`` (default: the whole step's) → ``out`` (default: the step's output)."""
         # Launched first, checked while the GPU runs it (the module's docstring): the host's scan of
         # the pointers is off the step's latency, and a failed check raises before the caller sees
         # this replay's result.
-        self.graph.replay()
+        (graph or self.graph).replay()
         self.replays += 1
         try:
             self._assert_unmoved(full=not self._weights_checked)
@@ -425,6 +472,6 @@ class CUDAGraphStep(StaticStep):
             raise AssertionError(f"{e}; the replay ran on the captured tensors (their memory kept by the runner) "
                                  "and its result is discarded") from None
         self._weights_checked = True
-        return self.out
+        return self.out if out is None else out
 
     _execute = _replay

@@ -10,8 +10,8 @@
 #   scripts/gpu_check.sh serving # the Triton server on the GPU: exact outputs and its throughput beside
 #                                # the in-process runtime (carry .whl/: scripts/device_wheels.py)
 #   scripts/gpu_check.sh workload # tokens/s at real acceptance: an 8B-shaped pair (ACCEPTANCE=0.85), its aoti
-#                                # engine, generation at batch 1/8/32 against target-only decoding
-#   scripts/gpu_check.sh schedule # confidence-scheduled verification against fixed γ (8B-shaped pair, eager)
+#                                # engine (BACKEND=eager: the eager one), generation at batch 1/8/32 against
+#                                # target-only decoding, with fixed γ and with confidence scheduling
 #   scripts/gpu_check.sh serving-sweep # bench-serving on the 8B-shaped pair, in process and through tritonserver
 #   scripts/gpu_check.sh tp      # tensor parallelism over the machine's GPUs (2, 4, 8 as it has them)
 #   scripts/gpu_check.sh tp-bench # its benchmark on the 8B-shaped pair at each size the GPUs allow
@@ -28,6 +28,20 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 ulimit -c 0  # a crash's core dump takes tens of seconds here
 python3 -m pip install --no-deps --no-build-isolation -e . -q >"$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+
+# The 8B-shaped pairs and engines (16 GB each) live under /tmp/w8b, one folder per mode and acceptance;
+# the machine's 64 GB disk holds about one pair and one engine, so a mode first removes the others'.
+free_disk() {
+    mkdir -p /tmp/w8b
+    for d in /tmp/w8b/*; do [ "$d" = "$1" ] || rm -rf "$d"; done
+}
+# pair_at DIR P LOG: an 8B-shaped pair at acceptance P in DIR, made unless one is there already
+pair_at() {
+    [ -f "$1/pair.json" ] && return 0
+    python3 -m muse_spark.cli make-pair "$1" --preset muse-spark-8b --acceptance "$2" --device cuda \
+        --no-measure --overwrite >"$3" 2>&1 || { tail "$3"; return 1; }
+    tail -2 "$3"
+}
 
 case "${1:-tests}" in
 tests)
@@ -77,28 +91,22 @@ serving)
         tee "$OUT/serving-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|tok/s|[0-9]+ (passed|failed)"
     ;;
 workload)
-    # tokens/s at real acceptance: an 8B-shaped pair whose drafts agree at ACCEPTANCE (default 0.85),
-    # an aoti engine built from it, and the Generator's 256-token generations at batch 1, 8 and 32
-    # against the same engine's target-only decoding (benchmarks/generation.py; JSON and table in $OUT)
-    p=${ACCEPTANCE:-0.85}
-    python3 -m muse_spark.cli make-pair /tmp/workload-pair --preset muse-spark-8b --acceptance "$p" --device cuda \
-        --no-measure --overwrite 2>&1 | tee "$OUT/make-pair-$p.log" || exit 1
-    cp /tmp/workload-pair/pair.json "$OUT/pair-$p.json"
-    timeout "${BENCH_TIMEOUT:-500}" python3 benchmarks/generation.py --pair /tmp/workload-pair --batches 1,8,32 \
-        --max-tokens 256 --prompt-len 32 --work-dir /tmp/workload-engine --out-dir "$OUT" \
-        --markdown "$OUT/generation-$p.md" 2>&1 | grep -v "^\[build\]" | tee "$OUT/generation-$p.log"
-    ;;
-schedule)
-    # confidence-scheduled verification against fixed γ on the 8B-shaped pair (ACCEPTANCE, default 0.6,
-    # informative confidence), the cost table measured first: the eager engine (the compiled engines
-    # verify all γ), batch 1, 8, 32 (benchmarks/generation.py --schedule off,confidence --calibrate)
-    p=${ACCEPTANCE:-0.6}
-    python3 -m muse_spark.cli make-pair /tmp/schedule-pair --preset muse-spark-8b --acceptance "$p" --device cuda \
-        --no-measure --overwrite >"$OUT/make-pair-$p.log" 2>&1 || { tail "$OUT/make-pair-$p.log"; exit 1; }
-    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/generation.py --pair /tmp/schedule-pair --backend eager \
-        --batches 1,8,32 --max-tokens 128 --prompt-len 32 --work-dir /tmp/schedule-engine --out-dir "$OUT" \
-        --schedule off,confidence --calibrate --markdown "$OUT/schedule-$p.md" 2>&1 | grep -v "^\[build\]" |
-        tee "$OUT/schedule-$p.log"
+    # tokens/s at real acceptance: an 8B-shaped pair whose drafts agree at ACCEPTANCE (default 0.85), with
+    # the informative confidence head; an engine built from it (BACKEND, default aoti: with the default
+    # verification widths), its cost table measured, and the Generator's 256-token generations at batch 1,
+    # 8 and 32 with fixed γ and with confidence scheduling (SCHEDULES, default off,confidence), each against
+    # the same engine's target-only decoding (benchmarks/generation.py; JSON and table in $OUT). The pair
+    # and the engine stay in /tmp/w8b: a run the call's time limit cut short (the 8B aoti build takes
+    # minutes) is picked up by the next one with the same ACCEPTANCE and BACKEND.
+    p=${ACCEPTANCE:-0.85} backend=${BACKEND:-aoti}
+    here=/tmp/w8b/workload-$p
+    free_disk "$here"
+    pair_at "$here/pair" "$p" "$OUT/make-pair-$p.log" || exit 1
+    cp "$here/pair/pair.json" "$OUT/pair-$p.json"
+    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/generation.py --pair "$here/pair" --reuse-engine \
+        --backend "$backend" --batches 1,8,32 --max-tokens "${MAX_TOKENS:-256}" --prompt-len 32 \
+        --work-dir "$here/engine-$backend" --out-dir "$OUT" --schedule "${SCHEDULES:-off,confidence}" --calibrate \
+        --markdown "$OUT/generation-$p-$backend.md" 2>&1 | grep -v "^\[build\]" | tee "$OUT/generation-$p-$backend.log"
     ;;
 serving-sweep)
     # what a serving user sees on the 8B-shaped pair (acceptance 0.8): a concurrency sweep in process and
@@ -108,9 +116,10 @@ serving-sweep)
             export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
     stub=$(ls .whl/numpy-1.*.whl 2>/dev/null | head -1)
-    python3 -m muse_spark.cli make-pair /tmp/sweep-pair --preset muse-spark-8b --acceptance 0.8 --device cuda \
-        --no-measure --overwrite >"$OUT/make-pair.log" 2>&1 || { tail "$OUT/make-pair.log"; exit 1; }
-    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_serving.py --pair /tmp/sweep-pair --work-dir /tmp/sweep-engine \
+    here=/tmp/w8b/sweep
+    free_disk "$here"
+    pair_at "$here/pair" 0.8 "$OUT/make-pair.log" || exit 1
+    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_serving.py --pair "$here/pair" --work-dir "$here/engine" --reuse-engine \
         --mode inprocess,triton-grpc --concurrency 1,4,16,32 --num-requests 64 --prompt-len 128 --output-len 128 \
         ${stub:+--stub-numpy "$PWD/$stub"} --out-dir "$OUT" --plot "$OUT/bench-serving.png" 2>&1 | tee "$OUT/sweep.log"
     ;;
@@ -125,13 +134,14 @@ tp-bench)
     # all-reduce and tokens/s against each size's roofline (benchmarks/tensor_parallel.py; JSON in $OUT)
     n=$(python3 -c "import torch; print(torch.cuda.device_count())")
     sizes=$(python3 -c "print(','.join(str(k) for k in (1, 2, 4, 8) if k <= $n))")
-    python3 -m muse_spark.cli make-pair /tmp/tp-pair --preset muse-spark-8b --acceptance 0.85 --device cuda \
-        --no-measure --overwrite >"$OUT/make-pair.log" 2>&1 || { tail "$OUT/make-pair.log"; exit 1; }
-    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/tensor_parallel.py --pair /tmp/tp-pair --tp "$sizes" \
+    here=/tmp/w8b/tp
+    free_disk "$here"
+    pair_at "$here/pair" 0.85 "$OUT/make-pair.log" || exit 1
+    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/tensor_parallel.py --pair "$here/pair" --tp "$sizes" \
         --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
     ;;
 *)
-    echo "usage: $0 tests|engines|bench|cxx|serving|workload|schedule|serving-sweep|tp|tp-bench" >&2
+    echo "usage: $0 tests|engines|bench|cxx|serving|workload|serving-sweep|tp|tp-bench" >&2
     exit 2
     ;;
 esac

@@ -31,8 +31,9 @@ def random_pair(tmp_path_factory):
     return out / "target", out / "draft"
 
 
-# The CPU aoti engine the aoti and C++ embedding tests share (built once, by the CLI in another process).
-AOTI_MAX_BATCH, AOTI_MAX_SEQ = 3, 256
+# The CPU aoti engine the aoti and C++ embedding tests share (built once, by the CLI in another process),
+# with one verification width narrower than γ (confidence-scheduled steps; tests/test_schedule.py).
+AOTI_MAX_BATCH, AOTI_MAX_SEQ, AOTI_NARROW_WIDTH = 3, 256, 2
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +42,8 @@ def aoti_built(agreeing_pair, tmp_path_factory):
     minute on two cores; lengths of ENGINE_PROMPTS straddle its prefill chunk (128)."""
     out = tmp_path_factory.mktemp("aoti") / "engine"
     r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend",
-                "aoti", "--device", "cpu", "--max-batch", AOTI_MAX_BATCH, "--max-seq", AOTI_MAX_SEQ)
+                "aoti", "--device", "cpu", "--max-batch", AOTI_MAX_BATCH, "--max-seq", AOTI_MAX_SEQ,
+                "--verify-widths", AOTI_NARROW_WIDTH)
     assert r.returncode == 0, r.stderr[-4000:]
     return out, r.stderr
 

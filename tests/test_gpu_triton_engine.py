@@ -24,11 +24,11 @@ PARAMS = [SamplingParams(max_tokens=24, ignore_eos=True),
           SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True)]
 
 
-def build(agreeing_pair, out, env: dict | None = None):
+def build(agreeing_pair, out, env: dict | None = None, extra: tuple = ()):
     """The pair built by the CLI as a 2-bucket CUDA engine with the Triton plugins (``env``: the
-    kernel switches of the build) → ``out``."""
+    kernel switches of the build; ``extra``: more build arguments) → ``out``."""
     r = cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
-            "--device", "cuda", "--max-batch", 2, "--max-seq", MAX_SEQ, "--plugins", "triton", env=env)
+            "--device", "cuda", "--max-batch", 2, "--max-seq", MAX_SEQ, "--plugins", "triton", *extra, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     return out
 
@@ -158,3 +158,37 @@ def test_an_engine_without_the_rope_table_the_fused_attention_and_pdl_equals_eag
     want = [r.output for r in Generator(eager).generate(PROMPTS[:2], PARAMS)]
     assert [r.output for r in Generator(engine).generate(PROMPTS[:2], PARAMS)] == want
     assert_cli_equals_eager(out, eager)
+
+
+@pytest.mark.xdist_group("triton_engine_widths")
+def test_confidence_scheduled_steps_at_narrower_widths_equal_eager(agreeing_pair, eager, tmp_path):
+    """An engine built with a narrower verification width (``--verify-widths 2``): each bucket's step
+    halves are captured graphs of their own (the draft, then the verification at width 2 or γ); a
+    step verifying K drafts emits the eager engine's tokens for K, greedy and sampled; confidence
+    scheduling keeps greedy output, in process and from the CLI in a fresh one."""
+    from muse_spark.schedule import Schedule
+
+    out = build(agreeing_pair, tmp_path / "engine", extra=("--verify-widths", 2))
+    engine = load_engine(out)
+    assert engine.verify_widths == [2, 5]
+    assert all(sorted(r.halves, key=str) == [2, 5, "draft"] for r in engine.runners.values())
+    try:
+        for K in (2, 5):
+            for e in (engine, eager):
+                e.set_schedule(Schedule("fixed", length=K))
+            want = [r.output for r in Generator(eager).generate(PROMPTS[:2], PARAMS)]
+            assert [r.output for r in Generator(engine).generate(PROMPTS[:2], PARAMS)] == want, K
+        engine.set_schedule(Schedule("confidence", threshold=0.5))
+        reqs = Generator(engine).generate(PROMPTS[:2], [PARAMS[0]] * 2)
+        assert {s.verified for r in reqs for s in r.steps} <= {2, 5}
+        engine.set_schedule(Schedule())
+        eager.set_schedule(Schedule())
+        assert [r.output for r in reqs] == [r.output for r in Generator(eager).generate(PROMPTS[:2], [PARAMS[0]] * 2)]
+    finally:
+        eager.set_schedule(Schedule())
+    r = cli("generate", "--engine", out, "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-tokens", 24,
+            "--ignore-eos", "--json", "--schedule", "confidence", "--confidence-threshold", 0.5)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["output_ids"] == cli_generate_ids(out, PROMPTS[0], 24)
+    assert all(s["verified"] in (2, 5) and len(s["confidence"]) == 5 for s in got["steps"])

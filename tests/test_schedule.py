@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import small_engine
+from conftest import AOTI_NARROW_WIDTH, small_engine
 from muse_spark.builder.pair import draft_token_ids, make_pair, random_prompts
 from muse_spark.plugins.acceptance import reference as acceptance
 from muse_spark.runtime import EagerEngine, Generator, SamplingParams
@@ -186,11 +186,112 @@ def test_calibrate_records_the_cost_table_and_generate_follows_the_schedule(pair
     assert bad.returncode == 2 and "threshold" in bad.stderr
 
 
-def test_compiled_engines_keep_verifying_every_draft(aoti_built):
+# ---- the compiled engine: steps at the widths it was built with -----------------------------------
+@pytest.fixture(scope="module")
+def aoti_engine(aoti_built):
+    from muse_spark.runtime import load_engine
+
+    return load_engine(aoti_built[0])
+
+
+def _outputs(engine, schedule, prompts, temperature, max_tokens=24):
+    engine.set_schedule(schedule)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=7 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    return [r.output for r in Generator(engine).generate(prompts, params)]
+
+
+@pytest.mark.parametrize("length", [AOTI_NARROW_WIDTH, 5])
+def test_an_aoti_engine_verifying_k_drafts_equals_eager_token_for_token(aoti_engine, agreeing_engine, length):
+    """A step at a compiled width K verifies the anchor and the first K drafts of every row: the same
+    tokens as the eager engine told to verify K, greedy and sampled, in a batch of three."""
+    assert aoti_engine.verify_widths == [AOTI_NARROW_WIDTH, 5]
+    prompts = [[65, 66, 67, 68], [70, 71], [80, 81, 82, 83, 84]]
+    try:
+        for temperature in (0.0, 1.0):
+            fixed = Schedule("fixed", length=length)
+            got = _outputs(aoti_engine, fixed, prompts, temperature)
+            assert got == _outputs(agreeing_engine, fixed, prompts, temperature)
+            if length == 5:  # (all γ: today's step)
+                assert got == _outputs(aoti_engine, Schedule(), prompts, temperature)
+    finally:
+        aoti_engine.set_schedule(Schedule())
+        agreeing_engine.set_schedule(Schedule())
+
+
+def test_confidence_scheduling_on_aoti_keeps_greedy_output_and_verifies_fewer(aoti_engine):
+    prompts = [[65, 66, 67, 68], [70, 71]]
+    try:
+        aoti_engine.set_schedule(Schedule("confidence", threshold=0.5))
+        assert not aoti_engine.chains  # (a scheduled step waits for its confidences)
+        reqs = Generator(aoti_engine).generate(prompts, [SamplingParams(max_tokens=40, ignore_eos=True)] * 2)
+        off = _outputs(aoti_engine, Schedule(), prompts, 0.0, max_tokens=40)
+    finally:
+        aoti_engine.set_schedule(Schedule())
+    assert [r.output for r in reqs] == off
+    steps = [s for r in reqs for s in r.steps]
+    assert all(s.verified in (AOTI_NARROW_WIDTH, 5) and s.accepted <= s.verified and len(s.confidence) == 5
+               for s in steps)
+    assert any(s.verified == AOTI_NARROW_WIDTH for s in steps)  # (the tiny pair's head is often low)
+    assert all(0.0 <= c <= 1.0 for s in steps for c in s.confidence)
+
+
+def test_an_aoti_engine_refuses_widths_it_was_not_built_with(aoti_engine, aoti_built, tmp_path):
+    import json
+    import shutil
+
+    from muse_spark.runtime import load_engine
     from muse_spark.runtime.calibrate import write_schedule
 
-    with pytest.raises(EngineError, match="verifies every draft"):
-        write_schedule(aoti_built[0], Schedule("confidence"))
+    with pytest.raises(EngineError, match=r"verify \[2, 5\] drafts per request"):
+        aoti_engine.set_schedule(Schedule("fixed", length=3))
+    # the same packages, the narrower width left out of the manifest: an engine that verifies all γ only
+    full = tmp_path / "engine"
+    shutil.copytree(aoti_built[0], full)
+    m = json.loads((full / "manifest.json").read_text())
+    m["aoti"]["verify_widths"] = [5]
+    (full / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match="rebuild it with --verify-widths"):
+        write_schedule(full, Schedule("confidence"))
+    engine = load_engine(full)
+    with pytest.raises(EngineError, match="verifies every draft; rebuild it with narrower verification widths"):
+        engine.set_schedule(Schedule("confidence"))
+
+
+def test_calibrate_on_aoti_times_its_widths_and_generate_schedules_by_them(aoti_built, tmp_path):
+    import json
+    import shutil
+
+    from conftest import run_cli
+
+    engine = tmp_path / "engine"
+    shutil.copytree(aoti_built[0], engine)
+    r = run_cli("calibrate", "--engine", engine, "--batches", "1,3", "--iters", 1)
+    assert r.returncode == 0, r.stderr
+    sched = json.loads((engine / "manifest.json").read_text())["schedule"]
+    assert sched["mode"] == "confidence" and set(sched["cost_ms"]) == {"1", "3"}
+    for row in sched["cost_ms"].values():  # K = 0 … 2 run the width-2 step, 3 … 5 the full one
+        assert len(row) == 6 and min(row) > 0 and row[0] == row[1] == row[2] and row[3] == row[4] == row[5]
+    r = run_cli("generate", "--engine", engine, "--prompt-ids", "65,66,67", "--max-tokens", 30, "--ignore-eos",
+                "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert all(s["verified"] in (2, 5) and len(s["confidence"]) == 5 for s in out["steps"])
+    off = run_cli("generate", "--engine", engine, "--prompt-ids", "65,66,67", "--max-tokens", 30, "--ignore-eos",
+                  "--json", "--schedule", "off")
+    assert json.loads(off.stdout.strip().splitlines()[-1])["output_ids"] == out["output_ids"]
+
+
+def test_verification_widths_are_checked_when_the_build_plans_them():
+    from muse_spark.builder.aoti import check_widths, graph_plan_names
+
+    assert check_widths("default", 7) == [1, 4] and check_widths([7, 2, 2], 7) == [2] and check_widths(None, 5) == []
+    with pytest.raises(ValueError, match=r"verification widths \[0, 9\]"):
+        check_widths([0, 3, 9], 7)
+    names = {n: (fn, b, K) for n, fn, b, K in graph_plan_names([1, 4], with_prefill=False, widths=[2])}
+    assert names["step_layer_b4_k2"] == ("layer", 4, 2) and names["step_verify_b1_k2"] == ("step_verify", 1, 2)
+    assert names["step_draft_b4"] == ("step_draft", 4, None) and "step_draft_b4_k2" not in names
+    assert len(names) == 2 * (4 + 3)
 
 
 def test_a_requests_stats_carry_its_confidence_calibration(pair):

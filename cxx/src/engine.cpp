@@ -44,7 +44,7 @@ namespace {
 
 constexpr const char* kFormat = "muse-spark-engine";
 constexpr int kSchemaVersion = 1;
-constexpr const char* kLayout = "layered-6";  // muse_spark/graphs/parts.py LAYOUT
+constexpr const char* kLayout = "layered-7";  // muse_spark/graphs/parts.py LAYOUT
 constexpr int kEmbeddingVersion = 1;          // builder/embedder.py EMBEDDING_VERSION
 constexpr int kMarkovErrorWord = 2;           // muse_spark/graphs/parts.py MARKOV_ERROR_WORD (documentation)
 constexpr double kGreedyBelow = 1e-5;         // runtime/generator.py GREEDY_BELOW
@@ -302,7 +302,7 @@ struct Engine::Impl {
     append(in, dk);
     append(in, dv);
     append(in, {b.markov_ws, a, ap, sl, sd, tp, positions});
-    Tensors drafted = b.draft->run(in);  // ids, probs, stream, x
+    Tensors drafted = b.draft->run(in);  // ids, probs, stream, x, confidence (unused: every draft is verified)
     auto context = [&](const Tensors& aux_streams) {
       Tensors c = head;
       append(c, dk);

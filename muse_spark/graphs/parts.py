@@ -44,7 +44,9 @@ EMBED = "target.model.embed_tokens.weight"
 # "layered-5": step_finish split into step_verify (the target's head and the acceptance) and
 # step_context (the draft context K/V of the block's tokens), which the runtime runs side by side.
 # "layered-6": the decoder layers' residual kernel words are gone (no package takes them).
-LAYOUT = "layered-6"
+# "layered-7": step_draft also returns the confidence head's values; step_verify verifies the first
+# ``h.shape[1] − 1`` drafts (an engine may hold step packages for several verification widths).
+LAYOUT = "layered-7"
 MARKOV_ERROR_WORD = 2  # the Markov kernel's workspace: [counter, epoch, error flag, 0, step words…]
 
 
@@ -83,15 +85,18 @@ class SpecPair(nn.Module):
         fused Markov kernel's int64 words, zeroed once by the runtime and kept for the bucket
         (mutated in place; empty where the engine runs the reference loop).
         → (ids [B, γ] int64 target ids, probs [B, γ, Vd] fp32, stream [B, γ+1, D] fp32,
-        x [B, γ+1, D] (layer 0's normed input, compute dtype)).
+        x [B, γ+1, D] (layer 0's normed input, compute dtype), confidence [B, γ] fp32 (the confidence
+        head's values; zeros for a draft without the head)).
         """
         dcache = KVCache(list(dk), list(dv))
-        ids, probs, _conf = self.draft.propose(anchor, anchor_pos, slots, dcache, dk[0].shape[1], seeds, temperature,
-                                               markov_ws, positions)
+        ids, probs, conf = self.draft.propose(anchor, anchor_pos, slots, dcache, dk[0].shape[1], seeds, temperature,
+                                              markov_ws, positions)
+        if conf is None:
+            conf = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
         tokens = torch.cat([anchor[:, None], ids], 1)  # [B, γ+1]
         stream = self.target.embed_stream(tokens)
         # (the compute dtype from a weight this part reads: layer 0's projections stay on meta)
-        return ids, probs, stream, self.target.model.layers[0].input_norm(stream, self.target.dtype)
+        return ids, probs, stream, self.target.model.layers[0].input_norm(stream, self.target.dtype), conf.float()
 
     def layer(self, k, v, stream, x, positions, slots):
         """One target layer (layer 0's weights stand for whichever layer the runtime feeds, and the
@@ -102,22 +107,28 @@ class SpecPair(nn.Module):
                                          next_norm=self.target.model.norm)
 
     def step_verify(self, markov_ws, h, ids, probs, positions, seeds, temperature):
-        """Verify and accept.
+        """Verify and accept the first K drafts, K = ``h.shape[1] − 1`` (the step's verification width:
+        γ, or fewer in an engine built with narrower widths; drafts past K are not candidates, and
+        when all K are accepted the bonus comes from the target's distribution at the cut, as
+        ``plugins.acceptance.reference.accept`` with ``verify = K`` for every row).
 
-        h: the final norm of the last layer's stream [B, γ+1, D]; markov_ws: step_draft's (read: its
-        error flag).
+        h: the final norm of the last layer's stream [B, K+1, D]; ids [B, γ], probs [B, γ, Vd]:
+        step_draft's; positions [B, K+1]; markov_ws: step_draft's (read: its error flag).
         → packed [B, γ+2] int64: γ draft tokens (target ids), n accepted, bonus. n is −1 in every
         row when the fused Markov kernel raised its error flag (a program gave up waiting for the
         others: they were not all resident at once): the drafts are not valid and the step must
         run again (``runtime.cuda_graph.StaticStep`` does, on a zeroed workspace).
         """
-        anchor_pos = positions[:, 0]
+        anchor_pos, drafts = positions[:, 0], ids
+        K = h.shape[1] - 1
+        if K < ids.shape[1]:  # (a narrower width: the kernels read contiguous rows)
+            ids, probs = ids[:, :K].contiguous(), probs[:, :K].contiguous()
         cfg = self.target.cfg  # (the Triton build: muse_spark::accept_triton's kernels, the multiplier in them)
-        n, bonus = dispatch.accept(self.target.raw_logits(h), cfg.output_multiplier, cfg.output_soft_cap_temp, ids,
-                                   probs, self.draft.d2t, temperature, seeds, anchor_pos)
+        n, bonus = dispatch.accept(self.target.raw_logits(h), cfg.output_multiplier, cfg.output_soft_cap_temp,
+                                   ids, probs, self.draft.d2t, temperature, seeds, anchor_pos)
         if markov_ws.numel():  # (the reference loop keeps no workspace: an empty one)
             n = torch.where(markov_ws[MARKOV_ERROR_WORD] != 0, -1, n)
-        return torch.cat([ids, n[:, None], bonus[:, None]], 1)
+        return torch.cat([drafts, n[:, None], bonus[:, None]], 1)
 
     def step_context(self, dk, dv, aux, positions, slots):
         """Store the draft context K/V of the block's tokens (all γ+1: the positions past the accepted
@@ -262,13 +273,14 @@ class _Layered:
         self.last_aux = max(self.aux_layer_ids)
         self.layer_fn = layer_fn
 
-    def layers(self, weights, tk, tv, stream, x, positions, slots, after_aux=None):
-        """Run the layer package over every layer (x: layer 0's normed input); → (h, the final norm
-        of the last stream; aux streams). ``after_aux``: called with the aux streams as soon as the
-        last aux layer has run."""
+    def layers(self, weights, tk, tv, stream, x, positions, slots, after_aux=None, layer_fn=None):
+        """Run the layer package (``layer_fn``, default this step's) over every layer (x: layer 0's
+        normed input); → (h, the final norm of the last stream; aux streams). ``after_aux``: called
+        with the aux streams as soon as the last aux layer has run."""
         aux = []
+        layer_fn = layer_fn or self.layer_fn
         for i, ix in enumerate(self.layer_idx):
-            stream, x = self.layer_fn([weights[j] for j in ix], tk[i], tv[i], stream, x, positions, slots)
+            stream, x = layer_fn([weights[j] for j in ix], tk[i], tv[i], stream, x, positions, slots)
             if i in self.aux_layer_ids:
                 aux.append(stream)
             if i == self.last_aux and after_aux is not None:
@@ -288,49 +300,79 @@ class LayeredStep(_Layered):
     ``fn(weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature)`` → packed
     ``[B, γ+2]``. Under a CUDA graph capture, every part's kernels are captured.
 
-    ``side``: a CUDA stream on which ``context_fn`` (the draft context K/V of the block's tokens)
-    runs beside the target layers after the last aux layer and ``verify_fn`` (the target's head and
-    the acceptance). Neither reads what the other writes, so the context's short, latency-bound
-    kernels can overlap the head's weight stream. It is forked from the caller's stream after the
-    last aux layer and joined into it before the call returns (a captured graph holds both
-    branches); the tensors the side stream reads stay referenced until the join, so the allocator
-    hands none of them to the main stream's later work. None: the parts run one after the other on
-    the caller's stream (the same results: the step's outputs and caches do not depend on it)."""
+    The step is its two halves, which a scheduling runner calls apart (``runtime/cuda_graph.py``):
+    ``draft`` (the draft block and the Markov loop: the drafts and their confidences) and
+    ``verify`` (the target over the anchor and the first K drafts, the acceptance, the draft context).
+    ``widths``: the verification widths K < γ the engine holds packages for, {K: (layer_fn,
+    verify_fn, context_fn)}; the full width γ is the constructor's parts.
+
+    ``side``: a CUDA stream on which the context part (the draft context K/V of the block's tokens)
+    runs beside the target layers after the last aux layer and the verification part (the target's
+    head and the acceptance). Neither reads what the other writes, so the context's short,
+    latency-bound kernels can overlap the head's weight stream. It is forked from the caller's
+    stream after the last aux layer and joined into it before the call returns (a captured graph
+    holds both branches); the tensors the side stream reads stay referenced until the join, so the
+    allocator hands none of them to the main stream's later work. None: the parts run one after the
+    other on the caller's stream (the same results: the step's outputs and caches do not depend on it)."""
 
     def __init__(self, names, layers, aux_layer_ids, draft_fn, layer_fn, verify_fn, context_fn, gamma: int,
-                 side: "torch.cuda.Stream | None" = None):
+                 side: "torch.cuda.Stream | None" = None, widths: dict | None = None):
         super().__init__(names, layers, aux_layer_ids, layer_fn)
         self.gamma = gamma
         self.draft_fn, self.verify_fn, self.context_fn = draft_fn, verify_fn, context_fn
+        bad = [K for K in (widths or {}) if not 1 <= K < gamma]
+        if bad:
+            raise ValueError(f"verification widths {bad}: each must be in [1, γ={gamma})")
+        self.widths = {gamma: (layer_fn, verify_fn, context_fn), **(widths or {})}
         self.side = side
         self._offsets: dict[torch.device, torch.Tensor] = {}  # [0 … γ] by device (``step_positions``)
 
-    def _context(self, head, dk, dv, aux, positions, slots):
+    def _context(self, context_fn, head, dk, dv, aux, positions, slots):
         """Start ``context_fn``: on the side stream (→ the caller's stream, to join) or in order (→ None)."""
         if self.side is None:
-            self.context_fn(head, dk, dv, aux, positions, slots)
+            context_fn(head, dk, dv, aux, positions, slots)
             return None
         main = torch.cuda.current_stream(self.side.device)
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
-            self.context_fn(head, dk, dv, aux, positions, slots)
+            context_fn(head, dk, dv, aux, positions, slots)
         return main
 
-    def __call__(self, weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature):
+    def draft(self, weights, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature) -> tuple:
+        """The step's first half → (positions [B, γ+1], ids [B, γ], probs [B, γ, Vd], stream, x,
+        confidence [B, γ]): what ``verify`` takes."""
         head = [weights[j] for j in self.head_idx]
         offsets = self._offsets.get(anchor_pos.device)
         if offsets is None:  # (made on a first, uncaptured call: a capture warms up first, ``cuda_graph.capture``)
             offsets = self._offsets[anchor_pos.device] = torch.arange(self.gamma + 1, device=anchor_pos.device)
         positions = step_positions(anchor_pos, offsets)
-        ids, probs, stream, x = self.draft_fn(head, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature,
-                                              positions)
+        return (positions, *self.draft_fn(head, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature,
+                                          positions))
+
+    def verify(self, weights, tk, tv, dk, dv, markov_ws, slots, seeds, temperature, drafted: tuple,
+               K: int | None = None) -> torch.Tensor:
+        """The step's second half over ``draft``'s output, verifying the first ``K`` drafts of every row
+        (a width the engine holds; None: γ) → packed ``[B, γ+2]``."""
+        K = self.gamma if K is None else K
+        if K not in self.widths:
+            raise ValueError(f"verification width {K}: this step holds widths {sorted(self.widths)}")
+        layer_fn, verify_fn, context_fn = self.widths[K]
+        positions, ids, probs, stream, x, _conf = drafted
+        if K < self.gamma:  # (the anchor and the first K drafts, as the narrower packages take them)
+            positions, stream, x = (t[:, :K + 1].contiguous() for t in (positions, stream, x))
+        head = [weights[j] for j in self.head_idx]
         forked = []  # the caller's stream, where the context was forked from it
-        h, aux = self.layers(weights, tk, tv, stream, x, positions, slots, after_aux=lambda aux: forked.append(
-            self._context(head, dk, dv, aux, positions, slots)))
-        packed = self.verify_fn(head, markov_ws, h, ids, probs, positions, seeds, temperature)
+        h, aux = self.layers(weights, tk, tv, stream, x, positions, slots, layer_fn=layer_fn,
+                             after_aux=lambda aux: forked.append(
+                                 self._context(context_fn, head, dk, dv, aux, positions, slots)))
+        packed = verify_fn(head, markov_ws, h, ids, probs, positions, seeds, temperature)
         if forked[0] is not None:
             forked[0].wait_stream(self.side)  # (aux and positions are referenced until here)
         return packed
+
+    def __call__(self, weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature):
+        drafted = self.draft(weights, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature)
+        return self.verify(weights, tk, tv, dk, dv, markov_ws, slots, seeds, temperature, drafted)
 
 
 def embed_and_norm(target: MuseSpark1xForCausalLM):
