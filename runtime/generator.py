@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from muse_spark.runtime.engine import PrefillChunk
+from muse_spark.runtime.prefix_cache import chunk_keys, copy_positions
 
 
 GREEDY_BELOW = 1e-5
@@ -91,6 +92,7 @@ class Request:
     pending: list[int] = field(default_factory=list)  # emitted, not yet streamed
     logprobs: list[tuple] = field(default_factory=list)  # per output token (SamplingParams.logprobs): (lp, top)
     prefilled: int = 0  # prompt tokens prefilled so far (while the request is in ``Generator.prefilling``)
+    chunk_keys: list[bytes] | None = field(default=None, repr=False)  # (``Generator._keys``)
 
     @classmethod
     def ended(cls, prompt: list[int], params: SamplingParams | None, reason: str) -> Request:
@@ -160,6 +162,11 @@ class Generator:
         self.prefill_budget = prefill_budget if prefill_budget is not None else 2 * engine.prefill_chunk
         # stored prompt prefixes (runtime/prefix_cache.py): a request starting with one prefills after it
         self.prefix_cache = prefix_cache
+        # Prompt chunks a live request has prefilled are copied into a request whose prompt starts the
+        # same (``_share_prefill``): n samples of one prompt, or one system prompt sent at once, prefill
+        # it once. (Not across tensor-parallel ranks: the copy would reach the leader's caches only.)
+        self.share_prefill = not hasattr(engine, "time_collectives")
+        self.shared_prefill_tokens = 0  # prompt tokens copied from another request's slot, not prefilled
         self._ids = itertools.count()
         self.vocab = engine.tcfg.vocab_size
         self.eos = frozenset(engine.tcfg.eos_token_id)
@@ -316,7 +323,9 @@ class Generator:
         engine failure is retried chunk by chunk, so only a request whose own chunk fails ends (with
         finish reason ``error``). → the requests that emitted."""
         C, budget, picked = self.engine.prefill_chunk, self.prefill_budget, []
-        for req in self.prefilling:
+        for i, req in enumerate(self.prefilling):
+            if self.share_prefill and self._share_prefill(req, self.prefilling[:i]):
+                continue  # (an earlier request prefills its next chunk this round: copied on the next)
             n = min(C, len(req.prompt) - req.prefilled)
             if picked and n > budget:
                 break
@@ -355,6 +364,40 @@ class Generator:
             self._emit(req, [req.anchor])
             emitted.append(req)
         return emitted
+
+    def _keys(self, req: Request) -> list[bytes]:
+        """The chained keys of ``req``'s prompt chunks before its last one (``prefix_cache.chunk_keys``):
+        the chunks another request can hand it (its last chunk it prefills itself, for its first token)."""
+        if req.chunk_keys is None:
+            C = self.engine.prefill_chunk
+            req.chunk_keys = chunk_keys(req.prompt, C, (len(req.prompt) - 1) // C)
+        return req.chunk_keys
+
+    def _share_prefill(self, req: Request, earlier: list[Request]) -> bool:
+        """Copy into ``req``'s slot the chunks of its prompt that a live request (holding a slot, its prompt
+        the same up to there) has prefilled, and → whether ``req`` should sit this round out: an earlier
+        prefilling request shares ``req``'s next chunk and computes it first. Exact: prefill runs in the
+        same chunks, so a copied chunk holds the values ``req``'s own prefill would write."""
+        C, mine = self.engine.prefill_chunk, self._keys(req)
+        done = req.prefilled // C
+        if done >= len(mine):
+            return False
+
+        def shared(d: Request) -> int:
+            theirs, m = self._keys(d), 0
+            while m < min(len(mine), len(theirs)) and mine[m] == theirs[m]:
+                m += 1
+            return m
+
+        donors = [(min(shared(d), d.prefilled // C), d) for d in self.active + self.prefilling
+                  if d is not req and d.slot >= 0 and not d.finished]
+        have, donor = max(donors, key=lambda x: x[0], default=(0, None))
+        if have > done:
+            copy_positions(self.engine, donor.slot, req.slot, done * C, have * C)
+            self.shared_prefill_tokens += (have - done) * C
+            req.prefilled, done = have * C, have
+        return done < len(mine) and any(shared(d) > done and d.prefilled // C <= done for d in earlier
+                                        if d.slot >= 0 and not d.finished)
 
     def step(self) -> list[Request]:
         """One scheduler iteration: waiting requests take free slots, one speculative step runs over

@@ -24,6 +24,31 @@ import numpy as np
 import torch
 
 
+def chunk_keys(prompt: list[int], chunk: int, blocks: int) -> list[bytes]:
+    """The keys of a prompt's first ``blocks`` chunks of ``chunk`` tokens, chained: chunk j's key
+    hashes chunk j−1's key and its own tokens (so it names every token up to its end)."""
+    keys, key = [], b""
+    for j in range(blocks):
+        tokens = np.asarray(prompt[j * chunk : (j + 1) * chunk], dtype=np.int64).tobytes()
+        key = hashlib.sha256(key + tokens).digest()
+        keys.append(key)
+    return keys
+
+
+def engine_caches(engine) -> tuple[torch.Tensor, ...]:
+    """Every cache tensor of an engine, ``[slots, max_seq, …]`` each: the target's K and V per layer,
+    then the draft context's."""
+    return (*engine.target_cache.k, *engine.target_cache.v, *engine.draft_cache.k, *engine.draft_cache.v)
+
+
+def copy_positions(engine, src: int, dst: int, start: int, end: int) -> None:
+    """Copy positions ``[start, end)`` of cache slot ``src`` into slot ``dst``, every cache, in place (an
+    engine's captured graphs keep their addresses)."""
+    with torch.inference_mode():
+        for cache in engine_caches(engine):
+            cache[dst, start:end].copy_(cache[src, start:end])
+
+
 class PrefixCache:
     def __init__(self, engine, capacity_bytes: int):
         if capacity_bytes < 0:
@@ -36,21 +61,13 @@ class PrefixCache:
         self.lookups = self.hits = self.reused_tokens = self.evicted = 0
 
     def _keys(self, prompt: list[int], blocks: int) -> list[bytes]:
-        """The keys of a prompt's first ``blocks`` blocks, chained: block j's key hashes block j−1's key
-        and its own tokens (so it names every token up to its end)."""
-        keys, key = [], b""
-        for j in range(blocks):
-            chunk = np.asarray(prompt[j * self.block : (j + 1) * self.block], dtype=np.int64).tobytes()
-            key = hashlib.sha256(key + chunk).digest()
-            keys.append(key)
-        return keys
+        return chunk_keys(prompt, self.block, blocks)
 
     def _key(self, prompt: list[int], blocks: int) -> bytes:
         return self._keys(prompt, blocks)[-1]
 
     def _caches(self):
-        e = self.engine
-        return (*e.target_cache.k, *e.target_cache.v, *e.draft_cache.k, *e.draft_cache.v)
+        return engine_caches(self.engine)
 
     def lookup(self, prompt: list[int]) -> int:
         """The number of leading blocks of ``prompt`` stored (leaving at least one token to prefill)."""

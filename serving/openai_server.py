@@ -452,7 +452,7 @@ def create_app(service: OpenAIService, *, max_request_bytes: int = 1 << 20):
         logprobs = parsed.params.logprobs is not None
         shape = _Shape(chat, service.served.name, parsed.include_usage, service.token_text, logprobs)
         answer = _Answer(asyncio.get_running_loop())
-        for i in range(parsed.n):  # (n independent requests: each prefills the prompt itself)
+        for i in range(parsed.n):  # (n requests: the first prefills the prompt, the others copy its chunks)
             text = TextStream(service.served.tokenizer, parsed.stop, offsets=logprobs)
             service.scheduler.submit(parsed.prompt, parsed.choice_params(i), _Sink(answer, i, service, text,
                                                                                     parsed.stream))

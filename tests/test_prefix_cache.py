@@ -109,3 +109,52 @@ def test_the_serving_scheduler_reuses_prefixes(engine):
                                                                                           ignore_eos=True))
     assert outs == [r.output for r in plain]
     assert sched.gen.prefix_cache.stats()["hits"] == 1
+
+
+# ---- prompts shared by requests running at once: prefilled once -------------------------------------
+def _alone(engine, prompts, params):
+    """Each request by itself, nothing shared: the reference."""
+    out = []
+    for prompt, p in zip(prompts, params):
+        gen = Generator(engine)
+        gen.share_prefill = False
+        out.append(gen.generate([prompt], [p])[0].output)
+    return out
+
+
+def _spied(engine, monkeypatch):
+    """The (slot, start) of every chunk the engine prefills (the real calls, recorded)."""
+    seen, real = [], engine.prefill_chunks
+    monkeypatch.setattr(engine, "prefill_chunks", lambda chunks: (seen.extend((c.slot, c.start) for c in chunks),
+                                                                  real(chunks))[1])
+    return seen
+
+
+def test_samples_of_one_prompt_prefill_it_once(engine, monkeypatch):
+    """n samples of a prompt (OpenAI's n, Triton's num_return_sequences): the first prefills every chunk,
+    the others copy all but their last chunk from its slot and prefill that one (their first token comes
+    from their own seed); each sample's tokens are the ones it gets alone."""
+    prompt = SYSTEM + [65, 66, 67]  # 43 tokens: chunks at 0, 8, …, 40
+    params = [SamplingParams(max_tokens=14, temperature=4.0, seed=s, ignore_eos=True) for s in range(3)]
+    want = _alone(engine, [prompt] * 3, params)
+    seen = _spied(engine, monkeypatch)
+    gen = Generator(engine)
+    assert [r.output for r in gen.generate([prompt] * 3, params)] == want
+    assert len(set(map(tuple, want))) == 3  # (three different samples)
+    assert gen.shared_prefill_tokens == 2 * 40
+    assert sorted(start for _, start in seen) == [0, 8, 16, 24, 32, 40, 40, 40]
+
+
+def test_requests_with_a_common_start_share_its_chunks_and_a_donor_may_finish_first(engine, monkeypatch):
+    """Prompts that share their first chunks but not their ends, one of them done after one token (its
+    slot freed while the others still prefill): every request gets its own tokens."""
+    prompts = [SYSTEM + [65, 66, 67], SYSTEM[:24] + [1, 2, 3, 4, 5], SYSTEM + [70]]
+    params = [SamplingParams(max_tokens=1, ignore_eos=True), SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)]
+    want = _alone(engine, prompts, params)
+    seen = _spied(engine, monkeypatch)
+    gen = Generator(engine)
+    assert [r.output for r in gen.generate(prompts, params)] == want
+    # the second copies its 3 shared chunks, the third its first 5 (all before its last chunk)
+    assert gen.shared_prefill_tokens == 3 * CHUNK + 5 * CHUNK
+    assert len(seen) == 6 + 1 + 1
