@@ -39,6 +39,9 @@ class RequestError(ValueError):
     """A request that cannot be served; nothing was allocated or run for it."""
 
 
+MAX_STOP_SEQUENCES, MAX_STOP_SEQUENCE_TOKENS = 16, 64
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -46,6 +49,9 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # token sequences that end the output (kept in it, as a stop token is) once it ends with one of them,
+    # across step boundaries: tensorrtllm_backend's multi-token stop words
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
     # Sampling controls on the target's distribution (plugins/acceptance/processing.py; the eager
     # engine): the defaults change nothing.
     top_k: int = 0  # keep the k most likely tokens (0: all)
@@ -199,6 +205,13 @@ class Generator:
         bad_stop = [s for s in params.stop_token_ids if not isinstance(s, int) or not 0 <= s < self.vocab]
         if bad_stop:
             raise RequestError(f"stop token ids {bad_stop[:5]} are outside the vocabulary [0, {self.vocab})")
+        seqs = params.stop_sequences
+        if not isinstance(seqs, tuple) or len(seqs) > MAX_STOP_SEQUENCES or any(
+                not isinstance(q, tuple) or not 1 <= len(q) <= MAX_STOP_SEQUENCE_TOKENS
+                or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab for t in q)
+                for q in seqs):
+            raise RequestError(f"stop sequences must be at most {MAX_STOP_SEQUENCES} tuples of 1 … "
+                               f"{MAX_STOP_SEQUENCE_TOKENS} token ids in [0, {self.vocab}), got {seqs!r:.200}")
         need = len(prompt) + params.max_tokens + self.gamma
         if need > self.engine.max_seq:
             raise RequestError(
@@ -287,18 +300,32 @@ class Generator:
     def _emit(self, req: Request, tokens: list[int]) -> list[int]:
         """Append tokens, clipped at the first stop token (kept) and at max_tokens."""
         room = req.params.max_tokens - len(req.output)
-        out = []
+        out, seqs, stopped = [], req.params.stop_sequences, False
         for t in tokens[:room]:
             out.append(t)
-            if t in req.stop_ids:
+            if t in req.stop_ids or (seqs and self._ends_a_sequence(req, out)):
+                stopped = True
                 break
         req.output.extend(out)
         req.pending.extend(out)
-        if out and out[-1] in req.stop_ids:
+        if stopped:
             self._finish(req, "stop")
         elif len(req.output) >= req.params.max_tokens:
             self._finish(req, "length")
         return out
+
+    @staticmethod
+    def _ends_a_sequence(req: Request, out: list[int]) -> bool:
+        """Whether the output followed by ``out`` ends with one of the request's stop sequences (once
+        ``min_tokens`` are out, as stop tokens are held back until then)."""
+        n = len(req.output) + len(out)
+        if n < req.params.min_tokens:
+            return False
+        for q in req.params.stop_sequences:
+            k = len(q)
+            if k <= n and tuple((req.output[n - k:] if k > len(out) else []) + out[-k:]) == q:
+                return True
+        return False
 
     # ---- scheduling ------------------------------------------------------------------
     def _admit(self) -> None:

@@ -69,16 +69,38 @@ def _error(message: str, kind: str):
     return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
 
 
-class _ResponseSink:
-    """Turns one request's tokens into Triton responses (called from the scheduler thread)."""
+class _Sequences:
+    """The sequences of one request (``num_return_sequences``): they share its response sender, and
+    Triton's final flag goes with the response of the last one to end. One that fails ends the others
+    (the scheduler sees them cancelled)."""
 
-    def __init__(self, sender, stream: bool, tokenizer, gamma: int):
+    def __init__(self, n: int):
+        self.left, self.failed, self.lock = n, False, threading.Lock()
+
+    def end(self) -> bool:
+        """One sequence has ended → whether it was the last."""
+        with self.lock:
+            self.left -= 1
+            return self.left == 0
+
+
+class _ResponseSink:
+    """Turns one sequence's tokens into Triton responses (called from the scheduler thread)."""
+
+    def __init__(self, sender, stream: bool, tokenizer, gamma: int, index: int = 0, group: _Sequences | None = None):
         self.sender, self.stream, self.gamma = sender, stream, gamma
+        self.index, self.group = index, group or _Sequences(1)
         self.decoder = StreamDecoder(tokenizer)
 
     def deliver(self, req, new_tokens: list[int]) -> None:
         if not self.stream and not req.finished:
-            return  # a non-streamed request gets one final response
+            return  # a non-streamed sequence gets one final response
+        last = req.finished and self.group.end()
+        flags = FINAL if last else 0
+        if req.finished and self.group.failed:  # (ended because another sequence failed: that one answered)
+            if last:
+                self.sender.send(flags=FINAL)
+            return
         if self.stream:
             ids, text = new_tokens, self.decoder.push(req.output, final=req.finished)
         else:
@@ -88,12 +110,12 @@ class _ResponseSink:
             start = len(req.output) - len(ids)
             log_probs = [lp for lp, _ in req.logprobs[start:len(req.output)]]
         arrays = response_arrays(ids, text, req.finish_reason if req.finished else None, req.stats(self.gamma),
-                                 log_probs)
+                                 log_probs, self.index)
         response = pb_utils.InferenceResponse([pb_utils.Tensor(name, a) for name, a in arrays.items()])
         try:
-            self.sender.send(response, flags=FINAL if req.finished else 0)
+            self.sender.send(response, flags=flags)
         except Exception:
-            if req.finished:  # still close the request so Triton can release it
+            if last:  # still close the request so Triton can release it
                 try:
                     self.sender.send(flags=FINAL)
                 except Exception:
@@ -101,10 +123,16 @@ class _ResponseSink:
             raise
 
     def fail(self, message: str, kind: str) -> None:
-        self.sender.send(pb_utils.InferenceResponse(error=_error(message, kind)), flags=FINAL)
+        already, self.group.failed = self.group.failed, True
+        last = self.group.end()
+        if already and kind == "cancelled":  # (ended because another sequence failed: that one answered)
+            if last:
+                self.sender.send(flags=FINAL)
+            return
+        self.sender.send(pb_utils.InferenceResponse(error=_error(message, kind)), flags=FINAL if last else 0)
 
     def cancelled(self) -> bool:
-        return self.sender.is_cancelled()
+        return self.group.failed or self.sender.is_cancelled()
 
 
 class _Metrics:
@@ -226,8 +254,10 @@ class TritonPythonModel:
                 _log(f"muse_spark: cannot parse a request: {type(e).__name__}: {e}", error=True)
                 self.scheduler.reject(_ResponseSink(sender, False, None, 0), f"bad request: {e}", kind="internal")
                 continue
-            sink = _ResponseSink(sender, parsed.stream, self.tokenizer, self.engine.gamma)
-            self.scheduler.submit(parsed.prompt, parsed.params, sink)
+            group = _Sequences(parsed.n)
+            for i in range(parsed.n):  # (num_return_sequences: the first prefills the prompt, the others copy it)
+                sink = _ResponseSink(sender, parsed.stream, self.tokenizer, self.engine.gamma, i, group)
+                self.scheduler.submit(parsed.prompt, parsed.sequence_params(i), sink)
         return None  # decoupled: the responses go through the senders
 
     def _watch_drain(self, path: str) -> None:

@@ -6,8 +6,8 @@ requests through it. Names follow NVIDIA's tensorrtllm_backend (``text_input``,
 ``input_ids``, ``max_tokens``, ``temperature``, ``random_seed``, ``stream``,
 ``end_id``, ``stop_words``, ``bad_words``, ``runtime_top_k``, ``runtime_top_p``,
 ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-``min_tokens`` / ``min_length``, ``return_log_probs``; ``text_output``,
-``output_ids``, ``output_log_probs``) so its clients and Triton's ``generate`` /
+``min_tokens`` / ``min_length``, ``return_log_probs``, ``num_return_sequences``;
+``text_output``, ``output_ids``, ``output_log_probs``, ``sequence_index``) so its clients and Triton's ``generate`` /
 ``generate_stream`` endpoints work; ``seed``, ``stop_ids``, ``ignore_eos`` and
 ``min_p`` are ours. The sampling controls and log-probabilities go to the
 runtime's ``SamplingParams`` (the eager engine applies them; an engine that
@@ -44,6 +44,9 @@ import numpy as np
 from muse_spark.runtime.generator import RequestError, SamplingParams
 
 
+MAX_SEQUENCES = 8  # num_return_sequences at most (the OpenAI server's n too)
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -63,7 +66,8 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("stream", "TYPE_BOOL", (1,), True, "one response per speculative step (default false)"),
     TensorSpec("end_id", "TYPE_INT32", (1,), True, "end token; replaces the engine's EOS ids"),
     TensorSpec("stop_ids", "TYPE_INT32", (-1,), True, "extra stop token ids (kept in the output)"),
-    TensorSpec("stop_words", "TYPE_STRING", (-1,), True, "stop strings; each must be one token"),
+    TensorSpec("stop_words", "TYPE_STRING", (-1,), True,
+               "stop words: the output ends with the first one's tokens (kept, as a stop token is)"),
     TensorSpec("bad_words", "TYPE_STRING", (-1,), True, "accepted for compatibility; must be empty"),
     TensorSpec("ignore_eos", "TYPE_BOOL", (1,), True, "do not stop at the engine's EOS ids"),
     # sampling controls (SamplingParams; the eager engine): left out, they change nothing
@@ -76,6 +80,9 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("min_tokens", "TYPE_INT32", (1,), True, "stop tokens are held back until this many are out"),
     TensorSpec("min_length", "TYPE_INT32", (1,), True, "tensorrtllm_backend's name for min_tokens"),
     TensorSpec("return_log_probs", "TYPE_BOOL", (1,), True, "output output_log_probs (default false)"),
+    TensorSpec("num_return_sequences", "TYPE_INT32", (1,), True,
+               f"independent samples of the prompt (seeds seed, seed+1, …), 1 … {MAX_SEQUENCES}; each its own "
+               "responses, told apart by sequence_index (default 1)"),
 )
 
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -89,6 +96,8 @@ OUTPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("mean_verified_per_step", "TYPE_FP32", (1,),
                doc="draft tokens sent to the target per step (γ unless a confidence schedule verifies fewer)"),
     TensorSpec("acceptance_per_position", "TYPE_FP32", (-1,), doc="[γ] acceptance rate of each draft position"),
+    TensorSpec("sequence_index", "TYPE_INT32", (1,),
+               doc="which of the request's num_return_sequences samples the response belongs to (from 0)"),
     TensorSpec("output_log_probs", "TYPE_FP32", (-1,),
                doc="with return_log_probs: each output token's log-probability (the step's new ones when "
                    "streaming); absent otherwise"),
@@ -99,6 +108,13 @@ class ParsedRequest:
     prompt: list[int]
     params: SamplingParams
     stream: bool
+    n: int = 1  # num_return_sequences
+
+    def sequence_params(self, i: int) -> SamplingParams:
+        """Sequence ``i``'s parameters: the request's, with seed + i (modulo 2⁶⁴, as the runtime stores seeds)."""
+        if i == 0:
+            return self.params
+        return SamplingParams(**{**self.params.__dict__, "seed": (self.params.seed + i) % 2**64})
 
 
 # ---- request parsing ------------------------------------------------------------------------
@@ -216,6 +232,7 @@ def parse_request(get: Callable[[str], np.ndarray | None], tokenizer, parameters
     ignore_eos = False if ignore_eos is None else bool(_scalar("ignore_eos", ignore_eos))
 
     stop: list[int] = []
+    sequences: tuple[tuple[int, ...], ...] = ()
     end_id = get("end_id")
     if end_id is not None:
         stop.append(int(_scalar("end_id", end_id)))
@@ -223,13 +240,20 @@ def parse_request(get: Callable[[str], np.ndarray | None], tokenizer, parameters
     if get("stop_ids") is not None:
         stop += _int_list("stop_ids", get("stop_ids"))
     if get("stop_words") is not None:
-        stop += _stop_word_ids(_strings(get("stop_words")), tokenizer)
+        single, sequences = _stop_words(_strings(get("stop_words")), tokenizer)
+        stop += single
     if get("bad_words") is not None and any(_strings(get("bad_words"))):
         raise RequestError("bad_words is not supported by this model (send an empty string or leave it out)")
 
+    n = get("num_return_sequences")
+    if n is not None:
+        n = _scalar("num_return_sequences", n)
+        if not isinstance(n, (np.integer, int)) or not 1 <= int(n) <= MAX_SEQUENCES:
+            raise RequestError(f"num_return_sequences must be an integer in [1, {MAX_SEQUENCES}], got {n!r}")
     params = SamplingParams(max_tokens=int(max_tokens), temperature=temperature, seed=seed,
-                            stop_token_ids=tuple(stop), ignore_eos=ignore_eos, **_controls(get))
-    return ParsedRequest(prompt, params, stream)
+                            stop_token_ids=tuple(stop), ignore_eos=ignore_eos, stop_sequences=sequences,
+                            **_controls(get))
+    return ParsedRequest(prompt, params, stream, 1 if n is None else int(n))
 
 
 # input → (SamplingParams field, Python type); the runtime checks the values (Generator.validate)
@@ -263,23 +287,27 @@ def _controls(get: Callable[[str], np.ndarray | None]) -> dict:
     return out
 
 
-def _stop_word_ids(words: list[str], tokenizer) -> list[int]:
+def _stop_words(words: list[str], tokenizer) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+    """Stop words → (the one-token words' ids: stop tokens; the longer words' token sequences), each
+    word tokenized alone, as tensorrtllm_backend matches them (on the output's tokens)."""
     words = [w for w in words if w]
     if words and tokenizer is None:
         raise RequestError("this engine has no tokenizer: send stop_ids instead of stop_words")
-    out = []
+    single, sequences = [], []
     for w in words:
-        ids = tokenizer.encode(w).ids
-        if len(ids) != 1:
-            raise RequestError(f"stop word {w!r} is {len(ids)} tokens; only single-token stop words are supported "
-                               f"(or send stop_ids)")
-        out.append(ids[0])
-    return out
+        ids = tokenizer.encode(w, add_special_tokens=False).ids
+        if not ids:
+            raise RequestError(f"stop word {w!r} has no tokens")
+        if len(ids) == 1:
+            single.append(ids[0])
+        else:
+            sequences.append(tuple(ids))
+    return single, tuple(sequences)
 
 
 # ---- responses ------------------------------------------------------------------------------
 def response_arrays(ids: list[int], text: str, finish_reason: str | None, stats: dict,
-                    log_probs: list[float] | None = None) -> dict[str, np.ndarray]:
+                    log_probs: list[float] | None = None, sequence_index: int = 0) -> dict[str, np.ndarray]:
     """The output tensors of one response, each with the batch dimension 1 (``output_log_probs``
     only with ``log_probs``)."""
     extra = {} if log_probs is None else {
@@ -293,6 +321,7 @@ def response_arrays(ids: list[int], text: str, finish_reason: str | None, stats:
         "mean_accepted_per_step": np.array([[stats["mean_accepted_per_step"]]], dtype=np.float32),
         "mean_verified_per_step": np.array([[stats["mean_verified_per_step"]]], dtype=np.float32),
         "acceptance_per_position": np.array([stats["acceptance_per_position"]], dtype=np.float32),
+        "sequence_index": np.array([[sequence_index]], dtype=np.int32),
         **extra,
     }
 

@@ -30,6 +30,9 @@ def engine_dir(agreeing_pair, tmp_path_factory):
         ([1], SamplingParams(temperature=math.nan), "temperature must be a finite number >= 0, got nan"),
         ([1], SamplingParams(temperature=math.inf), "temperature must be a finite number"),
         ([1], SamplingParams(stop_token_ids=(999,)), r"stop token ids \[999\] are outside the vocabulary"),
+        ([1], SamplingParams(stop_sequences=((3, 999),)), r"stop sequences must be at most 16 tuples of 1 … 64"),
+        ([1], SamplingParams(stop_sequences=((),)), "stop sequences must be"),
+        ([1], SamplingParams(stop_sequences=[(1, 2)]), "stop sequences must be"),
         ([1] * 50, SamplingParams(max_tokens=50),
          r"prompt length 50 \+ max_tokens 50 \(\+ 5 draft slots\) = 105 exceeds the engine's maximum sequence length 96"),
     ],
@@ -194,3 +197,21 @@ def test_tiny_temperatures_are_greedy(engine_dir):
     tiny = Generator(engine).generate([[4, 5]], SamplingParams(max_tokens=10, temperature=1e-9, seed=3))[0]
     assert tiny.params.temperature == 0.0
     assert tiny.output == generate_target_only(engine, [4, 5], SamplingParams(max_tokens=10))
+
+
+def test_a_stop_sequence_ends_the_output_across_step_boundaries(engine_dir):
+    """The output ends with the first stop sequence it completes (kept, as a stop token is), wherever the
+    steps split it, and not before min_tokens tokens are out."""
+    engine = load_engine(engine_dir)
+    free = Generator(engine).generate([[4, 5, 6]], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    steps = [len(s.emitted) for s in free.steps]
+    assert max(steps) > 1  # (steps emit several tokens: a sequence can straddle two)
+    for end in (3, 9, 17, 26):
+        seq = tuple(free.output[end - 3:end])
+        first = next(i + 3 for i in range(len(free.output) - 2) if tuple(free.output[i:i + 3]) == seq)
+        r = Generator(engine).generate([[4, 5, 6]], SamplingParams(max_tokens=40, ignore_eos=True,
+                                                                  stop_sequences=(seq, (258, 257))))[0]
+        assert r.output == free.output[:first] and r.finish_reason == "stop"
+    late = Generator(engine).generate([[4, 5, 6]], SamplingParams(
+        max_tokens=40, ignore_eos=True, min_tokens=12, stop_sequences=(tuple(free.output[3:6]),)))[0]
+    assert len(late.output) >= 12 and late.output == free.output[:len(late.output)]

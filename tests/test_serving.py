@@ -227,6 +227,42 @@ def test_end_id_and_stop_ids_end_generation(server, ref):
         assert body["finish_reason"] == "stop"
 
 
+def test_num_return_sequences_and_stop_words_of_several_tokens(server, ref):
+    """num_return_sequences: one response stream per sample (seed, seed + 1, …), told apart by
+    sequence_index, the final flag on the last; a stop word of several tokens ends the output with
+    its tokens (tensorrtllm_backend's matching, on the output's tokens)."""
+    base = {"input_ids": [1, 2, 3], "max_tokens": 16, "ignore_eos": True, "temperature": 1.5, "seed": 5}
+    for stream in (False, True):
+        status, events = generate_stream(server, {**base, "num_return_sequences": 3, "stream": stream})
+        assert status == 200, events
+        by_seq: dict[int, list] = {}
+        for e in events:
+            by_seq.setdefault(e["sequence_index"], []).append(e)
+        assert sorted(by_seq) == [0, 1, 2]
+        for i, evs in by_seq.items():
+            want = ref.chunks([1, 2, 3], max_tokens=16, ignore_eos=True, temperature=1.5, seed=5 + i)
+            assert [ids_of(e) for e in evs] == (want if stream else [sum(want, [])])
+            assert evs[-1]["finish_reason"] == "length"
+    free = ref.run([4, 5, 6], max_tokens=40, ignore_eos=True).output
+    word = seq = None
+    for i in range(4, 30):  # a word of several tokens out of the output
+        text = ref.text(free[i:i + 3])
+        ids = tuple(ref.tok.encode(text, add_special_tokens=False).ids)
+        if text.strip() and len(ids) > 1:
+            word, seq = text, ids
+            break
+    assert word is not None
+    want = ref.run([4, 5, 6], max_tokens=40, ignore_eos=True, stop_sequences=(seq,))
+    assert want.finish_reason == "stop" and tuple(want.output[-len(seq):]) == seq
+    status, body = generate(server, {"input_ids": [4, 5, 6], "max_tokens": 40, "ignore_eos": True,
+                                     "stop_words": [word, "zzzz never"]})
+    assert status == 200, body
+    assert ids_of(body) == want.output and body["finish_reason"] == "stop"
+    for bad in (0, 9):
+        status, body = generate(server, {**base, "num_return_sequences": bad})
+        assert status == 400 and "num_return_sequences must be an integer in [1, 8]" in body["error"], body
+
+
 def test_generate_stream_yields_each_step_and_concatenates_to_the_result(server, ref):
     payload = {"input_ids": [7, 8, 9, 10], "max_tokens": 60, "stream": True, "ignore_eos": True}
     status, events = generate_stream(server, payload)
