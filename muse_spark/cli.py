@@ -217,6 +217,10 @@ def cmd_generate(a) -> int:
     if a.schedule is not None or a.confidence_threshold is not None:
         engine.set_schedule(engine.schedule.replace(mode=a.schedule, threshold=a.confidence_threshold))
     gen = Generator(engine)
+    if a.n != 1 or a.stop:
+        if a.stop and tok is None:
+            return _die("this engine has no tokenizer: --stop matches text")
+        return _generate_samples(a, engine, gen, tok, prompt, params)
     try:
         if a.stream:
             req = gen.add(prompt, params)
@@ -258,6 +262,54 @@ def cmd_generate(a) -> int:
                   "verified per step on average")
         print(f"generated {stats['generated_tokens']} tokens in {stats['seconds']:.3f}s "
               f"({stats['tokens_per_second']:.1f} tokens/s), finish reason: {stats['finish_reason']}")
+    return 0
+
+
+def _generate_samples(a, engine, gen, tok, prompt: list[int], params) -> int:
+    """``generate --n N`` and/or ``--stop STR``: N samples of the prompt (seeds seed, seed + 1, …) run
+    together (sharing the prompt's prefill), each cut at the first stop string in its text (the text
+    ends just before it; the ids at the token that completed it)."""
+    import dataclasses
+
+    from muse_spark.runtime import RequestError
+    from muse_spark.serving.openai_protocol import TextStream
+
+    if a.stream and a.n != 1:
+        return _die("--stream shows one sample: leave out --n or --stream")
+    samples = [dataclasses.replace(params, seed=(params.seed + i) % 2**64) for i in range(a.n)]
+    texts = [TextStream(tok, tuple(a.stop)) if tok is not None else None for _ in samples]
+    try:
+        reqs = [gen.add(prompt, p) for p in samples]
+    except RequestError as e:
+        return _die(str(e))
+    while not all(r.finished for r in reqs):
+        gen.step()
+        for r, t in zip(reqs, texts):
+            if t is None:
+                continue
+            t.feed(r.output, final=r.finished)
+            if t.stopped and not r.finished:
+                gen.cancel(r, "stop")  # (a stop string: the request ends here)
+            if a.stream and not a.json:
+                piece = t.take(final=r.finished)
+                print(piece, end="", flush=True)
+    if a.stream and not a.json:
+        print()
+    out = []
+    for r, t in zip(reqs, texts):
+        n = t.tokens if t is not None and t.stopped else len(r.output)
+        ids = r.output[:n]
+        text = (t.text if t.stopped else tok.decode(ids, skip_special_tokens=True)) if t is not None else None
+        out.append({"output_ids": ids, "text": text, "finish_reason": r.finish_reason, "stats": r.stats(engine.gamma),
+                    **({"logprobs": [{"token": tk, "logprob": lp, "top": [[i, v] for i, v in top]}
+                                     for tk, (lp, top) in zip(ids, r.logprobs)]} if a.logprobs is not None else {})})
+    if a.json:
+        print(json.dumps(out[0] if a.n == 1 else {"samples": out,
+                                                   "shared_prefill_tokens": gen.shared_prefill_tokens}))
+    elif not a.stream:
+        for i, o in enumerate(out):
+            body = o["text"] if o["text"] is not None else " ".join(map(str, o["output_ids"]))
+            print(body if a.n == 1 else f"[{i}] {body}  ({o['finish_reason']})")
     return 0
 
 
@@ -447,6 +499,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-tokens", type=int, default=0, help="hold stop tokens back until this many are out")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="--json: each output token's log-probability and the top N")
+    g.add_argument("--n", type=_positive, default=1, metavar="N",
+                   help="N samples of the prompt (seeds seed, seed+1, …; --json: one entry each under samples)")
+    g.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="end the output just before this text (repeatable; matched across steps)")
     g.add_argument("--schedule", choices=["off", "confidence"], default=None,
                    help="verification policy for this run (default: the engine's): confidence verifies each "
                         "request's drafts while their cumulative confidence stays above the threshold")

@@ -41,6 +41,29 @@ def test_generate_json_contract(tiny):
     assert out["stats"]["generated_tokens"] == 17
 
 
+def test_generate_samples_and_stop_strings(tiny):
+    """--n N: N samples (seeds seed, seed + 1, …), each the tokens its seed gives alone; --stop STR: the text
+    ends just before the first stop string, the ids at the token that completed it."""
+    def gen(*extra):
+        r = cli("generate", "--engine", tiny / "engine", "--prompt", "Hello there", "--max-tokens", 24, "--json",
+                "--ignore-eos", *extra)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    both = gen("--n", 3, "--temperature", 5, "--seed", 4)["samples"]
+    assert len(both) == 3 and len({tuple(s["output_ids"]) for s in both}) > 1
+    for i, sample in enumerate(both):
+        assert sample["output_ids"] == gen("--temperature", 5, "--seed", 4 + i)["output_ids"]
+    free = gen()
+    stop = free["text"][6:9]
+    assert len(stop) == 3 and free["text"].find(stop) == 6
+    cut = gen("--stop", stop, "--stop", "never in this text")
+    assert cut["text"] == free["text"][:6] and cut["finish_reason"] == "stop"
+    assert cut["output_ids"] == free["output_ids"][:len(cut["output_ids"])] and len(cut["output_ids"]) < 24
+    r = cli("generate", "--engine", tiny / "engine", "--prompt", "Hi", "--n", 2, "--stream")
+    assert r.returncode == 2 and "--stream shows one sample" in r.stderr
+
+
 def test_generate_from_checkpoints_matches_the_engine(tiny):
     a = cli("generate", "--engine", tiny / "engine", "--prompt", "Hello", "--max-tokens", "12", "--json",
             "--temperature", "0.8", "--seed", "9", "--ignore-eos")
