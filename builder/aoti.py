@@ -77,8 +77,8 @@ from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
 from muse_spark.models.layers import attention_path, linear_path
 from muse_spark.plugins.pdl import pdl_active, PDL_KERNELS
 from muse_spark.options import KernelOptions, use_options
-from muse_spark.graphs.parts import (GRAPH_INPUTS, LAYOUT, GraphFn, SpecPair, build_pair, part_weight_names,
-                                            torch_dtype, weight_specs)
+from muse_spark.graphs.parts import (CTL_FLOATS, CTL_INTS, GRAPH_INPUTS, LAYOUT, LOGPROBS_TOP, GraphFn, SpecPair,
+                                     build_pair, part_weight_names, torch_dtype, weight_specs)
 
 PLUGIN_IMPLS = ("auto", "inline", "triton")
 
@@ -152,15 +152,18 @@ def width_suffix(K: int | None) -> str:
     return "" if K is None else f"_k{K}"
 
 
-def graph_plan_names(buckets: list[int], with_prefill: bool = True,
-                     widths: list[int] = ()) -> list[tuple[str, str, int, int | None]]:
+def graph_plan_names(buckets: list[int], with_prefill: bool = True, widths: list[int] = (),
+                     controls: bool = False) -> list[tuple[str, str, int, int | None]]:
     """(graph name, SpecPair function, batch, verification width) of every package an engine holds.
     ``widths``: the narrower verification widths K < γ (each bucket gets a layer, verify and context
-    package per width, ``_k{K}``); the width is None for the prefill, the draft and the full width."""
+    package per width, ``_k{K}``); the width is None for the prefill, the draft and the full width.
+    ``controls``: each bucket's verification under the sampling controls too (``step_verify_ctl_b{B}``)."""
     names = [("prefill_layer", "layer", 1, None), ("prefill_finish", "prefill_finish", 1, None)] if with_prefill else []
     for b in sorted(buckets, reverse=True):  # the largest compiles longest: start it first
         names += [(f"step_verify_b{b}", "step_verify", b, None), (f"step_draft_b{b}", "step_draft", b, None),
                   (f"step_layer_b{b}", "layer", b, None), (f"step_context_b{b}", "step_context", b, None)]
+        if controls:
+            names.append((f"step_verify_ctl_b{b}", "step_verify_ctl", b, None))
         for K in sorted(widths, reverse=True):
             names += [(f"step_{part}_b{b}{width_suffix(K)}", fn, b, K)
                       for part, fn in (("verify", "step_verify"), ("layer", "layer"), ("context", "step_context"))]
@@ -183,18 +186,19 @@ def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: lis
                max_seq: int, cache_slots: int, buckets: list[int], prefill_chunk: int, impl: str,
                cache_dtype: str, configs: dict, out_dir: Path, with_prefill: bool = True,
                markov_words: dict[int, int] | None = None, options: KernelOptions | None = None,
-               widths: list[int] = ()) -> list[dict]:
+               widths: list[int] = (), controls: bool = False) -> list[dict]:
     """One self-contained job per package (picklable: a worker rebuilds everything from it).
     ``markov_words``: the Markov kernel's kept workspace per batch bucket (``markov_workspaces``);
     ``options``: the kernel options the graphs are traced under (default: the defaults);
-    ``widths``: the narrower verification widths (``graph_plan_names``)."""
+    ``widths``, ``controls``: the narrower verification widths, the controlled verification
+    (``graph_plan_names``)."""
     names = [w[0] for w in wspecs]
     common = dict(tcfg=tcfg.to_dict(), dcfg=dcfg.to_dict(), device=device, max_seq=max_seq,
                   cache_slots=cache_slots, cache_dtype=cache_dtype, impl=impl, configs=configs,
                   options=(options or KernelOptions()).to_dict())
     jobs = []
     spec = {w[0]: w for w in wspecs}
-    for name, fn, batch, K in graph_plan_names(buckets, with_prefill, widths):
+    for name, fn, batch, K in graph_plan_names(buckets, with_prefill, widths, controls):
         tokens = prefill_chunk if name.startswith("prefill") else (dcfg.block_size if K is None else K) + 1
         jobs.append(dict(common, name=name, fn=fn, batch=batch, tokens=tokens, width=K,
                          markov_words=(markov_words or {}).get(batch, 0),  # in the runtime's feed order
@@ -231,9 +235,14 @@ def fake_inputs(job: dict, tcfg, dcfg):
         if fn == "step_context":
             return (weights, dk, dv, aux, t((B, S), i64), t((B,), i64))
         h = t((B, S, D), cache_dtype)
-        if fn == "step_verify":
-            return (weights, t((job["markov_words"],), i64), h, t((B, g), i64), t((B, g, dcfg.draft_vocab_size), f32),
+        if fn in ("step_verify", "step_verify_ctl"):
+            args = (weights, t((job["markov_words"],), i64), h, t((B, g), i64), t((B, g, dcfg.draft_vocab_size), f32),
                     t((B, S), i64), t((B,), i64), t((B,), f32))
+            if fn == "step_verify":
+                return args
+            slots, V = job["cache_slots"], tcfg.vocab_size
+            return (*args, t((B,), i64), t((slots, len(CTL_FLOATS)), f32), t((slots, len(CTL_INTS)), i64),
+                    t((slots, V), torch.bool), t((slots, V), f32), t((slots, V), torch.bool))
         if fn == "prefill_finish":
             return (weights, dk, dv, h, aux, t((1, S), i64), *[t((1,), i64) for _ in range(3)],
                     t((1,), f32))
@@ -413,11 +422,13 @@ def compile_graphs(jobs: list[dict], workers: int | None = None,
 def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max_seq: int,
                buckets: list[int] | None = None, prefill_chunk: int | None = None, fast_compile: bool | None = None,
                plugins: str = "auto", jobs: int | None = None, log: Callable[[str], None] = lambda m: None,
-               options: KernelOptions | None = None, verify_widths: list[int] | None = None) -> dict:
+               options: KernelOptions | None = None, verify_widths: list[int] | None = None,
+               sampling_controls: bool = True) -> dict:
     """Compile the prefill and step packages into ``out_dir`` under the kernel ``options`` (default:
     the defaults); → the manifest's ``aoti`` section. ``verify_widths``: verification widths K < γ
     to compile step packages for beside the full width (confidence-scheduled steps verify the first
-    K drafts of every row; ``muse_spark/schedule.py``)."""
+    K drafts of every row; ``muse_spark/schedule.py``). ``sampling_controls``: compile each bucket's
+    verification under the requests' sampling controls too (``SpecPair.step_verify_ctl``)."""
     options = options or KernelOptions()
     buckets, chunk = graph_plan(device, max_batch, max_seq, buckets, prefill_chunk)
     widths = check_widths(verify_widths, draft.cfg.block_size)
@@ -438,7 +449,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         job_list = graph_jobs(target.cfg, draft.cfg, wspecs, device=device, max_seq=max_seq,
                               cache_slots=max_batch + 1, buckets=buckets, prefill_chunk=chunk, impl=impl,
                               cache_dtype=cache_dtype, configs=configs, out_dir=out_dir, markov_words=words,
-                              options=options, widths=widths)
+                              options=options, widths=widths, controls=sampling_controls)
         return compile_graphs(job_list, jobs, log), words
 
     fallback = None
@@ -486,6 +497,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "batch_buckets": buckets,
         # the verification widths the step packages were compiled for (drafts verified per request; γ: all)
         "verify_widths": widths + [draft.cfg.block_size],
+        # the sampling controls' steps (step_verify_ctl_b{B}): the alternatives a position reports at most
+        "sampling_controls": {"logprobs_top": LOGPROBS_TOP} if sampling_controls else None,
         # The fused Markov kernel's kept workspace per bucket: int64 words the runtime zeroes once
         # (the step_draft package's markov_workspace input; 0: the reference loop, an empty tensor)
         "markov_workspace_words": {str(b): n for b, n in words.items()},

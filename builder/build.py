@@ -350,7 +350,7 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
 
     ``options``: the kernel options the engine is built with and records; None: the environment's
     (``KernelOptions.from_env``: the kernel options' variables, read here once).
-    ``aoti_options`` (backend ``aoti`` only): ``buckets``, ``prefill_chunk``,
+    ``aoti_options`` (backend ``aoti`` only): ``buckets``, ``prefill_chunk``, ``verify_widths``, ``sampling_controls``,
     ``fast_compile``, ``plugins``, ``jobs`` — see ``builder/aoti.py``."""
     options = KernelOptions.from_env() if options is None else options
     if backend not in BACKENDS:

@@ -33,12 +33,13 @@ import torch
 from safetensors.torch import load_file
 
 from muse_spark.config import dtype_name, parse_dtype
-from muse_spark.graphs.parts import (LAYOUT, LayeredPrefill, embed_and_norm, LayeredStep, SpecPair, weight_names, weight_specs,
+from muse_spark.graphs.parts import (CTL_FLOATS, CTL_INTS, LAYOUT, LayeredPrefill, embed_and_norm, LayeredStep, SpecPair, weight_names, weight_specs,
                                             weight_tensors)
 from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep, StepHandle
 from muse_spark.engine_format import (EngineError, check_cache_memory, check_plugins, configs_from_manifest,
                                       read_manifest, verify_files)
 from muse_spark.options import KernelOptions, current_options, engine_options
+from muse_spark.plugins.acceptance.processing import Processing
 from muse_spark.schedule import Schedule, plan
 from muse_spark.runtime.engine import EagerEngine, PrefillChunk, build_modules, with_options
 
@@ -175,16 +176,18 @@ def _part(d: Path, graphs: dict | None, name: str, device, single_threaded: bool
 
 def load_step(d: str | Path, graphs: dict | None, bucket: int, target, draft, device,
               single_threaded: bool = False, side_stream: bool | None = None, loader=None,
-              widths: list[int] = ()) -> LayeredStep:
+              widths: list[int] = (), controls: bool = False) -> LayeredStep:
     """Bucket ``bucket``'s speculative step from its four packages in ``d`` (``graphs``: the
     manifest's file names; None: the builder's default names), and for each narrower verification
     width K in ``widths`` its layer, verify and context packages (``_k{K}``). ``side_stream``: run the draft
     context on a second CUDA stream beside the last target layers and the verification
     (``LayeredStep``); None: as the current kernel options' ``context_stream`` says; CUDA only.
-    ``loader``: part name → the callable part (default: its AOTI package in ``d``)."""
+    ``loader``: part name → the callable part (default: its AOTI package in ``d``). ``controls``: the
+    bucket's verification under the sampling controls too (``step_verify_ctl_b{B}``)."""
     d, names = Path(d), weight_names(SpecPair(target, draft))
     loader = loader or (lambda name: _part(d, graphs, name, device, single_threaded))
     parts = [loader(f"step_{p}_b{bucket}") for p in ("draft", "layer", "verify", "context")]
+    ctl_fn = loader(f"step_verify_ctl_b{bucket}") if controls else None
     narrower = {K: tuple(loader(f"step_{p}_b{bucket}_k{K}") for p in ("layer", "verify", "context"))
                 for K in widths if K < draft.cfg.block_size}
     device = torch.device(device)
@@ -192,7 +195,7 @@ def load_step(d: str | Path, graphs: dict | None, bucket: int, target, draft, de
         side_stream = current_options().context_stream
     side = torch.cuda.Stream(device) if side_stream and device.type == "cuda" else None
     return LayeredStep(names, target.cfg.num_hidden_layers, target.aux_layer_ids, *parts, draft.cfg.block_size,
-                       side=side, widths=narrower)
+                       side=side, widths=narrower, ctl_fn=ctl_fn)
 
 
 def load_prefill(d: str | Path, graphs: dict | None, target, draft, device, loader=None) -> LayeredPrefill:
@@ -215,7 +218,9 @@ def markov_words(aoti: dict, bucket: int, where) -> int:
 # ---- the engine -------------------------------------------------------------------------------
 class AOTIEngine(EagerEngine):
     backend = "aoti"
-    controls = False  # (its compiled step samples with temperature and seed only)
+    # the sampling controls' state lives on the device, per slot: the Generator hands the engine a
+    # request's controls once, when its prefill ends (``set_controls``)
+    stateful_controls = True
     section = "aoti"  # the manifest's section that describes the parts
 
     def __init__(self, target, draft, *, engine_dir: str | Path, manifest: dict, device, max_batch: int,
@@ -230,6 +235,7 @@ class AOTIEngine(EagerEngine):
         # the verification widths its step packages were compiled for (drafts verified per request)
         self.verify_widths = sorted(a.get("verify_widths") or [self.gamma])
         self._confidence = self._verified = self._logprobs = None
+        self._prefill_logprobs = {}
         self.max_batch, self.max_seq = max_batch, manifest["max_seq"]
         self.device = torch.device(device)
         self.manifest = manifest
@@ -239,6 +245,18 @@ class AOTIEngine(EagerEngine):
         self.target_cache = target.allocate_cache(a["cache_slots"], self.max_seq, self.device)
         self.draft_cache = draft.allocate_cache(a["cache_slots"], self.max_seq, self.device)
         self.caches = (self.target_cache.k, self.target_cache.v, self.draft_cache.k, self.draft_cache.v)
+        # Sampling controls (an engine built with their steps, ``step_verify_ctl_b{B}``): per cache slot its
+        # request's parameters and token history (``SpecPair.step_verify_ctl``), which the controlled steps
+        # read and advance in place.
+        self.controls = bool(a.get("sampling_controls"))
+        self.ctl_state = None
+        if self.controls:
+            slots, V = a["cache_slots"], self.tcfg.vocab_size
+            self.ctl_state = (torch.zeros(slots, len(CTL_FLOATS), device=self.device),
+                              torch.zeros(slots, len(CTL_INTS), dtype=torch.int64, device=self.device),
+                              torch.zeros(slots, V, dtype=torch.bool, device=self.device),
+                              torch.zeros(slots, V, device=self.device),
+                              torch.zeros(slots, V, dtype=torch.bool, device=self.device))
 
         pair = SpecPair(target, draft)
         specs = weight_specs(pair)
@@ -268,14 +286,14 @@ class AOTIEngine(EagerEngine):
             for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
                 fn = load_step(d, a["graphs"], b, target, draft, self.device, single_threaded=self.cuda_graphs,
                                side_stream=self.options.context_stream, loader=self.part_loader(d, a),
-                               widths=self.verify_widths)
+                               widths=self.verify_widths, controls=self.controls)
                 if self.cuda_graphs:
                     self.runners[b] = CUDAGraphStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
                                                     pool=pool, markov_words=words[b], programmatic=self.pdl_kernels,
-                                                    split=self.schedules)
+                                                    split=self.schedules, ctl=self.ctl_state)
                 else:
                     self.runners[b] = StaticStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
-                                                 markov_words=words[b])
+                                                 markov_words=words[b], ctl=self.ctl_state)
         self.set_schedule(Schedule.from_dict(manifest.get("schedule")))
 
     # ---- confidence scheduling ---------------------------------------------------------------
@@ -385,12 +403,32 @@ class AOTIEngine(EagerEngine):
             # Pad positions continue past the prompt (clamped into the window): no
             # query of this prompt sees them, and later steps overwrite them.
             positions = torch.arange(c.start, c.start + C).clamp_(max=self.max_seq - 1)[None]
+            last = c.start + n == L
+            controlled = last and (c.processing is not None or c.logprobs_n is not None)
             first = self.prefill_fn(self.weights, *self.caches, tokens.to(dev), positions.to(dev),
                                     torch.tensor([c.slot], device=dev), torch.tensor([n - 1], device=dev),
                                     torch.tensor([c.seed], dtype=torch.int64, device=dev),
-                                    torch.tensor([c.temperature], dtype=torch.float32, device=dev))
-            out.append(first if c.start + n == L else None)
+                                    torch.tensor([c.temperature], dtype=torch.float32, device=dev), with_h=controlled)
+            if controlled:  # (the first token under the request's controls: sampled here from the chunk's h)
+                first, h = first
+                (first,) = self._first_tokens(self.target.logits(h[:, n - 1]), [c])
+            out.append(first if last else None)
         return out
+
+    # ---- sampling controls -------------------------------------------------------------------
+    @torch.inference_mode()
+    def set_controls(self, slot: int, row: dict) -> None:
+        """The sampling controls and token history of the request in ``slot`` (a ``Processing.build`` row:
+        its parameters, prompt, output so far and stop ids), written into the slot's state for the
+        controlled steps, which advance it on the device from then on."""
+        if not self.controls:
+            raise EngineError(f"this {self.backend} engine was built without the sampling controls' steps; rebuild it")
+        proc = Processing.build([row], self.tcfg.vocab_size, self.device)
+        floats, ints, seen, counts, stops = self.ctl_state
+        floats[slot] = torch.stack([proc.top_p[0], proc.min_p[0], proc.repetition[0], proc.presence[0],
+                                    proc.frequency[0]])
+        ints[slot] = torch.stack([proc.top_k[0], proc.min_tokens[0], proc.out_len[0]])
+        seen[slot], counts[slot], stops[slot] = proc.seen[0], proc.counts[0], proc.stops[0]
 
     # ---- speculative step ------------------------------------------------------------------
     def bucket_for(self, n: int) -> int:
@@ -407,10 +445,30 @@ class AOTIEngine(EagerEngine):
         return self._runner(anchor.shape[0], kv_len)(anchor, anchor_pos, slots, seeds, temperature)
 
     @torch.inference_mode()
-    def step_host(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> list[list[int]]:
+    def step_host(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int, processing=None,
+                  logprobs_n: int | None = None) -> list[list[int]]:
         """``EagerEngine.step_host`` through the runner's pinned buffers: asynchronous host→device
-        copies straight into the graph's static inputs, the replay, one device→host copy."""
-        return self._runner(len(anchor), kv_len).step_host(anchor, anchor_pos, slots, seeds, temperature)
+        copies straight into the graph's static inputs, the replay, one device→host copy.
+        ``processing`` (rows of the requests' controls) or ``logprobs_n``: the controlled step, which
+        reads the controls from the slots' state (``set_controls``), at the full width; its
+        log-probabilities for ``take_step_info``."""
+        runner = self._runner(len(anchor), kv_len)
+        if processing is None and logprobs_n is None:
+            return runner.step_host(anchor, anchor_pos, slots, seeds, temperature)
+        if not self.controls:
+            raise EngineError(f"this {self.backend} engine was built without the sampling controls' steps; rebuild it")
+        runner.controlled = True
+        try:
+            rows = runner.step_host(anchor, anchor_pos, slots, seeds, temperature)
+        finally:
+            runner.controlled = False
+        if logprobs_n is not None:
+            picked, values, ids = (t[: len(rows)].cpu() for t in runner.last_ctl)
+            top = min(logprobs_n, values.shape[-1])
+            picked, values, ids = picked.tolist(), values[..., :top].tolist(), ids[..., :top].tolist()
+            self._logprobs = [[(picked[b][j], list(zip(ids[b][j], values[b][j])) if top else [])
+                               for j in range(len(picked[b]))] for b in range(len(rows))]
+        return rows
 
     @property
     def chains(self) -> bool:

@@ -71,8 +71,9 @@ class StaticStep:
     """Runs a static-batch step graph for any batch of up to ``bucket`` requests."""
 
     def __init__(self, fn: Callable, bucket: int, weights: Sequence[Tensor], caches: Sequence[Sequence[Tensor]],
-                 scratch_slot: int, device: torch.device, markov_words: int = 0):
+                 scratch_slot: int, device: torch.device, markov_words: int = 0, ctl: tuple | None = None):
         self.fn = fn
+        self.ctl = ctl
         self.bucket = bucket
         self.weights = list(weights)
         self.caches = tuple(list(c) for c in caches)  # tk, tv, dk, dv
@@ -184,10 +185,24 @@ class StaticStep:
     # between them (``_scheduled``). ``last_plan``: (confidences, K) of the last scheduled step.
     planner: Callable[[Tensor], int] | None = None
     last_plan: tuple[Tensor, int] | None = None
+    # ``ctl``: the sampling controls' per-slot state (``SpecPair.step_verify_ctl``'s last five inputs),
+    # where the step holds the controlled verification; ``controlled``: the next steps run it (the full
+    # width; its other outputs, the log-probabilities, in ``last_ctl``).
+    ctl: tuple[Tensor, ...] | None = None
+    controlled = False
+    last_ctl: tuple[Tensor, ...] | None = None
 
     def _step(self) -> Tensor:
         """The step over the static inputs → its packed [bucket, γ+2] output."""
+        if self.controlled:
+            packed, *self.last_ctl = self._execute_ctl()
+            return packed
         return self._execute() if self.planner is None else self._scheduled()
+
+    def _run_ctl(self) -> tuple[Tensor, ...]:
+        return self.fn(self.weights, *self.caches, self.markov_ws, *self.static_inputs, ctl=self.ctl)
+
+    _execute_ctl = _run_ctl
 
     def _draft_half(self) -> tuple:
         tk, tv, dk, dv = self.caches
@@ -412,6 +427,8 @@ class CUDAGraphStep(StaticStep):
         # ``split`` (a step with narrower verification widths): the halves of a scheduled step too, the
         # draft half once and the verification half at each width, over the draft half's outputs.
         self.halves: dict = {}
+        if self.ctl is not None:  # the controlled step: all rows padding, only the scratch slot's state changes
+            self.halves["ctl"] = capture_step(lambda: StaticStep._run_ctl(self), warmup)[:2]
         if split:
             self.halves["draft"] = capture_step(lambda: StaticStep._draft_half(self), warmup)[:2]
             drafted = self.halves["draft"][1]
@@ -433,7 +450,7 @@ class CUDAGraphStep(StaticStep):
         """What a replay must find where it was captured: the static inputs, the workspace, the caller's
         caches as its lists hold them now (an entry may have been replaced), and with ``weights`` the
         weights."""
-        return [*self.static_inputs, self.markov_ws, *(t for c in self.live_caches for t in c),
+        return [*self.static_inputs, self.markov_ws, *(t for c in self.live_caches for t in c), *(self.ctl or ()),
                 *(self.weights if weights else ())]
 
     def check(self, caches: Sequence[Sequence[Tensor]]) -> None:
@@ -454,6 +471,11 @@ class CUDAGraphStep(StaticStep):
         graph, drafted = self.halves["draft"]
         self._replay(graph)
         return drafted
+
+    def _execute_ctl(self) -> tuple[Tensor, ...]:
+        graph, out = self.halves["ctl"]
+        self._replay(graph)
+        return out
 
     def _verify_half(self, drafted: tuple, K: int) -> Tensor:
         graph, out = self.halves[K]

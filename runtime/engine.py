@@ -257,25 +257,31 @@ class EagerEngine:
         if done:
             rows = torch.tensor(done, device=dev)
             logits = self.target.logits(h[rows, torch.tensor([n[i] - 1 for i in done], device=dev)])  # [D, V]
-            temps = torch.tensor([float(chunks[i].temperature) for i in done], device=dev, dtype=torch.float32)
-            procs = [chunks[i].processing for i in done]
-            if any(procs):  # (a request without controls gets the neutral ones)
-                proc = Processing.build([p or neutral_controls(chunks[i].prompt) for p, i in zip(procs, done)],
-                                        self.tcfg.vocab_size, dev)
-                logits = process_logits(logits[:, None], logits.new_zeros(len(done), 0, dtype=torch.int64), proc,
-                                        temps)[:, 0]
-            first = sample_tokens(logits, temps, torch.tensor([chunks[i].seed for i in done], device=dev),
-                                  torch.tensor([len(chunks[i].prompt) for i in done], device=dev))
-            wanted = [chunks[i].logprobs_n for i in done]
-            lp = None
-            if any(w is not None for w in wanted):
-                lp = _logprob_rows(logprobs(logits[:, None], temps), first[:, None],
-                                   max(w for w in wanted if w is not None))
-            for j, i in enumerate(done):
-                out[i] = first[j : j + 1]
-                if lp is not None and wanted[j] is not None:
-                    self._prefill_logprobs[chunks[i].slot] = lp[j][0]
+            for i, first in zip(done, self._first_tokens(logits, [chunks[i] for i in done])):
+                out[i] = first
         return out
+
+    def _first_tokens(self, logits: torch.Tensor, chunks: list["PrefillChunk"]) -> list[torch.Tensor]:
+        """The first generated token of each prompt whose last chunk is ``chunks[j]``, from the target's
+        logits after its last token (``logits[j]``, [V]), under its sampling controls; its
+        log-probabilities kept for ``take_prefill_logprobs`` where asked. → [1] int64 tensors."""
+        dev = logits.device
+        temps = torch.tensor([float(c.temperature) for c in chunks], device=dev, dtype=torch.float32)
+        procs = [c.processing for c in chunks]
+        if any(procs):  # (a request without controls gets the neutral ones)
+            proc = Processing.build([p or neutral_controls(c.prompt) for p, c in zip(procs, chunks)],
+                                    self.tcfg.vocab_size, dev)
+            logits = process_logits(logits[:, None], logits.new_zeros(len(chunks), 0, dtype=torch.int64), proc,
+                                    temps)[:, 0]
+        first = sample_tokens(logits, temps, torch.tensor([c.seed for c in chunks], device=dev),
+                              torch.tensor([len(c.prompt) for c in chunks], device=dev))
+        wanted = [c.logprobs_n for c in chunks]
+        if any(w is not None for w in wanted):
+            lp = _logprob_rows(logprobs(logits[:, None], temps), first[:, None], max(w for w in wanted if w is not None))
+            for j, c in enumerate(chunks):
+                if wanted[j] is not None:
+                    self._prefill_logprobs[c.slot] = lp[j][0]
+        return [first[j : j + 1] for j in range(len(chunks))]
 
     def take_prefill_logprobs(self, slot: int):
         """The first token's (log-probability, top N) of the prompt prefilled into ``slot``, once."""

@@ -173,6 +173,10 @@ class Generator:
         # it once. (Not across tensor-parallel ranks: the copy would reach the leader's caches only.)
         self.share_prefill = not hasattr(engine, "time_collectives")
         self.shared_prefill_tokens = 0  # prompt tokens copied from another request's slot, not prefilled
+        # an engine that keeps the sampling controls on the device per slot (aoti) gets each request's
+        # controls once, when its prefill ends, and its controlled steps run unchained
+        self._stateful_controls = bool(getattr(engine, "stateful_controls", False) and getattr(engine, "controls",
+                                                                                             False))
         self._ids = itertools.count()
         self.vocab = engine.tcfg.vocab_size
         self.eos = frozenset(engine.tcfg.eos_token_id)
@@ -240,7 +244,8 @@ class Generator:
             number("logprobs", 0, 20, integer=True)
         if p.controls() and not getattr(self.engine, "controls", False):
             raise RequestError(f"sampling controls (top_k, top_p, min_p, penalties, min_tokens, logprobs) run on the "
-                               f"eager engine; this {self.engine.backend} engine samples with temperature and seed only")
+                               f"eager engine and on aoti engines built with their steps; this {self.engine.backend} "
+                               "engine samples with temperature and seed only")
 
     def _controls_row(self, req: Request) -> dict:
         p = req.params
@@ -389,6 +394,8 @@ class Generator:
             if req.params.logprobs is not None:
                 req.logprobs.append(self._top(self.engine.take_prefill_logprobs(req.slot), req.params.logprobs))
             self._emit(req, [req.anchor])
+            if self._stateful_controls and not req.finished:  # (every request: its slot may hold another's)
+                self.engine.set_controls(req.slot, self._controls_row(req))
             emitted.append(req)
         return emitted
 
@@ -471,9 +478,10 @@ class Generator:
             return ([r.anchor for r in batch], [r.position for r in batch], [r.slot for r in batch],
                     [r.params.seed for r in batch], [float(r.params.temperature) for r in batch])
 
-        if not eng.chains:
+        controlled = any(r.params.controls() for r in batch)
+        if not eng.chains or (controlled and handle is None):
             # Host values in, lists out: two host→device copies and one back (the engines' step_host).
-            if any(r.params.controls() for r in batch):
+            if controlled:
                 wanted = [r.params.logprobs for r in batch if r.params.logprobs is not None]
                 packed = eng.step_host(*host_inputs(), last + g + 1, processing=[self._controls_row(r) for r in batch],
                                        logprobs_n=max(wanted) if wanted else None)

@@ -169,7 +169,8 @@ def _same(value, neutral) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
-# Sampling controls the runtime implements (SamplingParams; the eager engine), taken from the body.
+# Sampling controls the runtime implements (SamplingParams; the eager engine and aoti engines built with the
+# controlled step), taken from the body.
 _CONTROLS = ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens")
 
 

@@ -10,8 +10,9 @@ requests through it. Names follow NVIDIA's tensorrtllm_backend (``text_input``,
 ``text_output``, ``output_ids``, ``output_log_probs``, ``sequence_index``) so its clients and Triton's ``generate`` /
 ``generate_stream`` endpoints work; ``seed``, ``stop_ids``, ``ignore_eos`` and
 ``min_p`` are ours. The sampling controls and log-probabilities go to the
-runtime's ``SamplingParams`` (the eager engine applies them; an engine that
-cannot refuses the request when ``Generator.add`` validates it).
+runtime's ``SamplingParams`` (the eager engine and aoti engines built with the
+controlled step apply them; an engine that cannot refuses the request when
+``Generator.add`` validates it).
 
 Footguns handled here rather than in the model:
 
@@ -70,7 +71,7 @@ INPUTS: tuple[TensorSpec, ...] = (
                "stop words: the output ends with the first one's tokens (kept, as a stop token is)"),
     TensorSpec("bad_words", "TYPE_STRING", (-1,), True, "accepted for compatibility; must be empty"),
     TensorSpec("ignore_eos", "TYPE_BOOL", (1,), True, "do not stop at the engine's EOS ids"),
-    # sampling controls (SamplingParams; the eager engine): left out, they change nothing
+    # sampling controls (SamplingParams): left out, they change nothing
     TensorSpec("runtime_top_k", "TYPE_INT32", (1,), True, "keep the k most likely tokens (0: all)"),
     TensorSpec("runtime_top_p", "TYPE_FP32", (1,), True, "keep the most likely tokens up to this mass, (0, 1]"),
     TensorSpec("min_p", "TYPE_FP32", (1,), True, "drop tokens below min_p × the most likely one's probability"),

@@ -57,8 +57,9 @@ def test_build_reports_progress_and_writes_the_manifest(built):
     files = {"prefill_layer.pt2", "prefill_finish.pt2", "step_draft_b3.pt2", "step_layer_b3.pt2",
              "step_verify_b3.pt2", "step_context_b3.pt2",
              # (the shared engine also verifies 2 drafts per request: conftest.AOTI_NARROW_WIDTH)
-             "step_layer_b3_k2.pt2", "step_verify_b3_k2.pt2", "step_context_b3_k2.pt2"}
-    assert "[build] compiling 9 graphs" in log and "step_layer_b3 compiled" in log
+             "step_layer_b3_k2.pt2", "step_verify_b3_k2.pt2", "step_context_b3_k2.pt2",
+             "step_verify_ctl_b3.pt2"}  # (the verification under the sampling controls)
+    assert "[build] compiling 10 graphs" in log and "step_layer_b3 compiled" in log
     m = json.loads((out / "manifest.json").read_text())
     assert m["backend"] == "aoti" and m["device"]["kind"] == "cpu"
     a = m["aoti"]
@@ -78,7 +79,7 @@ def test_build_reports_progress_and_writes_the_manifest(built):
     assert a["graphs"]["step_layer_b3"] == {"file": "step_layer_b3.pt2", "fn": "layer", "batch": 3, "tokens": 6}
     assert a["graphs"]["step_layer_b3_k2"] == {"file": "step_layer_b3_k2.pt2", "fn": "layer", "batch": 3,
                                                "tokens": 3, "width": 2}
-    assert a["verify_widths"] == [2, 5]
+    assert a["verify_widths"] == [2, 5] and a["sampling_controls"] == {"logprobs_top": 20}
     for name in sorted(files) + ["target.safetensors", "draft.safetensors", "derived.safetensors", "tokenizer.json"]:
         assert len(m["files"][name]) == 64  # sha256 of every engine file
     assert m["versions"]["torch"] == torch.__version__

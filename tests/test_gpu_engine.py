@@ -40,7 +40,8 @@ def built(agreeing_pair, tmp_path_factory):
     r = subprocess.run([sys.executable, "-c", code, *map(str, (*agreeing_pair, out))], capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "[build] compiling 14 graphs" in r.stderr  # progress output (2 prefill parts, 4 per bucket)
+    # progress output (2 prefill parts, 5 per bucket: draft, layer, verify, context, controlled verify)
+    assert "[build] compiling 17 graphs" in r.stderr
     return out
 
 

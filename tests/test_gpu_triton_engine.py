@@ -165,13 +165,14 @@ def test_confidence_scheduled_steps_at_narrower_widths_equal_eager(agreeing_pair
     """An engine built with a narrower verification width (``--verify-widths 2``): each bucket's step
     halves are captured graphs of their own (the draft, then the verification at width 2 or γ); a
     step verifying K drafts emits the eager engine's tokens for K, greedy and sampled; confidence
-    scheduling keeps greedy output, in process and from the CLI in a fresh one."""
+    scheduling keeps greedy output, in process and from the CLI in a fresh one. Then the sampling
+    controls on the same engine's controlled step graphs."""
     from muse_spark.schedule import Schedule
 
     out = build(agreeing_pair, tmp_path / "engine", extra=("--verify-widths", 2))
     engine = load_engine(out)
     assert engine.verify_widths == [2, 5]
-    assert all(sorted(r.halves, key=str) == [2, 5, "draft"] for r in engine.runners.values())
+    assert all(sorted(r.halves, key=str) == [2, 5, "ctl", "draft"] for r in engine.runners.values())
     try:
         for K in (2, 5):
             for e in (engine, eager):
@@ -192,3 +193,14 @@ def test_confidence_scheduled_steps_at_narrower_widths_equal_eager(agreeing_pair
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["output_ids"] == cli_generate_ids(out, PROMPTS[0], 24)
     assert all(s["verified"] in (2, 5) and len(s["confidence"]) == 5 for s in got["steps"])
+    # The sampling controls on the same engine: the controlled step's own captured graph, reading and
+    # advancing the slots' state on the device, emits the eager engine's tokens and log-probabilities.
+    controlled = [SamplingParams(max_tokens=24, temperature=1.1, seed=3, top_k=5, repetition_penalty=1.3,
+                                 logprobs=2, ignore_eos=True),
+                  SamplingParams(max_tokens=24, temperature=0.9, seed=4, top_p=0.8, frequency_penalty=0.4,
+                                 min_tokens=8, ignore_eos=True)]
+    assert all("ctl" in r.halves for r in engine.runners.values())
+    got = Generator(engine).generate(PROMPTS[:2], controlled)
+    want = Generator(eager).generate(PROMPTS[:2], controlled)
+    assert [r.output for r in got] == [r.output for r in want]
+    assert [lp for lp, _ in got[0].logprobs] == pytest.approx([lp for lp, _ in want[0].logprobs], abs=1e-3)

@@ -130,16 +130,70 @@ def test_logprobs_are_the_processed_distributions(engine):
         assert top[0][1] == pytest.approx(want.max().item(), abs=1e-4)
 
 
-def test_bad_controls_are_refused_and_compiled_engines_say_why(engine, aoti_built):
+def test_bad_controls_are_refused_and_compiled_engines_say_why(engine, aoti_built, tmp_path):
     gen = Generator(engine)
     for bad in (dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=2.0), dict(repetition_penalty=0.0),
                 dict(presence_penalty=3.0), dict(logprobs=50), dict(min_tokens=99, max_tokens=5)):
         with pytest.raises(RequestError):
             gen.add([1, 2], SamplingParams(**{"max_tokens": 8, **bad}))
+    import json
+    import shutil
+
     from muse_spark.runtime import load_engine
 
-    with pytest.raises(RequestError, match="eager engine"):
-        Generator(load_engine(aoti_built[0])).add([1, 2], SamplingParams(top_k=3))
+    # the same packages, the manifest saying the controls' steps were not built: refused, with the reason
+    bare = tmp_path / "engine"
+    shutil.copytree(aoti_built[0], bare)
+    m = json.loads((bare / "manifest.json").read_text())
+    m["aoti"]["sampling_controls"] = None
+    (bare / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(RequestError, match="eager engine and on aoti engines built with their steps"):
+        Generator(load_engine(bare)).add([1, 2], SamplingParams(top_k=3))
+
+
+# ---- the compiled engine: the controls' state on the device, per slot ------------------------------
+@pytest.fixture(scope="module")
+def aoti_engine(aoti_built):
+    from muse_spark.runtime import load_engine
+
+    return load_engine(aoti_built[0])
+
+
+def test_the_aoti_engine_applies_the_controls_as_the_eager_one(aoti_engine, agreeing_engine):
+    """The compiled controlled step (``step_verify_ctl``: the controls and token history read from the
+    slots' state, advanced in place) emits the eager engine's tokens, greedy and sampled, in a batch
+    that mixes controlled and plain requests, with the same log-probabilities (the tolerance table's
+    row of the compute dtype); a plain batch afterwards is today's step."""
+    from tolerances import TOL
+
+    assert aoti_engine.controls
+    prompts = [[65, 66, 67, 68], [70, 71, 72], [80, 81]]
+    params = [SamplingParams(max_tokens=30, temperature=1.2, seed=3, top_k=5, repetition_penalty=1.3,
+                             ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=25, temperature=0.9, seed=4, top_p=0.8, min_p=0.05, presence_penalty=0.5,
+                             frequency_penalty=0.3, ignore_eos=True),
+              SamplingParams(max_tokens=28, ignore_eos=True, min_tokens=10)]
+    got = Generator(aoti_engine).generate(prompts, params)
+    want = Generator(agreeing_engine).generate(prompts, params)
+    assert [r.output for r in got] == [r.output for r in want]
+    tol = TOL[aoti_engine.target.dtype]  # (the compute dtype's row: the logits are that dtype's GEMMs')
+    for (lp, top), (wlp, wtop) in zip(got[0].logprobs, want[0].logprobs):
+        assert lp == pytest.approx(wlp, rel=tol["rtol"], abs=tol["atol"]) and [t for t, _ in top] == [t for t, _ in wtop]
+        assert [v for _, v in top] == pytest.approx([v for _, v in wtop], rel=tol["rtol"], abs=tol["atol"])
+    plain = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, ignore_eos=True) for s in range(3)]
+    assert [r.output for r in Generator(aoti_engine).generate(prompts, plain)] == \
+        [r.output for r in Generator(agreeing_engine).generate(prompts, plain)]
+
+
+def test_a_slot_gets_its_new_requests_controls_not_the_last_ones(aoti_engine, agreeing_engine):
+    """Requests that follow each other in the same slots, controlled and not, each with the eager
+    engine's tokens: the slot's state is its request's (set when its prefill ends), not its predecessor's."""
+    gens = Generator(aoti_engine), Generator(agreeing_engine)
+    for params in (SamplingParams(max_tokens=16, top_k=1, repetition_penalty=3.0, ignore_eos=True),
+                   SamplingParams(max_tokens=16, ignore_eos=True),
+                   SamplingParams(max_tokens=16, temperature=1.5, seed=9, frequency_penalty=1.5, ignore_eos=True)):
+        out = [g.generate([[72, 101, 108]], params)[0].output for g in gens]
+        assert out[0] == out[1]
 
 
 # ---- statistical exactness (test_speculative's two-token test with controls) ------------------------

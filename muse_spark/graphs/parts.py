@@ -33,7 +33,8 @@ from torch import nn
 from muse_spark.models.draft import MuseSparkDSparkForCausalLM
 from muse_spark.models.target import KVCache, MuseSpark1xForCausalLM
 from muse_spark.plugins import dispatch
-from muse_spark.plugins.acceptance.reference import sample_tokens
+from muse_spark.plugins.acceptance.processing import Processing, logprobs, process_logits
+from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 
 EMBED = "target.model.embed_tokens.weight"
 # The packages' calling convention; an engine of another layout is refused ("rebuild it").
@@ -48,6 +49,10 @@ EMBED = "target.model.embed_tokens.weight"
 # ``h.shape[1] − 1`` drafts (an engine may hold step packages for several verification widths).
 LAYOUT = "layered-7"
 MARKOV_ERROR_WORD = 2  # the Markov kernel's workspace: [counter, epoch, error flag, 0, step words…]
+# The sampling controls' per-slot state (``step_verify_ctl``): the columns of its two parameter tables.
+CTL_FLOATS = ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+CTL_INTS = ("top_k", "min_tokens", "out_len")
+LOGPROBS_TOP = 20  # the most alternatives a controlled step reports per position (OpenAI's top_logprobs ≤ 20)
 
 
 class SpecPair(nn.Module):
@@ -129,6 +134,46 @@ class SpecPair(nn.Module):
         if markov_ws.numel():  # (the reference loop keeps no workspace: an empty one)
             n = torch.where(markov_ws[MARKOV_ERROR_WORD] != 0, -1, n)
         return torch.cat([drafts, n[:, None], bonus[:, None]], 1)
+
+    def step_verify_ctl(self, markov_ws, h, ids, probs, positions, seeds, temperature, slots, ctl_floats, ctl_ints,
+                        seen, counts, stops):
+        """``step_verify`` under the requests' sampling controls, from per-slot state kept on the device.
+
+        ctl_floats [slots, 5] fp32 (``CTL_FLOATS``), ctl_ints [slots, 3] int64 (``CTL_INTS``: out_len is
+        the tokens output so far), seen [slots, V] bool (prompt and output tokens), counts [slots, V]
+        fp32 (output tokens), stops [slots, V] bool (the tokens min_tokens holds back): the
+        ``Processing`` of the rows' slots. The target's distribution at each position is processed
+        (``process_logits``: the drafts before a position count as output) and the reference rule
+        accepts on it, as the eager engine does. The emitted tokens (the accepted drafts and the
+        bonus) are then added to their slots' seen, counts and out_len, in place, so the next step
+        needs nothing from the host.
+        → (packed [B, γ+2] as ``step_verify``'s; the emitted tokens' log-probabilities [B, K+1], the
+        ``LOGPROBS_TOP`` most likely tokens' log-probabilities and ids [B, K+1, LOGPROBS_TOP], per
+        position 0 … K, position j's token being draft j+1 while j < n and the bonus at j = n)."""
+        anchor_pos, drafts = positions[:, 0], ids
+        K = h.shape[1] - 1
+        if K < ids.shape[1]:
+            ids, probs = ids[:, :K].contiguous(), probs[:, :K].contiguous()
+        f, i = ctl_floats.index_select(0, slots), ctl_ints.index_select(0, slots)
+        proc = Processing(top_k=i[:, 0], top_p=f[:, 0], min_p=f[:, 1], repetition=f[:, 2], presence=f[:, 3],
+                          frequency=f[:, 4], min_tokens=i[:, 1], out_len=i[:, 2], seen=seen.index_select(0, slots),
+                          counts=counts.index_select(0, slots), stops=stops.index_select(0, slots))
+        z = process_logits(self.target.logits(h), ids, proc, temperature)
+        n, bonus = accept(z, ids, probs, self.draft.d2t, temperature, seeds, anchor_pos)
+        if markov_ws.numel():
+            n = torch.where(markov_ws[MARKOV_ERROR_WORD] != 0, -1, n)
+        at = torch.arange(K + 1, device=n.device)[None, :]
+        chosen = torch.where(at < n[:, None], torch.cat([ids, bonus[:, None]], 1), bonus[:, None])  # [B, K+1]
+        lp = logprobs(z, temperature)
+        top = lp.topk(min(LOGPROBS_TOP, lp.shape[-1]), -1)
+        # the emitted tokens join their slots' history (none where the step failed: n = −1)
+        emitted = (at <= n[:, None]).float()  # [B, K+1]
+        rows = slots[:, None].expand_as(chosen)
+        counts.index_put_((rows, chosen), emitted, accumulate=True)
+        seen.index_put_((slots,), seen.index_select(0, slots) | (counts.index_select(0, slots) > 0))
+        ctl_ints.index_put_((slots, torch.full_like(slots, 2)), i[:, 2] + n + 1, accumulate=False)
+        return (torch.cat([drafts, n[:, None], bonus[:, None]], 1), lp.gather(-1, chosen[..., None])[..., 0],
+                top.values, top.indices)
 
     def step_context(self, dk, dv, aux, positions, slots):
         """Store the draft context K/V of the block's tokens (all γ+1: the positions past the accepted
@@ -226,6 +271,8 @@ GRAPH_INPUTS = {
                    "seeds", "temperature", "positions"],
     "layer": ["weights[layer i]", "target_k[i]", "target_v[i]", "stream", "x", "positions", "slots"],
     "step_verify": ["weights[head]", "markov_workspace", "h", "ids", "probs", "positions", "seeds", "temperature"],
+    "step_verify_ctl": ["weights[head]", "markov_workspace", "h", "ids", "probs", "positions", "seeds", "temperature",
+                        "slots", "ctl_floats", "ctl_ints", "seen", "counts", "stops"],
     "step_context": ["weights[head]", "draft_k[]", "draft_v[]", "aux[]", "positions", "slots"],
     "prefill_finish": ["weights[head]", "draft_k[]", "draft_v[]", "h", "aux[]", "positions", "slots", "last",
                        "seeds", "temperature"],
@@ -304,7 +351,9 @@ class LayeredStep(_Layered):
     ``draft`` (the draft block and the Markov loop: the drafts and their confidences) and
     ``verify`` (the target over the anchor and the first K drafts, the acceptance, the draft context).
     ``widths``: the verification widths K < γ the engine holds packages for, {K: (layer_fn,
-    verify_fn, context_fn)}; the full width γ is the constructor's parts.
+    verify_fn, context_fn)}; the full width γ is the constructor's parts. ``ctl_fn``: the full width's
+    verification under the sampling controls (``SpecPair.step_verify_ctl``), which a step called with
+    ``ctl`` (the controls' per-slot state tensors) runs instead of ``verify_fn``.
 
     ``side``: a CUDA stream on which the context part (the draft context K/V of the block's tokens)
     runs beside the target layers after the last aux layer and the verification part (the target's
@@ -316,8 +365,9 @@ class LayeredStep(_Layered):
     other on the caller's stream (the same results: the step's outputs and caches do not depend on it)."""
 
     def __init__(self, names, layers, aux_layer_ids, draft_fn, layer_fn, verify_fn, context_fn, gamma: int,
-                 side: "torch.cuda.Stream | None" = None, widths: dict | None = None):
+                 side: "torch.cuda.Stream | None" = None, widths: dict | None = None, ctl_fn=None):
         super().__init__(names, layers, aux_layer_ids, layer_fn)
+        self.ctl_fn = ctl_fn
         self.gamma = gamma
         self.draft_fn, self.verify_fn, self.context_fn = draft_fn, verify_fn, context_fn
         bad = [K for K in (widths or {}) if not 1 <= K < gamma]
@@ -350,12 +400,15 @@ class LayeredStep(_Layered):
                                           positions))
 
     def verify(self, weights, tk, tv, dk, dv, markov_ws, slots, seeds, temperature, drafted: tuple,
-               K: int | None = None) -> torch.Tensor:
+               K: int | None = None, ctl: tuple | None = None):
         """The step's second half over ``draft``'s output, verifying the first ``K`` drafts of every row
-        (a width the engine holds; None: γ) → packed ``[B, γ+2]``."""
+        (a width the engine holds; None: γ) → packed ``[B, γ+2]``; with ``ctl`` (the sampling controls'
+        state, ``SpecPair.step_verify_ctl``'s last five inputs; the full width only) → its four outputs."""
         K = self.gamma if K is None else K
         if K not in self.widths:
             raise ValueError(f"verification width {K}: this step holds widths {sorted(self.widths)}")
+        if ctl is not None and (self.ctl_fn is None or K != self.gamma):
+            raise ValueError("a controlled step runs at the full width of a step built with the controls' part")
         layer_fn, verify_fn, context_fn = self.widths[K]
         positions, ids, probs, stream, x, _conf = drafted
         if K < self.gamma:  # (the anchor and the first K drafts, as the narrower packages take them)
@@ -365,14 +418,17 @@ class LayeredStep(_Layered):
         h, aux = self.layers(weights, tk, tv, stream, x, positions, slots, layer_fn=layer_fn,
                              after_aux=lambda aux: forked.append(
                                  self._context(context_fn, head, dk, dv, aux, positions, slots)))
-        packed = verify_fn(head, markov_ws, h, ids, probs, positions, seeds, temperature)
+        if ctl is None:
+            packed = verify_fn(head, markov_ws, h, ids, probs, positions, seeds, temperature)
+        else:
+            packed = self.ctl_fn(head, markov_ws, h, ids, probs, positions, seeds, temperature, slots, *ctl)
         if forked[0] is not None:
             forked[0].wait_stream(self.side)  # (aux and positions are referenced until here)
         return packed
 
-    def __call__(self, weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature):
+    def __call__(self, weights, tk, tv, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature, ctl=None):
         drafted = self.draft(weights, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature)
-        return self.verify(weights, tk, tv, dk, dv, markov_ws, slots, seeds, temperature, drafted)
+        return self.verify(weights, tk, tv, dk, dv, markov_ws, slots, seeds, temperature, drafted, ctl=ctl)
 
 
 def embed_and_norm(target: MuseSpark1xForCausalLM):
@@ -395,8 +451,11 @@ class LayeredPrefill(_Layered):
         super().__init__(names, layers, aux_layer_ids, layer_fn)
         self.embed, self.finish_fn = embed, finish_fn
 
-    def __call__(self, weights, tk, tv, dk, dv, tokens, positions, slots, last, seeds, temperature):
+    def __call__(self, weights, tk, tv, dk, dv, tokens, positions, slots, last, seeds, temperature, with_h=False):
+        """→ the token after ``last`` ([1]); ``with_h``: (it, h [1, C, D]: the final norm of the chunk's last
+        stream, for a caller that samples the first token itself)."""
         head = [weights[j] for j in self.head_idx]
         stream, x = self.embed(tokens)
         h, aux = self.layers(weights, tk, tv, stream, x, positions, slots)
-        return self.finish_fn(head, dk, dv, h, aux, positions, slots, last, seeds, temperature)
+        first = self.finish_fn(head, dk, dv, h, aux, positions, slots, last, seeds, temperature)
+        return (first, h) if with_h else first
