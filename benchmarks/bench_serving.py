@@ -15,6 +15,8 @@ Modes
   * ``inprocess``: the serving scheduler thread (``muse_spark.serving.scheduler.Scheduler``, the one the
     Triton model runs) over the engine in this process; each client thread submits a request with a sink
     that timestamps every chunk the scheduler hands it. No server, no network, no (de)serialization.
+  * ``inprocess-target-only``: the same, the engine decoding with the target alone (one token per request
+    per step: ``runtime.target_only.TargetOnlyEngine``): the baseline without speculation.
   * ``triton-http``: ``muse-spark serve`` (the real tritonserver) on free loopback ports, each request a
     streamed ``POST /v2/models/muse_spark/generate_stream`` (server-sent events, read line by line as
     they arrive; tritonclient.http has no client for this endpoint). Each request opens its connection,
@@ -58,6 +60,11 @@ Metrics (per run; the JSON holds them with every request's own figures)
   * failures: requests that got an error, no final response (or more than one), or a number of tokens
     other than their output length. Percentiles (numpy, linear interpolation) cover completed requests.
 
+A long prompt (``--long-prompt L``): in each run, one more request of an L-token prompt (and 8 output
+tokens) is sent once ``--concurrency`` requests are streaming; the run's ``long_prompt`` gives the other
+requests' inter-token latencies while it was served (from its send to its final response) against as long a
+window just before, and its own TTFT. It is not counted in the run's other figures.
+
 Output: progress on stderr while a run goes; a summary table on stdout; the result JSON in the common
 schema (``benchmarks/results.py``, benchmark ``bench-serving``) under ``--out-dir``, copied to ``--json``;
 with ``--plot``, output tokens/s against p99 inter-token latency, one line per mode (and concurrency,
@@ -87,6 +94,7 @@ import torch
 from safetensors import safe_open
 
 from muse_spark.runtime import SamplingParams, load_engine
+from muse_spark.runtime.target_only import TargetOnlyEngine
 from muse_spark.serving.scheduler import Scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,9 +103,10 @@ from pairs import (add_engine_arguments, build_from_pair, check_pair, default_ba
                    default_device, pair_gamma, pair_summary, window)
 from server_process import check_tritonserver, triton_server  # noqa: E402
 
-MODES = ("inprocess", "triton-http", "triton-grpc")
+MODES = ("inprocess", "inprocess-target-only", "triton-http", "triton-grpc")
 PERCENTILES = (50, 90, 99)
 WARMUP_TOKENS = 8
+LONG_PROMPT_OUTPUT = 8  # the --long-prompt request's output tokens
 
 
 # ---- the request stream ---------------------------------------------------------------------
@@ -329,11 +338,14 @@ class _TimestampSink:
 
 
 class InProcessClient:
-    """Requests submitted to the serving scheduler thread over an engine loaded here."""
+    """Requests submitted to the serving scheduler thread over an engine loaded here (``target_only``: the
+    engine decoding with the target alone, ``runtime.target_only.TargetOnlyEngine``: the baseline)."""
 
-    def __init__(self, engine_dir: str, device: str | None, max_queue: int, temperature: float):
+    def __init__(self, engine_dir: str, device: str | None, max_queue: int, temperature: float,
+                 target_only: bool = False):
         self.engine = load_engine(engine_dir, device=device)
-        self.scheduler = Scheduler(self.engine, max_queue=max_queue, log=lambda m: print(m, file=sys.stderr))
+        served = TargetOnlyEngine(self.engine) if target_only else self.engine
+        self.scheduler = Scheduler(served, max_queue=max_queue, log=lambda m: print(m, file=sys.stderr))
         self.scheduler.start()
         self.temperature = temperature
 
@@ -516,9 +528,28 @@ class Progress:
 
 
 def run_load(client, works: list[Work], concurrency: int, rate: float | None, *, seed: int = 0,
-             timeout: float = 600, progress: Progress | None = None) -> tuple[list[Outcome], float]:
-    """Send ``works`` through ``client`` → (their outcomes, the run's duration in s)."""
+             timeout: float = 600, progress: Progress | None = None,
+             intruder: Work | None = None) -> tuple[list[Outcome], float, Outcome | None]:
+    """Send ``works`` through ``client`` → (their outcomes, the run's duration in s, the intruder's outcome).
+    ``intruder``: one more request (a long prompt), sent once ``concurrency`` requests are streaming (each has
+    had tokens and none has finished), or not at all if the run ends first (``long_prompt_figures``)."""
     outcomes = [Outcome(w.index, len(w.prompt), w.output_len) for w in works]
+    intruded = None if intruder is None else Outcome(-1, len(intruder.prompt), intruder.output_len)
+    stop_watch = threading.Event()
+
+    def watch() -> None:
+        want = min(concurrency, len(works))
+        while not stop_watch.wait(0.002):
+            if sum(1 for o in outcomes if o.end is None and any(n > 0 for _, n in o.chunks)) >= want:
+                try:
+                    client.send(intruder, intruded, timeout)
+                except Exception as e:
+                    intruded.error = intruded.error or f"{type(e).__name__}: {e}"
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True) if intruder is not None else None
+    if watcher is not None:
+        watcher.start()
 
     def one(i: int) -> None:
         try:
@@ -554,7 +585,40 @@ def run_load(client, works: list[Work], concurrency: int, rate: float | None, *,
                 outcomes[i].arrival = t0 + at
                 pool.submit(one, i)
     ends = [o.end for o in outcomes if o.end is not None]
-    return outcomes, (max(ends) if ends else time.perf_counter()) - t0
+    duration = (max(ends) if ends else time.perf_counter()) - t0
+    if watcher is not None:
+        stop_watch.set()
+        watcher.join()
+    return outcomes, duration, intruded
+
+
+def long_prompt_figures(outcomes: list[Outcome], intruder: Outcome) -> dict:
+    """What a long prompt arriving into running streams does to them: the inter-token latencies of the
+    other requests' chunks that arrived while it was served (from its send to its final response:
+    its prefill, then its few tokens) against those in as long a window just before it was sent."""
+    if intruder.sent is None or intruder.end is None or intruder.failure() is not None:
+        return {"prompt_len": intruder.prompt_len, "sent": intruder.sent is not None, "error": intruder.failure()}
+    start, end = intruder.sent, intruder.end
+    during, before = [], []
+    for o in outcomes:
+        last = None
+        for t, n in o.chunks:
+            if n <= 0:
+                continue
+            if last is not None:
+                if start <= t <= end:
+                    during.extend([(t - last) / n] * n)
+                elif start - (end - start) <= t < start:
+                    before.extend([(t - last) / n] * n)
+            last = t
+    first = ttft(intruder)
+    out = {"prompt_len": intruder.prompt_len, "sent": True, "ttft_ms": round(first * 1e3, 4),
+           "served_ms": round((end - start) * 1e3, 4), "itl_before_ms": _ms(percentiles(before)),
+           "itl_during_ms": _ms(percentiles(during))}
+    b, d = out["itl_before_ms"], out["itl_during_ms"]
+    if b["p50"] and d["p99"] is not None:  # (the p50 before: the step time the streams saw)
+        out["p99_during_over_p50_before"] = round(d["p99"] / b["p50"], 3)
+    return out
 
 
 def sweep(client, mode: str, works: list[Work], concurrencies: list[int], rates: list[float | None], a,
@@ -566,9 +630,17 @@ def sweep(client, mode: str, works: list[Work], concurrencies: list[int], rates:
     for c in concurrencies:
         for r in rates:
             label = f"{mode} concurrency {c}" + ("" if r is None else f" rate {r:g}/s")
-            outcomes, duration = run_load(client, works, c, r, seed=a.seed, timeout=a.request_timeout,
-                                          progress=Progress(label, len(works), log))
+            outcomes, duration, intruded = run_load(client, works, c, r, seed=a.seed, timeout=a.request_timeout,
+                                                    progress=Progress(label, len(works), log),
+                                                    intruder=getattr(a, "intruder", None))
             run = {"mode": mode, "concurrency": c, "request_rate": r, **summarize(outcomes, duration)}
+            if intruded is not None:
+                run["long_prompt"] = long_prompt_figures(outcomes, intruded)
+                lp = run["long_prompt"]
+                if lp.get("itl_during_ms"):
+                    log(f"{label}: a {lp['prompt_len']}-token prompt served in {lp['served_ms']:.1f} ms: the streams' "
+                        f"p99 inter-token latency {lp['itl_during_ms']['p99']} ms (p50 before it "
+                        f"{lp['itl_before_ms']['p50']} ms)")
             runs.append(run)
             log(f"{label}: {run['request_throughput']} req/s, {run['output_tokens_per_s']} tok/s, "
                 f"{run['failures']} failed")
@@ -578,13 +650,14 @@ def sweep(client, mode: str, works: list[Work], concurrencies: list[int], rates:
 def run_modes(a, engine_dir: str, works: list[Work], log) -> list[dict]:
     """Every mode's runs: in process first, then the Triton modes through one server."""
     runs = []
-    if "inprocess" in a.mode:
-        client = InProcessClient(engine_dir, a.device, max(256, max(a.concurrency)), a.temperature)
+    for mode in [m for m in a.mode if m.startswith("inprocess")]:
+        client = InProcessClient(engine_dir, a.device, max(256, max(a.concurrency)), a.temperature,
+                                 target_only=mode == "inprocess-target-only")
         try:
-            runs += sweep(client, "inprocess", works, a.concurrency, a.request_rate, a, log)
+            runs += sweep(client, mode, works, a.concurrency, a.request_rate, a, log)
         finally:
             client.close()
-    remote = [m for m in a.mode if m != "inprocess"]
+    remote = [m for m in a.mode if not m.startswith("inprocess")]
     if not remote:
         return runs
     repo_args = ["--max-queue", str(max(256, max(a.concurrency)))]
@@ -693,6 +766,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="fixed",
                    help="fixed | uniform (each length from [L/2, 3L/2]) | a JSONL file of "
                         '{"prompt_len", "output_len"} rows (default fixed)')
+    p.add_argument("--long-prompt", type=int, default=None, metavar="L",
+                   help="in each run, one more request with an L-token prompt (and 8 output tokens), sent once "
+                        "--concurrency requests are streaming: their inter-token latency while it is served, "
+                        "against just before (long_prompt in the JSON)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="seeds the lengths, prompts, arrivals and per-request seeds")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
@@ -721,7 +798,7 @@ def main(argv: list[str] | None = None, prog: str = "python benchmarks/bench_ser
     def log(msg: str) -> None:
         print(f"[bench-serving] {msg}", file=sys.stderr, flush=True)
 
-    if any(m != "inprocess" for m in a.mode):
+    if any(not m.startswith("inprocess") for m in a.mode):
         try:
             check_tritonserver()
         except Exception as e:
@@ -734,7 +811,8 @@ def main(argv: list[str] | None = None, prog: str = "python benchmarks/bench_ser
         if a.pair:
             pair = check_pair(a.pair)
             a.device = default_device(a.device)
-            need = window(max(p for p, _ in lengths), max(o for _, o in lengths), pair_gamma(pair))
+            need = window(max([p for p, _ in lengths] + [a.long_prompt or 0]), max(o for _, o in lengths),
+                          pair_gamma(pair))
             a.engine = str(build_from_pair(pair, a.work_dir or tmp, backend=a.backend or default_backend(a.device),
                                            device=a.device, max_batch=max(a.concurrency), max_seq=need, log=log,
                                            reuse=a.reuse_engine))
@@ -751,14 +829,21 @@ def run(a, lengths: list[tuple[int, int]], log, prog: str) -> int:
               f"the engine's max_seq {max_seq}; shorten the lengths or build the engine with a larger --max-seq",
               file=sys.stderr)
         return 2
+    if a.long_prompt is not None and a.long_prompt + LONG_PROMPT_OUTPUT + gamma > max_seq:
+        print(f"{prog}: error: --long-prompt {a.long_prompt} (+ {LONG_PROMPT_OUTPUT} output tokens + {gamma} draft "
+              f"slots) does not fit the engine's max_seq {max_seq}", file=sys.stderr)
+        return 2
     works = make_works(draft_vocabulary(a.engine), lengths, a.seed)
+    if a.long_prompt is not None:
+        (w,) = make_works(draft_vocabulary(a.engine), [(a.long_prompt, LONG_PROMPT_OUTPUT)], a.seed + 1)
+        a.intruder = Work(-1, w.prompt, w.output_len, w.seed)
     log(f"{len(works)} requests, prompts {min(p for p, _ in lengths)}-{max(p for p, _ in lengths)} tokens, outputs "
         f"{min(o for _, o in lengths)}-{max(o for _, o in lengths)} tokens; engine {a.engine} ({manifest['backend']}, "
         f"max_batch {manifest['max_batch']})")
     runs = run_modes(a, a.engine, works, log)
     print(table(runs), flush=True)
 
-    config = {k: v for k, v in vars(a).items() if k not in ("command", "out_dir", "json", "plot")}
+    config = {k: v for k, v in vars(a).items() if k not in ("command", "out_dir", "json", "plot", "intruder")}
     config["engine_backend"], config["gamma"], config["max_batch"] = manifest["backend"], gamma, manifest["max_batch"]
     if a.pair:
         config["pair_summary"] = pair_summary(a.pair)

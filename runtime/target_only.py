@@ -156,3 +156,55 @@ class TargetOnlyDecoder:
         ints = torch.tensor(host[:4], dtype=torch.int64).to(dev)
         temps = torch.tensor(host[4], dtype=torch.float32).to(dev)
         return self.engine.target_step(*ints.unbind(0), temps, max(host[1]) + 1).tolist()
+
+
+class TargetOnlyEngine:
+    """An engine seen by a ``Generator`` (and so by the serving scheduler) as decoding with the target
+    alone: each step emits one token per request, the target's, as ``generate_target_only`` does — the
+    baseline a serving user would run without speculation, under the same arrivals and batching.
+
+    Everything but the step is the wrapped engine's (its prefill, caches, limits). ``step_host`` runs
+    ``engine.target_step`` over the batch and answers in the speculative step's row layout with no
+    draft accepted (γ zeros, n = 0, the token as the bonus). On CUDA, an engine with a scratch cache
+    slot (the compiled ones) replays one captured graph per batch size (``_GraphStep``, captured
+    with every row on the scratch slot); otherwise the step runs eagerly over the keys up to the
+    batch's last position."""
+
+    chains = False  # (the Generator waits for each step)
+    controls = False  # (sampling controls: the speculative engines')
+    stateful_controls = False
+    schedules = False
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.graphs: dict[int, _GraphStep] = {}
+        scratch = getattr(engine, "scratch_slot", None)
+        self.cuda_graphs = engine.device.type == "cuda" and scratch is not None
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+
+    def __getattr__(self, name):  # (what the Generator reads of the engine: its own)
+        return getattr(self.engine, name)
+
+    @property
+    def backend(self) -> str:
+        return f"{self.engine.backend} (target only)"
+
+    def take_step_info(self) -> dict:
+        return {}
+
+    @torch.inference_mode()
+    def step_host(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> list[list[int]]:
+        """One target-only step → rows ``[0 × γ, 0, token]`` (the token at anchor_pos + 1)."""
+        host = [list(anchor), list(anchor_pos), list(slots), list(seeds), [float(t) for t in temperature]]
+        if self.cuda_graphs:
+            n = len(host[0])
+            if n not in self.graphs:
+                self.graphs[n] = _GraphStep(self.engine, n, self.engine.scratch_slot, self._pool)
+            tokens = self.graphs[n](host)
+        else:
+            dev = self.engine.device
+            ints = torch.tensor(host[:4], dtype=torch.int64).to(dev)
+            temps = torch.tensor(host[4], dtype=torch.float32).to(dev)
+            tokens = self.engine.target_step(*ints.unbind(0), temps, kv_len).tolist()
+        zeros = [0] * (self.engine.gamma + 1)
+        return [zeros + [t] for t in tokens]

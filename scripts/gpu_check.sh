@@ -109,8 +109,10 @@ workload)
         --markdown "$OUT/generation-$p-$backend.md" 2>&1 | grep -v "^\[build\]" | tee "$OUT/generation-$p-$backend.log"
     ;;
 serving-sweep)
-    # what a serving user sees on the 8B-shaped pair (acceptance 0.8): a concurrency sweep in process and
-    # through tritonserver (benchmarks/bench_serving.py; carry .whl/ as for `serving`)
+    # what a serving user sees on the 8B-shaped pair (acceptance 0.8): a concurrency sweep in process, the
+    # target-only baseline, and through tritonserver, each run with a 2,048-token prompt sent into its running
+    # streams (benchmarks/bench_serving.py; carry .whl/ as for `serving`; the engine stays in /tmp/w8b for a
+    # second call when the build and the runs do not fit one)
     if ls .whl/nvidia_pytriton-*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-deps --no-compile --target /tmp/site .whl/nvidia_pytriton-*.whl &&
             export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -120,7 +122,8 @@ serving-sweep)
     free_disk "$here"
     pair_at "$here/pair" 0.8 "$OUT/make-pair.log" || exit 1
     timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_serving.py --pair "$here/pair" --work-dir "$here/engine" --reuse-engine \
-        --mode inprocess,triton-grpc --concurrency 1,4,16,32 --num-requests 64 --prompt-len 128 --output-len 128 \
+        --mode inprocess,inprocess-target-only,triton-grpc --concurrency 1,4,16,32 --num-requests 64 \
+        --prompt-len 128 --output-len 128 --long-prompt 2048 \
         ${stub:+--stub-numpy "$PWD/$stub"} --out-dir "$OUT" --plot "$OUT/bench-serving.png" 2>&1 | tee "$OUT/sweep.log"
     ;;
 tp)

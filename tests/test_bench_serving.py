@@ -150,6 +150,27 @@ def test_inprocess_run_through_the_cli_writes_the_json_and_the_plot(engine_dir, 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_target_only_baseline_and_a_long_prompt_into_running_streams(engine_dir, tmp_path):
+    """inprocess-target-only: the same requests decoded by the target alone (one token a step, no draft
+    accepted); --long-prompt: one long prompt sent into the running streams, its figures beside the run's
+    (no timing is asserted: the figures are there and consistent)."""
+    out = tmp_path / "results"
+    assert bench("--engine", engine_dir, "--mode", "inprocess,inprocess-target-only", "--concurrency", 3,
+                 "--num-requests", 6, "--prompt-len", 8, "--output-len", 20, "--long-prompt", 150,
+                 "--out-dir", out, "--torch-threads", 1) == 0
+    doc = load_doc(out)
+    check_runs(doc, [(8, 20)] * 6)
+    spec, base = doc["results"]["runs"]
+    assert (spec["mode"], base["mode"]) == ("inprocess", "inprocess-target-only")
+    assert base["mean_accepted_length"] == 1.0 and spec["mean_accepted_length"] > 1.0
+    assert all(r["steps"] == r["output_len"] - 1 for r in base["requests"])  # one token per step after prefill
+    for run in (spec, base):
+        lp = run["long_prompt"]
+        assert lp["prompt_len"] == 150 and lp["sent"] and lp["ttft_ms"] <= lp["served_ms"]
+        assert lp["itl_during_ms"]["p50"] is not None and lp["itl_during_ms"]["p50"] <= lp["itl_during_ms"]["p99"]
+    assert bench("--engine", engine_dir, "--num-requests", 2, "--long-prompt", 250, "--out-dir", tmp_path / "x") == 2
+
+
 def test_poisson_run_with_lengths_from_a_file(engine_dir, tmp_path):
     lengths = tmp_path / "lengths.jsonl"
     rows = [(9, 5), (20, 12), (3, 1)]
