@@ -136,6 +136,8 @@ def measure(engine, decoder, clock: Clock, prompts: list[list[int]], max_tokens:
     acc = acceptance_stats(spec, engine.gamma)
     s.update({k: acc[k] for k in ("mean_accepted_per_step", "mean_emitted_per_step", "acceptance_per_position")})
     s["mean_verified_per_step"] = acc.get("mean_verified_per_step", float(engine.gamma))
+    if "confidence" in acc:  # (steps that reported the head's values: its calibration, AUROC)
+        s["confidence"] = acc["confidence"]
 
     decoder.step_times.clear()
     base, secs, decode = clock.time(lambda: decoder.generate(prompts, params))
@@ -161,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    p.add_argument("--sampled-acceptance", type=int, default=64, metavar="N",
+                   help="afterwards, the acceptance of N prompts sampled at temperature 1 (up to 64 tokens "
+                        "each, schedule off; 0: skip)")
     p.add_argument("--out-dir", default=str(results.RESULTS),
                    help="where the result goes, in the common schema (default: benchmarks/results)")
     p.add_argument("--markdown", default=None, help="also write the table here (Markdown)")
@@ -243,6 +248,20 @@ def main(argv: list[str] | None = None) -> int:
         if a.markdown:
             Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
             Path(a.markdown).write_text(markdown(rows, title))
+    if a.sampled_acceptance > 0:
+        from muse_spark.runtime.acceptance import measure_acceptance
+
+        engine.set_schedule(Schedule.from_dict({**engine.schedule.to_dict(), "mode": "off"}))
+        prompts = random_prompts(vocab, a.sampled_acceptance, a.prompt_len, seed=a.seed + 10**6)
+        tokens = min(64, engine.max_seq - a.prompt_len - engine.gamma)  # (what the engine's window holds)
+        log(f"sampled acceptance: {len(prompts)} prompts at temperature 1, {tokens} tokens each")
+        acc = measure_acceptance(engine, prompts, tokens, temperature=1.0, seed=a.seed)
+        doc["results"]["sampled_acceptance"] = {k: acc[k] for k in ("temperature", "max_tokens", "steps", "requests",
+                                                                     "mean_accepted_per_step",
+                                                                     "acceptance_per_position")}
+        path = results.write(doc, Path(a.out_dir))
+        log(f"sampled acceptance (T = 1): {acc['mean_accepted_per_step']:.2f} accepted drafts per step, per position "
+            + " ".join(f"{x:.2f}" for x in acc["acceptance_per_position"] if x is not None))
     log(f"wrote {path}" + (f" and {a.markdown}" if a.markdown else ""))
     if not doc["results"]["outputs_identical"]:
         log("FAILED: speculative and target-only greedy outputs differ (see MISMATCH above)")

@@ -19,7 +19,8 @@ def test_the_benchmark_measures_both_sides_on_a_pair(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--pair", str(tmp_path / "pair"),
                         "--backend", "eager", "--device", "cpu", "--batches", "1,2", "--max-tokens", "16",
                         "--prompt-len", "8", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out),
-                        "--markdown", str(md)], capture_output=True, text=True, timeout=300)
+                        "--markdown", str(md), "--sampled-acceptance", "4"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "[build] engine written to" in r.stderr  # the build's progress
     (doc,) = [json.loads(p.read_text()) for p in out.glob("*_generation.json")]
@@ -34,6 +35,9 @@ def test_the_benchmark_measures_both_sides_on_a_pair(tmp_path):
             assert row[side]["generated_tokens"] == 16 * row["batch"]
         assert row["speculative"]["mean_accepted_per_step"] > 0.5
         assert row["target_only"]["steps"] == 15 and row["speedup"] > 0
+    sampled = res["sampled_acceptance"]  # (the pair's acceptance at temperature 1, schedule off)
+    assert sampled["temperature"] == 1.0 and sampled["requests"] == 4 and sampled["steps"] > 0
+    assert 0 <= sampled["mean_accepted_per_step"] <= 5 and len(sampled["acceptance_per_position"]) == 5
     table = md.read_text()
     assert "| schedule | batch | spec tok/s" in table and table.count("| True |") == 2
 
@@ -46,7 +50,8 @@ def test_schedules_off_and_confidence_side_by_side(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--pair", str(tmp_path / "pair"),
                         "--backend", "eager", "--device", "cpu", "--batches", "2", "--max-tokens", "16",
                         "--prompt-len", "8", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out),
-                        "--schedule", "off,confidence", "--confidence-threshold", "0.5", "--calibrate"],
+                        "--schedule", "off,confidence", "--confidence-threshold", "0.5", "--calibrate",
+                        "--sampled-acceptance", "0"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     (doc,) = [json.loads(p.read_text()) for p in out.glob("*_generation.json")]
@@ -55,3 +60,7 @@ def test_schedules_off_and_confidence_side_by_side(tmp_path):
     assert rows["off"]["speculative"]["mean_verified_per_step"] == 5
     assert rows["confidence"]["speculative"]["mean_verified_per_step"] < 5
     assert len(doc["config"]["cost_ms"]["2"]) == 6
+    # the scheduled steps report the head's values: its calibration (the informative head separates)
+    conf = rows["confidence"]["speculative"]["confidence"]
+    assert conf["auroc"] > 0.9 and conf["mean_when_accepted"] > conf["mean_when_rejected"]
+    assert "sampled_acceptance" not in doc["results"]
