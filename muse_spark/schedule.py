@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 MODES = ("off", "confidence", "fixed")
+FLAT_WITHIN = 0.03  # a cost row this flat: no cut can pay for planning it (``Schedule.flat``)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,14 @@ class Schedule:
 
     def replace(self, **kw) -> "Schedule":
         return Schedule(**{**self.to_dict(), **{k: v for k, v in kw.items() if v is not None}})
+
+    def flat(self, batch: int, within: float = FLAT_WITHIN) -> bool:
+        """Whether the cost table says verification width hardly matters at ``batch``: every entry of its
+        row within ``within`` (relative) of the cheapest, so no cut can gain more than that (verification
+        is bandwidth-bound there). A compiled engine then runs its plain step at that batch size: no
+        planning, no wait for the confidences. False without a table, and for ``fixed``."""
+        row = self.cost_row(batch) if self.mode == "confidence" and self.budget else None
+        return bool(row) and max(row) <= min(row) * (1 + within)
 
     def cost_row(self, batch: int) -> list[float] | None:
         """The cost table's row for ``batch``: the smallest measured batch size ≥ it (the bucket the

@@ -307,7 +307,9 @@ class AOTIEngine(EagerEngine):
         """``EagerEngine.set_schedule`` for the compiled step: a scheduled step runs the draft half,
         reads the confidences, and verifies the first K drafts of every request, K the plan's cut
         rounded up to a compiled width (the rows of a batch are padded to one width anyway, so every
-        request verifies K: the batch shares one cut). ``fixed`` lengths must be compiled widths."""
+        request verifies K: the batch shares one cut). ``fixed`` lengths must be compiled widths. A batch
+        bucket whose cost row is flat (``Schedule.flat``: at batch 1 verification is nearly free) runs
+        the plain full-width step."""
         if schedule.needs_confidence and self.draft.model.confidence_head is None:
             raise EngineError("schedule 'confidence' needs a draft with a confidence head "
                               "(enable_confidence_head in its config.json); this draft has none")
@@ -319,8 +321,9 @@ class AOTIEngine(EagerEngine):
             raise EngineError(f"schedule 'fixed' with {schedule.length} drafts: this engine's steps verify "
                               f"{self.verify_widths} drafts per request")
         self.schedule = schedule
-        for runner in getattr(self, "runners", {}).values():
-            runner.planner = self._plan if schedule.on else None
+        for bucket, runner in getattr(self, "runners", {}).items():
+            # (where the cost table is flat, the plain step: its width cannot pay for the wait)
+            runner.planner = self._plan if schedule.on and not schedule.flat(bucket) else None
 
     def _plan(self, confidence: torch.Tensor) -> int:
         """A scheduled step's width from its drafts' confidences ([n, γ] on the host)."""

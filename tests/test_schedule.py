@@ -236,6 +236,26 @@ def test_confidence_scheduling_on_aoti_keeps_greedy_output_and_verifies_fewer(ao
     assert all(0.0 <= c <= 1.0 for s in steps for c in s.confidence)
 
 
+def test_a_flat_cost_table_leaves_the_aoti_engine_its_plain_step(aoti_engine):
+    """Where the measured step time hardly depends on the drafts verified (batch 1 on a GPU, where
+    verification is bandwidth-bound), no cut can pay for the wait for the confidences: that bucket runs
+    the plain full-width step; a steep row plans."""
+    flat = Schedule("confidence", cost_ms={"3": [10.0, 10.1, 10.1, 10.2, 10.2, 10.25]})
+    steep = Schedule("confidence", cost_ms={"3": [5.0, 6.0, 7.0, 8.0, 9.0, 10.0]})
+    assert flat.flat(3) and not steep.flat(3) and not Schedule("confidence").flat(3)
+    prompts = [[65, 66, 67, 68], [70, 71]]
+    try:
+        aoti_engine.set_schedule(flat)
+        assert all(r.planner is None for r in aoti_engine.runners.values())
+        reqs = Generator(aoti_engine).generate(prompts, [SamplingParams(max_tokens=20, ignore_eos=True)] * 2)
+        assert all(s.verified is None for r in reqs for s in r.steps)  # (all γ: no plan ran)
+        aoti_engine.set_schedule(steep)
+        assert all(r.planner is not None for r in aoti_engine.runners.values())
+    finally:
+        aoti_engine.set_schedule(Schedule())
+    assert [r.output for r in reqs] == _outputs(aoti_engine, Schedule(), prompts, 0.0, max_tokens=20)
+
+
 def test_an_aoti_engine_refuses_widths_it_was_not_built_with(aoti_engine, aoti_built, tmp_path):
     import json
     import shutil
