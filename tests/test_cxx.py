@@ -71,6 +71,20 @@ def test_tokens_equal_the_python_runtime(cxx_build, aoti_built, engine, temperat
     assert sum(len(r.steps) for r in reqs) > len(reqs)  # speculative steps ran (not the prefill alone)
 
 
+def test_the_confidence_head_comes_out_per_step(cxx_build, aoti_built, agreeing_engine):
+    """The draft package's confidence head values, γ per speculative step: the eager engine's for the same
+    steps (greedy: the same tokens and drafts), within the compute dtype's tolerance."""
+    from tolerances import TOL
+
+    lines = finals(cxx_generate(cxx_build, aoti_built[0], PROMPTS[:2], max_tokens=24))
+    reqs = Generator(agreeing_engine).generate(PROMPTS[:2], SamplingParams(max_tokens=24, ignore_eos=True))
+    tol = TOL[agreeing_engine.target.dtype]
+    for line, r in zip(lines, reqs):
+        assert line["output_ids"] == r.output and len(line["confidence"]) == line["steps"] == len(r.steps) > 1
+        for mine, step in zip(line["confidence"], r.steps):
+            assert len(mine) == 5 and mine == pytest.approx(step.confidence, rel=tol["rtol"], abs=tol["atol"])
+
+
 def test_an_engine_with_zero_centered_norms_and_a_residual_multiplier(cxx_build, tmp_path_factory):
     """The other branch of the prompt chunk's first norm (``y·(1 + w)``, computed in C++) and materialized
     residual gates that are not the raw ones (``derived.safetensors``): the tiny pair with

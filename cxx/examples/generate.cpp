@@ -12,8 +12,8 @@
 //
 // One JSON object a line on stdout: with --stream, {"request": i, "tokens": [...]} as tokens come;
 // then, for each request, {"request": i, "output_ids": [...], "finish_reason": ..., "steps": ...,
-// "accepted_draft_tokens": ..., "error": ...}. An engine that cannot run here: the reason on stderr,
-// exit status 2. Bad arguments: exit status 64.
+// "accepted_draft_tokens": ..., "confidence": [[γ values] per step], "error": ...}. An engine that
+// cannot run here: the reason on stderr, exit status 2. Bad arguments: exit status 64.
 #include <ATen/Parallel.h>
 #include <muse_spark/engine.h>
 
@@ -203,7 +203,13 @@ int main(int argc, char** argv) {
     const auto& o = outs[i];
     std::cout << "{\"request\": " << i << ", \"output_ids\": " << ids_json(o.tokens)
               << ", \"finish_reason\": " << quoted(o.finish_reason) << ", \"steps\": " << o.steps
-              << ", \"accepted_draft_tokens\": " << o.accepted_draft_tokens;
+              << ", \"accepted_draft_tokens\": " << o.accepted_draft_tokens << ", \"confidence\": [";
+    for (size_t k = 0; k < o.confidence.size(); ++k) {
+      std::cout << (k ? ", [" : "[");
+      for (size_t j = 0; j < o.confidence[k].size(); ++j) std::cout << (j ? ", " : "") << o.confidence[k][j];
+      std::cout << "]";
+    }
+    std::cout << "]";
     if (!o.error.empty()) std::cout << ", \"error\": " << quoted(o.error);
     std::cout << "}" << std::endl;
   }

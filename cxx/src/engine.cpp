@@ -192,6 +192,8 @@ struct Engine::Impl {
   at::Device device = at::kCPU;
   at::ScalarType dtype = at::kBFloat16;
   int64_t gamma = 0, max_seq = 0, max_batch = 0, vocab = 0, prefill_chunk = 0, scratch_slot = 0;
+  // the last step's confidence head values, per batch row: the draft package's fifth output
+  std::vector<std::vector<float>> last_confidence;
   std::set<int64_t> eos;
   bool has_generator = false;  // one Generator at a time owns the slots and caches
   Tensors weights;
@@ -302,7 +304,13 @@ struct Engine::Impl {
     append(in, dk);
     append(in, dv);
     append(in, {b.markov_ws, a, ap, sl, sd, tp, positions});
-    Tensors drafted = b.draft->run(in);  // ids, probs, stream, x, confidence (unused: every draft is verified)
+    Tensors drafted = b.draft->run(in);  // ids, probs, stream, x, confidence (every draft is verified)
+    {
+      at::Tensor conf = drafted.at(4).to(at::kCPU).to(at::kFloat).contiguous();
+      const float* c = conf.data_ptr<float>();
+      last_confidence.clear();
+      for (size_t i = 0; i < batch.size(); ++i) last_confidence.emplace_back(c + i * gamma, c + (i + 1) * gamma);
+    }
     auto context = [&](const Tensors& aux_streams) {
       Tensors c = head;
       append(c, dk);
@@ -723,6 +731,8 @@ struct Generator::Impl {
       std::vector<int64_t> emitted(row.begin(), row.begin() + n);
       emitted.push_back(bonus);
       events.push_back(emit(r, emitted));
+      events.back().confidence = e.last_confidence.at(i);
+      r.out.confidence.push_back(e.last_confidence.at(i));
       r.out.steps += 1;
       r.out.accepted_draft_tokens += n;
       r.anchor = bonus;

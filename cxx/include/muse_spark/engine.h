@@ -49,6 +49,9 @@ struct Output {
   std::string error;            // why, for "error" (the request alone failed)
   int64_t steps = 0;            // speculative steps the request took part in
   int64_t accepted_draft_tokens = 0;
+  // per speculative step: the draft's confidence head over its γ drafts (DSpark's c_k; zeros for a
+  // draft without the head)
+  std::vector<std::vector<float>> confidence;
 };
 
 struct OpenOptions {
@@ -96,6 +99,7 @@ struct Event {
   int64_t request = -1;         // the id add() returned
   std::vector<int64_t> tokens;  // emitted now (clipped at a stop token and max_tokens)
   bool finished = false;
+  std::vector<float> confidence;  // a speculative step's: the confidence head over its γ drafts (else empty)
   std::string finish_reason;    // once finished: "stop", "length", "cancelled" or "error"
   std::string error;
 };
