@@ -35,6 +35,7 @@ from muse_spark.options import KernelOptions, engine_options, use_options
 from muse_spark.plugins.acceptance.processing import Processing, logprobs, process_logits
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 from muse_spark.checkpoint import load_pair
+from muse_spark.runtime.prefix_cache import copy_positions
 from muse_spark.schedule import Schedule, plan
 from muse_spark.sharding import shard_config
 
@@ -282,6 +283,11 @@ class EagerEngine:
                 if wanted[j] is not None:
                     self._prefill_logprobs[c.slot] = lp[j][0]
         return [first[j : j + 1] for j in range(len(chunks))]
+
+    def copy_positions(self, src: int, dst: int, start: int, end: int) -> None:
+        """Copy positions ``[start, end)`` of cache slot ``src`` into slot ``dst``, every cache, in place
+        (``prefix_cache.copy_positions``: a request handed the prompt chunks another one prefilled)."""
+        copy_positions(self, src, dst, start, end)
 
     def take_prefill_logprobs(self, slot: int):
         """The first token's (log-probability, top N) of the prompt prefilled into ``slot``, once."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from muse_spark.runtime.engine import PrefillChunk
-from muse_spark.runtime.prefix_cache import chunk_keys, copy_positions
+from muse_spark.runtime.prefix_cache import chunk_keys
 
 
 GREEDY_BELOW = 1e-5
@@ -169,9 +169,9 @@ class Generator:
         # stored prompt prefixes (runtime/prefix_cache.py): a request starting with one prefills after it
         self.prefix_cache = prefix_cache
         # Prompt chunks a live request has prefilled are copied into a request whose prompt starts the
-        # same (``_share_prefill``): n samples of one prompt, or one system prompt sent at once, prefill
-        # it once. (Not across tensor-parallel ranks: the copy would reach the leader's caches only.)
-        self.share_prefill = not hasattr(engine, "time_collectives")
+        # same (``_share_prefill``, through ``engine.copy_positions``: on a tensor-parallel rank set every
+        # rank copies): n samples of one prompt, or one system prompt sent at once, prefill it once.
+        self.share_prefill = hasattr(engine, "copy_positions")
         self.shared_prefill_tokens = 0  # prompt tokens copied from another request's slot, not prefilled
         # an engine that keeps the sampling controls on the device per slot (aoti) gets each request's
         # controls once, when its prefill ends, and its controlled steps run unchained
@@ -427,7 +427,7 @@ class Generator:
                   if d is not req and d.slot >= 0 and not d.finished]
         have, donor = max(donors, key=lambda x: x[0], default=(0, None))
         if have > done:
-            copy_positions(self.engine, donor.slot, req.slot, done * C, have * C)
+            self.engine.copy_positions(donor.slot, req.slot, done * C, have * C)
             self.shared_prefill_tokens += (have - done) * C
             req.prefilled, done = have * C, have
         return done < len(mine) and any(shared(d) > done and d.prefilled // C <= done for d in earlier

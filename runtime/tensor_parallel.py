@@ -210,6 +210,11 @@ class LeaderEngine:
         self._send("step", *args, **kw)
         return self._engine.step(*args, **kw)
 
+    def copy_positions(self, src: int, dst: int, start: int, end: int) -> None:
+        """Every rank copies the same positions between the same slots of its own caches (its slice)."""
+        self._send("copy_positions", src, dst, start, end)
+        self._engine.copy_positions(src, dst, start, end)
+
     def time_collectives(self, rows: int, iters: int) -> float:
         """Median ms of one step's all-reduces alone (benchmarks), the other ranks running the same."""
         self._send("time_collectives", rows, iters)

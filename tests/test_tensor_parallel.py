@@ -188,6 +188,23 @@ def test_controls_and_a_confidence_schedule_over_ranks(agreeing_pair):
     assert out == [want]
 
 
+def test_samples_of_one_prompt_share_its_prefill_over_ranks(agreeing_pair):
+    """Requests running at once hand each other their prompt's prefilled chunks on every rank (the leader
+    broadcasts the copy): the tokens of one process, the shared tokens counted."""
+    prompt = [40 + (7 * i) % 50 for i in range(140)]  # (two chunks of 128: the first is shared)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in range(3)]
+    engine = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=3, max_seq=256)
+    want = [r.output for r in Generator(engine).generate([prompt] * 3, params)]
+    out = tp.launch(2, tp.lead_or_follow, str(agreeing_pair[0]), str(agreeing_pair[1]),
+                    functools.partial(_sharing_lead, prompts=[prompt] * 3, params=params), "cpu", 3, 256)
+    assert out[0] == want and out[1] == 2 * 128
+
+
+def _sharing_lead(leader, prompts, params):
+    gen = Generator(leader)
+    return [r.output for r in gen.generate(prompts, params)], gen.shared_prefill_tokens
+
+
 def _scheduled_lead(leader, prompts, params):
     from muse_spark.schedule import Schedule
 
