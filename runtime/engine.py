@@ -35,7 +35,7 @@ from muse_spark.options import KernelOptions, engine_options, use_options
 from muse_spark.plugins.acceptance.processing import Processing, logprobs, process_logits
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 from muse_spark.checkpoint import load_pair
-from muse_spark.runtime.prefix_cache import copy_positions
+from muse_spark.runtime.prefix_cache import copy_positions, engine_caches
 from muse_spark.schedule import Schedule, plan
 from muse_spark.sharding import shard_config
 
@@ -288,6 +288,30 @@ class EagerEngine:
         """Copy positions ``[start, end)`` of cache slot ``src`` into slot ``dst``, every cache, in place
         (``prefix_cache.copy_positions``: a request handed the prompt chunks another one prefilled)."""
         copy_positions(self, src, dst, start, end)
+
+    # ---- stored prompt blocks (runtime/prefix_cache.py keeps their keys and order) -----------------
+    def block_bytes(self, tokens: int) -> int:
+        """The bytes one stored block of ``tokens`` positions holds (every cache's rows)."""
+        return sum(c[0, :tokens].numel() * c.element_size() for c in engine_caches(self))
+
+    @torch.inference_mode()
+    def store_block(self, key: bytes, slot: int, start: int, end: int) -> None:
+        """Keep a copy of positions ``[start, end)`` of cache slot ``slot`` (every cache) under ``key``."""
+        self._blocks()[key] = tuple(c[slot, start:end].clone() for c in engine_caches(self))
+
+    @torch.inference_mode()
+    def load_block(self, key: bytes, slot: int, start: int, end: int) -> None:
+        """Copy the block kept under ``key`` into positions ``[start, end)`` of slot ``slot``, in place."""
+        for cache, values in zip(engine_caches(self), self._blocks()[key]):
+            cache[slot, start:end].copy_(values)
+
+    def drop_block(self, key: bytes) -> None:
+        self._blocks().pop(key, None)
+
+    def _blocks(self) -> dict:
+        if not hasattr(self, "_stored_blocks"):
+            self._stored_blocks = {}
+        return self._stored_blocks
 
     def take_prefill_logprobs(self, slot: int):
         """The first token's (log-probability, top N) of the prompt prefilled into ``slot``, once."""

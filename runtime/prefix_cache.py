@@ -50,13 +50,16 @@ def copy_positions(engine, src: int, dst: int, start: int, end: int) -> None:
 
 
 class PrefixCache:
+    """The store's bookkeeping: which blocks are kept (chained keys), their bytes, least-recently-used
+    order. The blocks themselves live with the engine (``EagerEngine.store_block`` / ``load_block`` /
+    ``drop_block``), so a tensor-parallel leader broadcasts each of those calls and every rank keeps its
+    own slice of the same blocks."""
+
     def __init__(self, engine, capacity_bytes: int):
         if capacity_bytes < 0:
             raise ValueError(f"prefix cache capacity must be ≥ 0 bytes, got {capacity_bytes}")
-        if hasattr(engine, "time_collectives"):  # (a tensor-parallel leader: its ranks' caches would differ)
-            raise ValueError("prefix caching over tensor-parallel ranks is not supported yet")
         self.engine, self.block, self.capacity = engine, engine.prefill_chunk, int(capacity_bytes)
-        self.entries: OrderedDict[bytes, tuple[torch.Tensor, ...]] = OrderedDict()
+        self.entries: OrderedDict[bytes, int] = OrderedDict()  # key → bytes (this rank's)
         self.bytes = 0
         self.lookups = self.hits = self.reused_tokens = self.evicted = 0
 
@@ -65,9 +68,6 @@ class PrefixCache:
 
     def _key(self, prompt: list[int], blocks: int) -> bytes:
         return self._keys(prompt, blocks)[-1]
-
-    def _caches(self):
-        return engine_caches(self.engine)
 
     def lookup(self, prompt: list[int]) -> int:
         """The number of leading blocks of ``prompt`` stored (leaving at least one token to prefill)."""
@@ -84,12 +84,8 @@ class PrefixCache:
 
     def restore(self, prompt: list[int], blocks: int, slot: int) -> None:
         """Copy the first ``blocks`` stored blocks of ``prompt`` into cache slot ``slot`` (in place)."""
-        caches = self._caches()
-        with torch.inference_mode():
-            for j, key in enumerate(self._keys(prompt, blocks)):
-                rows = slice(j * self.block, (j + 1) * self.block)
-                for cache, values in zip(caches, self.entries[key]):
-                    cache[slot, rows].copy_(values)
+        for j, key in enumerate(self._keys(prompt, blocks)):
+            self.engine.load_block(key, slot, j * self.block, (j + 1) * self.block)
         self._touch(prompt, blocks)
 
     def _touch(self, prompt: list[int], blocks: int) -> None:
@@ -106,18 +102,17 @@ class PrefixCache:
         if key in self.entries:
             self._touch(prompt, block + 1)
             return
-        rows = slice(block * self.block, (block + 1) * self.block)
-        with torch.inference_mode():
-            stored = tuple(cache[slot, rows].clone() for cache in self._caches())
-        size = sum(t.numel() * t.element_size() for t in stored)
+        size = self.engine.block_bytes(self.block)
         if size > self.capacity:
             return
-        self.entries[key] = stored
+        self.engine.store_block(key, slot, block * self.block, (block + 1) * self.block)
+        self.entries[key] = size
         self.bytes += size
         self._touch(prompt, block + 1)
         while self.bytes > self.capacity:
-            _, old = self.entries.popitem(last=False)
-            self.bytes -= sum(t.numel() * t.element_size() for t in old)
+            old, freed = self.entries.popitem(last=False)
+            self.engine.drop_block(old)
+            self.bytes -= freed
             self.evicted += 1
 
     def stats(self) -> dict:

@@ -215,6 +215,19 @@ class LeaderEngine:
         self._send("copy_positions", src, dst, start, end)
         self._engine.copy_positions(src, dst, start, end)
 
+    def store_block(self, key: bytes, slot: int, start: int, end: int) -> None:
+        """A stored prompt block (``runtime/prefix_cache.py``): every rank keeps its slice of it."""
+        self._send("store_block", key, slot, start, end)
+        self._engine.store_block(key, slot, start, end)
+
+    def load_block(self, key: bytes, slot: int, start: int, end: int) -> None:
+        self._send("load_block", key, slot, start, end)
+        self._engine.load_block(key, slot, start, end)
+
+    def drop_block(self, key: bytes) -> None:
+        self._send("drop_block", key)
+        self._engine.drop_block(key)
+
     def time_collectives(self, rows: int, iters: int) -> float:
         """Median ms of one step's all-reduces alone (benchmarks), the other ranks running the same."""
         self._send("time_collectives", rows, iters)

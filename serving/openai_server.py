@@ -653,8 +653,6 @@ def cmd_serve_openai(a: argparse.Namespace) -> int:
     try:
         if a.prefix_cache_mib < 0:
             raise ServingError(f"--prefix-cache-mib must be >= 0, got {a.prefix_cache_mib}")
-        if a.tp > 1 and a.prefix_cache_mib:
-            raise ServingError("--prefix-cache-mib over tensor-parallel ranks (--tp) is not supported yet")
         if a.tp > 1:
             import functools
 

@@ -49,7 +49,7 @@ def test_hits_skip_the_prefix_and_give_the_same_tokens(engine, monkeypatch):
 
 
 def test_the_store_keeps_to_its_capacity_and_evicts_least_recently_used(engine):
-    block_bytes = sum(c[0, :CHUNK].numel() * c.element_size() for c in PrefixCache(engine, 0)._caches())
+    block_bytes = engine.block_bytes(CHUNK)
     cache = PrefixCache(engine, capacity_bytes=3 * block_bytes)
     gen = Generator(engine, prefix_cache=cache)
     gen.generate([SYSTEM + [5]], SamplingParams(max_tokens=4, ignore_eos=True))

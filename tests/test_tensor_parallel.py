@@ -200,6 +200,28 @@ def test_samples_of_one_prompt_share_its_prefill_over_ranks(agreeing_pair):
     assert out[0] == want and out[1] == 2 * 128
 
 
+def test_the_prefix_cache_over_ranks(agreeing_pair):
+    """Stored prompt blocks on a rank set: the leader's store broadcasts each store, load and eviction, so
+    every rank keeps its slice of the same blocks; a prompt behind a stored prefix gets one process's tokens."""
+    system = [40 + (7 * i) % 50 for i in range(130)]
+    prompts = [system + [65, 66], system + [70]]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True), SamplingParams(max_tokens=10, temperature=0.9, seed=3,
+                                                                             ignore_eos=True)]
+    engine = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=1, max_seq=256)
+    want = [Generator(engine).generate([p], [sp])[0].output for p, sp in zip(prompts, params)]
+    out = tp.launch(2, tp.lead_or_follow, str(agreeing_pair[0]), str(agreeing_pair[1]),
+                    functools.partial(_cached_lead, prompts=prompts, params=params), "cpu", 1, 256)
+    assert out[0] == want and out[1]["hits"] == 1 and out[1]["reused_tokens"] == 128
+
+
+def _cached_lead(leader, prompts, params):
+    from muse_spark.runtime.prefix_cache import PrefixCache
+
+    cache = PrefixCache(leader, capacity_bytes=1 << 30)
+    gen = Generator(leader, prefix_cache=cache)
+    return [gen.generate([p], [sp])[0].output for p, sp in zip(prompts, params)], cache.stats()
+
+
 def _sharing_lead(leader, prompts, params):
     gen = Generator(leader)
     return [r.output for r in gen.generate(prompts, params)], gen.shared_prefill_tokens
