@@ -187,62 +187,90 @@ class LeaderEngine:
     (``prefill_chunks``, ``step_host``) is broadcast to the other ranks (``follow``) before it runs
     here, so they run the same call on their slices and the layers' collectives meet. Any scheduler
     over an engine (``Generator``, the serving scheduler thread) drives it unchanged; requests, their
-    validation and their cancellation stay on rank 0. ``close()`` releases the followers."""
+    validation and their cancellation stay on rank 0. ``close()`` releases the followers.
+
+    Each call holds a lock from its broadcast to the end of its local run, so that the keep-alive
+    (``keepalive``: a server's idle rank set would otherwise reach the collectives' timeout while the
+    followers wait for the next call) never lands between a call's collectives."""
 
     def __init__(self, engine: EagerEngine, group=None):
+        import threading
+
         self._engine, self._group = engine, group
+        self._lock, self._last, self._closed = threading.RLock(), 0.0, threading.Event()
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
     def _send(self, call: str, *args, **kw) -> None:
+        import time
+
         dist.broadcast_object_list([(call, args, kw)], src=0, group=self._group)
+        self._last = time.monotonic()
+
+    def _run(self, call: str, *args, **kw):
+        """Broadcast ``call`` and run it here, under the lock."""
+        with self._lock:
+            self._send(call, *args, **kw)
+            return getattr(self._engine, call)(*args, **kw)
+
+    def keepalive(self, interval_s: float = COLLECTIVE_TIMEOUT_S / 4) -> None:
+        """While the set is idle, a no-op call every ``interval_s`` keeps the followers' wait within the
+        collectives' timeout (servers call this; a one-shot ``generate`` does not need it)."""
+        import threading
+        import time
+
+        def beat():
+            while not self._closed.wait(interval_s / 2):
+                with self._lock:
+                    if not self._closed.is_set() and time.monotonic() - self._last >= interval_s:
+                        self._send("ping")
+
+        threading.Thread(target=beat, name="muse-spark-tp-keepalive", daemon=True).start()
 
     def prefill_chunks(self, chunks):
-        self._send("prefill_chunks", chunks)
-        return self._engine.prefill_chunks(chunks)
+        return self._run("prefill_chunks", chunks)
 
     def step_host(self, *args, **kw):
-        self._send("step_host", *args, **kw)
-        return self._engine.step_host(*args, **kw)
+        return self._run("step_host", *args, **kw)
 
     def step(self, *args, **kw):
-        self._send("step", *args, **kw)
-        return self._engine.step(*args, **kw)
+        return self._run("step", *args, **kw)
 
     def copy_positions(self, src: int, dst: int, start: int, end: int) -> None:
         """Every rank copies the same positions between the same slots of its own caches (its slice)."""
-        self._send("copy_positions", src, dst, start, end)
-        self._engine.copy_positions(src, dst, start, end)
+        self._run("copy_positions", src, dst, start, end)
 
     def store_block(self, key: bytes, slot: int, start: int, end: int) -> None:
         """A stored prompt block (``runtime/prefix_cache.py``): every rank keeps its slice of it."""
-        self._send("store_block", key, slot, start, end)
-        self._engine.store_block(key, slot, start, end)
+        self._run("store_block", key, slot, start, end)
 
     def load_block(self, key: bytes, slot: int, start: int, end: int) -> None:
-        self._send("load_block", key, slot, start, end)
-        self._engine.load_block(key, slot, start, end)
+        self._run("load_block", key, slot, start, end)
 
     def drop_block(self, key: bytes) -> None:
-        self._send("drop_block", key)
-        self._engine.drop_block(key)
+        self._run("drop_block", key)
 
     def time_collectives(self, rows: int, iters: int) -> float:
         """Median ms of one step's all-reduces alone (benchmarks), the other ranks running the same."""
-        self._send("time_collectives", rows, iters)
-        return time_collectives(self._engine, rows, iters)
+        with self._lock:
+            self._send("time_collectives", rows, iters)
+            return time_collectives(self._engine, rows, iters)
 
     def set_schedule(self, schedule) -> None:
         """Every rank verifies the same drafts a step (their target rows must match)."""
-        self._engine.set_schedule(schedule)  # (refused here first: then no rank changes)
-        self._send("set_schedule", schedule)
+        with self._lock:
+            self._engine.set_schedule(schedule)  # (refused here first: then no rank changes)
+            self._send("set_schedule", schedule)
 
     # chunk by chunk through the broadcast ``prefill_chunks``
     prefill = EagerEngine.prefill
 
     def close(self) -> None:
-        self._send("close")
+        with self._lock:
+            if not self._closed.is_set():
+                self._closed.set()
+                self._send("close")
 
 
 def time_collectives(engine: EagerEngine, rows: int, iters: int, group=None) -> float:
@@ -271,6 +299,8 @@ def follow(engine: EagerEngine, group=None) -> int:
             return n
         if call == "time_collectives":
             time_collectives(engine, *args, group=group)
+            continue
+        if call == "ping":  # (the leader's keep-alive while its server is idle)
             continue
         getattr(engine, call)(*args, **kw)
         engine.take_step_info()  # (the extras are rank 0's to report)
@@ -325,3 +355,55 @@ def lead_or_follow(rank: int, world: int, target_dir, draft_dir, lead: Callable,
         return lead(leader)
     finally:
         leader.close()
+
+
+# ---- a rank set joined from outside ``launch``: the Triton model (rank 0) and its followers ---------------
+TP_PORT_ENV = "MUSE_SPARK_TP_PORT"  # the rendezvous port `muse-spark serve` hands the Triton model
+
+
+def _join(rank: int, world: int, port: int, device: str, timeout_s: float) -> None:
+    backend = "nccl" if str(device).startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def join_as_leader(engine_dir, world: int, port: int, device: str = "cpu",
+                   timeout_s: float = COLLECTIVE_TIMEOUT_S) -> "LeaderEngine":
+    """Rank 0 of a rank set whose followers were started apart (``follower_main``, by ``muse-spark serve``):
+    it hosts the rendezvous on ``port``, loads its slice of the eager engine at ``engine_dir`` → its
+    ``LeaderEngine`` (``close()`` releases the followers)."""
+    _join(0, world, port, device, timeout_s)
+    return LeaderEngine(engine_from_dir(engine_dir, 0, world, device=device))
+
+
+def follower_main(argv: list[str] | None = None) -> int:
+    """``python -m muse_spark.runtime.tensor_parallel --engine DIR --rank R --world N --port P [--device D]``:
+    one follower rank of a rank set whose rank 0 joins on ``port`` (the Triton model: ``join_as_leader``).
+    It loads its slice of the engine, runs what rank 0 broadcasts until it closes, and exits; it ends
+    with the process that started it."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m muse_spark.runtime.tensor_parallel", description=follower_main.__doc__)
+    p.add_argument("--engine", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for rank 0 and for each call")
+    a = p.parse_args(argv)
+    if not 1 <= a.rank < a.world:
+        p.error(f"--rank must be in [1, {a.world}) (rank 0 leads)")
+    _die_with_parent()
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (rank 0 ends the set; a terminal's Ctrl-C reaches every rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // a.world))
+    _join(a.rank, a.world, a.port, a.device, a.timeout)
+    follow(engine_from_dir(a.engine, a.rank, a.world, device=a.device))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (without tearing the group down: see _rank_main)
+
+
+if __name__ == "__main__":
+    sys.exit(follower_main())

@@ -219,7 +219,21 @@ class TritonPythonModel:
 
             torch.set_num_threads(int(params["torch_threads"]))
         self.name = args["model_name"]
-        self.engine = load_engine(engine_dir, device=device)
+        tp = int(params.get("tp") or 1)
+        if tp > 1:  # rank 0 of a rank set whose other ranks `muse-spark serve` started (triton-repo --tp)
+            import os
+
+            from muse_spark.runtime.tensor_parallel import TP_PORT_ENV, join_as_leader
+
+            port = os.environ.get(TP_PORT_ENV)
+            if not port:
+                raise pb_utils.TritonModelException(
+                    f"muse_spark: this model splits its engine over {tp} ranks; start it with `muse-spark serve`, "
+                    f"which starts the other ranks ({TP_PORT_ENV} is not set)")
+            self.engine = join_as_leader(engine_dir, tp, int(port), device=device or "cpu")
+            self.engine.keepalive()
+        else:
+            self.engine = load_engine(engine_dir, device=device)
         self.tokenizer = load_tokenizer(self.engine.tokenizer_path)
         self.metrics = None
         if hasattr(pb_utils, "MetricFamily"):
@@ -274,6 +288,8 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self._stop_watch.set()
         self.scheduler.stop()
+        if hasattr(self.engine, "keepalive"):  # (a rank set's leader: its followers end)
+            self.engine.close()
         if self.metrics is not None:
             self.metrics.close()
 

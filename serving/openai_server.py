@@ -642,7 +642,8 @@ def add_serve_openai_command(sub) -> None:
 
 
 def _serve_lead(leader, **kw) -> int:
-    """Rank 0 of a tensor-parallel rank set: the server over its LeaderEngine."""
+    """Rank 0 of a tensor-parallel rank set: the server over its LeaderEngine (kept alive while idle)."""
+    leader.keepalive()
     return serve_openai(engine=leader, **kw)
 
 

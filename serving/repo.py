@@ -41,7 +41,7 @@ def _param(key: str, value) -> str:
 
 def render_config(model_name: str, engine_dir: Path, *, instances: int = 1, kind: str = "KIND_CPU",
                   max_queue: int = 256, device: str | None = None, torch_threads: int | None = None,
-                  prefix_cache_mib: float = 0) -> str:
+                  prefix_cache_mib: float = 0, tp: int = 1) -> str:
     """The text of config.pbtxt."""
     from muse_spark.serving.protocol import INPUTS, OUTPUTS  # imports torch (via the runtime): keep it lazy
 
@@ -52,6 +52,8 @@ def render_config(model_name: str, engine_dir: Path, *, instances: int = 1, kind
         params.append(_param("device", device))
     if torch_threads:
         params.append(_param("torch_threads", torch_threads))
+    if tp > 1:
+        params.append(_param("tp", tp))
     return "\n".join([
         MARKER,
         f'name: "{model_name}"',
@@ -67,8 +69,10 @@ def render_config(model_name: str, engine_dir: Path, *, instances: int = 1, kind
 
 def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str = "muse_spark",
                      instances: int = 1, max_queue: int = 256, device: str | None = None,
-                     torch_threads: int | None = None, prefix_cache_mib: float = 0) -> Path:
-    """Write (or replace) model ``model_name`` in repository ``out``; → the model directory.
+                     torch_threads: int | None = None, prefix_cache_mib: float = 0, tp: int = 1) -> Path:
+    """Write (or replace) model ``model_name`` in repository ``out``; → the model directory. ``tp`` > 1: the
+    model runs the engine's target split over that many ranks (rank 0 in the model, the others started by
+    ``muse-spark serve``; an eager engine, one instance).
 
     Other models already in ``out`` are left alone; a model directory of the same
     name is replaced only if this command wrote it.
@@ -89,6 +93,23 @@ def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str
         raise RepoError(f"--prefix-cache-mib must be >= 0, got {prefix_cache_mib}")
     engine_dir = Path(engine_dir).resolve()
     manifest = read_manifest(engine_dir)  # a clear error now rather than at model load
+    if tp != 1:
+        from muse_spark.engine_format import configs_from_manifest
+        from muse_spark.sharding import TensorParallelError, check_split
+
+        split = (manifest.get("tensor_parallel") or {}).get("world")
+        if tp < 1:
+            raise RepoError(f"--tp must be >= 1, got {tp}")
+        if manifest["backend"] != "eager":
+            raise RepoError(f"--tp {tp}: a {manifest['backend']} engine runs on one device; --tp splits eager engines")
+        if split and split != tp:
+            raise RepoError(f"--tp {tp}: this engine is split for {split} ranks")
+        if instances != 1:
+            raise RepoError(f"--tp {tp} runs one model instance (its ranks are the parallelism), not {instances}")
+        try:
+            check_split(configs_from_manifest(manifest)[0], tp)
+        except TensorParallelError as e:
+            raise RepoError(str(e)) from None
     dev = device or manifest.get("device", {}).get("kind", "cpu")
     kind = "KIND_GPU" if str(dev).startswith("cuda") else "KIND_CPU"
 
@@ -103,7 +124,7 @@ def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str
     shutil.copy(MODEL_TEMPLATE, model_dir / "1" / "model.py")
     (model_dir / "config.pbtxt").write_text(
         render_config(model_name, engine_dir, instances=instances, kind=kind, max_queue=max_queue, device=device,
-                      torch_threads=torch_threads, prefix_cache_mib=prefix_cache_mib))
+                      torch_threads=torch_threads, prefix_cache_mib=prefix_cache_mib, tp=tp))
     return model_dir
 
 
@@ -123,13 +144,16 @@ def add_triton_repo_command(sub) -> None:
     r.add_argument("--prefix-cache-mib", type=float, default=0,
                    help="memory (MiB) for stored prompt prefixes: a request starting with one skips its prefill "
                         "(default 0: none)")
+    r.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="split the target over N ranks (an eager engine; `muse-spark serve` starts ranks 1 … N-1, "
+                        "the model is rank 0)")
     r.set_defaults(fn=cmd_triton_repo)
 
 
 def cmd_triton_repo(a) -> int:
     model_dir = write_repository(a.engine, a.out, model_name=a.model_name, instances=a.instances,
                                  max_queue=a.max_queue, device=a.device, torch_threads=a.torch_threads,
-                                 prefix_cache_mib=a.prefix_cache_mib)
+                                 prefix_cache_mib=a.prefix_cache_mib, tp=a.tp)
     print(f"model repository: {Path(a.out)} (model {a.model_name!r} in {model_dir}); "
           f"serve it with: muse-spark serve --repo {a.out}")
     return 0

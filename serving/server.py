@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -148,13 +150,44 @@ def check_repository(repo: Path) -> list[str]:
 
 
 def _engine_dirs(config_text: str) -> list[str]:
+    return _param_values(config_text, "engine_dir")
+
+
+def _param_values(config_text: str, key: str) -> list[str]:
+    """The string values of parameter ``key`` in a config.pbtxt muse-spark wrote."""
     out, lines = [], config_text.splitlines()
     for i, line in enumerate(lines):
-        if line.strip() == 'key: "engine_dir"' and i + 1 < len(lines):
+        if line.strip() == f'key: "{key}"' and i + 1 < len(lines):
             value = lines[i + 1].split('string_value: "', 1)
             if len(value) == 2:
                 out.append(value[1].split('"', 1)[0])
     return out
+
+
+def start_tp_ranks(repo: Path, models: list[str], env: dict) -> list[subprocess.Popen]:
+    """The ranks 1 … N-1 of a model split over N ranks (``triton-repo --tp N``), started before tritonserver
+    loads it (it joins as rank 0 on the port this puts in ``env``); [] where no model is split."""
+    from muse_spark.runtime.tensor_parallel import TP_PORT_ENV
+
+    split = []
+    for name in models:
+        text = (repo / name / "config.pbtxt").read_text()
+        tp = int((_param_values(text, "tp") or ["1"])[0])
+        if tp > 1:
+            split.append((name, tp, _engine_dirs(text)[0], (_param_values(text, "device") or [""])[0]))
+    if not split:
+        return []
+    if len(split) > 1:
+        raise ServingError(f"models {', '.join(n for n, *_ in split)} are each split over ranks; serve one at a time")
+    name, tp, engine_dir, device = split[0]
+    if not device:
+        device = json.loads((Path(engine_dir) / "manifest.json").read_text()).get("device", {}).get("kind", "cpu")
+    port = free_port()
+    env[TP_PORT_ENV] = str(port)
+    _log(f"model {name!r}: target split over {tp} ranks; starting ranks 1-{tp - 1} (rank 0 is the model)")
+    return [subprocess.Popen([sys.executable, "-m", "muse_spark.runtime.tensor_parallel", "--engine", engine_dir,
+                              "--rank", str(r), "--world", str(tp), "--port", str(port), "--device", device])
+            for r in range(1, tp)]
 
 
 def server_command(install: TritonInstall, repo: Path, backend_dir: Path, *, host: str, http_port: int,
@@ -193,7 +226,7 @@ def serve(repo: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, g
         if port_in_use(host, port):
             raise ServingError(f"the {name} port {host}:{port} is in use; choose another with --{name.lower()}-port")
     workdir = Path(tempfile.mkdtemp(prefix="muse-spark-triton-"))
-    front = None
+    front, ranks = None, []
     try:
         try:
             numpy_site = numpy1_site(stub_numpy, _log)
@@ -211,6 +244,7 @@ def serve(repo: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, g
             front.start()
         except FrontError as e:
             raise ServingError(f"{e}; choose another with --http-port") from None
+        ranks = start_tp_ranks(repo, models, env)
         # tritonserver waits for requests in flight this long after the drain's grace period.
         cmd = server_command(install, repo, backend_dir, host=host, http_port=upstream, grpc_port=grpc_port,
                              metrics_port=metrics_port, exit_timeout=int(exit_timeout) + 30,
@@ -219,6 +253,13 @@ def serve(repo: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, g
              f"metrics {host}:{metrics_port}" + (f" (stub numpy from {numpy_site})" if numpy_site else ""))
         return Supervisor(cmd, env, front, drain_file=drain_file, grace_s=exit_timeout, log=_log).run()
     finally:
+        for rank in ranks:  # (they end when the model closes them; this is the backstop)
+            if rank.poll() is None:
+                rank.terminate()
+            try:
+                rank.wait(10)
+            except subprocess.TimeoutExpired:
+                rank.kill()
         if front is not None:
             front.stop()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -227,6 +227,33 @@ def _sharing_lead(leader, prompts, params):
     return [r.output for r in gen.generate(prompts, params)], gen.shared_prefill_tokens
 
 
+def test_the_triton_server_over_a_rank_set(agreeing_pair, tmp_path):
+    """`triton-repo --tp 2` + `muse-spark serve`: the model joins as rank 0, serve starts rank 1; the real
+    tritonserver answers with one process's tokens, and stopping the server ends both ranks."""
+    from muse_spark.builder.build import build_engine
+    from serving_utils import generate, generate_stream, ids_of, start_server, stop_server
+
+    engine_dir = tmp_path / "engine"
+    build_engine(*agreeing_pair, engine_dir, max_batch=2, max_seq=128, quiet=True)
+    single = EagerEngine.from_checkpoints(*agreeing_pair, max_batch=2, max_seq=128)
+    want = [r.output for r in Generator(single).generate(PROMPTS[:2], PARAMS[:2])]
+    from muse_spark.serving.repo import RepoError, write_repository
+
+    for kw, says in ((dict(tp=3), "do not split over 3 ranks"), (dict(tp=2, instances=2), "one model instance")):
+        with pytest.raises(RepoError, match=says):
+            write_repository(engine_dir, tmp_path / "bad", **kw)
+    srv = start_server(engine_dir, tmp_path, repo_args=("--tp", "2"))
+    try:
+        status, body = generate(srv, {"input_ids": PROMPTS[0], "max_tokens": 24, "ignore_eos": True})
+        assert status == 200 and ids_of(body) == want[0], body
+        status, events = generate_stream(srv, {"input_ids": PROMPTS[1], "max_tokens": 20, "temperature": 0.8,
+                                               "seed": 4, "ignore_eos": True, "stream": True})
+        assert status == 200 and sum((ids_of(e) for e in events), []) == want[1]
+        assert "target split over 2 ranks" in srv.log.read_text()
+    finally:
+        assert stop_server(srv) == 0, srv.log.read_text()[-3000:]
+
+
 def _scheduled_lead(leader, prompts, params):
     from muse_spark.schedule import Schedule
 
