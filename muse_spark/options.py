@@ -49,6 +49,16 @@ def serve_drain_file(environ: Mapping[str, str] = os.environ) -> str | None:
     """The drain file ``muse-spark serve`` named for its model process (``SERVE_DRAIN_FILE_ENV``), or None."""
     return environ.get(SERVE_DRAIN_FILE_ENV) or None
 
+
+# The rendezvous port `muse-spark serve` hands a model split over tensor-parallel ranks (its rank 0).
+SERVE_TP_PORT_ENV = ENV_PREFIX + "TP_PORT"
+
+
+def serve_tp_port(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The port rank 0 of a tensor-parallel model joins its other ranks on (``SERVE_TP_PORT_ENV``), or None."""
+    value = environ.get(SERVE_TP_PORT_ENV)
+    return int(value) if value else None
+
 ATTENTION_KERNELS = ("triton", "sdpa")
 LINEAR_KERNELS = ("triton", "cublas")
 SCOPES = ("build", "run")

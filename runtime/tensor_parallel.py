@@ -358,7 +358,6 @@ def lead_or_follow(rank: int, world: int, target_dir, draft_dir, lead: Callable,
 
 
 # ---- a rank set joined from outside ``launch``: the Triton model (rank 0) and its followers ---------------
-TP_PORT_ENV = "MUSE_SPARK_TP_PORT"  # the rendezvous port `muse-spark serve` hands the Triton model
 
 
 def _join(rank: int, world: int, port: int, device: str, timeout_s: float) -> None:

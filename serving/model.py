@@ -221,16 +221,15 @@ class TritonPythonModel:
         self.name = args["model_name"]
         tp = int(params.get("tp") or 1)
         if tp > 1:  # rank 0 of a rank set whose other ranks `muse-spark serve` started (triton-repo --tp)
-            import os
+            from muse_spark.options import SERVE_TP_PORT_ENV, serve_tp_port
+            from muse_spark.runtime.tensor_parallel import join_as_leader
 
-            from muse_spark.runtime.tensor_parallel import TP_PORT_ENV, join_as_leader
-
-            port = os.environ.get(TP_PORT_ENV)
-            if not port:
+            port = serve_tp_port()
+            if port is None:
                 raise pb_utils.TritonModelException(
                     f"muse_spark: this model splits its engine over {tp} ranks; start it with `muse-spark serve`, "
-                    f"which starts the other ranks ({TP_PORT_ENV} is not set)")
-            self.engine = join_as_leader(engine_dir, tp, int(port), device=device or "cpu")
+                    f"which starts the other ranks ({SERVE_TP_PORT_ENV} is not set)")
+            self.engine = join_as_leader(engine_dir, tp, port, device=device or "cpu")
             self.engine.keepalive()
         else:
             self.engine = load_engine(engine_dir, device=device)

@@ -48,7 +48,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from muse_spark.options import SERVE_DRAIN_FILE_ENV
+from muse_spark.options import SERVE_DRAIN_FILE_ENV, SERVE_TP_PORT_ENV
 from muse_spark.serving.stub_env import StubEnvError, numpy1_site, write_overlay
 from muse_spark.serving.supervisor import Supervisor, free_port, port_in_use
 
@@ -167,8 +167,6 @@ def _param_values(config_text: str, key: str) -> list[str]:
 def start_tp_ranks(repo: Path, models: list[str], env: dict) -> list[subprocess.Popen]:
     """The ranks 1 … N-1 of a model split over N ranks (``triton-repo --tp N``), started before tritonserver
     loads it (it joins as rank 0 on the port this puts in ``env``); [] where no model is split."""
-    from muse_spark.runtime.tensor_parallel import TP_PORT_ENV
-
     split = []
     for name in models:
         text = (repo / name / "config.pbtxt").read_text()
@@ -183,7 +181,7 @@ def start_tp_ranks(repo: Path, models: list[str], env: dict) -> list[subprocess.
     if not device:
         device = json.loads((Path(engine_dir) / "manifest.json").read_text()).get("device", {}).get("kind", "cpu")
     port = free_port()
-    env[TP_PORT_ENV] = str(port)
+    env[SERVE_TP_PORT_ENV] = str(port)
     _log(f"model {name!r}: target split over {tp} ranks; starting ranks 1-{tp - 1} (rank 0 is the model)")
     return [subprocess.Popen([sys.executable, "-m", "muse_spark.runtime.tensor_parallel", "--engine", engine_dir,
                               "--rank", str(r), "--world", str(tp), "--port", str(port), "--device", device])
