@@ -50,7 +50,7 @@ tests)
     # xdist_group), every other test goes to whichever worker is free
     python3 -c "import xdist" 2>/dev/null && xdist=(-n 6 --dist loadgroup --max-worker-restart=0)
     # (the engines built with other switches: the "engines" mode; together they pass 10 minutes)
-    timeout "${TEST_TIMEOUT:-480}" python3 -m pytest "${xdist[@]}" -v -rfEs -m "slow or not slow" \
+    timeout "${TEST_TIMEOUT:-560}" python3 -m pytest "${xdist[@]}" -v -rfEs -m "slow or not slow" \
         tests/test_gpu_eager.py tests/kernels tests/test_gpu_engine.py tests/test_gpu_triton_engine.py \
         -k "not (only_wait or without_the_rope_table)" 2>&1 | tee "$OUT/gpu-tests.log" |
         grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|[0-9]+ (passed|failed)|node down"
