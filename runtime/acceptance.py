@@ -9,7 +9,7 @@ rejection) say nothing about the head and are left out.
 
 from __future__ import annotations
 
-from muse_spark.runtime.generator import Generator, SamplingParams, decided_confidences
+from muse_spark.runtime.generator import Generator, SamplingParams, confidence_figures, decided_confidences
 
 
 def auroc(positives: list[float], negatives: list[float]) -> float | None:
@@ -51,12 +51,7 @@ def acceptance_stats(requests, gamma: int) -> dict:
         out["mean_verified_per_step"] = sum(verified) / len(verified)
     yes, no = decided_confidences(steps, gamma)
     if yes or no:
-        out["confidence"] = {
-            "decided_positions": len(yes) + len(no),
-            "mean_when_accepted": sum(yes) / len(yes) if yes else None,
-            "mean_when_rejected": sum(no) / len(no) if no else None,
-            "auroc": auroc(yes, no),
-        }
+        out["confidence"] = {**confidence_figures(yes, no), "auroc": auroc(yes, no)}
     return out
 
 

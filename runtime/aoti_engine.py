@@ -41,7 +41,7 @@ from muse_spark.engine_format import (EngineError, check_cache_memory, check_plu
 from muse_spark.options import KernelOptions, current_options, engine_options
 from muse_spark.plugins.acceptance.processing import Processing
 from muse_spark.schedule import Schedule, plan
-from muse_spark.runtime.engine import EagerEngine, PrefillChunk, build_modules, with_options
+from muse_spark.runtime.engine import EagerEngine, PrefillChunk, build_modules, logprob_lists, with_options
 
 log = logging.getLogger(__name__)
 
@@ -466,11 +466,9 @@ class AOTIEngine(EagerEngine):
         finally:
             runner.controlled = False
         if logprobs_n is not None:
-            picked, values, ids = (t[: len(rows)].cpu() for t in runner.last_ctl)
+            picked, values, ids = (t[: len(rows)] for t in runner.last_ctl)
             top = min(logprobs_n, values.shape[-1])
-            picked, values, ids = picked.tolist(), values[..., :top].tolist(), ids[..., :top].tolist()
-            self._logprobs = [[(picked[b][j], list(zip(ids[b][j], values[b][j])) if top else [])
-                               for j in range(len(picked[b]))] for b in range(len(rows))]
+            self._logprobs = logprob_lists(picked, ids[..., :top] if top else None, values[..., :top] if top else None)
         return rows
 
     @property

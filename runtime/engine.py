@@ -35,7 +35,6 @@ from muse_spark.options import KernelOptions, engine_options, use_options
 from muse_spark.plugins.acceptance.processing import Processing, logprobs, process_logits
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 from muse_spark.checkpoint import load_pair
-from muse_spark.runtime.prefix_cache import copy_positions, engine_caches
 from muse_spark.schedule import Schedule, plan
 from muse_spark.sharding import shard_config
 
@@ -48,12 +47,21 @@ def neutral_controls(prompt: list[int]) -> dict:
 def _logprob_rows(lp: torch.Tensor, chosen: torch.Tensor, n: int) -> list[list[tuple]]:
     """lp [B, S, V] log-probabilities, chosen [B, S] tokens → per row, per position: (the chosen
     token's log-probability, [(token, logprob)] of the top ``n``), on the host."""
-    picked = lp.gather(-1, chosen[..., None]).squeeze(-1).cpu().tolist()
+    ids = values = None
     if n > 0:
-        vals, idx = lp.topk(min(n, lp.shape[-1]), -1)
-        vals, idx = vals.cpu().tolist(), idx.cpu().tolist()
-    return [[(picked[b][s], list(zip(idx[b][s], vals[b][s])) if n > 0 else []) for s in range(lp.shape[1])]
-            for b in range(lp.shape[0])]
+        values, ids = lp.topk(min(n, lp.shape[-1]), -1)
+    return logprob_lists(lp.gather(-1, chosen[..., None]).squeeze(-1), ids, values)
+
+
+def logprob_lists(picked: torch.Tensor, top_ids: torch.Tensor | None,
+                  top_values: torch.Tensor | None) -> list[list[tuple]]:
+    """picked [B, S] (the chosen tokens' log-probabilities), top_ids / top_values [B, S, N] (None: no
+    alternatives) → per row, per position: (picked, [(token, logprob)] of the top N), on the host."""
+    picked = picked.cpu().tolist()
+    if top_ids is None:
+        return [[(x, []) for x in row] for row in picked]
+    ids, vals = top_ids.cpu().tolist(), top_values.cpu().tolist()
+    return [[(x, list(zip(ids[b][s], vals[b][s]))) for s, x in enumerate(row)] for b, row in enumerate(picked)]
 
 
 @dataclass(frozen=True)
@@ -284,25 +292,32 @@ class EagerEngine:
                     self._prefill_logprobs[c.slot] = lp[j][0]
         return [first[j : j + 1] for j in range(len(chunks))]
 
+    def _all_caches(self) -> tuple[torch.Tensor, ...]:
+        """Every cache tensor, ``[slots, max_seq, …]`` each: the target's K and V per layer, then the
+        draft context's."""
+        return (*self.target_cache.k, *self.target_cache.v, *self.draft_cache.k, *self.draft_cache.v)
+
+    @torch.inference_mode()
     def copy_positions(self, src: int, dst: int, start: int, end: int) -> None:
         """Copy positions ``[start, end)`` of cache slot ``src`` into slot ``dst``, every cache, in place
-        (``prefix_cache.copy_positions``: a request handed the prompt chunks another one prefilled)."""
-        copy_positions(self, src, dst, start, end)
+        (a request handed the prompt chunks another one prefilled; captured graphs keep their addresses)."""
+        for cache in self._all_caches():
+            cache[dst, start:end].copy_(cache[src, start:end])
 
     # ---- stored prompt blocks (runtime/prefix_cache.py keeps their keys and order) -----------------
     def block_bytes(self, tokens: int) -> int:
         """The bytes one stored block of ``tokens`` positions holds (every cache's rows)."""
-        return sum(c[0, :tokens].numel() * c.element_size() for c in engine_caches(self))
+        return sum(c[0, :tokens].numel() * c.element_size() for c in self._all_caches())
 
     @torch.inference_mode()
     def store_block(self, key: bytes, slot: int, start: int, end: int) -> None:
         """Keep a copy of positions ``[start, end)`` of cache slot ``slot`` (every cache) under ``key``."""
-        self._blocks()[key] = tuple(c[slot, start:end].clone() for c in engine_caches(self))
+        self._blocks()[key] = tuple(c[slot, start:end].clone() for c in self._all_caches())
 
     @torch.inference_mode()
     def load_block(self, key: bytes, slot: int, start: int, end: int) -> None:
         """Copy the block kept under ``key`` into positions ``[start, end)`` of slot ``slot``, in place."""
-        for cache, values in zip(engine_caches(self), self._blocks()[key]):
+        for cache, values in zip(self._all_caches(), self._blocks()[key]):
             cache[slot, start:end].copy_(values)
 
     def drop_block(self, key: bytes) -> None:

@@ -127,9 +127,7 @@ class Request:
             "tokens_per_second": len(self.output) / secs,
             "seconds": secs,
             "finish_reason": self.finish_reason,
-            **({"confidence": {"decided_positions": len(yes) + len(no),
-                               "mean_when_accepted": sum(yes) / len(yes) if yes else None,
-                               "mean_when_rejected": sum(no) / len(no) if no else None}} if yes or no else {}),
+            **({"confidence": confidence_figures(yes, no)} if yes or no else {}),
         }
 
 
@@ -144,6 +142,13 @@ def decided_confidences(steps: list[StepRecord], gamma: int) -> tuple[list[float
         for k in range(min(s.accepted + 1, gamma)):
             (yes if k < s.accepted else no).append(s.confidence[k])
     return yes, no
+
+
+def confidence_figures(yes: list[float], no: list[float]) -> dict:
+    """The head's calibration from ``decided_confidences``: how many positions, its mean value where the
+    draft was accepted and where it was rejected."""
+    return {"decided_positions": len(yes) + len(no), "mean_when_accepted": sum(yes) / len(yes) if yes else None,
+            "mean_when_rejected": sum(no) / len(no) if no else None}
 
 
 class Generator:

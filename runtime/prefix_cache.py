@@ -21,7 +21,6 @@ import hashlib
 from collections import OrderedDict
 
 import numpy as np
-import torch
 
 
 def chunk_keys(prompt: list[int], chunk: int, blocks: int) -> list[bytes]:
@@ -33,20 +32,6 @@ def chunk_keys(prompt: list[int], chunk: int, blocks: int) -> list[bytes]:
         key = hashlib.sha256(key + tokens).digest()
         keys.append(key)
     return keys
-
-
-def engine_caches(engine) -> tuple[torch.Tensor, ...]:
-    """Every cache tensor of an engine, ``[slots, max_seq, …]`` each: the target's K and V per layer,
-    then the draft context's."""
-    return (*engine.target_cache.k, *engine.target_cache.v, *engine.draft_cache.k, *engine.draft_cache.v)
-
-
-def copy_positions(engine, src: int, dst: int, start: int, end: int) -> None:
-    """Copy positions ``[start, end)`` of cache slot ``src`` into slot ``dst``, every cache, in place (an
-    engine's captured graphs keep their addresses)."""
-    with torch.inference_mode():
-        for cache in engine_caches(engine):
-            cache[dst, start:end].copy_(cache[src, start:end])
 
 
 class PrefixCache:
