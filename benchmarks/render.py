@@ -2,6 +2,7 @@
 time against the roofline by batch size.
 
     python benchmarks/render.py [--results benchmarks/results] [--png docs/performance.png]
+                                [--generation-png docs/generation.png]
 
 One device's figures (``--device``; by default the GPU whose results cover the most batch sizes): for
 each batch size the latest step result (``benchmarks/step.py``) on it that timed the aoti step at that
@@ -10,6 +11,10 @@ measured), the GEMM floor, the aoti step as the runtime runs it (the CUDA-graph 
 graph replayed in turns with the copy (and that copy's roofline), eager and torch.compile where the
 run timed them, and the Markov loop as the engines call it. Needs matplotlib for the plot
 (``pip install -e .[bench]``); ``--png ''`` skips it.
+
+The second plot is of the generation benchmark (``benchmarks/generation.py``) on the compiled engine:
+generated tokens per second by batch size for each pair acceptance and verification schedule, beside
+the same engine's target-only decoding (the latest run of each acceptance on the device).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import results  # noqa: E402  (benchmarks/results.py, beside this file)
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = ROOT / "docs" / "performance.png"
+GENERATION_PNG = ROOT / "docs" / "generation.png"
 MARKOV_KEPT = "triton, kept workspace (in a CUDA graph; as the engines call it)"
 
 
@@ -128,10 +134,61 @@ def plot(rows: list[dict], png: Path) -> Path:
     return png
 
 
+def generation_series(docs: list[dict], device: str) -> dict[str, list[tuple[int, float]]]:
+    """``label → [(batch, tok/s)]`` from the aoti generation results on ``device``: for each pair acceptance
+    its latest run's rows by schedule, and target-only decoding from the latest run overall."""
+    latest: dict[float, dict] = {}
+    for d in docs:  # (oldest first: a later run of the same acceptance replaces an earlier one)
+        engine, pair = d["config"].get("engine", {}), d["config"].get("pair") or {}
+        if d["device"] == device and engine.get("backend") == "aoti" and "acceptance" in pair and d["results"].get("batches"):
+            latest[pair["acceptance"]] = d
+    series: dict[str, list[tuple[int, float]]] = {}
+    for p, d in sorted(latest.items(), reverse=True):
+        for r in d["results"]["batches"]:
+            name = "fixed γ" if r.get("schedule", "off") == "off" else f"{r['schedule']} scheduling"
+            series.setdefault(f"acceptance {p:g}, {name}", []).append((r["batch"], r["speculative"]["tokens_per_s"]))
+    if latest:
+        last = max(latest.values(), key=lambda d: d["date"])
+        seen = {}
+        for r in last["results"]["batches"]:
+            seen.setdefault(r["batch"], r["target_only"]["tokens_per_s"])
+        series["target-only decoding (the same engine)"] = sorted(seen.items())
+    return {k: sorted(v) for k, v in series.items()}
+
+
+def generation_plot(series: dict[str, list[tuple[int, float]]], device: str, png: Path) -> Path:
+    """Generated tokens/s by batch size (log-log), one line per acceptance and schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for i, (label, pts) in enumerate(series.items()):
+        style = "s--" if label.startswith("target-only") else ("o-" if "fixed" in label else "D:")
+        ax.plot(*zip(*pts), style, color="k" if label.startswith("target-only") else f"C{i}", label=label)
+    batches = sorted({b for pts in series.values() for b, _ in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("batch size (concurrent requests)")
+    ax.set_ylabel("generated tokens / s (256-token greedy generations)")
+    ax.set_title(f"8B-shaped pairs with a chosen acceptance, aoti engine, γ = 7; {device}", fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+    plt.close(fig)
+    return png
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=results.RESULTS, help="the result files' folder")
     p.add_argument("--png", default=str(PNG), help="where the plot goes ('' for none)")
+    p.add_argument("--generation-png", default=str(GENERATION_PNG),
+                   help="where the generation benchmark's plot goes ('' for none)")
     p.add_argument("--device", default=None,
                    help="the GPU whose figures to show (a part of its name, e.g. H100); default: the one whose "
                         "results cover the most batch sizes")
@@ -159,6 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nother devices: {'; '.join(others)} (`--device NAME`)")
     if a.png:
         print(f"\nplot: {plot(rows, Path(a.png))}", file=sys.stderr)
+    gen = results.load(a.results, "generation")
+    gen_devices = sorted({d["device"] for d in gen if a.device is None or a.device.lower() in d["device"].lower()})
+    series = {dev: generation_series(gen, dev) for dev in gen_devices}
+    series = {dev: s for dev, s in series.items() if s}
+    if series and a.generation_png:
+        dev = max(series, key=lambda k: len(series[k]))
+        print(f"plot: {generation_plot(series[dev], dev, Path(a.generation_png))}", file=sys.stderr)
     return 0
 
 

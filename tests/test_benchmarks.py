@@ -35,8 +35,9 @@ def test_every_committed_result_is_in_the_schema_and_named_by_it():
 
 def test_render_prints_the_current_figures_and_writes_the_plot(tmp_path):
     png = tmp_path / "performance.png"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render.py"), "--png", str(png)],
-                       capture_output=True, text=True, timeout=300)
+    gen = tmp_path / "generation.png"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render.py"), "--png", str(png),
+                        "--generation-png", str(gen)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
     assert set(rows) >= {"batch", "1", "8", "32"}
@@ -52,6 +53,17 @@ def test_render_prints_the_current_figures_and_writes_the_plot(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
     width, height = struct.unpack(">II", data[16:24])
     assert width > 300 and height > 200
+    assert gen.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_generation_plot_has_a_line_per_acceptance_and_schedule_and_the_target_only_one():
+    import render
+
+    series = render.generation_series(results.load(RESULTS, "generation"), "NVIDIA H100 80GB HBM3")
+    assert round(dict(series["acceptance 0.85, fixed γ"])[1], 1) == 604.7  # the committed runs' figures, by batch
+    assert round(dict(series["acceptance 0.6, fixed γ"])[32], 1) == 4204.0
+    assert round(dict(series["acceptance 0.6, confidence scheduling"])[8], 1) == 1643.6
+    assert [b for b, _ in series["target-only decoding (the same engine)"]] == [1, 8, 32]
 
 
 def test_the_committed_plot_is_a_png():
