@@ -2,8 +2,10 @@
 # The GPU checks, for a CUDA machine that already has torch, Triton and pytest (the device
 # machine's image): install this checkout without dependencies, then run
 #
-#   scripts/gpu_check.sh tests   # every GPU test (slow ones too), one line per test, but the engines below
-#   scripts/gpu_check.sh engines # the engines built with non-default switches (PDL wait-only, the old path)
+#   scripts/gpu_check.sh tests   # every GPU test (slow ones too), one line per test, but the CLI-built engines below
+#   scripts/gpu_check.sh engines # the CLI-built aoti engines with the Triton plugins: the default build, and
+#                                # one with a narrower verification width and the controlled step
+#   scripts/gpu_check.sh engine-switches # the engines built with non-default switches (PDL wait-only, the old path)
 #   scripts/gpu_check.sh bench   # the step benchmark (benchmarks/step.py; docs/performance.md); BENCH_ARGS=--profile adds kernel tables
 #   scripts/gpu_check.sh cxx     # the C++ embedding's tests: CPU and CUDA engines (carry .whl/ for its
 #                                # JSON header: the nlohmann-json wheel)
@@ -49,19 +51,26 @@ tests)
     # loadgroup: an engine file's tests (or each engine build's) stay on one worker (their
     # xdist_group), every other test goes to whichever worker is free
     python3 -c "import xdist" 2>/dev/null && xdist=(-n 6 --dist loadgroup --max-worker-restart=0)
-    # (the engines built with other switches: the "engines" mode; together they pass 10 minutes)
+    # (the CLI-built engines: the "engines" and "engine-switches" modes; together they pass 10 minutes)
     timeout "${TEST_TIMEOUT:-560}" python3 -m pytest "${xdist[@]}" -v -rfEs -m "slow or not slow" \
-        tests/test_gpu_eager.py tests/kernels tests/test_gpu_engine.py tests/test_gpu_triton_engine.py \
-        -k "not (only_wait or without_the_rope_table)" 2>&1 | tee "$OUT/gpu-tests.log" |
+        tests/test_gpu_eager.py tests/kernels tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu-tests.log" |
         grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|[0-9]+ (passed|failed)|node down"
     ;;
 engines)
+    # the default CLI build with the Triton plugins and the one with narrower widths (each build on a worker
+    # of its own; each compiles its graphs in parallel processes)
+    timeout "${TEST_TIMEOUT:-580}" python3 -m pytest -n 2 --dist loadgroup --max-worker-restart=0 -v -rfEs \
+        -m "slow or not slow" tests/test_gpu_triton_engine.py \
+        -k "not (only_wait or without_the_rope_table)" 2>&1 | tee "$OUT/gpu-engines.log" |
+        grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)|node down"
+    ;;
+engine-switches)
     # The engines built with switches other than the defaults (each a CLI build, the eager engine, and
     # fresh-process runs: several minutes each, so one worker each): PDL waiting only, and the path
     # without the RoPE table, the fused attention and PDL.
     timeout "${TEST_TIMEOUT:-580}" python3 -m pytest -n 2 --dist loadgroup --max-worker-restart=0 -v -rfEs \
         -m "slow or not slow" tests/test_gpu_triton_engine.py \
-        -k "only_wait or without_the_rope_table" 2>&1 | tee "$OUT/gpu-engines.log" |
+        -k "only_wait or without_the_rope_table" 2>&1 | tee "$OUT/gpu-engine-switches.log" |
         grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)|node down"
     ;;
 bench)
@@ -144,7 +153,7 @@ tp-bench)
         --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
     ;;
 *)
-    echo "usage: $0 tests|engines|bench|cxx|serving|workload|serving-sweep|tp|tp-bench" >&2
+    echo "usage: $0 tests|engines|engine-switches|bench|cxx|serving|workload|serving-sweep|tp|tp-bench" >&2
     exit 2
     ;;
 esac
