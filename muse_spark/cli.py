@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from muse_spark.serving.server import _positive  # (argparse's positive integers, said once)
+from muse_spark.serving.server import _positive, add_kv_pool_arguments, kv_pool  # (argparse types, said once)
 
 
 def _die(msg: str, code: int = 2) -> int:
@@ -200,7 +200,7 @@ def cmd_generate(a) -> int:
     if a.tp != 1:
         return _generate_tensor_parallel(a, text, ids)
     if a.engine:
-        engine = load_engine(a.engine, device=a.device, dtype=a.dtype)
+        engine = load_engine(a.engine, device=a.device, dtype=a.dtype, **kv_pool(a))
     else:
         engine = EagerEngine.from_checkpoints(a.target, a.draft, device=a.device or "cpu", dtype=a.dtype, max_batch=1)
     tok = load_tokenizer(engine.tokenizer_path)
@@ -490,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None)
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="split the target across N ranks (processes: gloo on CPU, NCCL on CUDA; --target/--draft)")
+    add_kv_pool_arguments(g)
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this mass")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this × the top probability")

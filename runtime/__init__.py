@@ -31,9 +31,15 @@ __all__ = [
 
 
 def load_engine(engine_dir: str | Path, device: str | None = None, **kw):
-    """Load an engine directory with the backend its manifest names."""
+    """Load an engine directory with the backend its manifest names. ``kv_tokens`` (and
+    ``kv_block_size``): paged KV caches, a pool of that many positions (``runtime/kv_blocks.py``)."""
     m = read_manifest(engine_dir)
     backend = m["backend"]
+    if kw.get("kv_tokens") is None:
+        kw.pop("kv_tokens", None), kw.pop("kv_block_size", None)
+    elif backend != "eager":
+        raise EngineError(f"{engine_dir}: paged KV caches (a KV pool of tokens) run on the eager engine today; this "
+                          f"{backend!r} engine's compiled steps address one cache window per slot")
     if backend == "eager":
         return EagerEngine.from_dir(engine_dir, device=device, **kw)
     if backend == "aoti":

@@ -35,6 +35,7 @@ from muse_spark.options import KernelOptions, engine_options, use_options
 from muse_spark.plugins.acceptance.processing import Processing, logprobs, process_logits
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 from muse_spark.checkpoint import load_pair
+from muse_spark.runtime.kv_blocks import BlockTables
 from muse_spark.schedule import Schedule, plan
 from muse_spark.sharding import shard_config
 
@@ -139,7 +140,7 @@ class EagerEngine:
     def __init__(self, target: MuseSpark1xForCausalLM, draft: MuseSparkDSparkForCausalLM, *,
                  max_batch: int, max_seq: int, device, tokenizer_path: str | Path | None = None,
                  manifest: dict | None = None, prefill_chunk: int = 128, options: KernelOptions | None = None,
-                 schedule: Schedule | None = None):
+                 schedule: Schedule | None = None, kv_tokens: int | None = None, kv_block_size: int = 16):
         self.target, self.draft = target, draft
         self.options = options or KernelOptions()
         self.tcfg, self.dcfg = target.cfg, draft.cfg
@@ -149,8 +150,17 @@ class EagerEngine:
         self.prefill_chunk = prefill_chunk
         self.manifest = manifest or {}
         self.tokenizer_path = tokenizer_path
-        self.target_cache = target.allocate_cache(max_batch, max_seq, self.device)
-        self.draft_cache = draft.allocate_cache(max_batch, max_seq, self.device)
+        # Paged (``kv_tokens``): the caches are pools of ``kv_block_size``-token blocks that the slots take
+        # as their requests grow (runtime/kv_blocks.py); else each slot owns max_seq positions.
+        self.kv = None
+        if kv_tokens is not None:
+            self.kv = BlockTables(-(-int(kv_tokens) // kv_block_size) + 1, kv_block_size, max_batch, max_seq,
+                                  self.device)
+            self.target_cache = target.allocate_paged_cache(self.kv.blocks, kv_block_size, max_seq, self.device)
+            self.draft_cache = draft.allocate_paged_cache(self.kv.blocks, kv_block_size, max_seq, self.device)
+        else:
+            self.target_cache = target.allocate_cache(max_batch, max_seq, self.device)
+            self.draft_cache = draft.allocate_cache(max_batch, max_seq, self.device)
         # The Triton attention's bits depend on where the visible keys sit: the draft's block keys
         # follow its context window, so on that path the window is the whole cache, as in the
         # compiled packages (plugins/attention, "Bits"); the Triton kernel skips the unseen tiles.
@@ -212,7 +222,12 @@ class EagerEngine:
         except (RuntimeError, ValueError, OSError) as e:
             raise EngineError(f"{d}: engine weights cannot be loaded: {e}") from None
         max_batch = max_batch or m["max_batch"]
-        check_cache_memory(d, tcfg, dcfg, dt, max_batch=max_batch, max_seq=m["max_seq"], device=dev)
+        if kw.get("kv_tokens") is not None:  # (paged: one pool of that many positions, not max_batch windows)
+            P = kw.get("kv_block_size", 16)
+            check_cache_memory(d, tcfg, dcfg, dt, max_batch=1, max_seq=(-(-int(kw["kv_tokens"]) // P) + 1) * P,
+                               device=dev)
+        else:
+            check_cache_memory(d, tcfg, dcfg, dt, max_batch=max_batch, max_seq=m["max_seq"], device=dev)
         tok = d / m["tokenizer"] if m.get("tokenizer") else None
         return cls(target, draft, max_batch=max_batch, max_seq=m["max_seq"], device=dev,
                    tokenizer_path=tok, manifest=m, options=opts, **kw)
@@ -259,8 +274,9 @@ class EagerEngine:
             positions[i] = torch.arange(c.start, c.start + width).clamp_(max=self.max_seq - 1)
         slots = torch.tensor([c.slot for c in chunks], device=dev)
         positions = positions.to(dev)
-        h, aux = self.target(tokens.to(dev), positions, slots, self.target_cache, int(positions.max()) + 1)
-        self.draft.store_context(aux, positions, slots, self.draft_cache)
+        rows = self.cache_rows(slots)
+        h, aux = self.target(tokens.to(dev), positions, rows, self.target_cache, int(positions.max()) + 1)
+        self.draft.store_context(aux, positions, rows, self.draft_cache)
         done = [i for i, c in enumerate(chunks) if c.start + n[i] == len(c.prompt)]
         out: list[torch.Tensor | None] = [None] * len(chunks)
         if done:
@@ -293,32 +309,77 @@ class EagerEngine:
         return [first[j : j + 1] for j in range(len(chunks))]
 
     def _all_caches(self) -> tuple[torch.Tensor, ...]:
-        """Every cache tensor, ``[slots, max_seq, …]`` each: the target's K and V per layer, then the
-        draft context's."""
+        """Every cache tensor, ``[slots, max_seq, …]`` each (paged: ``[blocks, P, …]``): the target's K and
+        V per layer, then the draft context's."""
         return (*self.target_cache.k, *self.target_cache.v, *self.draft_cache.k, *self.draft_cache.v)
+
+    # ---- the caches by slot and position ----------------------------------------------------
+    def cache_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """What the models address the caches by for requests in ``slots`` [B]: the slots themselves,
+        or on paged caches their block tables [B, n]."""
+        return slots if self.kv is None else self.kv.table[slots]
+
+    def _at(self, slot: int, start: int, end: int):
+        """Index of ``slot``'s positions ``[start, end)`` into every cache (``cache[index]``: [n, KV, Dh])."""
+        return (slot, slice(start, end)) if self.kv is None else self.kv.positions(slot, start, end)
+
+    def kv_description(self) -> str:
+        """The caches' layout and size, for a server's startup line."""
+        mib = sum(c.numel() * c.element_size() for c in self._all_caches()) / 2**20
+        if self.kv is None:
+            return f"KV: {self.max_batch} slots × {self.max_seq} positions ({mib:.1f} MiB)"
+        return (f"KV: paged, a pool of {self.kv.capacity_tokens} positions in blocks of {self.kv.block_size} "
+                f"({mib:.1f} MiB)")
+
+    def kv_reserve(self, slot: int, end: int) -> bool:
+        """Paged caches: blocks for ``slot``'s positions ``[0, end)``; → False (nothing taken) when the pool
+        is short. Contiguous caches always hold them."""
+        return self.kv is None or self.kv.reserve(slot, end)
+
+    def kv_release(self, slot: int) -> None:
+        """Paged caches: ``slot``'s blocks back to the pool (its request ended or was preempted)."""
+        if self.kv is not None:
+            self.kv.release(slot)
+
+    @torch.inference_mode()
+    def swap_out(self, slot: int, end: int) -> tuple[torch.Tensor, ...]:
+        """Copies of ``slot``'s positions ``[0, end)``, every cache, in host memory (a preempted request's
+        state: ``swap_in`` puts it back, bit for bit)."""
+        at = self._at(slot, 0, end)
+        return tuple(c[at].to("cpu", copy=True) for c in self._all_caches())
+
+    @torch.inference_mode()
+    def swap_in(self, slot: int, saved: tuple[torch.Tensor, ...]) -> None:
+        """Write ``swap_out``'s copies into ``slot``'s positions ``[0, n)`` (reserved before)."""
+        at = self._at(slot, 0, saved[0].shape[0])
+        for cache, values in zip(self._all_caches(), saved):
+            cache[at] = values.to(cache.device)
 
     @torch.inference_mode()
     def copy_positions(self, src: int, dst: int, start: int, end: int) -> None:
         """Copy positions ``[start, end)`` of cache slot ``src`` into slot ``dst``, every cache, in place
         (a request handed the prompt chunks another one prefilled; captured graphs keep their addresses)."""
+        a, b = self._at(src, start, end), self._at(dst, start, end)
         for cache in self._all_caches():
-            cache[dst, start:end].copy_(cache[src, start:end])
+            cache[b] = cache[a]
 
     # ---- stored prompt blocks (runtime/prefix_cache.py keeps their keys and order) -----------------
     def block_bytes(self, tokens: int) -> int:
         """The bytes one stored block of ``tokens`` positions holds (every cache's rows)."""
-        return sum(c[0, :tokens].numel() * c.element_size() for c in self._all_caches())
+        return tokens * sum(c[0, 0].numel() * c.element_size() for c in self._all_caches())
 
     @torch.inference_mode()
     def store_block(self, key: bytes, slot: int, start: int, end: int) -> None:
         """Keep a copy of positions ``[start, end)`` of cache slot ``slot`` (every cache) under ``key``."""
-        self._blocks()[key] = tuple(c[slot, start:end].clone() for c in self._all_caches())
+        at = self._at(slot, start, end)
+        self._blocks()[key] = tuple(c[at].clone() for c in self._all_caches())
 
     @torch.inference_mode()
     def load_block(self, key: bytes, slot: int, start: int, end: int) -> None:
         """Copy the block kept under ``key`` into positions ``[start, end)`` of slot ``slot``, in place."""
+        at = self._at(slot, start, end)
         for cache, values in zip(self._all_caches(), self._blocks()[key]):
-            cache[slot, start:end].copy_(values)
+            cache[at] = values
 
     def drop_block(self, key: bytes) -> None:
         self._blocks().pop(key, None)
@@ -347,6 +408,7 @@ class EagerEngine:
         """
         g = self.gamma
         ctx_len = self.max_seq if self.full_draft_window else kv_len - g - 1
+        slots = self.cache_rows(slots)
         ids, probs, conf = self.draft.propose(anchor, anchor_pos, slots, self.draft_cache, ctx_len, seeds,
                                               temperature)
         verify, K = None, g
@@ -404,5 +466,5 @@ class EagerEngine:
     @torch.inference_mode()
     def target_step(self, token: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, seeds: torch.Tensor,
                     temperature: torch.Tensor, kv_len: int) -> torch.Tensor:
-        h, _ = self.target(token[:, None], pos[:, None], slots, self.target_cache, kv_len)
+        h, _ = self.target(token[:, None], pos[:, None], self.cache_rows(slots), self.target_cache, kv_len)
         return sample_tokens(self.target.logits(h[:, 0]), temperature, seeds, pos + 1)

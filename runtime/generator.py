@@ -98,6 +98,8 @@ class Request:
     pending: list[int] = field(default_factory=list)  # emitted, not yet streamed
     logprobs: list[tuple] = field(default_factory=list)  # per output token (SamplingParams.logprobs): (lp, top)
     prefilled: int = 0  # prompt tokens prefilled so far (while the request is in ``Generator.prefilling``)
+    swapped: tuple | None = field(default=None, repr=False)  # a preempted request's K/V (``EagerEngine.swap_out``)
+    preempted: int = 0  # times the request gave its KV blocks up for another (paged caches)
     chunk_keys: list[bytes] | None = field(default=None, repr=False)  # (``Generator._keys``)
 
     @classmethod
@@ -187,6 +189,10 @@ class Generator:
         self.eos = frozenset(engine.tcfg.eos_token_id)
         self.step_times: list[float] = []
         self._inflight = None  # (handle, batch): a chained step launched, its rows not read yet
+        # paged KV caches (runtime/kv_blocks.py): requests are admitted while the pool has blocks for them,
+        # and the newest is preempted when the running ones outgrow it
+        self.paged = getattr(engine, "kv", None) is not None
+        self.preemptions = 0
         self.lock = threading.RLock()  # held by every public method that reads or changes the requests
 
     # ---- validation ------------------------------------------------------------------
@@ -303,9 +309,15 @@ class Generator:
             self.active.remove(req)
         if req in self.prefilling:
             self.prefilling.remove(req)
+        req.swapped = None
         if req.slot >= 0:
-            self.free_slots.append(req.slot)
-            req.slot = -1
+            self._free_slot(req)
+
+    def _free_slot(self, req: Request) -> None:
+        if self.paged:
+            self.engine.kv_release(req.slot)
+        self.free_slots.append(req.slot)
+        req.slot = -1
 
     def _emit(self, req: Request, tokens: list[int]) -> list[int]:
         """Append tokens, clipped at the first stop token (kept) and at max_tokens."""
@@ -339,11 +351,25 @@ class Generator:
 
     # ---- scheduling ------------------------------------------------------------------
     def _admit(self) -> None:
-        """Waiting requests take the free slots, in order, and start prefilling (no work yet)."""
+        """Waiting requests take the free slots, in order, and start prefilling (no work yet). On paged
+        caches a request also needs blocks for its prompt and first step (a preempted one: for the
+        positions it had reached, which it gets back as they were, and steps on); the first that does
+        not fit waits, and the ones behind it with it."""
         while self.waiting and self.free_slots:
-            req = self.waiting.pop(0)
+            req = self.waiting[0]
+            if self.paged:
+                end = (req.position if req.swapped is not None else len(req.prompt)) + self.gamma + 1
+                if not self.engine.kv_reserve(self.free_slots[-1], end):
+                    return
+            self.waiting.pop(0)
             req.slot = self.free_slots.pop()
-            req.t_start = time.perf_counter()
+            if req.swapped is not None:
+                self.engine.swap_in(req.slot, req.swapped)
+                req.swapped = None
+                self.active.append(req)
+                continue
+            if not req.t_start:
+                req.t_start = time.perf_counter()
             req.prefilled = 0
             if self.prefix_cache is not None:
                 blocks = self.prefix_cache.lookup(req.prompt)
@@ -438,6 +464,26 @@ class Generator:
         return done < len(mine) and any(shared(d) > done and d.prefilled // C <= done for d in earlier
                                         if d.slot >= 0 and not d.finished)
 
+    def _grow(self) -> None:
+        """Paged caches: blocks for every running request's next step (positions up to its anchor + γ),
+        oldest request first; while the pool is short, the newest request holding blocks is preempted:
+        a running one's K/V are copied out and it resumes, first in line, with them (the same bits, so the
+        same tokens); a prefilling one starts its prefill again (the same chunks, so the same values)."""
+        for req in sorted(self.active, key=lambda r: r.id):
+            while req.slot >= 0 and not self.engine.kv_reserve(req.slot, req.position + self.gamma + 1):
+                self._preempt(max(self.active + self.prefilling, key=lambda r: r.id))
+
+    def _preempt(self, req: Request) -> None:
+        if req in self.active:
+            req.swapped = self.engine.swap_out(req.slot, req.position)
+            self.active.remove(req)
+        else:
+            self.prefilling.remove(req)
+        self._free_slot(req)
+        req.preempted += 1
+        self.preemptions += 1
+        self.waiting.insert(0, req)
+
     def step(self) -> list[Request]:
         """One scheduler iteration: waiting requests take free slots, one speculative step runs over
         the requests past their prefill, then one prefill round (``_prefill_round``: the next chunk
@@ -457,6 +503,8 @@ class Generator:
         token: the chained step computes exactly what the next call would have launched."""
         with self.lock:
             self._admit()
+            if self.paged:
+                self._grow()
             try:
                 stepped = self._step()
             except BaseException:
@@ -531,8 +579,8 @@ class Generator:
         caches (its largest position + γ is below max_seq), and some request surely needs it (more
         than γ+1 tokens left: this step emits at most γ+1)."""
         g = self.gamma
-        if any(r.finished for r in batch) or self.prefilling or (self.waiting and self.free_slots):
-            return False
+        if self.paged or any(r.finished for r in batch) or self.prefilling or (self.waiting and self.free_slots):
+            return False  # (paged: the chained step's positions would need blocks the step before took)
         if max(r.position for r in batch) + 2 * (g + 1) > self.engine.max_seq:
             return False
         return any(r.params.max_tokens - len(r.output) > g + 1 for r in batch)

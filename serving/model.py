@@ -13,7 +13,8 @@ final response otherwise. Bad requests get an INVALID_ARG error response and
 touch nothing else. ``config.pbtxt`` parameters: ``engine_dir`` (required),
 ``device`` (optional override of the engine's device), ``max_queue``, ``prefix_cache_mib``
 (memory for stored prompt prefixes, ``runtime/prefix_cache.py``; 0: none),
-``torch_threads`` (CPU threads of this instance; default torch's).
+``torch_threads`` (CPU threads of this instance; default torch's), ``kv_cache_tokens`` and
+``kv_block_size`` (paged KV caches, ``runtime/kv_blocks.py``; eager engines).
 
 Shutdown: ``muse-spark serve`` names a file in ``MUSE_SPARK_SERVE_DRAIN_FILE`` (``options.serve_drain_file``)
 and writes the grace period (seconds) into it when it is asked to stop; a
@@ -232,7 +233,9 @@ class TritonPythonModel:
             self.engine = join_as_leader(engine_dir, tp, port, device=device or "cpu")
             self.engine.keepalive()
         else:
-            self.engine = load_engine(engine_dir, device=device)
+            pool = ({"kv_tokens": int(params["kv_cache_tokens"]), "kv_block_size": int(params.get("kv_block_size") or 16)}
+                    if params.get("kv_cache_tokens") else {})
+            self.engine = load_engine(engine_dir, device=device, **pool)
         self.tokenizer = load_tokenizer(self.engine.tokenizer_path)
         self.metrics = None
         if hasattr(pb_utils, "MetricFamily"):
@@ -252,7 +255,8 @@ class TritonPythonModel:
         e = self.engine
         _log(f"muse_spark: {args['model_instance_name']} serves engine {engine_dir} (γ={e.gamma}, "
              f"max_batch={e.max_batch}, max_seq={e.max_seq}, device={e.device}, "
-             f"tokenizer={'yes' if self.tokenizer else 'no'})")
+             f"tokenizer={'yes' if self.tokenizer else 'no'})"
+             + (f"; {e.kv_description()}" if hasattr(e, "kv_description") else ""))
 
     def execute(self, requests):
         for request in requests:

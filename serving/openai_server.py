@@ -58,7 +58,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from muse_spark.serving.server import ServingError, _port, _positive, _seconds
+from muse_spark.serving.server import ServingError, _port, _positive, _seconds, add_kv_pool_arguments, kv_pool
 from muse_spark.serving.supervisor import port_in_use
 
 OPENAI_EXTRA_HINT = "install the openai extra: pip install 'muse-spark[openai]' (fastapi, uvicorn, jinja2)"
@@ -96,7 +96,7 @@ class OpenAIService:
     """The engine, its tokenizer and chat template, and the scheduler thread the routes submit to."""
 
     def __init__(self, engine_dir: str | Path, *, served_model_name: str | None = None, device: str | None = None,
-                 max_queue: int = 256, log=_log, engine=None, prefix_cache_mib: float = 0):
+                 max_queue: int = 256, log=_log, engine=None, prefix_cache_mib: float = 0, kv_pool: dict | None = None):
         # (torch and the runtime load here, when a server is made, not when the CLI parses its arguments)
         from muse_spark.engine_format import read_manifest
         from muse_spark.runtime import load_engine, load_tokenizer
@@ -105,7 +105,7 @@ class OpenAIService:
 
         engine_dir = Path(engine_dir)
         # (``engine``: one already loaded — rank 0's LeaderEngine of a tensor-parallel rank set)
-        self.engine = engine if engine is not None else load_engine(engine_dir, device=device)
+        self.engine = engine if engine is not None else load_engine(engine_dir, device=device, **(kv_pool or {}))
         manifest = read_manifest(engine_dir)
         self.created = _epoch(manifest.get("created"))
         tokenizer = load_tokenizer(self.engine.tokenizer_path)
@@ -569,7 +569,7 @@ def metrics_text(service: OpenAIService) -> str:
 def serve_openai(engine_dir: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
                  served_model_name: str | None = None, device: str | None = None, max_request_bytes: int = 1 << 20,
                  max_queue: int = 256, exit_timeout: float = 10.0, log_level: str = "info", engine=None,
-                 prefix_cache_mib: float = 0) -> int:
+                 prefix_cache_mib: float = 0, kv_pool: dict | None = None) -> int:
     """Load the engine (or take ``engine``), then serve on ``host:port`` until SIGINT/SIGTERM (which
     drains: see the module doc)."""
     try:
@@ -581,7 +581,7 @@ def serve_openai(engine_dir: str | Path, *, host: str = "127.0.0.1", port: int =
     if port_in_use(host, port):
         raise ServingError(f"the port {host}:{port} is in use; choose another with --port")
     service = OpenAIService(engine_dir, served_model_name=served_model_name, device=device, max_queue=max_queue,
-                            engine=engine, prefix_cache_mib=prefix_cache_mib)
+                            engine=engine, prefix_cache_mib=prefix_cache_mib, kv_pool=kv_pool)
     app = create_app(service, max_request_bytes=max_request_bytes)
 
     class Server(uvicorn.Server):
@@ -607,7 +607,8 @@ def serve_openai(engine_dir: str | Path, *, host: str = "127.0.0.1", port: int =
     e = service.engine
     _log(f"serving {service.served.name!r} from {engine_dir} on http://{host}:{port}/v1 (γ={e.gamma}, "
          f"max_batch={e.max_batch}, max_seq={e.max_seq}, device={e.device}, chat template: "
-         f"{'yes' if service.served.chat_template else 'no'})")
+         f"{'yes' if service.served.chat_template else 'no'})"
+         + (f"; {e.kv_description()}" if hasattr(e, "kv_description") else ""))
     service.start()
     try:
         Server(config).run()
@@ -638,6 +639,7 @@ def add_serve_openai_command(sub) -> None:
                         "prompt) skips its prefill (default 0: none)")
     s.add_argument("--tp", type=_positive, default=1, metavar="N",
                    help="split the target across N ranks (an eager engine; processes: gloo on CPU, NCCL on CUDA)")
+    add_kv_pool_arguments(s)
     s.set_defaults(fn=cmd_serve_openai)
 
 
@@ -650,7 +652,7 @@ def _serve_lead(leader, **kw) -> int:
 def cmd_serve_openai(a: argparse.Namespace) -> int:
     kw = dict(engine_dir=a.engine, host=a.host, port=a.port, served_model_name=a.served_model_name, device=a.device,
               max_request_bytes=a.max_request_bytes, max_queue=a.max_queue, exit_timeout=a.exit_timeout,
-              log_level=a.log_level, prefix_cache_mib=a.prefix_cache_mib)
+              log_level=a.log_level, prefix_cache_mib=a.prefix_cache_mib, kv_pool=kv_pool(a))
     try:
         if a.prefix_cache_mib < 0:
             raise ServingError(f"--prefix-cache-mib must be >= 0, got {a.prefix_cache_mib}")

@@ -19,6 +19,8 @@ import re
 import shutil
 from pathlib import Path
 
+from muse_spark.serving.server import add_kv_pool_arguments, kv_pool
+
 MODEL_TEMPLATE = Path(__file__).with_name("model.py")
 MARKER = "# written by muse-spark triton-repo"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -41,7 +43,7 @@ def _param(key: str, value) -> str:
 
 def render_config(model_name: str, engine_dir: Path, *, instances: int = 1, kind: str = "KIND_CPU",
                   max_queue: int = 256, device: str | None = None, torch_threads: int | None = None,
-                  prefix_cache_mib: float = 0, tp: int = 1) -> str:
+                  prefix_cache_mib: float = 0, tp: int = 1, kv_pool: dict | None = None) -> str:
     """The text of config.pbtxt."""
     from muse_spark.serving.protocol import INPUTS, OUTPUTS  # imports torch (via the runtime): keep it lazy
 
@@ -54,6 +56,8 @@ def render_config(model_name: str, engine_dir: Path, *, instances: int = 1, kind
         params.append(_param("torch_threads", torch_threads))
     if tp > 1:
         params.append(_param("tp", tp))
+    if kv_pool:
+        params += [_param("kv_cache_tokens", kv_pool["kv_tokens"]), _param("kv_block_size", kv_pool["kv_block_size"])]
     return "\n".join([
         MARKER,
         f'name: "{model_name}"',
@@ -69,7 +73,8 @@ def render_config(model_name: str, engine_dir: Path, *, instances: int = 1, kind
 
 def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str = "muse_spark",
                      instances: int = 1, max_queue: int = 256, device: str | None = None,
-                     torch_threads: int | None = None, prefix_cache_mib: float = 0, tp: int = 1) -> Path:
+                     torch_threads: int | None = None, prefix_cache_mib: float = 0, tp: int = 1,
+                     kv_pool: dict | None = None) -> Path:
     """Write (or replace) model ``model_name`` in repository ``out``; → the model directory. ``tp`` > 1: the
     model runs the engine's target split over that many ranks (rank 0 in the model, the others started by
     ``muse-spark serve``; an eager engine, one instance).
@@ -124,7 +129,7 @@ def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str
     shutil.copy(MODEL_TEMPLATE, model_dir / "1" / "model.py")
     (model_dir / "config.pbtxt").write_text(
         render_config(model_name, engine_dir, instances=instances, kind=kind, max_queue=max_queue, device=device,
-                      torch_threads=torch_threads, prefix_cache_mib=prefix_cache_mib, tp=tp))
+                      torch_threads=torch_threads, prefix_cache_mib=prefix_cache_mib, tp=tp, kv_pool=kv_pool))
     return model_dir
 
 
@@ -147,13 +152,14 @@ def add_triton_repo_command(sub) -> None:
     r.add_argument("--tp", type=int, default=1, metavar="N",
                    help="split the target over N ranks (an eager engine; `muse-spark serve` starts ranks 1 … N-1, "
                         "the model is rank 0)")
+    add_kv_pool_arguments(r)
     r.set_defaults(fn=cmd_triton_repo)
 
 
 def cmd_triton_repo(a) -> int:
     model_dir = write_repository(a.engine, a.out, model_name=a.model_name, instances=a.instances,
                                  max_queue=a.max_queue, device=a.device, torch_threads=a.torch_threads,
-                                 prefix_cache_mib=a.prefix_cache_mib, tp=a.tp)
+                                 prefix_cache_mib=a.prefix_cache_mib, tp=a.tp, kv_pool=kv_pool(a))
     print(f"model repository: {Path(a.out)} (model {a.model_name!r} in {model_dir}); "
           f"serve it with: muse-spark serve --repo {a.out}")
     return 0

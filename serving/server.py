@@ -299,6 +299,18 @@ def _positive(text: str) -> int:
     return n
 
 
+def add_kv_pool_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-tokens", type=_positive, default=None, metavar="N",
+                   help="paged KV caches: one pool of N token positions that requests take blocks of as they grow "
+                        "(eager engines; default: a window of max_seq positions per slot)")
+    p.add_argument("--kv-block-size", type=_positive, default=16, metavar="P",
+                   help="tokens per KV block of the pool (a power of two; default 16)")
+
+
+def kv_pool(a) -> dict:
+    """``load_engine``'s paged-cache arguments from ``add_kv_pool_arguments``' options (none: contiguous)."""
+    return {} if a.kv_cache_tokens is None else {"kv_tokens": a.kv_cache_tokens, "kv_block_size": a.kv_block_size}
+
 def _int(text: str, what: str) -> int:
     if not text.strip().isascii() or not text.strip().isdigit():
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")

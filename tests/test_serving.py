@@ -77,6 +77,9 @@ def test_repository_layout_and_config(engine_dir, tmp_path):
         assert "optional: true" in cfg[cfg.index(f'name: "{name}"'):].split("}", 1)[0]
     assert 'name: "output_log_probs"' in cfg
     assert check_repository(tmp_path / "repo") == [MODEL]
+    paged = write_repository(engine_dir, tmp_path / "paged", kv_pool={"kv_tokens": 4096, "kv_block_size": 32})
+    cfg = (paged / "config.pbtxt").read_text()
+    assert 'key: "kv_cache_tokens"' in cfg and 'string_value: "4096"' in cfg and 'string_value: "32"' in cfg
 
 
 def test_repository_refuses_bad_arguments(engine_dir, tmp_path):

@@ -21,7 +21,6 @@ from torch import nn
 from muse_spark.config import MuseSparkDSparkConfig
 from muse_spark.models.layers import DecoderLayer, linear, make_norm
 from muse_spark.plugins.acceptance.reference import output_transform
-from muse_spark.plugins.attention.reference import CacheKV
 from muse_spark.models.target import KVCache, LayerStackLM
 from muse_spark.plugins import dispatch
 
@@ -118,7 +117,7 @@ class MuseSparkDSparkForCausalLM(LayerStackLM):
     def store_context(self, aux: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> None:
         ks, vs = self.context_kv(aux, positions)
         for i in range(len(ks)):
-            CacheKV(cache.k[i], cache.v[i], slots, positions, None)(ks[i], vs[i])
+            self.cache_kv(cache.k[i], cache.v[i], slots, positions, None)(ks[i], vs[i])
 
     # ---- block ------------------------------------------------------------------------
     def block(

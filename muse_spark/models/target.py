@@ -18,15 +18,17 @@ from torch import nn
 from muse_spark.config import MuseSpark1xConfig
 from muse_spark.models.layers import DecoderLayer, linear, make_norm
 from muse_spark.plugins.acceptance.reference import output_transform
-from muse_spark.plugins.attention.reference import CacheKV, KeyBounds
+from muse_spark.plugins.attention.reference import CacheKV, KeyBounds, PagedKV
 
 
 @dataclass
 class KVCache:
-    """Per-layer K/V, [slots, max_seq, KV, Dh] each, allocated once."""
+    """Per-layer K/V, allocated once: [slots, max_seq, KV, Dh] each, or (``paged``) pools of blocks
+    [blocks, P, KV, Dh] that requests address through block tables (``runtime/kv_blocks.py``)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    window: int | None = None  # paged: the positions a request may have (its table's blocks × P)
 
     @classmethod
     def allocate(cls, layers: int, slots: int, max_seq: int, kv_heads: int, head_dim: int,
@@ -37,9 +39,20 @@ class KVCache:
             [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)],
         )
 
+    @classmethod
+    def allocate_paged(cls, layers: int, blocks: int, block_size: int, max_seq: int, kv_heads: int,
+                       head_dim: int, dtype: torch.dtype, device: torch.device | str) -> "KVCache":
+        paged = cls.allocate(layers, blocks, block_size, kv_heads, head_dim, dtype, device)
+        paged.window = max_seq
+        return paged
+
+    @property
+    def paged(self) -> bool:
+        return self.window is not None
+
     @property
     def max_seq(self) -> int:
-        return self.k[0].shape[1]
+        return self.window if self.window is not None else self.k[0].shape[1]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -70,6 +83,12 @@ class LayerStackLM(nn.Module):
         return KVCache.allocate(c.num_hidden_layers, slots, max_seq, c.num_key_value_heads, c.head_dim,
                                 self.dtype, device)
 
+    def allocate_paged_cache(self, blocks: int, block_size: int, max_seq: int, device=None) -> KVCache:
+        c = self.cfg
+        device = device or next(self.parameters()).device
+        return KVCache.allocate_paged(c.num_hidden_layers, blocks, block_size, max_seq, c.num_key_value_heads,
+                                      c.head_dim, self.dtype, device)
+
     @staticmethod
     def key_mask(positions: torch.Tensor, kv_len: int) -> KeyBounds:
         """[B, S, kv_len] in bounds form: key j is visible to a query iff j ≤ ``positions`` (the
@@ -79,9 +98,12 @@ class LayerStackLM(nn.Module):
 
     @staticmethod
     def cache_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                 mask: KeyBounds) -> CacheKV:
+                 mask: KeyBounds | None) -> CacheKV | PagedKV:
         """The layer's ``kv``: write the new K/V at ``positions`` of rows ``slots`` of the caches, and
-        let attention read those rows in place over the keys ``mask`` shows (``layers.CacheKV``)."""
+        let attention read those rows in place over the keys ``mask`` shows (``layers.CacheKV``).
+        ``slots`` [B, n] instead of [B]: the requests' block tables into paged caches (``PagedKV``)."""
+        if slots.dim() == 2:
+            return PagedKV(k_cache, v_cache, slots, positions, mask)
         return CacheKV(k_cache, v_cache, slots, positions, mask)
 
     def next_norm(self, i: int) -> nn.Module:

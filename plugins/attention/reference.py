@@ -69,6 +69,37 @@ class CacheKV(NamedTuple):
         return self.k_cache, self.v_cache, self.mask, self.slots
 
 
+class PagedKV(NamedTuple):
+    """The ``KVProvider`` of a layer over paged KV caches: pools of fixed-size blocks
+    ``[blocks, P, KV, Dh]`` and each request's block table (``table[b, j]``: the block holding its
+    positions ``j·P … j·P + P − 1``). ``kv(k, v)`` writes the new K/V at ``positions`` through the
+    tables, and attention reads each request's first ``T`` positions (``mask``'s width) gathered from
+    its blocks. A table entry past a request's own blocks names block 0, which no request owns: what
+    lands there (a padded prefill's positions past its prompt) is never visible to a query."""
+
+    k_cache: torch.Tensor  # [blocks, P, KV, Dh]
+    v_cache: torch.Tensor
+    table: torch.Tensor  # [B, blocks per request] int64
+    positions: torch.Tensor  # [B, S] int64
+    mask: Mask  # None where the provider only writes
+
+    def __call__(self, k_new: torch.Tensor, v_new: torch.Tensor):
+        P = self.k_cache.shape[1]
+        blocks = self.table.gather(1, torch.div(self.positions, P, rounding_mode="floor"))
+        offsets = self.positions % P
+        self.k_cache[blocks, offsets] = k_new
+        self.v_cache[blocks, offsets] = v_new
+        return self.attended()
+
+    def attended(self):
+        """(keys [B, T, KV, Dh], values, mask, None): each request's first T positions, in order."""
+        if self.mask is None:
+            return None, None, None, None
+        T, P = self.mask.shape[-1], self.k_cache.shape[1]
+        ids = self.table[:, : -(-T // P)]
+        return (self.k_cache[ids].flatten(1, 2)[:, :T], self.v_cache[ids].flatten(1, 2)[:, :T], self.mask, None)
+
+
 def cache_rows(k: torch.Tensor, v: torch.Tensor, mask: Mask,
                slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values ``attend`` reads, [B, T, KV, Dh] each (T = mask's last dim): rows

@@ -1,0 +1,186 @@
+"""Paged KV caches (runtime/kv_blocks.py) on the eager engine: the caches as pools of blocks addressed
+through per-slot block tables, requests admitted while blocks are free, the newest preempted when the
+running ones outgrow the pool. Every output equals the contiguous caches' token for token."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from muse_spark.engine_format import EngineError
+from muse_spark.plugins.attention.reference import CacheKV, KeyBounds, PagedKV
+from muse_spark.runtime import Generator, SamplingParams, load_engine
+from muse_spark.runtime.engine import EagerEngine
+from muse_spark.runtime.kv_blocks import BlockPoolError, BlockTables
+from muse_spark.runtime.prefix_cache import PrefixCache
+
+from conftest import run_cli
+
+MAX_SEQ = 128
+
+
+def _engine(pair, kv_tokens=None, block=16, max_batch=4, max_seq=MAX_SEQ):
+    kw = {} if kv_tokens is None else {"kv_tokens": kv_tokens, "kv_block_size": block}
+    return EagerEngine.from_checkpoints(*pair, max_batch=max_batch, max_seq=max_seq, **kw)
+
+
+def _workload(n, seed, max_prompt=60, max_tokens=(10, 50)):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(30, 250) for _ in range(rng.randrange(2, max_prompt))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randrange(*max_tokens), temperature=rng.choice([0.0, 0.9]), seed=i,
+                             ignore_eos=True) for i in range(n)]
+    return prompts, params
+
+
+def poison_freed_blocks(engine) -> None:
+    """Fill each block with NaN as it goes back to the pool: a request that read a block it does not hold
+    (or lost a position when preempted) would emit other tokens."""
+    release = engine.kv.release
+
+    def poisoned(slot):
+        ids = list(engine.kv.owned[slot])
+        with torch.inference_mode():
+            for cache in engine._all_caches():
+                cache[ids] = float("nan")
+        release(slot)
+
+    engine.kv.release = poisoned
+
+
+@pytest.fixture(scope="module")
+def contiguous(agreeing_pair):
+    return _engine(agreeing_pair)
+
+
+def test_the_paged_provider_writes_and_reads_what_the_slot_caches_do():
+    """Keys and values written through block tables (scattered, out-of-order blocks) read back as the
+    slot-indexed caches' rows, position for position."""
+    g = torch.Generator().manual_seed(0)
+    B, S, T, KV, Dh, P = 3, 5, 40, 2, 16, 8
+    slot_k, slot_v = torch.zeros(B, 64, KV, Dh), torch.zeros(B, 64, KV, Dh)
+    pool_k, pool_v = torch.zeros(30, P, KV, Dh), torch.zeros(30, P, KV, Dh)
+    table = (torch.randperm(29, generator=g)[: B * 8] + 1).view(B, 8)  # (no block in two tables)
+    for start in (0, 9, 35):  # three writes, as prefill then steps
+        pos = torch.arange(start, start + S)[None].repeat(B, 1)
+        k, v = torch.randn(B, S, KV, Dh, generator=g), torch.randn(B, S, KV, Dh, generator=g)
+        mask = KeyBounds(pos, T)
+        want = CacheKV(slot_k, slot_v, torch.arange(B), pos, mask)(k, v)
+        got = PagedKV(pool_k, pool_v, table, pos, mask)(k, v)
+    wk, wv = slot_k[:, :T], slot_v[:, :T]
+    assert torch.equal(got[0], wk) and torch.equal(got[1], wv) and got[2] is mask and got[3] is None
+    assert want[3] is not None
+
+
+def test_a_paged_engine_gives_the_contiguous_tokens_greedy_and_sampled(agreeing_pair, contiguous):
+    prompts, params = _workload(6, seed=1)
+    want = [r.output for r in Generator(contiguous).generate(prompts, params)]
+    paged = _engine(agreeing_pair, kv_tokens=4 * MAX_SEQ)
+    poison_freed_blocks(paged)
+    gen = Generator(paged)
+    assert [r.output for r in gen.generate(prompts, params)] == want
+    assert gen.preemptions == 0 and len(paged.kv.free) == paged.kv.blocks - 1  # every block back
+    paged.kv.check()
+
+
+def test_a_pool_too_small_for_all_preempts_the_newest_and_loses_no_token(agreeing_pair, contiguous):
+    """160 positions for 4 slots of requests up to ~110: the pool runs short mid-generation, the newest
+    request is preempted (its K/V copied out, its blocks freed) and resumes with the same tokens."""
+    prompts, params = _workload(8, seed=0)
+    want = [r.output for r in Generator(contiguous).generate(prompts, params)]
+    paged = _engine(agreeing_pair, kv_tokens=160)
+    poison_freed_blocks(paged)
+    gen = Generator(paged)
+    reqs = gen.generate(prompts, params)
+    assert [r.output for r in reqs] == want
+    assert gen.preemptions > 0 and any(r.preempted for r in reqs)
+    assert all(r.finish_reason == "length" for r in reqs)
+    paged.kv.check()
+    assert len(paged.kv.free) == paged.kv.blocks - 1
+
+
+def test_arrivals_and_cancellations_between_steps_keep_tokens_and_blocks(agreeing_pair, contiguous):
+    prompts, params = _workload(6, seed=2)
+    want = [r.output for r in Generator(contiguous).generate(prompts, params)]
+    paged = _engine(agreeing_pair, kv_tokens=192)
+    poison_freed_blocks(paged)
+    gen = Generator(paged)
+    reqs = [gen.add(prompts[0], params[0]), gen.add(prompts[1], params[1])]
+    victim = gen.add([40, 41, 42], SamplingParams(max_tokens=90, ignore_eos=True))
+    for i in range(2, 6):
+        gen.step()
+        gen.step()
+        reqs.append(gen.add(prompts[i], params[i]))
+        if i == 3:
+            gen.cancel(victim)  # (holding blocks, maybe swapped out: either way they come back)
+    gen.run()
+    assert [r.output for r in reqs] == want
+    assert victim.finish_reason == "cancelled" and victim.swapped is None
+    paged.kv.check()
+    assert len(paged.kv.free) == paged.kv.blocks - 1
+
+
+def test_a_thousand_requests_with_random_lengths_and_cancels_leave_the_pool_full(agreeing_pair):
+    paged = _engine(agreeing_pair, kv_tokens=MAX_SEQ + 16, max_batch=8)
+    gen = Generator(paged)
+    rng = random.Random(7)
+    live = []
+    for i in range(1000):
+        live.append(gen.add([rng.randrange(30, 250) for _ in range(rng.randrange(1, 40))],
+                            SamplingParams(max_tokens=rng.randrange(1, 12), temperature=rng.choice([0.0, 1.0]),
+                                           seed=i, ignore_eos=True)))
+        if rng.random() < 0.3:
+            gen.step()
+        if rng.random() < 0.1:
+            gen.cancel(rng.choice(live))
+    gen.run()
+    assert all(r.finished for r in live) and gen.preemptions > 0
+    paged.kv.check()
+    assert len(paged.kv.free) == paged.kv.blocks - 1 and not paged.kv.table.any()
+
+
+def test_prefix_caching_and_shared_prefill_on_paged_caches_keep_the_tokens(agreeing_pair):
+    system = list(range(40, 180))  # longer than a prefill chunk (128): one stored block
+    prompts = [system + [200 + i] for i in range(3)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 3
+    want = [r.output for r in Generator(_engine(agreeing_pair, max_seq=256)).generate(prompts, params)]
+    paged = _engine(agreeing_pair, kv_tokens=2 * 256, max_seq=256)
+    cache = PrefixCache(paged, 1 << 24)
+    gen = Generator(paged, prefix_cache=cache)
+    assert [r.output for r in gen.generate(prompts[:1], params[:1])] == want[:1]
+    assert [r.output for r in gen.generate(prompts[1:], params[1:])] == want[1:]  # (the stored block, then shared)
+    assert cache.hits > 0
+    paged.kv.check()
+
+
+def test_bad_pools_are_refused_with_clear_errors(agreeing_pair):
+    with pytest.raises(BlockPoolError, match="power of two"):
+        BlockTables(10, 12, 2, 64, "cpu")
+    with pytest.raises(BlockPoolError, match=r"cannot hold one request of max_seq 128 tokens .* at least 144"):
+        _engine(agreeing_pair, kv_tokens=100)
+    assert issubclass(BlockPoolError, EngineError)
+
+
+def test_the_cli_generates_the_same_ids_paged_and_an_aoti_engine_refuses_a_pool(agreeing_pair, tmp_path):
+    out = tmp_path / "engine"
+    r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--max-batch", 2,
+                "--max-seq", MAX_SEQ)
+    assert r.returncode == 0, r.stderr
+    ids = []
+    for extra in ((), ("--kv-cache-tokens", 200, "--kv-block-size", 8)):
+        r = run_cli("generate", "--engine", out, "--prompt-ids", "65,66,67", "--max-tokens", 30, "--ignore-eos",
+                    "--json", *extra)
+        assert r.returncode == 0, r.stderr
+        ids.append(json.loads(r.stdout.strip().splitlines()[-1])["output_ids"])
+    assert ids[0] == ids[1] and len(ids[0]) == 30
+    assert "KV: paged, a pool of 200 positions in blocks of 8" in load_engine(
+        out, kv_tokens=200, kv_block_size=8).kv_description()
+    fake = tmp_path / "aoti"
+    shutil.copytree(out, fake)
+    m = json.loads((fake / "manifest.json").read_text())
+    (fake / "manifest.json").write_text(json.dumps(dict(m, backend="aoti")))
+    with pytest.raises(EngineError, match="paged KV caches .* run on the eager engine"):
+        load_engine(fake, kv_tokens=256)
