@@ -99,6 +99,7 @@ class Request:
     logprobs: list[tuple] = field(default_factory=list)  # per output token (SamplingParams.logprobs): (lp, top)
     prefilled: int = 0  # prompt tokens prefilled so far (while the request is in ``Generator.prefilling``)
     swapped: tuple | None = field(default=None, repr=False)  # a preempted request's K/V (``EagerEngine.swap_out``)
+    block_keys: list[bytes] | None = field(default=None, repr=False)  # (``Generator._block_keys``)
     preempted: int = 0  # times the request gave its KV blocks up for another (paged caches)
     chunk_keys: list[bytes] | None = field(default=None, repr=False)  # (``Generator._keys``)
 
@@ -193,6 +194,10 @@ class Generator:
         # and the newest is preempted when the running ones outgrow it
         self.paged = getattr(engine, "kv", None) is not None
         self.preemptions = 0
+        # ... and their prompts' full blocks are shared by reference, where a prefill chunk is whole blocks
+        # (a request resumes its prefill at a chunk boundary: the same chunks, the same values)
+        self.share_blocks = self.paged and engine.prefill_chunk % engine.kv.block_size == 0
+        self.cached_prefill_tokens = 0  # prompt tokens whose blocks a request mapped in, not prefilled
         self.lock = threading.RLock()  # held by every public method that reads or changes the requests
 
     # ---- validation ------------------------------------------------------------------
@@ -357,9 +362,17 @@ class Generator:
         not fit waits, and the ones behind it with it."""
         while self.waiting and self.free_slots:
             req = self.waiting[0]
+            cached = 0
             if self.paged:
+                slot, kv = self.free_slots[-1], self.engine.kv
+                if req.swapped is None and self.share_blocks:  # its prompt's blocks already in the pool
+                    keys = self._block_keys(req)
+                    per_chunk = self.engine.prefill_chunk // kv.block_size
+                    cached = kv.cached_run(keys) // per_chunk * per_chunk
+                    kv.attach(slot, keys[:cached])
                 end = (req.position if req.swapped is not None else len(req.prompt)) + self.gamma + 1
-                if not self.engine.kv_reserve(self.free_slots[-1], end):
+                if not kv.reserve(slot, end):
+                    kv.release(slot)
                     return
             self.waiting.pop(0)
             req.slot = self.free_slots.pop()
@@ -370,8 +383,9 @@ class Generator:
                 continue
             if not req.t_start:
                 req.t_start = time.perf_counter()
-            req.prefilled = 0
-            if self.prefix_cache is not None:
+            req.prefilled = cached * self.engine.kv.block_size if cached else 0
+            self.cached_prefill_tokens += req.prefilled
+            if self.prefix_cache is not None and not self.paged:  # (paged: the blocks above, by reference)
                 blocks = self.prefix_cache.lookup(req.prompt)
                 if blocks:
                     self.prefix_cache.restore(req.prompt, blocks, req.slot)
@@ -414,9 +428,11 @@ class Generator:
                 if req.finish_reason == "error":
                     emitted.append(req)
                 continue
-            if self.prefix_cache is not None and req.prefilled + C <= len(req.prompt):  # a full chunk: keep it
-                self.prefix_cache.insert(req.prompt, req.prefilled // C, req.slot)
+            if self.prefix_cache is not None and not self.paged and req.prefilled + C <= len(req.prompt):
+                self.prefix_cache.insert(req.prompt, req.prefilled // C, req.slot)  # (a full chunk: keep it)
             req.prefilled = min(len(req.prompt), req.prefilled + C)
+            if self.share_blocks:  # the prompt's blocks written so far, for requests admitted later
+                self.engine.kv.register(req.slot, self._block_keys(req)[: req.prefilled // self.engine.kv.block_size])
             if first is None:
                 continue
             self.prefilling.remove(req)
@@ -429,6 +445,14 @@ class Generator:
                 self.engine.set_controls(req.slot, self._controls_row(req))
             emitted.append(req)
         return emitted
+
+    def _block_keys(self, req: Request) -> list[bytes]:
+        """Paged caches: the chained keys of the KV blocks ``req``'s prompt fills before its last chunk
+        (the blocks a later request may map in; its last chunk it prefills itself)."""
+        if req.block_keys is None:
+            P, C = self.engine.kv.block_size, self.engine.prefill_chunk
+            req.block_keys = chunk_keys(req.prompt, P, (len(req.prompt) - 1) // C * C // P)
+        return req.block_keys
 
     def _keys(self, req: Request) -> list[bytes]:
         """The chained keys of ``req``'s prompt chunks before its last one (``prefix_cache.chunk_keys``):

@@ -12,9 +12,18 @@ Generator admits a request while the pool has blocks for its prompt and its firs
 running request's blocks before a step, and when the pool runs short preempts the newest request
 (``runtime/generator.py``): its K/V are copied out (``EagerEngine.swap_out``), its blocks freed, and
 it resumes later with the same bits, so with the same tokens.
+
+Full prompt blocks are shared by reference. Once a request's prefill has written a block that its
+prompt fills, the block is registered under a chained hash of every prompt token up to its end
+(``prefix_cache.chunk_keys``); a request admitted later whose prompt starts with registered blocks maps
+them into its table (a reference each) and prefills after them. A block nobody references keeps its
+contents while the pool has other free blocks, and is reused least recently used first (a prefix's
+deeper blocks before the ones in front of them) when it has none.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -42,10 +51,52 @@ class BlockTables:
         self.free = list(range(blocks - 1, 0, -1))  # (pop() hands out the lowest id first)
         self.owned: list[list[int]] = [[] for _ in range(slots)]
         self.table = torch.zeros(slots, per_slot, dtype=torch.int64, device=device)
+        self.refs = [0] * blocks  # the slots holding each block
+        self.cached: dict[bytes, int] = {}  # a registered prompt block's key → its block
+        self.key_of: dict[int, bytes] = {}
+        self.unused: OrderedDict[int, None] = OrderedDict()  # registered, no slot holds it: reused oldest first
 
     @property
     def free_tokens(self) -> int:
-        return len(self.free) * self.block_size
+        return (len(self.free) + len(self.unused)) * self.block_size
+
+    def _take(self) -> int:
+        """A block for a slot: a free one, else the least recently used registered one nobody holds."""
+        if self.free:
+            return self.free.pop()
+        b, _ = self.unused.popitem(last=False)
+        del self.cached[self.key_of.pop(b)]
+        return b
+
+    def _hold(self, slot: int, blocks: list[int]) -> None:
+        have = len(self.owned[slot])
+        for b in blocks:
+            self.refs[b] += 1
+        self.owned[slot].extend(blocks)
+        self.table[slot, have : have + len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+
+    def cached_run(self, keys: list[bytes]) -> int:
+        """How many of ``keys`` (a prompt's block keys, in order) are registered, from the first on."""
+        n = 0
+        while n < len(keys) and keys[n] in self.cached:
+            n += 1
+        return n
+
+    def attach(self, slot: int, keys: list[bytes]) -> None:
+        """Map the registered blocks of ``keys`` (all registered: ``cached_run``) into ``slot``'s table from
+        its first position on (a slot holding nothing yet)."""
+        assert not self.owned[slot], "attach: the slot already holds blocks"
+        blocks = [self.cached[k] for k in keys]
+        for b in blocks:
+            self.unused.pop(b, None)
+        self._hold(slot, blocks)
+
+    def register(self, slot: int, keys: list[bytes]) -> None:
+        """Register ``slot``'s first ``len(keys)`` blocks (written, filled by the prompt) under ``keys``; a
+        key or a block registered already stays as it is."""
+        for key, b in zip(keys, self.owned[slot]):
+            if key not in self.cached and b not in self.key_of:
+                self.cached[key], self.key_of[b] = b, key
 
     @property
     def capacity_tokens(self) -> int:
@@ -60,19 +111,23 @@ class BlockTables:
         """Give ``slot`` blocks for positions ``[0, end)`` (clamped to ``max_seq``); → False, and
         nothing taken, when the pool has too few free."""
         n = self.needed(slot, end)
-        if n > len(self.free):
+        if n > len(self.free) + len(self.unused):
             return False
         if n:
-            new = [self.free.pop() for _ in range(n)]
-            have = len(self.owned[slot])
-            self.owned[slot].extend(new)
-            self.table[slot, have : have + n] = torch.tensor(new, dtype=torch.int64)
+            self._hold(slot, [self._take() for _ in range(n)])
         return True
 
     def release(self, slot: int) -> None:
-        """Return ``slot``'s blocks to the pool and clear its table row."""
+        """Drop ``slot``'s references to its blocks and clear its table row: a block nobody holds goes back
+        to the pool (a registered one keeps its contents until the pool needs it)."""
         if self.owned[slot]:
-            self.free.extend(reversed(self.owned[slot]))
+            for b in reversed(self.owned[slot]):  # (deeper blocks first: reused before the ones in front)
+                self.refs[b] -= 1
+                if self.refs[b] == 0:
+                    if b in self.key_of:
+                        self.unused[b] = None
+                    else:
+                        self.free.append(b)
             self.owned[slot] = []
             self.table[slot].zero_()
 
@@ -82,9 +137,16 @@ class BlockTables:
         return self.table[slot, pos // self.block_size], pos % self.block_size
 
     def check(self) -> None:
-        """Every block is free or held by one slot, exactly once (a test's leak check)."""
-        held = [b for row in self.owned for b in row]
-        every = sorted(held + self.free)
-        if every != list(range(1, self.blocks)):
-            raise AssertionError(f"KV block accounting broken: {len(held)} held + {len(self.free)} free of "
-                                 f"{self.blocks - 1}, duplicates or losses present")
+        """Every block is held (its count of references right), free or unused-but-registered, exactly one
+        of them, and no block is lost (a test's leak check)."""
+        counts = [0] * self.blocks
+        for row in self.owned:
+            for b in row:
+                counts[b] += 1
+        held = [b for b in range(1, self.blocks) if counts[b]]
+        every = sorted(held + self.free + list(self.unused))
+        if every != list(range(1, self.blocks)) or counts != self.refs:
+            raise AssertionError(f"KV block accounting broken: {len(held)} held + {len(self.free)} free + "
+                                 f"{len(self.unused)} unused of {self.blocks - 1}, or references miscounted")
+        if any(self.cached[k] != b for b, k in self.key_of.items()) or len(self.cached) != len(self.key_of):
+            raise AssertionError("KV block registry broken: keys and blocks disagree")

@@ -1,6 +1,8 @@
 """Paged KV caches (runtime/kv_blocks.py) on the eager engine: the caches as pools of blocks addressed
 through per-slot block tables, requests admitted while blocks are free, the newest preempted when the
-running ones outgrow the pool. Every output equals the contiguous caches' token for token."""
+running ones outgrow the pool. Every output equals the contiguous caches' token for token. The pair is the
+random one: its tokens depend on the whole context (the agreeing pair's hardly look past the last token),
+so a request that read another's keys would show it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ from muse_spark.plugins.attention.reference import CacheKV, KeyBounds, PagedKV
 from muse_spark.runtime import Generator, SamplingParams, load_engine
 from muse_spark.runtime.engine import EagerEngine
 from muse_spark.runtime.kv_blocks import BlockPoolError, BlockTables
-from muse_spark.runtime.prefix_cache import PrefixCache
 
 from conftest import run_cli
 
@@ -37,23 +38,36 @@ def _workload(n, seed, max_prompt=60, max_tokens=(10, 50)):
 
 
 def poison_freed_blocks(engine) -> None:
-    """Fill each block with NaN as it goes back to the pool: a request that read a block it does not hold
-    (or lost a position when preempted) would emit other tokens."""
-    release = engine.kv.release
+    """Fill each block with NaN as it goes back to the pool, and a registered block as the pool takes it for
+    another request: a request that read a block it does not hold (or lost a position when preempted)
+    would emit other tokens."""
+    kv, release, take = engine.kv, engine.kv.release, engine.kv._take
 
-    def poisoned(slot):
-        ids = list(engine.kv.owned[slot])
+    def poison(ids):
         with torch.inference_mode():
             for cache in engine._all_caches():
                 cache[ids] = float("nan")
+
+    def poisoned_release(slot):
+        poison([b for b in kv.owned[slot] if kv.refs[b] == 1 and b not in kv.key_of])
         release(slot)
 
-    engine.kv.release = poisoned
+    def poisoned_take():
+        b = take()
+        poison([b])
+        return b
+
+    kv.release, kv._take = poisoned_release, poisoned_take
 
 
 @pytest.fixture(scope="module")
-def contiguous(agreeing_pair):
-    return _engine(agreeing_pair)
+def pair(random_pair):
+    return random_pair
+
+
+@pytest.fixture(scope="module")
+def contiguous(pair):
+    return _engine(pair)
 
 
 def test_the_paged_provider_writes_and_reads_what_the_slot_caches_do():
@@ -75,10 +89,10 @@ def test_the_paged_provider_writes_and_reads_what_the_slot_caches_do():
     assert want[3] is not None
 
 
-def test_a_paged_engine_gives_the_contiguous_tokens_greedy_and_sampled(agreeing_pair, contiguous):
+def test_a_paged_engine_gives_the_contiguous_tokens_greedy_and_sampled(pair, contiguous):
     prompts, params = _workload(6, seed=1)
     want = [r.output for r in Generator(contiguous).generate(prompts, params)]
-    paged = _engine(agreeing_pair, kv_tokens=4 * MAX_SEQ)
+    paged = _engine(pair, kv_tokens=4 * MAX_SEQ)
     poison_freed_blocks(paged)
     gen = Generator(paged)
     assert [r.output for r in gen.generate(prompts, params)] == want
@@ -86,12 +100,12 @@ def test_a_paged_engine_gives_the_contiguous_tokens_greedy_and_sampled(agreeing_
     paged.kv.check()
 
 
-def test_a_pool_too_small_for_all_preempts_the_newest_and_loses_no_token(agreeing_pair, contiguous):
+def test_a_pool_too_small_for_all_preempts_the_newest_and_loses_no_token(pair, contiguous):
     """160 positions for 4 slots of requests up to ~110: the pool runs short mid-generation, the newest
     request is preempted (its K/V copied out, its blocks freed) and resumes with the same tokens."""
     prompts, params = _workload(8, seed=0)
     want = [r.output for r in Generator(contiguous).generate(prompts, params)]
-    paged = _engine(agreeing_pair, kv_tokens=160)
+    paged = _engine(pair, kv_tokens=160)
     poison_freed_blocks(paged)
     gen = Generator(paged)
     reqs = gen.generate(prompts, params)
@@ -102,10 +116,10 @@ def test_a_pool_too_small_for_all_preempts_the_newest_and_loses_no_token(agreein
     assert len(paged.kv.free) == paged.kv.blocks - 1
 
 
-def test_arrivals_and_cancellations_between_steps_keep_tokens_and_blocks(agreeing_pair, contiguous):
+def test_arrivals_and_cancellations_between_steps_keep_tokens_and_blocks(pair, contiguous):
     prompts, params = _workload(6, seed=2)
     want = [r.output for r in Generator(contiguous).generate(prompts, params)]
-    paged = _engine(agreeing_pair, kv_tokens=192)
+    paged = _engine(pair, kv_tokens=192)
     poison_freed_blocks(paged)
     gen = Generator(paged)
     reqs = [gen.add(prompts[0], params[0]), gen.add(prompts[1], params[1])]
@@ -123,13 +137,15 @@ def test_arrivals_and_cancellations_between_steps_keep_tokens_and_blocks(agreein
     assert len(paged.kv.free) == paged.kv.blocks - 1
 
 
-def test_a_thousand_requests_with_random_lengths_and_cancels_leave_the_pool_full(agreeing_pair):
-    paged = _engine(agreeing_pair, kv_tokens=MAX_SEQ + 16, max_batch=8)
+def test_a_thousand_requests_with_random_lengths_and_cancels_leave_the_pool_full(pair):
+    paged = _engine(pair, kv_tokens=256 + 16, max_batch=8, max_seq=256)
     gen = Generator(paged)
     rng = random.Random(7)
+    system = [rng.randrange(30, 250) for _ in range(128)]  # (a fifth of the prompts start with it)
     live = []
     for i in range(1000):
-        live.append(gen.add([rng.randrange(30, 250) for _ in range(rng.randrange(1, 40))],
+        tail = [rng.randrange(30, 250) for _ in range(rng.randrange(1, 40))]
+        live.append(gen.add(system + tail[:8] if rng.random() < 0.2 else tail,
                             SamplingParams(max_tokens=rng.randrange(1, 12), temperature=rng.choice([0.0, 1.0]),
                                            seed=i, ignore_eos=True)))
         if rng.random() < 0.3:
@@ -137,36 +153,71 @@ def test_a_thousand_requests_with_random_lengths_and_cancels_leave_the_pool_full
         if rng.random() < 0.1:
             gen.cancel(rng.choice(live))
     gen.run()
-    assert all(r.finished for r in live) and gen.preemptions > 0
+    assert all(r.finished for r in live) and gen.preemptions > 0 and gen.cached_prefill_tokens > 0
+    kv = paged.kv
+    kv.check()
+    assert len(kv.free) + len(kv.unused) == kv.blocks - 1 and not any(kv.refs) and not kv.table.any()
+
+
+def test_prompt_blocks_are_shared_by_reference_and_keep_the_tokens(pair):
+    """A system prompt longer than a prefill chunk: its first chunk's blocks, once a request has prefilled
+    them, are mapped into the tables of requests admitted later (while it runs, and after it ended), which
+    prefill only after them; every output is the contiguous engine's."""
+    system = list(range(40, 180))  # 140 tokens: the first chunk (128 = 8 blocks of 16) is shareable
+    prompts = [system + [200 + i] for i in range(4)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=40, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True)]
+    want = [r.output for r in Generator(_engine(pair, max_seq=256)).generate(prompts, params)]
+    paged = _engine(pair, kv_tokens=2 * 256, max_seq=256)
+    poison_freed_blocks(paged)
+    gen = Generator(paged)
+    first = gen.add(prompts[0], params[0])
+    while not first.finished:
+        gen.step()
+    assert gen.cached_prefill_tokens == 0
+    second = gen.add(prompts[1], params[1])  # (after the first ended: its blocks kept, unused)
+    gen.step()
+    third = gen.add(prompts[2], params[2])  # (while the second runs: the same blocks, two references)
+    gen.step()
+    kv = paged.kv
+    assert kv.owned[second.slot][:8] == kv.owned[third.slot][:8] and all(kv.refs[b] == 2 for b in kv.owned[third.slot][:8])
+    assert kv.owned[second.slot][8:9] != kv.owned[third.slot][8:9]  # (past the chunk: each its own)
+    fourth = gen.add(prompts[3], params[3])
+    gen.run()
+    assert [r.output for r in (first, second, third, fourth)] == want
+    assert gen.cached_prefill_tokens == 3 * 128
+    kv.check()
+    assert len(kv.free) + len(kv.unused) == kv.blocks - 1 and len(kv.unused) == 8
+
+
+def test_unused_prompt_blocks_give_way_when_the_pool_needs_them(pair):
+    """A pool just large enough for one max_seq request: the registered blocks of earlier prompts are
+    reused for new requests (least recently used first), and the tokens stay the contiguous engine's."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(30, 250) for _ in range(rng.randrange(130, 160))] for _ in range(4)]
+    prompts.append(prompts[0][:129] + [7])  # shares the first's chunk, if its blocks survived
+    params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 5
+    want = [r.output for r in Generator(_engine(pair, max_seq=256)).generate(prompts, params)]
+    paged = _engine(pair, kv_tokens=256, max_seq=256, max_batch=2)
+    poison_freed_blocks(paged)
+    gen = Generator(paged)
+    assert [r.output for r in gen.generate(prompts, params)] == want
     paged.kv.check()
-    assert len(paged.kv.free) == paged.kv.blocks - 1 and not paged.kv.table.any()
+    assert gen.cached_prefill_tokens == 0  # (the first prompt's blocks were reused by the time the last came)
 
 
-def test_prefix_caching_and_shared_prefill_on_paged_caches_keep_the_tokens(agreeing_pair):
-    system = list(range(40, 180))  # longer than a prefill chunk (128): one stored block
-    prompts = [system + [200 + i] for i in range(3)]
-    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * 3
-    want = [r.output for r in Generator(_engine(agreeing_pair, max_seq=256)).generate(prompts, params)]
-    paged = _engine(agreeing_pair, kv_tokens=2 * 256, max_seq=256)
-    cache = PrefixCache(paged, 1 << 24)
-    gen = Generator(paged, prefix_cache=cache)
-    assert [r.output for r in gen.generate(prompts[:1], params[:1])] == want[:1]
-    assert [r.output for r in gen.generate(prompts[1:], params[1:])] == want[1:]  # (the stored block, then shared)
-    assert cache.hits > 0
-    paged.kv.check()
-
-
-def test_bad_pools_are_refused_with_clear_errors(agreeing_pair):
+def test_bad_pools_are_refused_with_clear_errors(pair):
     with pytest.raises(BlockPoolError, match="power of two"):
         BlockTables(10, 12, 2, 64, "cpu")
     with pytest.raises(BlockPoolError, match=r"cannot hold one request of max_seq 128 tokens .* at least 144"):
-        _engine(agreeing_pair, kv_tokens=100)
+        _engine(pair, kv_tokens=100)
     assert issubclass(BlockPoolError, EngineError)
 
 
-def test_the_cli_generates_the_same_ids_paged_and_an_aoti_engine_refuses_a_pool(agreeing_pair, tmp_path):
+def test_the_cli_generates_the_same_ids_paged_and_an_aoti_engine_refuses_a_pool(pair, tmp_path):
     out = tmp_path / "engine"
-    r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--max-batch", 2,
+    r = run_cli("build", "--target", pair[0], "--draft", pair[1], "--out", out, "--max-batch", 2,
                 "--max-seq", MAX_SEQ)
     assert r.returncode == 0, r.stderr
     ids = []
