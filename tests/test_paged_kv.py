@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from muse_spark.engine_format import EngineError
-from muse_spark.plugins.attention.reference import CacheKV, KeyBounds, PagedKV
+from muse_spark.plugins.attention.reference import CacheKV, KeyBounds, PagedKV, cache_rows
 from muse_spark.runtime import Generator, SamplingParams, load_engine
 from muse_spark.runtime.engine import EagerEngine
 from muse_spark.runtime.kv_blocks import BlockPoolError, BlockTables
@@ -84,9 +84,9 @@ def test_the_paged_provider_writes_and_reads_what_the_slot_caches_do():
         mask = KeyBounds(pos, T)
         want = CacheKV(slot_k, slot_v, torch.arange(B), pos, mask)(k, v)
         got = PagedKV(pool_k, pool_v, table, pos, mask)(k, v)
-    wk, wv = slot_k[:, :T], slot_v[:, :T]
-    assert torch.equal(got[0], wk) and torch.equal(got[1], wv) and got[2] is mask and got[3] is None
-    assert want[3] is not None
+    keys, values = cache_rows(got[0], got[1], mask, got[3])  # (what the attention reads: the gathered blocks)
+    assert torch.equal(keys, slot_k[:, :T]) and torch.equal(values, slot_v[:, :T]) and got[2] is mask
+    assert got[3] is table and want[3] is not None
 
 
 def test_a_paged_engine_gives_the_contiguous_tokens_greedy_and_sampled(pair, contiguous):

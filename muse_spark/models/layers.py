@@ -113,8 +113,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
            slots: torch.Tensor | None = None) -> torch.Tensor:
     """Masked GQA attention. q [B,S,H,Dh], mask [B,S,T] bool or ``KeyBounds`` (the Triton kernel reads
     its bounds; the other paths expand it) → [B,S,H,Dh] (q's dtype); k/v [B,≥T,KV,Dh],
-    or with ``slots`` [B] whole caches [N,≥T,KV,Dh] of which request b reads row ``slots[b]`` (the
-    Triton kernel reads it in place; the other paths gather the rows first).
+    or with ``slots`` [B] whole caches [N,≥T,KV,Dh] of which request b reads row ``slots[b]``, or with
+    ``slots`` [B, n] pools of blocks [blocks, P, KV, Dh] through the requests' block tables (the Triton
+    kernel reads them in place; the other paths gather the rows first).
 
     bf16/fp16 on CUDA: a fused kernel (``attention_path``; products of the compute dtype, fp32
     accumulation and softmax), which reads K/V once in their own dtype. Otherwise (fp32, CPU):
@@ -123,7 +124,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
     with no visible key.
     """
     path = attention_path(q.device, q.dtype)
-    if path == "triton" and triton_attention_fits(q, k, v) and _triton_ops_available():
+    paged = slots is not None and slots.dim() == 2  # (block tables: the kernel takes bounds only)
+    if path == "triton" and triton_attention_fits(q, k, v) and _triton_ops_available() and \
+            (not paged or isinstance(mask, KeyBounds)):
         from muse_spark.plugins import triton_ops  # (imported by _triton_ops_available)
 
         return triton_ops.attention(q, k, v, mask, slots)  # picks the op for the mask's form

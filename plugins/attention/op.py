@@ -25,15 +25,21 @@ from muse_spark.plugins.head_norm_rope.reference import head_norm_rope_cache_ref
 
 def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None) -> None:
     B, S, H, dh = q.shape
-    per_request = slots is None  # k/v [B, T, KV, Dh]; else whole caches, any number of rows
+    per_request = slots is None  # k/v [B, T, KV, Dh]; else whole caches (or pools of blocks), any number of rows
     if k.dim() != 4 or k.shape != v.shape or (per_request and k.shape[0] != B) or k.shape[3] != dh or H % k.shape[2]:
         raise ValueError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}: expected k and v "
                          f"[{'B' if per_request else 'N'}, T, KV, {dh}] with KV dividing {H}")
     if not triton_attention_fits(q, k, v):
         raise ValueError(f"attention: head_dim {dh} (a power of two in [16, 256]) and dtypes q {q.dtype}, "
                          f"k {k.dtype}, v {v.dtype} (all the same) are what the kernel takes")
-    if slots is not None and (slots.dtype != torch.int64 or tuple(slots.shape) != (B,)):
-        raise ValueError(f"attention: slots must be int64 [{B}], got {slots.dtype} {list(slots.shape)}")
+    if slots is not None and (slots.dtype != torch.int64 or slots.dim() not in (1, 2) or slots.shape[0] != B):
+        raise ValueError(f"attention: slots must be int64 [{B}] (cache rows) or [{B}, n] (block tables), got "
+                         f"{slots.dtype} {list(slots.shape)}")
+
+
+def _keys_held(k: torch.Tensor, slots: torch.Tensor | None) -> int:
+    """The positions a request's keys may take: the caches' length, or its block table's blocks × P."""
+    return k.shape[1] * (slots.shape[1] if slots is not None and slots.dim() == 2 else 1)
 
 
 def _check_bounds(op: str, last: torch.Tensor, B: int, S: int, window: int, length: int) -> None:
@@ -61,6 +67,8 @@ def register_triton(runs_kernels, launch) -> None:
     def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       slots: torch.Tensor | None = None) -> torch.Tensor:
         B, S = q.shape[:2]
+        if slots is not None and slots.dim() == 2:
+            raise ValueError("attention: block tables take the mask in bounds form (attention_bounds_triton)")
         if mask.dtype != torch.bool or mask.dim() != 3 or tuple(mask.shape[:2]) != (B, S) \
                 or mask.shape[2] > k.shape[1]:
             raise ValueError(f"attention: mask must be bool [B, S, T] = [{B}, {S}, T ≤ {k.shape[1]}], got "
@@ -77,8 +85,8 @@ def register_triton(runs_kernels, launch) -> None:
         t < ``window`` is visible to query (b, s) iff t ≤ last[b, s]. The same attention as the dense
         mask, within rounding: on the H200 the bits differ at head_dim 128 (docs/log.md,
         2026-12-03); its own bits do not depend on batch, queries or window, as the dense form's."""
-        _check_bounds("attention", last, *q.shape[:2], window, k.shape[1])
         _check_attention(q, k, v, slots)
+        _check_bounds("attention", last, *q.shape[:2], window, _keys_held(k, slots))
         if not runs_kernels(q):
             return _attend_bounds_reference(q, k, v, last, window, slots)
         return launch(q, k, v, last, slots, window=window)

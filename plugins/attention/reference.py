@@ -92,21 +92,22 @@ class PagedKV(NamedTuple):
         return self.attended()
 
     def attended(self):
-        """(keys [B, T, KV, Dh], values, mask, None): each request's first T positions, in order."""
-        if self.mask is None:
-            return None, None, None, None
-        T, P = self.mask.shape[-1], self.k_cache.shape[1]
-        ids = self.table[:, : -(-T // P)]
-        return (self.k_cache[ids].flatten(1, 2)[:, :T], self.v_cache[ids].flatten(1, 2)[:, :T], self.mask, None)
+        """(the pools, the pools, mask, the tables): attention reads each request's first T positions (the
+        mask's width) through its table (the Triton kernel in place; the other paths gather them)."""
+        return self.k_cache, self.v_cache, self.mask, self.table
 
 
 def cache_rows(k: torch.Tensor, v: torch.Tensor, mask: Mask,
                slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values ``attend`` reads, [B, T, KV, Dh] each (T = mask's last dim): rows
-    ``slots`` of whole caches (a gathered copy), or the first T positions of per-request k/v."""
+    ``slots`` of whole caches (a gathered copy), the blocks of block tables ``slots`` [B, n] of pools
+    [blocks, P, KV, Dh], or the first T positions of per-request k/v."""
     T = mask.shape[-1]
     if slots is None:
         return k[:, :T], v[:, :T]
+    if slots.dim() == 2:  # block tables into pools of blocks (``PagedKV``)
+        ids = slots[:, : -(-T // k.shape[1])]
+        return k[ids].flatten(1, 2)[:, :T], v[ids].flatten(1, 2)[:, :T]
     return k[slots, :T], v[slots, :T]
 
 

@@ -181,10 +181,27 @@ def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok
 
 
 @triton.jit
+def _kv_tile(k_base, v_base, t, tm, d, kmask, vmask, tab_ptr, b, stab, sk_b, sk_t, sv_b, sv_t, PAGE: tl.constexpr):
+    """Keys t's K tile [DH, BLOCK_T] (transposed) and V tile [BLOCK_T, DH]: rows t of the request's cache
+    row, or (``PAGE``, paged caches) through its block table: key t at offset t % PAGE of block
+    tab[b, t // PAGE] (``tm``: the keys of the window, whose table entries are read)."""
+    if PAGE > 0:
+        blk = tl.load(tab_ptr + b * stab + t // PAGE, mask=tm, other=0).to(tl.int64)
+        off = t % PAGE
+        kt = tl.load(k_base + (blk[None, :] * sk_b + off[None, :] * sk_t + d[:, None]), mask=kmask, other=0.0)
+        v = tl.load(v_base + (blk[:, None] * sv_b + off[:, None] * sv_t + d[None, :]), mask=vmask, other=0.0)
+    else:
+        kt = tl.load(k_base + (t[None, :] * sk_t + d[:, None]), mask=kmask, other=0.0)
+        v = tl.load(v_base + (t[:, None] * sv_t + d[None, :]), mask=vmask, other=0.0)
+    return kt, v
+
+
+@triton.jit
 def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s, rows, rmask, d, last, row_ok,
                    split, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE: tl.constexpr, DH: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr, IEEE_DOT: tl.constexpr,
-                   HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, BOUNDS: tl.constexpr, GUARD: tl.constexpr):
+                   HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, BOUNDS: tl.constexpr, GUARD: tl.constexpr,
+                   tab_ptr, stab, sk_b, sv_b, PAGE: tl.constexpr):
     """One split of the window for the program's row block: its online softmax over the split's
     tiles, and its partials (accumulator, max, sum) stored for the merge. ``GUARD``: the split may
     lie past the last one (a program running several), and then reads and writes nothing."""
@@ -215,8 +232,8 @@ def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < t_end
         if EARLY_KV:
-            kt = tl.load(k_base + (t[None, :] * sk_t + d[:, None]), mask=tm[None, :], other=0.0)  # [DH, BLOCK_T]
-            v = tl.load(v_base + (t[:, None] * sv_t + d[None, :]), mask=tm[:, None], other=0.0)  # [BLOCK_T, DH]
+            kt, v = _kv_tile(k_base, v_base, t, tm, d, tm[None, :], tm[:, None], tab_ptr, b, stab, sk_b, sk_t, sv_b,
+                             sv_t, PAGE)  # [DH, BLOCK_T], [BLOCK_T, DH]
         if BOUNDS:
             vis = (t[None, :] <= last[:, None]) & rmask[:, None] & tm[None, :]  # [BLOCK_M, BLOCK_T]
         else:
@@ -230,12 +247,11 @@ def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s
             v = tl.where(col_vis[:, None], v, 0.0)
             m_i, l_i, acc = _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE, BLOCK_M, DH, IEEE_DOT)
         elif tl.max(col_vis.to(tl.int32), axis=0) > 0:  # else: the tile is skipped, K/V never read
-            kt = tl.load(k_base + (t[None, :] * sk_t + d[:, None]), mask=(tm & col_vis)[None, :],
-                         other=0.0)  # [DH, BLOCK_T]
             # V issued with K (both wait on the mask only), not after the scores: one memory
-            # round trip less in each tile's chain of dependent accesses.
-            v = tl.load(v_base + (t[:, None] * sv_t + d[None, :]), mask=(tm & col_vis)[:, None],
-                        other=0.0)  # [BLOCK_T, DH]; unseen rows are 0, not garbage
+            # round trip less in each tile's chain of dependent accesses. [DH, BLOCK_T], [BLOCK_T, DH];
+            # unseen rows are 0, not garbage
+            kt, v = _kv_tile(k_base, v_base, t, tm, d, (tm & col_vis)[None, :], (tm & col_vis)[:, None], tab_ptr, b,
+                             stab, sk_b, sk_t, sv_b, sv_t, PAGE)
             m_i, l_i, acc = _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE, BLOCK_M, DH, IEEE_DOT)
     base = (bk * NSPLIT + split).to(tl.int64) * M  # this (request, KV head, split)'s first row
     if GUARD:
@@ -271,13 +287,19 @@ def _partial_kernel(
     # cdiv(NSPLIT, SPLITS)). Each split's partials are those of a program of its own, bit for bit:
     # only the q block (and its norm and rotation), the bounds and the new K/V are shared.
     SPLITS: tl.constexpr = 1,
+    # PAGE (paged caches): k/v are pools of blocks [blocks, PAGE, KV, Dh] and slot_ptr the requests' block
+    # tables [B, n] (row stride STAB): key t of request b is at offset t % PAGE of block table[b, t // PAGE]
+    STAB=0, PAGE: tl.constexpr = 0,
 ):
     pid_m = tl.program_id(0)
     split0 = tl.program_id(1) * SPLITS
     bk = tl.program_id(2) + pdl_enter(PDL)  # every load and store is addressed after the PDL wait
     b = bk // KV
     kvh = bk % KV
-    if HAS_SLOTS:  # read the cache row in place: no gathered copy of the window
+    if PAGE > 0:  # each key's block from the table (``_kv_tile``)
+        kv_row = tl.zeros((), tl.int64)
+        row_ok = kv_row >= 0
+    elif HAS_SLOTS:  # read the cache row in place: no gathered copy of the window
         kv_row = tl.load(slot_ptr + b).to(tl.int64)
         row_ok = (kv_row >= 0) & (kv_row < N_ROWS)  # a slot outside the caches: no key is read, zeros out
         kv_row = tl.where(row_ok, kv_row, 0)
@@ -329,7 +351,7 @@ def _partial_kernel(
     for i in range(SPLITS):
         _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s, rows, rmask, d, last,
                        row_ok, split0 + i, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE, DH, BLOCK_M, BLOCK_T,
-                       SPLIT_T, IEEE_DOT, HAS_SLOTS, EARLY_KV, BOUNDS, SPLITS > 1)
+                       SPLIT_T, IEEE_DOT, HAS_SLOTS, EARLY_KV, BOUNDS, SPLITS > 1, slot_ptr, STAB, sk_b, sv_b, PAGE)
 
 
 @triton.jit
@@ -396,7 +418,9 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     iff t ≤ last[b, s] (``plugins.attention.reference.KeyBounds``; the same bits as its dense mask). k/v: [B, ≥ T, KV, Dh], or
     with ``slots`` ([B] int64) whole caches [N, ≥ T, KV, Dh] of which request b reads row
     ``slots[b]`` in place (a slot outside [0, N) reads nothing: that request's rows are zeros, as
-    for a query that sees no key); only the first T positions are read.
+    for a query that sees no key); only the first T positions are read. Or with ``slots`` [B, n] int64
+    (paged caches, ``plugins.attention.reference.PagedKV``): k/v pools of blocks [blocks, P, KV, Dh] and the
+    requests' block tables, key t of request b at offset t % P of block slots[b, t // P] (T ≤ n·P).
     Any strides (the last dim is made contiguous if it is not). Dh a power of two in [16, 256] and
     KV dividing H (``plugins.attention.reference.triton_attention_fits``). ``wrap`` is
     ``torch.library.wrap_triton`` inside the op; ``config`` overrides ``DEFAULT_CONFIG`` (the
@@ -416,6 +440,15 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         raise ValueError(f"attention config: SPLIT_T {cfg['SPLIT_T']} is not a multiple of BLOCK_T {cfg['BLOCK_T']}")
     B, S, H, dh = q.shape
     T, KV = (mask.shape[-1] if window is None else int(window)), k.shape[2]
+    paged = slots is not None and slots.dim() == 2
+    if paged:
+        if new_kv is not None:
+            raise ValueError("attention: the kernel writes the new K/V into slot caches only, not through block tables")
+        if T > slots.shape[1] * k.shape[1]:
+            raise ValueError(f"attention: a window of {T} keys exceeds the block tables' {slots.shape[1]} blocks of "
+                             f"{k.shape[1]}")
+        if slots.stride(-1) != 1:
+            slots = slots.contiguous()
     if new_kv is not None:
         if slots is None:
             raise ValueError("attention: writing the new K/V (new_kv) needs the caches' rows (slots)")
@@ -460,8 +493,9 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), m8.stride(0), m8.stride(1),
         SCALE=1.0 / math.sqrt(dh), REP=H // KV, DH=dh, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
-        SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None, EARLY_KV=cfg["EARLY_KV"],
-        PDL=0 if interpret else int(pdl), BOUNDS=window is not None, SPLITS=splits, num_warps=cfg["num_warps"],
+        SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None and not paged,
+        EARLY_KV=cfg["EARLY_KV"], PDL=0 if interpret else int(pdl), BOUNDS=window is not None, SPLITS=splits,
+        STAB=slots.stride(0) if paged else 0, PAGE=k.shape[1] if paged else 0, num_warps=cfg["num_warps"],
         **launch_opts,
         **fused,
         **{opt: cfg[opt] for opt in ("num_stages", "maxnreg") if opt in cfg},  # eager launches only (the sweep)

@@ -290,6 +290,54 @@ def bounds_of(mask):
     return KeyBounds(last, mask.shape[-1])
 
 
+def paged_from_slots(kc, vc, slots, T, P):
+    """The same keys as NaN-filled pools of ``P``-position blocks [1 + 2·B·⌈T/P⌉, P, KV, Dh] (block 0 and
+    the unused half NaN) and block tables [B, ⌈T/P⌉] naming shuffled blocks → (k_pool, v_pool, tables)."""
+    B, n = slots.shape[0], -(-T // P)
+    blocks = torch.randperm(2 * B * n, generator=torch.Generator().manual_seed(2))[: B * n].view(B, n) + 1
+    pools = []
+    for c in (kc, vc):
+        pool = torch.full((1 + 2 * B * n, P) + tuple(c.shape[2:]), float("nan"), dtype=c.dtype, device=c.device)
+        rows = c[slots, : n * P] if c.shape[1] >= n * P else torch.nn.functional.pad(
+            c[slots], (0, 0, 0, 0, 0, n * P - c.shape[1]), value=float("nan"))
+        pool[blocks.to(c.device)] = rows.reshape(B, n, P, *c.shape[2:])
+        pools.append(pool)
+    return pools[0], pools[1], blocks.to(kc.device)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", list(ATTN_SHAPES))
+@pytest.mark.parametrize("page", [16, 64])
+def test_attention_through_block_tables_gives_the_slot_caches_bits(tops, shape, page):
+    """Paged caches (pools of blocks, per-request block tables: ``PagedKV``): the kernel reads each key
+    through its request's table and gives the bits it gives reading the same keys from slot caches in
+    place, early and per-tile loads alike; its reference path (the gathered blocks) agrees; the dense
+    mask form and the fused cache write refuse tables."""
+    from muse_spark.plugins.attention.reference import attend_reference
+    from muse_spark.plugins.attention.triton_kernel import launch_attention
+    from muse_spark.plugins.triton_math import interpreting
+
+    from test_models import attention_case
+
+    B, S, H, KV, dh, T = ATTN_SHAPES[shape]
+    q, k, v, mask = attention_case(torch.bfloat16, DEV, B=B, S=S, H=H, KV=KV, dh=dh, T=T)
+    kc, vc, slots = cache_with_slots(k, v, extra_positions=40)
+    kb = bounds_of(mask)
+    kp, vp, tables = paged_from_slots(kc, vc, slots, T, page)
+    for early in (True, False):
+        cfg = dict(EARLY_KV=early)
+        want = launch_attention(q, kc, vc, kb.last, slots, config=cfg, interpret=interpreting(), window=T)
+        got = launch_attention(q, kp, vp, kb.last, tables, config=cfg, interpret=interpreting(), window=T)
+        assert torch.equal(got, want), early
+    assert torch.equal(tops.attention(q, kp, vp, kb, tables), got)  # the op the models call
+    torch.testing.assert_close(got.float(), attend_reference(q.float(), k.float(), v.float(), mask),
+                               **TOL[torch.bfloat16])
+    with pytest.raises(ValueError, match="bounds form"):
+        tops.attention(q, kp, vp, mask, tables)
+    with pytest.raises(ValueError, match="exceeds the block tables"):
+        launch_attention(q, kp, vp, kb.last, tables[:, :1], interpret=interpreting(), window=T)
+
+
 @needs_kernels
 @pytest.mark.parametrize("shape", list(ATTN_SHAPES))
 @pytest.mark.parametrize("early", [True, False], ids=["early_kv", "per_tile"])
