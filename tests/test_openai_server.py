@@ -707,3 +707,23 @@ def test_text_stream_offsets_say_which_tokens_are_out():
     assert ts.take() == "aé" and ts.reportable(False) == 3  # ("," might begin the stop string: held back)
     ts.feed(ids, final=True)
     assert ts.stopped and ts.take(final=True) == "" and ts.text == "aé" and ts.reportable(True) == 3
+
+
+def test_a_server_on_paged_kv_caches_answers_concurrent_requests_as_the_generator(engines, ref, tmp_path):
+    """`serve-openai --kv-cache-tokens`: a pool smaller than the slots' windows (requests wait for blocks or
+    are preempted), concurrent completions each the Generator's own output, the pool stated at startup."""
+    import concurrent.futures
+
+    srv = Server(engines[0], tmp_path / "paged.log", "--served-model-name", "tiny", "--kv-cache-tokens", "320",
+                 "--kv-block-size", "16")
+    try:
+        client = srv.client()
+        prompts = ["Hello", "The sky is", "Once upon a time", "1 2 3", "Paged caches", "A B C D"]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=60,
+                                                                        temperature=0), prompts))
+        for prompt, r in zip(prompts, answers):
+            assert r.choices[0].text == ref.complete(prompt, 60)[0], prompt
+        assert "KV: paged, a pool of 320 positions in blocks of 16" in srv.tail()
+    finally:
+        assert srv.stop() == 0, srv.tail()
