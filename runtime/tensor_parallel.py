@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from muse_spark.checkpoint import load_pair
+from muse_spark.process import die_with_parent
 from muse_spark.sharding import TensorParallelError, check_split, shard_config, shard_state_dict  # noqa: F401
 from muse_spark.models.target import MuseSpark1xForCausalLM
 from muse_spark.runtime.engine import EagerEngine
@@ -79,20 +80,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGTERM when the launching process dies (no rank outlives it)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float, fn: Callable, args: tuple,
                results) -> None:
-    _die_with_parent()
+    die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
@@ -392,7 +382,7 @@ def follower_main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not 1 <= a.rank < a.world:
         p.error(f"--rank must be in [1, {a.world}) (rank 0 leads)")
-    _die_with_parent()
+    die_with_parent()
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (rank 0 ends the set; a terminal's Ctrl-C reaches every rank)

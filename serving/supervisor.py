@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from muse_spark.process import die_with_parent
+
 POLL_S = 0.2
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
@@ -120,7 +122,7 @@ class Supervisor:
     def _run_once(self) -> tuple[int, str]:
         """Start tritonserver and watch it → (exit status, why it ended)."""
         self.proc = subprocess.Popen(self.command, env=self.env, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         if not self.signals:
             self.front.set_ready(True)
         seen: set[int] = set()
@@ -152,12 +154,3 @@ class Supervisor:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: the stubs go with it
             proc.wait()
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass

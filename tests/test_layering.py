@@ -22,7 +22,7 @@ FOLDERS = {"muse_spark": "muse_spark", "muse_spark.builder": "builder", "muse_sp
 
 # bottom to top: a module may import from its own rank and the ranks below
 LAYERS = [
-    ("muse_spark.config", "muse_spark.options", "muse_spark.schedule"),
+    ("muse_spark.config", "muse_spark.options", "muse_spark.process", "muse_spark.schedule"),
     ("muse_spark.plugins",),
     ("muse_spark.models",),
     ("muse_spark.checkpoint",),
