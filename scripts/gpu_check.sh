@@ -15,6 +15,8 @@
 #                                # engine (BACKEND=eager: the eager one), generation at batch 1/8/32 against
 #                                # target-only decoding, with fixed γ and with confidence scheduling
 #   scripts/gpu_check.sh serving-sweep # bench-serving on the 8B-shaped pair, in process and through tritonserver
+#   scripts/gpu_check.sh paged   # paged KV caches against a window per slot on the 8B-shaped pair (eager engines):
+#                                # requests at once in one memory budget, tok/s, step time, shared-prompt TTFT
 #   scripts/gpu_check.sh tp      # tensor parallelism over the machine's GPUs (2, 4, 8 as it has them)
 #   scripts/gpu_check.sh tp-bench # its benchmark on the 8B-shaped pair at each size the GPUs allow
 #
@@ -135,6 +137,18 @@ serving-sweep)
         --prompt-len 128 --output-len 128 --long-prompt 2048 \
         ${stub:+--stub-numpy "$PWD/$stub"} --out-dir "$OUT" --plot "$OUT/bench-serving.png" 2>&1 | tee "$OUT/sweep.log"
     ;;
+paged)
+    # paged KV caches (benchmarks/paged_kv.py): the 8B-shaped pair (acceptance 0.8), a budget of 8 windows of
+    # 1,152 positions, 64 requests of 16-512 prompt and 16-128 output tokens, 4 behind a 1,024-token system
+    # prompt; the kernel tests of the attention through block tables first
+    timeout 300 python3 -m pytest -q tests/kernels/test_attention.py -k block_tables 2>&1 | tail -2
+    here=/tmp/w8b/paged
+    free_disk "$here"
+    pair_at "$here/pair" 0.8 "$OUT/make-pair.log" || exit 1
+    timeout "${BENCH_TIMEOUT:-480}" python3 benchmarks/paged_kv.py --pair "$here/pair" --memory-tokens 9216 \
+        --requests 64 --prompt-len 16:512 --max-tokens 16:128 --system-prompt 1024 --out-dir "$OUT" 2>&1 |
+        tee "$OUT/paged.log"
+    ;;
 tp)
     # tensor parallelism over the machine's GPUs (NCCL): the split target's tokens against one GPU's
     # (tests/test_gpu_tensor_parallel.py, 2/4/8 ranks as the GPUs allow) and the CPU (gloo) tests
@@ -153,7 +167,7 @@ tp-bench)
         --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
     ;;
 *)
-    echo "usage: $0 tests|engines|engine-switches|bench|cxx|serving|workload|serving-sweep|tp|tp-bench" >&2
+    echo "usage: $0 tests|engines|engine-switches|paged|bench|cxx|serving|workload|serving-sweep|tp|tp-bench" >&2
     exit 2
     ;;
 esac

@@ -101,8 +101,31 @@ def test_the_cli_says_so_when_the_package_has_no_repository(tmp_path, monkeypatc
     assert "installed without its repository" in err and str(tmp_path / "site-packages" / "benchmarks") in err
 
 
-@pytest.mark.parametrize("script", ["step.py", "markov.py", "attention.py", "linear.py", "render.py", "serving.py"])
+@pytest.mark.parametrize("script", ["step.py", "markov.py", "attention.py", "linear.py", "render.py", "serving.py",
+                                    "paged_kv.py"])
 def test_each_benchmark_answers_help(script):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]
+
+
+def test_the_paged_kv_benchmark_fits_more_requests_in_the_same_memory_with_the_same_tokens(tmp_path):
+    """On the CPU with a tiny pair: in a budget of 4 windows the paged side runs more requests at once than
+    the 4 slots the contiguous side has, both sides give the same tokens, and the requests behind a shared
+    system prompt map its first chunk's blocks in; one result file in the schema."""
+    from muse_spark.builder.pair import make_pair
+
+    make_pair(tmp_path / "pair", preset="tiny", acceptance=0.8, seed=0, device="cpu")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paged_kv.py"), "--pair", str(tmp_path / "pair"),
+                        "--device", "cpu", "--requests", "16", "--prompt-len", "4:60", "--max-tokens", "4:40",
+                        "--system-prompt", "140", "--shared", "3", "--out-dir", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (path,) = (tmp_path / "out").glob("*_paged_kv.json")
+    doc = json.loads(path.read_text())
+    assert KEYS <= set(doc) and doc["results"]["outputs_identical"] is True
+    res, cfg = doc["results"], doc["config"]
+    assert cfg["contiguous_slots"] == 4 and res["contiguous"]["workload"]["peak_running"] <= 4
+    assert res["paged"]["workload"]["peak_running"] > 4
+    assert res["paged"]["shared_prompt"]["cached_prefill_tokens"] == 2 * 128
+    assert res["contiguous"]["shared_prompt"]["cached_prefill_tokens"] == 0
