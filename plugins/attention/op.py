@@ -108,7 +108,7 @@ def register_triton(runs_kernels, launch) -> None:
         kv = v.shape[2]
         _check_cache_write("attention_cache", B, S, kv, dh, x.dtype, positions, k_cache, v_cache, slots)
         _check_attention(x[:, :, : NH - kv], k_cache, v_cache, slots)  # (the q heads)
-        _check_bounds("attention_cache", last, B, S, window, k_cache.shape[1])
+        _check_bounds("attention_cache", last, B, S, window, _keys_held(k_cache, slots))
         table = _check_rope_table("attention_cache", rope_cos, rope_sin, B * S, dh, x.device)
         if not runs_kernels(x):
             q = head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)

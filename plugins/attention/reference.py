@@ -54,9 +54,10 @@ class CacheKV(NamedTuple):
 
     @staticmethod
     def at(kv: "KVProvider", positions: torch.Tensor, dtype: torch.dtype) -> bool:
-        """Whether ``kv`` is a ``CacheKV`` at ``positions`` (the layer's own) with caches of ``dtype``:
-        then a kernel may write the layer's K/V into them itself."""
-        return isinstance(kv, CacheKV) and kv.positions is positions and kv.k_cache.dtype == dtype
+        """Whether ``kv`` is a ``CacheKV`` (or a ``PagedKV``: its ``slots`` are block tables) at
+        ``positions`` (the layer's own) with caches of ``dtype``: then a kernel may write the layer's K/V
+        into them itself."""
+        return isinstance(kv, (CacheKV, PagedKV)) and kv.positions is positions and kv.k_cache.dtype == dtype
 
     def __call__(self, k_new: torch.Tensor, v_new: torch.Tensor):
         rows = self.slots[:, None]
@@ -90,6 +91,11 @@ class PagedKV(NamedTuple):
         self.k_cache[blocks, offsets] = k_new
         self.v_cache[blocks, offsets] = v_new
         return self.attended()
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The tables, where the kernels take the caches' rows (a [B, n] tensor is block tables to them)."""
+        return self.table
 
     def attended(self):
         """(the pools, the pools, mask, the tables): attention reads each request's first T positions (the

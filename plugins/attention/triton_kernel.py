@@ -153,12 +153,14 @@ def _norm_rotate_rows(x1, x2, pos, row, ok, cos_ptr, sin_ptr, EPS: tl.constexpr,
 def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok, lo, hi, S, H,
                   sq_b, sq_s, sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                   EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, KB: tl.constexpr,
-                  TABLE: tl.constexpr = False, cos_ptr=None, sin_ptr=None):
+                  TABLE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, tab_ptr=None, stab=0,
+                  PAGE: tl.constexpr = 0):
     """The layer's new keys and values of KV head ``kvh`` whose positions fall in [lo, hi) into the
     caches at row ``kv_row``: key head H + kvh of x [B, S, H + KV, Dh] normed and rotated at its
     position (``norm_rotate``, as ``head_norm_rope``'s cache kernel does it), v [B, S, KV, Dh] as
     it is. ``KB`` new rows a pass; a pass with none in range loads nothing but their positions.
-    ``TABLE``: the angles' cos and sin are rows b·S + s of the step's RoPE table [B·S, Dh/2]."""
+    ``TABLE``: the angles' cos and sin are rows b·S + s of the step's RoPE table [B·S, Dh/2].
+    ``PAGE`` (paged caches): position p goes to offset p % PAGE of block tab[b, p // PAGE]."""
     HALF: tl.constexpr = DH // 2
     dh2 = tl.arange(0, HALF)
     dd = tl.arange(0, DH)
@@ -172,12 +174,19 @@ def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok
             k2 = tl.load(src + HALF, mask=w[:, None], other=0.0).to(tl.float32)
             y1, y2 = _norm_rotate_rows(k1, k2, pos.to(tl.float32)[:, None], b * S + sr, w, cos_ptr, sin_ptr, EPS,
                                        THETA, DH, ROPE, kc_ptr.dtype.element_ty, TABLE)
-            kd = kc_ptr + kv_row * sk_b + pos[:, None] * sk_t + kvh * sk_h + dh2[None, :]
+            if PAGE > 0:
+                blk = tl.load(tab_ptr + b * stab + tl.where(w, pos, 0) // PAGE, mask=w, other=0).to(tl.int64)
+                kat = blk[:, None] * sk_b + (pos % PAGE)[:, None] * sk_t
+                vat = blk[:, None] * sv_b + (pos % PAGE)[:, None] * sv_t
+            else:
+                kat = kv_row * sk_b + pos[:, None] * sk_t
+                vat = kv_row * sv_b + pos[:, None] * sv_t
+            kd = kc_ptr + kat + kvh * sk_h + dh2[None, :]
             tl.store(kd, y1, mask=w[:, None])
             tl.store(kd + HALF, y2, mask=w[:, None])
             val = tl.load(vn_ptr + b * svn_b + sr[:, None] * svn_s + kvh * svn_h + dd[None, :], mask=w[:, None],
                           other=0.0)
-            tl.store(vc_ptr + kv_row * sv_b + pos[:, None] * sv_t + kvh * sv_h + dd[None, :], val, mask=w[:, None])
+            tl.store(vc_ptr + vat + kvh * sv_h + dd[None, :], val, mask=w[:, None])
 
 
 @triton.jit
@@ -339,7 +348,7 @@ def _partial_kernel(
             hi = tl.where(split0 + SPLITS >= NSPLIT, T_CACHE, lo + SPLITS * SPLIT_T)
         _store_new_kv(q_ptr, vn_ptr, pos_ptr, k_ptr, v_ptr, b, kvh, kv_row, row_ok, lo, hi, S, REP * KV, sq_b, sq_s,
                       sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, EPS, THETA, DH, ROPE,
-                      KB, TABLE, cos_ptr, sin_ptr)
+                      KB, TABLE, cos_ptr, sin_ptr, slot_ptr, STAB, PAGE)
         tl.debug_barrier()
     else:
         q = tl.load(q_base + (s[:, None] * sq_s + head[:, None] * sq_h + d[None, :]), mask=rmask[:, None], other=0.0)
@@ -429,9 +438,9 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
     ``new_kv`` = (v, positions, eps, theta, use_rope), with ``slots``: q is the layer's raw q and k
     heads [B, S, H + KV, Dh]; the kernel norms and rotates them as ``head_norm_rope`` does and
-    writes the keys and v [B, S, KV, Dh] into the caches k/v at rows ``slots``, positions
-    ``positions`` [B, S] (a row or position outside the caches writes nothing) before it reads
-    them: ``head_norm_rope_cache`` and this attention in one launch of the partial kernel.
+    writes the keys and v [B, S, KV, Dh] into the caches k/v at rows ``slots`` (or through block
+    tables ``slots`` [B, n]), positions ``positions`` [B, S] (a row or position outside the caches
+    writes nothing) before it reads them: ``head_norm_rope_cache`` and this attention in one launch of the partial kernel.
     ``table`` (with ``new_kv``): the step's RoPE (cos, sin) [B·S, Dh/2] fp32 of ``positions``
     (``head_norm_rope.launch_rope_table``, or the qkv projection's launch), read instead of
     computing the angles: the same bits."""
@@ -442,8 +451,6 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     T, KV = (mask.shape[-1] if window is None else int(window)), k.shape[2]
     paged = slots is not None and slots.dim() == 2
     if paged:
-        if new_kv is not None:
-            raise ValueError("attention: the kernel writes the new K/V into slot caches only, not through block tables")
         if T > slots.shape[1] * k.shape[1]:
             raise ValueError(f"attention: a window of {T} keys exceeds the block tables' {slots.shape[1]} blocks of "
                              f"{k.shape[1]}")
@@ -476,7 +483,8 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         m8 = mask  # last [B, S]: any strides
     if new_kv is not None:
         fused = dict(vn_ptr=v_new, pos_ptr=positions, svn_b=v_new.stride(0), svn_s=v_new.stride(1),
-                     svn_h=v_new.stride(2), sp_b=positions.stride(0), sp_s=positions.stride(1), T_CACHE=k.shape[1],
+                     svn_h=v_new.stride(2), sp_b=positions.stride(0), sp_s=positions.stride(1),
+                     T_CACHE=k.shape[1] * (slots.shape[1] if paged else 1),
                      NORM_QK=True, EPS=float(eps), THETA=float(theta), ROPE=bool(use_rope), KB=NEW_ROWS,
                      cos_ptr=q if table is None else table[0], sin_ptr=q if table is None else table[1],
                      TABLE=table is not None and bool(use_rope))

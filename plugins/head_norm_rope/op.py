@@ -42,15 +42,17 @@ def _check_new_v(op: str, x: torch.Tensor, v: torch.Tensor, q_heads: bool) -> No
 def _check_cache_write(op: str, B: int, S: int, kv: int, dh: int, dtype: torch.dtype, positions: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """The contract of an op that writes K/V of ``kv`` heads of ``dh`` into the caches [N, T, kv, dh]
-    (``dtype``, last dim contiguous) at rows ``slots`` [B] int64 and positions [B, S] int64."""
+    (``dtype``, last dim contiguous) at rows ``slots`` [B] int64 (or through block tables [B, n] into
+    pools of blocks [blocks, P, kv, dh]) and positions [B, S] int64."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4 or tuple(c.shape[2:]) != (kv, dh) or c.dtype != dtype or c.stride(-1) != 1:
             raise ValueError(f"{op}: {name} must be {dtype} [N, T, {kv}, {dh}] with a contiguous last dim, got "
                              f"{c.dtype} {list(c.shape)}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{op}: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} differ")
-    if slots.dtype != torch.int64 or tuple(slots.shape) != (B,):
-        raise ValueError(f"{op}: slots must be int64 [{B}], got {slots.dtype} {list(slots.shape)}")
+    if slots.dtype != torch.int64 or slots.dim() not in (1, 2) or slots.shape[0] != B:
+        raise ValueError(f"{op}: slots must be int64 [{B}] (cache rows) or [{B}, n] (block tables), got "
+                         f"{slots.dtype} {list(slots.shape)}")
     if positions.dtype != torch.int64 or tuple(positions.shape) != (B, S):
         raise ValueError(f"{op}: positions must be int64 {[B, S]}, got {positions.dtype} {list(positions.shape)}")
 

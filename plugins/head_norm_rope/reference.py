@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from muse_spark.plugins.attention.reference import CacheKV
+from muse_spark.plugins.attention.reference import CacheKV, PagedKV
 from muse_spark.plugins.norm import rms_norm
 
 
@@ -52,5 +52,6 @@ def head_norm_rope_cache_reference(x: torch.Tensor, v: torch.Tensor, positions: 
     the normed q [B, S, H, Dh]: the spec of ``muse_spark::head_norm_rope_cache_triton``."""
     n = head_norm_rope_reference(x, positions, eps, theta, use_rope)
     H = x.shape[2] - v.shape[2]
-    CacheKV(k_cache, v_cache, slots, positions, None)(n[:, :, H:], v)  # the layers' cache write
+    kind = PagedKV if slots.dim() == 2 else CacheKV  # (block tables into pools of blocks, or slot rows)
+    kind(k_cache, v_cache, slots, positions, None)(n[:, :, H:], v)  # the layers' cache write
     return n[:, :, :H].contiguous()

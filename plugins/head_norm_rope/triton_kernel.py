@@ -170,6 +170,10 @@ def _head_norm_rope_cache_kernel(
     EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_KV: tl.constexpr, PDL: tl.constexpr = 0,
     cos_ptr=None, sin_ptr=None, TABLE: tl.constexpr = False,  # TABLE: the angles' cos/sin [B·S, Dh/2] given
+    # PAGE (paged caches): the caches are pools of blocks [N_SLOTS blocks, PAGE, KV, Dh] and slot_ptr the
+    # requests' block tables [B, T / PAGE] (row stride STAB): position p goes to offset p % PAGE of block
+    # table[b, p // PAGE]
+    STAB=0, PAGE: tl.constexpr = 0,
 ):
     """``_head_norm_rope_kernel`` whose heads from H on are keys, stored into the K cache at row
     slots[b], position pos[b, s] instead of the output; the last column of programs copies v's
@@ -178,9 +182,16 @@ def _head_norm_rope_cache_kernel(
     row = tl.program_id(0) + pdl_enter(PDL)  # every load and store is addressed after the PDL wait
     b = row // S
     s = row % S
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    cpos = tl.load(pos_ptr + b.to(tl.int64) * sp_b + s.to(tl.int64) * sp_s).to(tl.int64)
-    in_cache = (slot >= 0) & (slot < N_SLOTS) & (cpos >= 0) & (cpos < T)
+    if PAGE > 0:
+        cpos = tl.load(pos_ptr + b.to(tl.int64) * sp_b + s.to(tl.int64) * sp_s).to(tl.int64)
+        held = (cpos >= 0) & (cpos < T)
+        slot = tl.load(slot_ptr + b.to(tl.int64) * STAB + tl.where(held, cpos, 0) // PAGE).to(tl.int64)
+        cpos = cpos % PAGE
+        in_cache = held & (slot >= 0) & (slot < N_SLOTS)
+    else:
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        cpos = tl.load(pos_ptr + b.to(tl.int64) * sp_b + s.to(tl.int64) * sp_s).to(tl.int64)
+        in_cache = (slot >= 0) & (slot < N_SLOTS) & (cpos >= 0) & (cpos < T)
     if tl.program_id(1) == tl.num_programs(1) - 1:  # the V heads, copied as they are
         kvh = tl.arange(0, BLOCK_KV)
         vm = (kvh < KVH)[:, None] & in_cache
@@ -266,8 +277,12 @@ def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: tor
     ``plugins.linear.triton_kernel.launch_linear``'s. ``table``: the step's (cos, sin), as
     ``launch_rope_table(positions)`` writes them, read instead of computing the angles (the same
     bits; the engines by default, from the qkv projection's launch; off with the kernel option
-    ``rope_table`` false)."""
+    ``rope_table`` false). ``slots`` [B, n] (paged caches): pools of blocks [blocks, P, KV, Dh] and the
+    requests' block tables; position p goes to offset p % P of block slots[b, p // P]."""
     B, S, NH, dh = x.shape
+    paged = slots.dim() == 2
+    if paged and slots.stride(-1) != 1:
+        slots = slots.contiguous()
     KV = v.shape[2]
     H = NH - KV
     out = torch.empty((B, S, H, dh), dtype=x.dtype, device=x.device)
@@ -279,13 +294,15 @@ def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: tor
         v = v.contiguous()
     block_h = min(BLOCK_H, triton.next_power_of_2(NH))
     wrap(_head_norm_rope_cache_kernel)[(B * S, triton.cdiv(NH, block_h) + 1)](
-        x, v, positions, slots, out, k_cache, v_cache, S, NH, H, KV, k_cache.shape[0], k_cache.shape[1],
+        x, v, positions, slots, out, k_cache, v_cache, S, NH, H, KV, k_cache.shape[0],
+        k_cache.shape[1] * (slots.shape[1] if paged else 1),
         x.stride(0), x.stride(1), x.stride(2), positions.stride(0), positions.stride(1), v.stride(0), v.stride(1),
         v.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), EPS=float(eps), THETA=float(theta), DH=dh, BLOCK_H=block_h, ROPE=bool(use_rope),
         BLOCK_KV=triton.next_power_of_2(KV), PDL=int(pdl), num_warps=4 if block_h * dh >= 1024 else 1,
         # every argument passed (Inductor's mutation analysis fills in no defaults); no table: dummies
         cos_ptr=x if table is None else table[0], sin_ptr=x if table is None else table[1],
-        TABLE=table is not None and bool(use_rope),
+        TABLE=table is not None and bool(use_rope), STAB=slots.stride(0) if paged else 0,
+        PAGE=k_cache.shape[1] if paged else 0,
     )
     return out

@@ -593,6 +593,36 @@ def test_attention_cache_kernel_equals_the_norm_kernel_then_attention(tops, shap
 
 
 @needs_kernels
+@pytest.mark.parametrize("shape", ["straddle", "past_window", "long_chunk"])
+def test_the_fused_cache_writes_through_block_tables_give_the_slot_caches_bits(tops, shape):
+    """Paged caches: the norm kernel's cache write (``head_norm_rope_cache_triton``) and the fused attention
+    (``attention_cache_triton``) write each new key and value through its request's block table, into
+    NaN-filled pools of 16-position blocks: the output and every written position bit for bit as on the
+    slot caches, and nothing outside the requests' blocks written."""
+    from muse_spark.plugins.attention.reference import KeyBounds, cache_rows
+
+    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES[shape]
+    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
+    for fused in (False, True):
+        k1, v1 = kc.clone(), vc.clone()
+        kp, vp, tables = paged_from_slots(kc, vc, slots, T, 16)
+        held = torch.zeros(kp.shape[0], dtype=torch.bool, device=kp.device)
+        held[tables.flatten()] = True
+        if fused:
+            want = tops.attention_cache(x, v, positions, 1e-6, 5e5, True, k1, v1, slots, KeyBounds(last, window))
+            got = tops.attention_cache(x, v, positions, 1e-6, 5e5, True, kp, vp, tables, KeyBounds(last, window))
+        else:
+            op = torch.ops.muse_spark.head_norm_rope_cache_triton
+            want = op(x, v, positions, 1e-6, 5e5, True, k1, v1, slots)
+            got = op(x, v, positions, 1e-6, 5e5, True, kp, vp, tables)
+        assert torch.equal(got, want), fused
+        every = KeyBounds(torch.full_like(last, T - 1), T).dense()
+        for pool, cache in ((kp, k1), (vp, v1)):
+            assert torch.equal(cache_rows(pool, pool, every, tables)[0], cache[slots, :T]), fused
+            assert pool[~held].isnan().all()  # (block 0 and the blocks no table names: untouched)
+
+
+@needs_kernels
 def test_attention_cache_kernel_never_writes_outside_the_caches(tops):
     """A request whose row is outside the caches writes nothing and reads nothing (its output is
     zeros); a position past the caches' length is not written; the other request is unaffected."""
