@@ -12,7 +12,8 @@ reference op, where it has one):
   and ``muse_spark::attention_cache_triton``;
 * ``plugins/head_norm_rope/op.py`` — ``muse_spark::head_norm_rope_triton`` and
   ``muse_spark::head_norm_rope_cache_triton``;
-* ``plugins/linear/op.py`` — ``muse_spark::linear_triton`` and ``muse_spark::linear_rope_table_triton``.
+* ``plugins/linear/op.py`` — ``muse_spark::linear_triton``, ``muse_spark::linear_fp8_triton`` and
+  ``muse_spark::linear_rope_table_triton``.
 
 Each gets the launch of its kernels from here, which binds ``wrap_triton``, the interpreter and
 the PDL mode (``_pdl``): every launch of a ``plugins.pdl.PDL_KERNELS`` kernel is in this module.
@@ -104,8 +105,8 @@ def _launch_head_norm_rope_cache(*args, table):
                                                             table=table)
 
 
-def _launch_linear(*args):
-    return launch_linear(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl())
+def _launch_linear(*args, scale=None):
+    return launch_linear(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl(), scale=scale)
 
 
 def _launch_linear_rope_table(*args):

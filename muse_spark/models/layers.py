@@ -16,8 +16,9 @@ builder and the engines set them with ``use_options``).
 
 FP8 checkpoints (docs/fp8.md): the loader holds a quantized decoder projection as an ``Fp8Linear``
 (float8_e4m3fn ``weight`` + float32 per-channel ``weight_scale``); the layers pass
-``proj_weight(module)`` to ``linear``, which for an ``Fp8Weight`` runs the W8A16 reference
-(``fp8_linear_reference``: dequantized per call, computed in the activations' dtype).
+``proj_weight(module)`` to ``linear``, which for an ``Fp8Weight`` runs the skinny W8A16 kernel where it
+fits (``linear_fp8_triton``), else the W8A16 reference (``fp8_linear_reference``: dequantized per call,
+computed in the activations' dtype).
 """
 
 from __future__ import annotations
@@ -167,12 +168,14 @@ def linear_path(device, dtype: torch.dtype, options: KernelOptions | None = None
 
 
 def _triton_linear_fits(x: torch.Tensor, w) -> bool:
-    if isinstance(w, Fp8Weight):  # (the skinny kernel reads bf16/fp16 weights)
-        return False
+    """Whether ``linear`` runs the skinny Triton kernel on ``w``: a bf16/fp16 weight (``linear_triton``), or an
+    ``Fp8Weight`` (``linear_fp8_triton``, W8A16)."""
     if linear_path(x.device, x.dtype) != "triton" or not _triton_ops_available():  # (imports Triton)
         return False
     from muse_spark.plugins.linear.triton_kernel import fits
 
+    if isinstance(w, Fp8Weight):
+        return w.dtype == x.dtype and fits(x, w.weight, w.scale)
     return fits(x, w)
 
 
@@ -268,23 +271,28 @@ def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) 
 def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """``F.linear(x, w)`` (no bias). With few rows (≤ 16: a speculative step at batch 1–2) in bf16/fp16
     on CUDA, unless ``KernelOptions.linear`` is ``cublas``: the skinny Triton kernel, in the eager engine and the
-    compiled packages alike; otherwise cuBLAS (or the CPU's GEMM). An ``Fp8Weight``: the W8A16 reference
-    (``fp8_linear_reference``) on every device, for now."""
+    compiled packages alike; otherwise cuBLAS (or the CPU's GEMM). An ``Fp8Weight``: the same skinny kernel
+    dequantizing its tiles as they stream in (``linear_fp8_triton``, bit for bit the kernel on the dequantized
+    weight) where it fits, else the W8A16 reference (``fp8_linear_reference``)."""
+    if _triton_linear_fits(x, w):
+        if isinstance(w, Fp8Weight):
+            return torch.ops.muse_spark.linear_fp8_triton(x, w.weight, w.scale, False)
+        return torch.ops.muse_spark.linear_triton(x, w, False)
     if isinstance(w, Fp8Weight):
         return fp8_linear_reference(x, w)
-    if _triton_linear_fits(x, w):
-        return torch.ops.muse_spark.linear_triton(x, w, False)
     return linear_reference(x, w)
 
 
 def linear_silu_mul(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """``silu(g) · u`` of ``[g | u] = F.linear(x, w)``, each rounded to x's dtype as the plain modules
     round them; one kernel (the gate/up output never stored) where ``linear`` takes the Triton path.
-    An ``Fp8Weight``: ``fp8_linear_reference``."""
+    An ``Fp8Weight``: ``linear_fp8_triton`` or ``fp8_linear_reference``, as ``linear``."""
+    if _triton_linear_fits(x, w):
+        if isinstance(w, Fp8Weight):
+            return torch.ops.muse_spark.linear_fp8_triton(x, w.weight, w.scale, True)
+        return torch.ops.muse_spark.linear_triton(x, w, True)
     if isinstance(w, Fp8Weight):
         return fp8_linear_reference(x, w, True)
-    if _triton_linear_fits(x, w):
-        return torch.ops.muse_spark.linear_triton(x, w, True)
     return linear_reference(x, w, True)
 
 
@@ -336,6 +344,7 @@ class Attention(nn.Module):
         c = self.cfg
         return (current_options().rope_table and c.use_rope and x.dim() == 3
                 and positions.numel() == x.shape[0] * x.shape[1] and CacheKV.at(kv, positions, x.dtype)
+                and not isinstance(proj_weight(self.qkv_proj), Fp8Weight)  # (the table's launch: bf16/fp16 weights)
                 and _triton_linear_fits(x, proj_weight(self.qkv_proj))
                 and _head_norm_rope_fits_heads(x.dtype, c.head_dim))
 

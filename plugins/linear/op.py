@@ -3,6 +3,9 @@
 * ``muse_spark::linear_triton`` — the skinny linear layer (≤ 16 rows), silu·mul optionally fused,
   which ``models.layers.linear`` calls in bf16/fp16 on CUDA for at most 16 rows (the default; the
   kernel option ``linear="cublas"`` selects ``F.linear``). Its reference is ``reference.linear_reference``;
+* ``muse_spark::linear_fp8_triton`` — the same kernel on an FP8 (E4M3) weight with per-row fp32 scales
+  (W8A16): each weight tile dequantized as it streams in, the result bit for bit the bf16/fp16
+  kernel's on the dequantized weight. Its reference is ``models.layers.fp8_linear_reference``'s math;
 * ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program of
   the same launch, the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; off with
   the kernel option ``rope_table`` false).
@@ -26,6 +29,20 @@ def _check_linear(x: torch.Tensor, w: torch.Tensor) -> None:
     if not fits(x, w):
         raise ValueError(f"linear: x {list(x.shape)} {x.dtype} and weight {list(w.shape)} {w.dtype}: the kernel takes "
                          f"at most {MAX_ROWS} rows of x [..., K] and a contiguous weight [N, K], both bf16 or fp16")
+
+
+def _check_linear_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
+    from muse_spark.plugins.linear.triton_kernel import MAX_ROWS, fits
+
+    if not fits(x, w, scale):
+        raise ValueError(f"linear_fp8: x {list(x.shape)} {x.dtype}, weight {list(w.shape)} {w.dtype} and scale "
+                         f"{list(scale.shape)} {scale.dtype}: the kernel takes at most {MAX_ROWS} rows of bf16/fp16 x "
+                         f"[..., K], a contiguous float8_e4m3fn weight [N, K] and float32 scales [N] or [N, 1]")
+
+
+def fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+    """The W8A16 spec: the weight dequantized exactly in fp32, rounded to x's dtype, then ``F.linear``."""
+    return linear_reference(x, (w.float() * scale.reshape(-1, 1)).to(x.dtype), silu_mul)
 
 
 def register_triton(runs_kernels, launch_linear, launch_linear_rope_table) -> None:
@@ -52,6 +69,15 @@ def register_triton(runs_kernels, launch_linear, launch_linear_rope_table) -> No
             cos, sin = rope_table_reference(positions, theta, head_dim)
             return linear_reference(x, w), cos, sin
         return launch_linear_rope_table(x, w, positions, theta, head_dim)
+
+    @triton_op("muse_spark::linear_fp8_triton", mutates_args=())
+    def _linear_fp8_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+        _check_linear_fp8(x, w, scale)
+        if silu_mul and w.shape[0] % 2:
+            raise ValueError(f"linear_fp8: silu_mul needs an even number of weight rows (gate | up), got {w.shape[0]}")
+        if not runs_kernels(x):
+            return fp8_reference(x, w, scale, silu_mul)
+        return launch_linear(x, w, silu_mul, scale=scale)
 
     @triton_op("muse_spark::linear_triton", mutates_args=())
     def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:

@@ -97,11 +97,29 @@ def _mma(w, xt, acc, IEEE_DOT: tl.constexpr):
 
 
 @triton.jit
+def _dequant(w, sc, SCALED: tl.constexpr, DTYPE: tl.constexpr):
+    """SCALED (an FP8 weight tile and its rows' scales [BLOCK_N] fp32): the W8A16 spec's weight,
+    ``(w.float() · scale)`` rounded once to the activations' DTYPE (``fp8_linear_reference``); else w."""
+    if SCALED:
+        w = to_rne(mul_rn(w.to(tl.float32), sc[:, None]), DTYPE)
+    return w
+
+
+@triton.jit
 def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TWO: tl.constexpr,
-                  IEEE_DOT: tl.constexpr):
+                  IEEE_DOT: tl.constexpr, s_ptr=None, SCALED: tl.constexpr = False):
     """The weight stream: fp32 sums W[rn]·xᵀ over the whole of K, [BLOCK_N, BLOCK_M]; with TWO also
-    W[ru]·xᵀ (the second tile: the up half), else zeros."""
+    W[ru]·xᵀ (the second tile: the up half), else zeros. SCALED: W is FP8 with per-row scales at
+    s_ptr, each tile dequantized as it is loaded (``_dequant``): the bf16 stream's sums of the spec's
+    weight, bit for bit, from half the bytes."""
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    sc = 0.0
+    sc_u = 0.0
+    if SCALED:
+        sc = tl.load(s_ptr + rn, mask=nmask, other=0.0)
+        if TWO:
+            sc_u = tl.load(s_ptr + ru, mask=nmask, other=0.0)
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
     u_ptrs = w_ptr + ru.to(tl.int64)[:, None] * K + rk[None, :]
@@ -119,7 +137,7 @@ def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M:
             kmask = (k0 + rk) < K
             xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc = _mma(w, xt, acc, IEEE_DOT)
+        acc = _mma(_dequant(w, sc, SCALED, DT), xt, acc, IEEE_DOT)
         if TWO:
             if EVEN_K:
                 if EVEN_N:
@@ -128,7 +146,7 @@ def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M:
                     wu = tl.load(u_ptrs, mask=nmask[:, None], other=0.0)
             else:
                 wu = tl.load(u_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc_u = _mma(wu, xt, acc_u, IEEE_DOT)
+            acc_u = _mma(_dequant(wu, sc_u, SCALED, DT), xt, acc_u, IEEE_DOT)
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -149,6 +167,8 @@ def _linear_kernel(
     # the angles' latency-bound chain then runs beside the weight stream, not in every norm kernel)
     pos_ptr=None, cos_ptr=None, sin_ptr=None, N_POS=0, ROPE_TABLE: tl.constexpr = False,
     THETA: tl.constexpr = 0.0, DH_ROPE: tl.constexpr = 2, BLOCK_POS: tl.constexpr = 16,
+    # SCALED: w is FP8 (E4M3) with one fp32 scale per weight row at s_ptr [N_w] (W8A16)
+    s_ptr=None, SCALED: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     if ROPE_TABLE:
@@ -162,7 +182,7 @@ def _linear_kernel(
     nmask = rn < N
     mmask = rm < M
     acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + N, rm, nmask, mmask, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
-                               EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT)  # u: the up half
+                               EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT, s_ptr, SCALED)  # u: the up half
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]  # [BLOCK_N, BLOCK_M]: yᵀ
     ymask = nmask[:, None] & mmask[None, :]
     if PDL == 3:  # the weight stream is done: the next kernel may launch while this program finishes
@@ -206,7 +226,7 @@ def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None, pdl: int, launch_pdl: bool,
-            table: tuple | None = None) -> None:
+            table: tuple | None = None, scale: torch.Tensor | None = None) -> None:
     """``_linear_kernel`` over rows x2 [M, K] into y [M, N]; ``table`` = (positions, cos, sin, theta,
     dh): one more program writes the RoPE table (``ROPE_TABLE``). Every kernel argument is passed, the
     table's as dummies without it (Inductor's mutation analysis fills in no defaults)."""
@@ -222,26 +242,32 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
         PDL=0 if interpret else int(pdl),
         pos_ptr=pos, cos_ptr=cos, sin_ptr=sin, N_POS=M if table is not None else 0, ROPE_TABLE=table is not None,
         THETA=float(theta), DH_ROPE=dh, BLOCK_POS=block_m if table is not None else 16,
+        s_ptr=scale if scale is not None else x2, SCALED=scale is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
     )
 
 
-def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+def fits(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
     """What the kernel takes: x [..., K] with at most ``MAX_ROWS`` rows, W [N, K] contiguous, both
-    bf16 or both fp16."""
+    bf16 or both fp16; or (``scale``) W FP8 E4M3 with one fp32 scale per row ([N] or [N, 1], contiguous)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return (x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.dim() == 2
-            and x.shape[-1] == w.shape[1] and 0 < rows <= MAX_ROWS and w.is_contiguous())
+    wdtype = torch.float8_e4m3fn if scale is not None else x.dtype
+    return (x.dtype in (torch.bfloat16, torch.float16) and w.dtype == wdtype and w.dim() == 2
+            and x.shape[-1] == w.shape[1] and 0 < rows <= MAX_ROWS and w.is_contiguous()
+            and (scale is None or (scale.dtype == torch.float32 and scale.numel() == w.shape[0]
+                                   and scale.is_contiguous())))
 
 
 def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap=lambda f: f,
                   interpret: bool = False, config: dict | None = None, pdl: int = 0,
-                  launch_pdl: bool = False) -> torch.Tensor:
+                  launch_pdl: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W[N_w, K]ᵀ → [..., N_w] in x's dtype; with ``silu_mul`` (N_w = 2·I) → [..., I]:
     silu(x @ W[:I]ᵀ) · (x @ W[I:]ᵀ). ``wrap`` is ``torch.library.wrap_triton`` inside the op;
     ``config`` overrides the launch configuration (the sweep). ``pdl``: compile the PDL wait in
     (``triton_math.pdl_enter``; the mode); ``launch_pdl``: launch with the PDL attribute (eager
-    launches only; docs/pdl.md)."""
+    launches only; docs/pdl.md). ``scale`` (W8A16): W is FP8 E4M3 and ``scale`` [N_w] fp32 its rows'
+    scales; the result is, bit for bit, the bf16/fp16 kernel's on ``(W.float() · scale)`` rounded to
+    x's dtype (``models.layers.fp8_linear_reference``'s weight)."""
     x2 = _rows(x, w)
     n_w = w.shape[0]
     if silu_mul and n_w % 2:
@@ -250,6 +276,7 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     M = x2.shape[0]
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M > 0 and N > 0:
-        _launch(x2, w, y, silu_mul, wrap, interpret, config, pdl, launch_pdl)
+        _launch(x2, w, y, silu_mul, wrap, interpret, config, pdl, launch_pdl,
+                scale=None if scale is None else scale.reshape(-1))
     return y.reshape(*x.shape[:-1], N)
 

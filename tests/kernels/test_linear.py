@@ -83,6 +83,59 @@ def test_linear_bits_do_not_depend_on_the_number_of_rows(tops, silu_mul):
         assert torch.equal(torch.ops.muse_spark.linear_triton(x[lo:hi], w, silu_mul), full[lo:hi])
 
 
+def fp8_operands(M, N, K, seed=3):
+    """x [M, K] bf16, an FP8 weight [N, K] with per-row fp32 scales (random magnitudes per row, as
+    ``muse-spark quantize`` writes them from absmax)."""
+    from muse_spark.models.layers import FP8, FP8_MAX
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    w = torch.randn(N, K, generator=g) * torch.exp(torch.randn(N, 1, generator=g))
+    scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).float()
+    return x.to(DEV), (w / scale).to(FP8).to(DEV), scale.to(DEV)
+
+
+@needs_kernels
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("shape", ["step_rows", "draft_rows_ragged_n", "ragged_k"] + (["muse_down"] if BIG else []))
+def test_the_fp8_weight_kernel_gives_the_bf16_kernels_bits_on_the_dequantized_weight(tops, shape, silu_mul):
+    """W8A16 (``linear_fp8_triton``): each FP8 weight tile is dequantized as it streams in (its rows'
+    scales, rounded once to bf16, as ``fp8_linear_reference`` rounds the weight), so the output is, bit
+    for bit, the bf16 kernel's on the dequantized weight; against the fp32-sum reference within the bf16
+    kernel's own bound. A planted error (the scales of the next row) is caught by the same comparison."""
+    from muse_spark.plugins.linear.op import fp8_reference
+
+    M, N, K = LINEAR_SHAPES[shape]
+    x, w8, scale = fp8_operands(M, 2 * N if silu_mul else N, K)
+    got = torch.ops.muse_spark.linear_fp8_triton(x, w8, scale, silu_mul)
+    dequant = (w8.float() * scale).to(torch.bfloat16)
+    assert torch.equal(got, torch.ops.muse_spark.linear_triton(x, dequant, silu_mul))
+    ref = fp8_reference(x, w8, scale, silu_mul).float()
+    torch.testing.assert_close(got.float(), ref, rtol=2**-6, atol=2**-7 * ref.abs().max().item())
+    planted = torch.ops.muse_spark.linear_fp8_triton(x, w8, scale.roll(1, 0), silu_mul)
+    assert not torch.equal(planted, got)
+    assert torch.equal(torch.ops.muse_spark.linear_fp8_triton(x, w8, scale.reshape(-1), silu_mul), got)  # [N] too
+
+
+@needs_kernels
+def test_the_models_run_fp8_projections_on_the_kernel(tops):
+    """``models.layers.linear`` of an ``Fp8Weight`` takes ``linear_fp8_triton`` where the skinny kernel fits
+    (the bits of the bf16 kernel on the dequantized weight), and the reference beyond its rows; the op
+    refuses a weight or scales it cannot take."""
+    from muse_spark.models import layers
+
+    x, w8, scale = fp8_operands(8, 64, 128)
+    fw = layers.Fp8Weight(w8, scale, None, torch.bfloat16)
+    assert layers._triton_linear_fits(x, fw) == ON_GPU
+    want = torch.ops.muse_spark.linear_triton(x, fw.dequantize(torch.bfloat16), False)
+    assert torch.equal(layers.linear(x, fw), want) or not ON_GPU
+    assert torch.equal(layers.linear(x, fw), layers.fp8_linear_reference(x, fw)) or ON_GPU
+    with pytest.raises(ValueError, match="float8_e4m3fn weight"):
+        torch.ops.muse_spark.linear_fp8_triton(x, w8.to(torch.bfloat16), scale, False)
+    with pytest.raises(ValueError, match="float32 scales"):
+        torch.ops.muse_spark.linear_fp8_triton(x, w8, scale[:-1], False)
+
+
 @needs_kernels
 def test_linear_op_rejects_bad_inputs(tops):
     x, w = linear_operands(8, 64, 128, torch.bfloat16, exact=True)
