@@ -57,7 +57,7 @@ from safetensors.torch import save_file
 import muse_spark
 from muse_spark.builder.limits import check_max_batch, check_max_seq
 from muse_spark.checkpoint import CheckpointError, file_sha256, load_pair, save_canonical, tensors_hash, unreadable
-from muse_spark.config import dtype_name, missing_note, os_error_reason
+from muse_spark.config import dtype_name, load_config, missing_note, os_error_reason
 from muse_spark.models.layers import nvidia
 from muse_spark.options import KernelOptions, use_options
 from muse_spark.sharding import check_split, shard_state_dict
@@ -381,6 +381,9 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
             raise BuildError(f"cannot create the folder of --out {out.parent}: a component of the path is not a "
                              f"directory{missing_note(out.parent)}") from None
         raise BuildError(f"cannot create the folder of --out {e.filename or out.parent}: {os_error_reason(e)}") from None
+    if backend != "eager" and any(load_config(d).quantization_config is not None for d in (target_dir, draft_dir)):
+        raise BuildError(f"FP8 checkpoints (quantization_config) build eager engines today (--backend eager); the "
+                         f"{backend} engine's compiled graphs of FP8 projections are not supported yet (docs/fp8.md)")
     log(f"loading checkpoints {target_dir} + {draft_dir}")
     target, draft = load_pair(target_dir, draft_dir, dtype, "cpu")
     check_split(target.cfg, tp)  # (before anything is written)

@@ -541,7 +541,10 @@ def check_d2t(d2t: torch.Tensor, cfg: MuseSparkDSparkConfig) -> None:
 
 
 # ---- building modules ---------------------------------------------------------------------
-def _materialize(module: torch.nn.Module, sd: dict[str, torch.Tensor], device, dtype: torch.dtype) -> None:
+def materialize(module: torch.nn.Module, sd: dict[str, torch.Tensor], device, dtype: torch.dtype) -> None:
+    """Load the canonical state dict ``sd`` into ``module`` (built on meta) in place (assigned, no second
+    copy), with an ``Fp8Linear`` for every projection ``sd`` holds FP8 (its ``weight_scale``), then onto
+    ``device`` for inference."""
     for name in sd:  # FP8 projections: an Fp8Linear in place of the nn.Linear (on meta, as the rest)
         if name.endswith(".weight_scale"):
             path = name.removesuffix(".weight_scale")
@@ -562,7 +565,7 @@ def load_target(directory: str | Path, dtype: torch.dtype | str | None = None, d
     sd = load_state_dict(directory, cfg, dt)
     with torch.device("meta"):
         model = MuseSpark1xForCausalLM(cfg, aux_layer_ids)
-    _materialize(model, sd, device, dt)
+    materialize(model, sd, device, dt)
     return model
 
 
@@ -577,7 +580,7 @@ def load_draft(directory: str | Path, target_cfg: MuseSpark1xConfig | None = Non
     sd = load_state_dict(directory, cfg, dt)
     with torch.device("meta"):
         model = MuseSparkDSparkForCausalLM(cfg)
-    _materialize(model, sd, device, dt)
+    materialize(model, sd, device, dt)
     return model
 
 
@@ -592,13 +595,8 @@ def load_pair(target_dir, draft_dir, dtype=None, device="cpu"):
 
 # ---- saving / hashing ---------------------------------------------------------------------
 def save_canonical(module: torch.nn.Module, path: str | Path) -> None:
-    """Save a module's canonical state dict (contiguous) as one safetensors file. Modules with FP8
-    projections are refused: engine directories hold torch_dtype weights (docs/fp8.md)."""
-    if any(isinstance(m, Fp8Linear) for m in module.modules()):
-        raise CheckpointError(
-            f"the {module.cfg.KIND} checkpoint is FP8 (quantization_config): engine builds of FP8 checkpoints are "
-            "not supported yet — run the pair straight from its checkpoints (`muse-spark generate --target DIR "
-            "--draft DIR`, EagerEngine.from_checkpoints), or build the engine from the bf16 checkpoint (docs/fp8.md)")
+    """Save a module's canonical state dict (contiguous) as one safetensors file (FP8 projections as their
+    float8_e4m3fn weight, float32 ``weight_scale`` and, static, ``input_scale``: docs/fp8.md)."""
     sd = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
     save_file(sd, str(path))
 

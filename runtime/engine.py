@@ -29,12 +29,12 @@ from muse_spark.config import parse_dtype
 from muse_spark.engine_format import (EngineError, check_cache_memory, check_plugins, configs_from_manifest,
                                       read_manifest, verify_files)
 from muse_spark.models.draft import MuseSparkDSparkForCausalLM
-from muse_spark.models.layers import attention_path
+from muse_spark.models.layers import FP8, attention_path
 from muse_spark.models.target import MuseSpark1xForCausalLM
 from muse_spark.options import KernelOptions, engine_options, use_options
 from muse_spark.plugins.acceptance.processing import Processing, logprobs, process_logits
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
-from muse_spark.checkpoint import load_pair
+from muse_spark.checkpoint import load_pair, materialize
 from muse_spark.runtime.kv_blocks import BlockTables
 from muse_spark.schedule import Schedule, plan
 from muse_spark.sharding import shard_config
@@ -113,15 +113,18 @@ def with_options(method):
 
 
 def build_modules(tcfg, dcfg, target_sd, draft_sd, dtype: torch.dtype, device) -> tuple[MuseSpark1xForCausalLM, MuseSparkDSparkForCausalLM]:
-    """Reference modules from canonical state dicts (assigned, no second copy)."""
+    """Reference modules from canonical state dicts (assigned, no second copy). Floating tensors take
+    ``dtype``, but the residual gates and an FP8 projection's weight and scales, which keep their own."""
     with torch.device("meta"):
         target = MuseSpark1xForCausalLM(tcfg, dcfg.target_layer_ids)
         draft = MuseSparkDSparkForCausalLM(dcfg)
+
+    def own_dtype(name: str, t: torch.Tensor) -> bool:
+        return (not t.is_floating_point() or name.endswith(("residual_gate", ".weight_scale", ".input_scale"))
+                or t.dtype == FP8)
+
     for module, sd in ((target, target_sd), (draft, draft_sd)):
-        sd = {k: (v.to(dtype) if v.is_floating_point() and not k.endswith("residual_gate") else v) for k, v in sd.items()}
-        module.load_state_dict(sd, strict=True, assign=True)
-        module.after_load()
-        module.to(device).eval().requires_grad_(False)
+        materialize(module, {k: (v if own_dtype(k, v) else v.to(dtype)) for k, v in sd.items()}, device, dtype)
     draft.bind_target_embeddings(target.model.embed_tokens.weight)
     return target, draft
 

@@ -318,10 +318,41 @@ def test_fp8_weights_without_a_quantization_config_are_refused(pair, tmp_path):
         load_draft(d2)
 
 
-def test_engine_builds_refuse_fp8_modules(pair, tmp_path):
-    target = load_target(pair / "fp8" / "target")
-    with pytest.raises(CheckpointError, match="engine builds of FP8 checkpoints are not supported yet"):
-        save_canonical(target, tmp_path / "t.safetensors")
+def test_an_eager_engine_built_from_fp8_checkpoints_keeps_them_and_their_tokens(pair, tmp_path):
+    """`muse-spark build` of the FP8 pair (eager): the engine's files hold the projections as float8_e4m3fn
+    weights with float32 scales (half the bytes of the bf16 engine's), its manifest the quantization_config,
+    and it generates the checkpoints' own tokens, greedy and sampled, in a fresh process too."""
+    from safetensors import safe_open
+
+    from muse_spark.runtime import load_engine
+    from conftest import cli_generate_ids
+
+    out, ref = tmp_path / "engine", tmp_path / "bf16"
+    for src, dst in ((pair / "fp8", out), (pair / "bf16", ref)):
+        r = run_cli("build", "--target", src / "target", "--draft", src / "draft", "--out", dst, "--max-batch", 2,
+                    "--max-seq", 128)
+        assert r.returncode == 0, r.stderr[-3000:]
+    with safe_open(str(out / "target.safetensors"), "pt") as f:
+        name = "model.layers.0.self_attn.qkv_proj"
+        assert f.get_slice(f"{name}.weight").get_dtype() == "F8_E4M3" and f"{name}.weight_scale" in f.keys()
+        assert f.get_tensor(f"{name}.weight_scale").dtype == torch.float32
+    assert (out / "target.safetensors").stat().st_size < 0.75 * (ref / "target.safetensors").stat().st_size
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["target_config"]["quantization_config"]["quant_method"] == "fp8"
+    engine = load_engine(out)
+    assert isinstance(engine.target.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert isinstance(engine.draft.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    direct = EagerEngine.from_checkpoints(pair / "fp8" / "target", pair / "fp8" / "draft", max_batch=2, max_seq=128)
+    prompts = random_prompts(draft_token_ids(pair / "bf16"), 2, 7, seed=4)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True)]
+    want = [r.output for r in Generator(direct).generate(prompts, params)]
+    assert [r.output for r in Generator(engine).generate(prompts, params)] == want
+    assert cli_generate_ids(out, prompts[0], 24) == want[0]
+    r = run_cli("build", "--target", pair / "fp8" / "target", "--draft", pair / "fp8" / "draft", "--out",
+                tmp_path / "aoti", "--backend", "aoti", "--max-batch", 2, "--max-seq", 128)
+    assert r.returncode != 0 and "FP8 checkpoints (quantization_config) build eager engines today" in r.stderr
+    assert not (tmp_path / "aoti").exists()
 
 
 def test_quantization_config_round_trip(pair):
