@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from conftest import clone, run_cli
 from muse_spark.builder.pair import draft_token_ids, make_pair, random_prompts
 from muse_spark.builder.quantize import FP8_MAX, QuantizeError, quantize_checkpoint, quantize_pair, quantize_weight
-from muse_spark.checkpoint import CheckpointError, load_draft, load_pair, load_target, save_canonical
+from muse_spark.checkpoint import CheckpointError, load_draft, load_pair, load_target
 from muse_spark.config import MuseSpark1xConfig, QuantizationConfig, load_config, quantizable
 from muse_spark.models.layers import FP8, Fp8Linear, Fp8Weight, linear, linear_silu_mul, proj_weight
 from muse_spark.runtime import EagerEngine, Generator, SamplingParams
