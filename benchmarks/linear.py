@@ -10,6 +10,10 @@ weight is read once. Prints, per shape, µs per call for cuBLAS (``plugins.linea
 then the step's whole GEMM sequence (``presets.gemm_floor``): cuBLAS, and the engine's
 GEMMs under the kernel option ``linear="triton"`` (the kernel with its default configurations, silu·mul
 fused). ``--sweep`` times the launch configurations per shape and reports each shape's fastest.
+Each shape also times the W8A16 form (``--fp8``, the default: the same kernel streaming an FP8 E4M3
+copy of the weight with per-row scales, ``launch_linear(scale=)``, half the bytes) in its default
+configuration, beside the bf16 kernel and cuBLAS, with its error against the dequantized weight's
+cuBLAS product.
 The figures go to ``benchmarks/results/`` in the common schema (``benchmarks/results.py``), rewritten
 after every shape.
 """
@@ -64,12 +68,29 @@ def time_calls(fn, x, ws) -> float:
     return us
 
 
+def fp8_figures(x, ws, silu: bool) -> dict:
+    """The W8A16 kernel on FP8 copies of ``ws`` (per-row absmax scales): µs a call, the FP8 weight stream's
+    GB/s, and the relative error against cuBLAS on the dequantized weight."""
+    from muse_spark.models.layers import FP8, FP8_MAX
+
+    scales = [(w.float().abs().amax(1) / FP8_MAX).clamp_min(1e-12) for w in ws]
+    w8s = [(w.float() / s[:, None]).to(FP8) for w, s in zip(ws, scales)]
+    pairs = list(zip(w8s, scales))
+    us = time_calls(lambda x, ws_: launch_linear(x, ws_[0], silu, scale=ws_[1]), x, pairs)
+    out = launch_linear(x, w8s[0], silu, scale=scales[0]).float()
+    ref = linear_reference(x, (w8s[0].float() * scales[0][:, None]).to(x.dtype), silu).float()
+    err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+    return {"fp8_us": us, "fp8_GBps": w8s[0].numel() / us / 1e3, "fp8_rel_err": err}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true", help="time the launch configurations per shape")
     p.add_argument("--batches", type=batch_list, default=[1],
                    help="comma-separated, e.g. 1,8; rows = batch·(γ+1) (batch·γ for the draft's)")
     p.add_argument("--deadline-s", type=float, default=420.0)
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the W8A16 kernel on an FP8 copy of each weight (default on)")
     p.add_argument("--out-dir", type=Path, default=results.RESULTS, help="where the result goes (the common schema)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -78,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     t0 = time.time()
     res = {"shapes": {}, "sequence": {}}
-    doc = results.record("linear", {"batches": a.batches, "sweep": a.sweep, "deadline_s": a.deadline_s}, res)
+    doc = results.record("linear", {"batches": a.batches, "sweep": a.sweep, "deadline_s": a.deadline_s,
+                                    "fp8": a.fp8}, res)
 
     def save():
         return results.write(doc, a.out_dir)
@@ -123,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
                     r["triton_GBps"] = nbytes / best["us"] / 1e3
                     print(f"{key:>22}: cuBLAS {r['cublas_us']:8.1f} µs ({r['cublas_GBps']:5.0f} GB/s)  triton "
                           f"{best['us']:8.1f} µs ({r['triton_GBps']:5.0f} GB/s) {r['best']}", flush=True)
+                if a.fp8 and time.time() - t0 < a.deadline_s:
+                    r.update(fp8_figures(x, ws, silu))
+                    print(f"{key:>22}: W8A16 {r['fp8_us']:8.1f} µs ({r['fp8_GBps']:5.0f} GB/s of FP8 weights), "
+                          f"{r.get('triton_us', float('nan')) / r['fp8_us']:.2f}× the bf16 kernel's speed, "
+                          f"rel. error {r['fp8_rel_err']:.2e}", flush=True)
                 res["shapes"][key] = r
                 save()
                 del ws

@@ -7,6 +7,8 @@
 #                                # one with a narrower verification width and the controlled step
 #   scripts/gpu_check.sh engine-switches # the engines built with non-default switches (PDL wait-only, the old path)
 #   scripts/gpu_check.sh bench   # the step benchmark (benchmarks/step.py; docs/performance.md); BENCH_ARGS=--profile adds kernel tables
+#   scripts/gpu_check.sh linear  # the skinny GEMM against cuBLAS and its W8A16 (FP8 weight) form on the step's
+#                                # shapes at batch 1 and 2 (benchmarks/linear.py), after the FP8 kernel tests
 #   scripts/gpu_check.sh cxx     # the C++ embedding's tests: CPU and CUDA engines (carry .whl/ for its
 #                                # JSON header: the nlohmann-json wheel)
 #   scripts/gpu_check.sh serving # the Triton server on the GPU: exact outputs and its throughput beside
@@ -79,6 +81,11 @@ bench)
     # the result in the common schema lands in $OUT (copy it into benchmarks/results/)
     timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/step.py --deadline-s "${BENCH_DEADLINE:-480}" ${BENCH_ARGS:-} \
         --out-dir "$OUT" --markdown "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
+    ;;
+linear)
+    timeout 200 python3 -m pytest -q tests/kernels/test_linear.py -k fp8 2>&1 | tail -2
+    timeout "${BENCH_TIMEOUT:-380}" python3 benchmarks/linear.py --batches 1,2 --deadline-s 300 --out-dir "$OUT" 2>&1 |
+        tee "$OUT/linear.log"
     ;;
 cxx)
     # the C++ embedding (docs/cxx.md): built with CMake against this machine's torch (its JSON header from
@@ -167,7 +174,7 @@ tp-bench)
         --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
     ;;
 *)
-    echo "usage: $0 tests|engines|engine-switches|paged|bench|cxx|serving|workload|serving-sweep|tp|tp-bench" >&2
+    echo "usage: $0 tests|engines|engine-switches|paged|linear|bench|cxx|serving|workload|serving-sweep|tp|tp-bench" >&2
     exit 2
     ;;
 esac
