@@ -100,3 +100,43 @@ def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypa
     assert runs[0][0] == runs[1][0] == runs[2][0]
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(runs[0][1], runs[1][1], runs[2][1]))
     assert [r[2] for r in runs] == [False, True, True]
+
+
+@pytest.mark.parametrize("attention_cache", [False, True], ids=["norm_kernel", "fused_attention"])
+def test_cuda_paged_caches_give_the_slot_caches_tokens_through_the_same_kernels(random_pair, attention_cache):
+    """Paged KV caches on CUDA in bf16: the layers run the Triton kernels through the block tables (the
+    norm kernel's cache write or the fused attention, then the split-KV attention), and a pool too small
+    for all requests preempts some; every token, greedy and sampled, is the slot caches' one."""
+    from test_paged_kv import _workload, poison_freed_blocks
+
+    prompts, params = _workload(8, seed=0)
+    with use_options(KernelOptions(attention_cache=attention_cache)):
+        slot = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128)
+        want = [r.output for r in Generator(slot).generate(prompts, params)]
+        paged = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128, kv_tokens=160)
+        poison_freed_blocks(paged)
+        gen = Generator(paged)
+        assert [r.output for r in gen.generate(prompts, params)] == want
+    assert gen.preemptions > 0
+    paged.kv.check()
+
+
+def test_cuda_fp8_pair_is_lossless_on_the_w8a16_kernel(tmp_path):
+    """The FP8 (per-channel E4M3) tiny pair on CUDA: its projections run the W8A16 skinny kernel at these row
+    counts, and greedy speculative output equals the same engine's greedy target-only output."""
+    from muse_spark.builder.pair import draft_token_ids, make_pair, random_prompts
+    from muse_spark.builder.quantize import quantize_pair
+    from muse_spark.models import layers
+
+    make_pair(tmp_path / "bf16", "tiny", acceptance=0.8, seed=0)
+    quantize_pair(tmp_path / "bf16" / "target", tmp_path / "fp8" / "target", draft=tmp_path / "bf16" / "draft",
+                  draft_out=tmp_path / "fp8" / "draft", log=lambda s: None)
+    engine = EagerEngine.from_checkpoints(tmp_path / "fp8" / "target", tmp_path / "fp8" / "draft", device="cuda",
+                                          max_batch=2, max_seq=128)
+    w = layers.proj_weight(engine.target.model.layers[0].self_attn.o_proj)
+    assert isinstance(w, layers.Fp8Weight) and layers._triton_linear_fits(torch.zeros(8, w.shape[1], device="cuda",
+                                                                                       dtype=torch.bfloat16), w)
+    prompts = random_prompts(draft_token_ids(tmp_path / "bf16"), 2, 7, seed=2)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for r in Generator(engine).generate(prompts, params):
+        assert r.output == generate_target_only(engine, r.prompt, params)
