@@ -186,16 +186,17 @@ def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: lis
                max_seq: int, cache_slots: int, buckets: list[int], prefill_chunk: int, impl: str,
                cache_dtype: str, configs: dict, out_dir: Path, with_prefill: bool = True,
                markov_words: dict[int, int] | None = None, options: KernelOptions | None = None,
-               widths: list[int] = (), controls: bool = False) -> list[dict]:
+               widths: list[int] = (), controls: bool = False, kv_pool: list[int] | None = None) -> list[dict]:
     """One self-contained job per package (picklable: a worker rebuilds everything from it).
     ``markov_words``: the Markov kernel's kept workspace per batch bucket (``markov_workspaces``);
     ``options``: the kernel options the graphs are traced under (default: the defaults);
     ``widths``, ``controls``: the narrower verification widths, the controlled verification
-    (``graph_plan_names``)."""
+    (``graph_plan_names``); ``kv_pool``: [blocks, block size] of paged caches (the parts then take the
+    rows' block tables where they take their slots)."""
     names = [w[0] for w in wspecs]
     common = dict(tcfg=tcfg.to_dict(), dcfg=dcfg.to_dict(), device=device, max_seq=max_seq,
                   cache_slots=cache_slots, cache_dtype=cache_dtype, impl=impl, configs=configs,
-                  options=(options or KernelOptions()).to_dict())
+                  options=(options or KernelOptions()).to_dict(), kv_pool=kv_pool)
     jobs = []
     spec = {w[0]: w for w in wspecs}
     for name, fn, batch, K in graph_plan_names(buckets, with_prefill, widths, controls):
@@ -218,22 +219,28 @@ def fake_inputs(job: dict, tcfg, dcfg):
         def t(shape, dtype):
             return torch.empty(shape, dtype=dtype, device=dev)
 
+        pool = job.get("kv_pool")  # paged: [blocks, P]
+
         def cache(cfg):
-            return t((job["cache_slots"], job["max_seq"], cfg.num_key_value_heads, cfg.head_dim), cache_dtype)
+            rows, length = pool if pool else (job["cache_slots"], job["max_seq"])
+            return t((rows, length, cfg.num_key_value_heads, cfg.head_dim), cache_dtype)
+
+        def rows(n):  # the cache rows of n requests: slots [n], or block tables [n, ⌈max_seq / P⌉]
+            return t((n, -(-job["max_seq"] // pool[1])) if pool else (n,), i64)
 
         weights = [t(shape, torch_dtype(dt)) for _, shape, dt in job["weights"]]
         fn = job["fn"]
         if fn == "layer":
             return (weights, cache(tcfg), cache(tcfg), t((B, S, D), f32), t((B, S, D), cache_dtype),
-                    t((B, S), i64), t((B,), i64))
+                    t((B, S), i64), rows(B))
         dk = [cache(dcfg) for _ in range(dcfg.num_hidden_layers)]
         dv = [cache(dcfg) for _ in range(dcfg.num_hidden_layers)]
         aux = [t((B, S, D), f32) for _ in dcfg.target_layer_ids]
         if fn == "step_draft":
-            return (weights, dk, dv, t((job["markov_words"],), i64), *[t((B,), i64) for _ in range(4)],
-                    t((B,), f32), t((B, S), i64))
+            return (weights, dk, dv, t((job["markov_words"],), i64), *[t((B,), i64) for _ in range(2)], rows(B),
+                    t((B,), i64), t((B,), f32), t((B, S), i64))
         if fn == "step_context":
-            return (weights, dk, dv, aux, t((B, S), i64), t((B,), i64))
+            return (weights, dk, dv, aux, t((B, S), i64), rows(B))
         h = t((B, S, D), cache_dtype)
         if fn in ("step_verify", "step_verify_ctl"):
             args = (weights, t((job["markov_words"],), i64), h, t((B, g), i64), t((B, g, dcfg.draft_vocab_size), f32),
@@ -244,7 +251,7 @@ def fake_inputs(job: dict, tcfg, dcfg):
             return (*args, t((B,), i64), t((slots, len(CTL_FLOATS)), f32), t((slots, len(CTL_INTS)), i64),
                     t((slots, V), torch.bool), t((slots, V), f32), t((slots, V), torch.bool))
         if fn == "prefill_finish":
-            return (weights, dk, dv, h, aux, t((1, S), i64), *[t((1,), i64) for _ in range(3)],
+            return (weights, dk, dv, h, aux, t((1, S), i64), rows(1), *[t((1,), i64) for _ in range(2)],
                     t((1,), f32))
     raise ValueError(f"unknown graph function {fn!r}")
 
@@ -423,12 +430,14 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
                buckets: list[int] | None = None, prefill_chunk: int | None = None, fast_compile: bool | None = None,
                plugins: str = "auto", jobs: int | None = None, log: Callable[[str], None] = lambda m: None,
                options: KernelOptions | None = None, verify_widths: list[int] | None = None,
-               sampling_controls: bool = True) -> dict:
+               sampling_controls: bool = True, kv_pool: list[int] | None = None) -> dict:
     """Compile the prefill and step packages into ``out_dir`` under the kernel ``options`` (default:
     the defaults); → the manifest's ``aoti`` section. ``verify_widths``: verification widths K < γ
     to compile step packages for beside the full width (confidence-scheduled steps verify the first
     K drafts of every row; ``muse_spark/schedule.py``). ``sampling_controls``: compile each bucket's
-    verification under the requests' sampling controls too (``SpecPair.step_verify_ctl``)."""
+    verification under the requests' sampling controls too (``SpecPair.step_verify_ctl``). ``kv_pool``:
+    [blocks, block size]: paged caches, a pool of that many blocks (``runtime/kv_blocks.py``), which the
+    parts address through block tables."""
     options = options or KernelOptions()
     buckets, chunk = graph_plan(device, max_batch, max_seq, buckets, prefill_chunk)
     widths = check_widths(verify_widths, draft.cfg.block_size)
@@ -449,7 +458,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         job_list = graph_jobs(target.cfg, draft.cfg, wspecs, device=device, max_seq=max_seq,
                               cache_slots=max_batch + 1, buckets=buckets, prefill_chunk=chunk, impl=impl,
                               cache_dtype=cache_dtype, configs=configs, out_dir=out_dir, markov_words=words,
-                              options=options, widths=widths, controls=sampling_controls)
+                              options=options, widths=widths, controls=sampling_controls, kv_pool=kv_pool)
         return compile_graphs(job_list, jobs, log), words
 
     fallback = None
@@ -505,6 +514,9 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         "prefill_chunk": chunk,
         # Caches have one slot more than max_batch: padded batch rows read and write it.
         "cache_slots": max_batch + 1,
+        # paged caches: [blocks, block size] of the pool the parts address through block tables; null: a
+        # window of max_seq positions per slot
+        "kv_pool": list(kv_pool) if kv_pool else None,
         "scratch_slot": max_batch,
         "cache_dtype": cache_dtype,
         "weights": wspecs,

@@ -114,6 +114,18 @@ def cmd_build(a) -> int:
         aoti["verify_widths"] = a.verify_widths
     elif a.backend == "aoti" and a.schedule == "confidence":
         aoti["verify_widths"] = "default"
+    if a.kv_cache_tokens is not None:
+        if a.backend != "aoti":
+            print("error: --kv-cache-tokens at build applies to --backend aoti (an eager engine takes its pool when "
+                  "it is loaded: generate/serve-openai --kv-cache-tokens)", file=sys.stderr)
+            return 2
+        from muse_spark.engine_format import EngineError, kv_pool_blocks
+
+        try:
+            aoti["kv_pool"] = [kv_pool_blocks(a.kv_cache_tokens, a.kv_block_size, a.max_seq), a.kv_block_size]
+        except EngineError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     build_engine(a.target, a.draft, a.out, backend=a.backend, device=a.device, max_batch=a.max_batch,
                  max_seq=a.max_seq, dtype=a.dtype, tp=a.tp, **aoti)
     if a.schedule is not None:
@@ -448,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--schedule", choices=["off", "confidence"], default=None,
                    help="the engine's default verification policy (confidence: each step verifies the drafts the "
                         "confidence head expects accepted; an aoti engine gets verification widths for it)")
+    add_kv_pool_arguments(b)
     b.add_argument("--verify-widths", type=_positive_list, default=None, metavar="K,K",
                    help="aoti: also compile steps verifying only the first K drafts of each request, for "
                         "confidence scheduling (default with --schedule confidence: 1 and about γ/2)")

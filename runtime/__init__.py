@@ -38,8 +38,9 @@ def load_engine(engine_dir: str | Path, device: str | None = None, **kw):
     if kw.get("kv_tokens") is None:
         kw.pop("kv_tokens", None), kw.pop("kv_block_size", None)
     elif backend != "eager":
-        raise EngineError(f"{engine_dir}: paged KV caches (a KV pool of tokens) run on the eager engine today; this "
-                          f"{backend!r} engine's compiled steps address one cache window per slot")
+        raise EngineError(f"{engine_dir}: a {backend!r} engine's KV caches are laid out when it is built (a paged "
+                          f"pool: `muse-spark build --backend aoti --kv-cache-tokens N`); only an eager engine takes "
+                          f"a pool when it is loaded")
     if backend == "eager":
         return EagerEngine.from_dir(engine_dir, device=device, **kw)
     if backend == "aoti":

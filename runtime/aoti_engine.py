@@ -42,6 +42,7 @@ from muse_spark.options import KernelOptions, current_options, engine_options
 from muse_spark.plugins.acceptance.processing import Processing
 from muse_spark.schedule import Schedule, plan
 from muse_spark.runtime.engine import EagerEngine, PrefillChunk, build_modules, logprob_lists, with_options
+from muse_spark.runtime.kv_blocks import BlockTables
 
 log = logging.getLogger(__name__)
 
@@ -242,8 +243,17 @@ class AOTIEngine(EagerEngine):
         self.tokenizer_path = tokenizer_path
         self.prefill_chunk = a["prefill_chunk"]
         self.scratch_slot = a["scratch_slot"]
-        self.target_cache = target.allocate_cache(a["cache_slots"], self.max_seq, self.device)
-        self.draft_cache = draft.allocate_cache(a["cache_slots"], self.max_seq, self.device)
+        # paged (built with a pool: ``kv_pool`` [blocks, P]): the graphs address pools of blocks through the
+        # slots' block tables (the scratch slot's row names block 0: padding rows write there)
+        self.kv = None
+        if a.get("kv_pool"):
+            blocks, P = a["kv_pool"]
+            self.kv = BlockTables(blocks, P, a["cache_slots"], self.max_seq, self.device)
+            self.target_cache = target.allocate_paged_cache(blocks, P, self.max_seq, self.device)
+            self.draft_cache = draft.allocate_paged_cache(blocks, P, self.max_seq, self.device)
+        else:
+            self.target_cache = target.allocate_cache(a["cache_slots"], self.max_seq, self.device)
+            self.draft_cache = draft.allocate_cache(a["cache_slots"], self.max_seq, self.device)
         self.caches = (self.target_cache.k, self.target_cache.v, self.draft_cache.k, self.draft_cache.v)
         # Sampling controls (an engine built with their steps, ``step_verify_ctl_b{B}``): per cache slot its
         # request's parameters and token history (``SpecPair.step_verify_ctl``), which the controlled steps
@@ -279,6 +289,7 @@ class AOTIEngine(EagerEngine):
             self.buckets.append(min(b for b in a["batch_buckets"] if b >= max_batch))
         words = {b: markov_words(a, b, engine_dir) for b in self.buckets}
         self.prefill_fn = load_prefill(d, a["graphs"], target, draft, self.device, loader=self.part_loader(d, a))
+        self.prefill_fn.table = self.kv.table if self.kv is not None else None
         self.runners: dict[int, StaticStep] = {}
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.pdl_kernels = programmatic_kernels(a) if self.cuda_graphs else ()
@@ -287,6 +298,7 @@ class AOTIEngine(EagerEngine):
                 fn = load_step(d, a["graphs"], b, target, draft, self.device, single_threaded=self.cuda_graphs,
                                side_stream=self.options.context_stream, loader=self.part_loader(d, a),
                                widths=self.verify_widths, controls=self.controls)
+                fn.table = self.kv.table if self.kv is not None else None
                 if self.cuda_graphs:
                     self.runners[b] = CUDAGraphStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
                                                     pool=pool, markov_words=words[b], programmatic=self.pdl_kernels,
@@ -375,9 +387,13 @@ class AOTIEngine(EagerEngine):
             target, draft = build_modules(tcfg, dcfg, target_sd, draft_sd, dt, dev)
         except (RuntimeError, ValueError, OSError) as e:
             raise EngineError(f"{d}: engine weights cannot be loaded: {e}") from None
-        # (one slot more than max_batch: the scratch slot padding rows write)
-        check_cache_memory(d, tcfg, dcfg, dt, max_batch=max_batch or m["max_batch"], max_seq=m["max_seq"],
-                           device=dev, extra_slots=1)
+        # (one slot more than max_batch: the scratch slot padding rows write; paged: the pool's positions)
+        pool = m[cls.section].get("kv_pool") if isinstance(m.get(cls.section), dict) else None
+        if pool:
+            check_cache_memory(d, tcfg, dcfg, dt, max_batch=1, max_seq=pool[0] * pool[1], device=dev)
+        else:
+            check_cache_memory(d, tcfg, dcfg, dt, max_batch=max_batch or m["max_batch"], max_seq=m["max_seq"],
+                               device=dev, extra_slots=1)
         tok = d / m["tokenizer"] if m.get("tokenizer") else None
         return cls(target, draft, engine_dir=d, manifest=m, device=dev, max_batch=max_batch or m["max_batch"],
                    tokenizer_path=tok, cuda_graphs=cuda_graphs, options=opts)

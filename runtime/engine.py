@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from muse_spark.config import parse_dtype
 from muse_spark.engine_format import (EngineError, check_cache_memory, check_plugins, configs_from_manifest,
-                                      read_manifest, verify_files)
+                                      kv_pool_blocks, read_manifest, verify_files)
 from muse_spark.models.draft import MuseSparkDSparkForCausalLM
 from muse_spark.models.layers import FP8, attention_path
 from muse_spark.models.target import MuseSpark1xForCausalLM
@@ -35,7 +35,7 @@ from muse_spark.options import KernelOptions, engine_options, use_options
 from muse_spark.plugins.acceptance.processing import Processing, logprobs, process_logits
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 from muse_spark.checkpoint import load_pair, materialize
-from muse_spark.runtime.kv_blocks import BlockTables
+from muse_spark.runtime.kv_blocks import BlockPoolError, BlockTables
 from muse_spark.schedule import Schedule, plan
 from muse_spark.sharding import shard_config
 
@@ -157,8 +157,11 @@ class EagerEngine:
         # as their requests grow (runtime/kv_blocks.py); else each slot owns max_seq positions.
         self.kv = None
         if kv_tokens is not None:
-            self.kv = BlockTables(-(-int(kv_tokens) // kv_block_size) + 1, kv_block_size, max_batch, max_seq,
-                                  self.device)
+            try:
+                blocks = kv_pool_blocks(kv_tokens, kv_block_size, max_seq)
+            except EngineError as e:
+                raise BlockPoolError(str(e)) from None
+            self.kv = BlockTables(blocks, kv_block_size, max_batch, max_seq, self.device)
             self.target_cache = target.allocate_paged_cache(self.kv.blocks, kv_block_size, max_seq, self.device)
             self.draft_cache = draft.allocate_paged_cache(self.kv.blocks, kv_block_size, max_seq, self.device)
         else:

@@ -379,6 +379,8 @@ class Generator:
             if req.swapped is not None:
                 self.engine.swap_in(req.slot, req.swapped)
                 req.swapped = None
+                if self._stateful_controls:  # (its slot's controls state may be another request's by now)
+                    self.engine.set_controls(req.slot, self._controls_row(req))
                 self.active.append(req)
                 continue
             if not req.t_start:

@@ -27,7 +27,7 @@ from collections import OrderedDict
 
 import torch
 
-from muse_spark.engine_format import EngineError
+from muse_spark.engine_format import EngineError, kv_pool_blocks
 
 
 class BlockPoolError(EngineError):
@@ -39,14 +39,11 @@ class BlockTables:
     ``table`` [slots, blocks per slot] (int64; 0: none) that the engine indexes by slot."""
 
     def __init__(self, blocks: int, block_size: int, slots: int, max_seq: int, device):
-        if not (isinstance(block_size, int) and block_size >= 1 and block_size & (block_size - 1) == 0):
-            raise BlockPoolError(f"KV block size must be a power of two, got {block_size!r}")
+        try:
+            kv_pool_blocks((blocks - 1) * block_size, block_size, max_seq)
+        except EngineError as e:
+            raise BlockPoolError(str(e)) from None
         per_slot = -(-max_seq // block_size)
-        if blocks - 1 < per_slot:
-            raise BlockPoolError(
-                f"a KV pool of {blocks} blocks of {block_size} tokens ({blocks - 1} usable: block 0 is kept "
-                f"empty) cannot hold one request of max_seq {max_seq} tokens ({per_slot} blocks): give it at least "
-                f"{(per_slot + 1) * block_size} tokens")
         self.blocks, self.block_size, self.max_seq = blocks, block_size, max_seq
         self.free = list(range(blocks - 1, 0, -1))  # (pop() hands out the lowest id first)
         self.owned: list[list[int]] = [[] for _ in range(slots)]

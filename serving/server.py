@@ -302,7 +302,8 @@ def _positive(text: str) -> int:
 def add_kv_pool_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-tokens", type=_positive, default=None, metavar="N",
                    help="paged KV caches: one pool of N token positions that requests take blocks of as they grow "
-                        "(eager engines; default: a window of max_seq positions per slot)")
+                        "(an eager engine's when it is loaded, an aoti engine's when it is built; default: a window "
+                        "of max_seq positions per slot)")
     p.add_argument("--kv-block-size", type=_positive, default=16, metavar="P",
                    help="tokens per KV block of the pool (a power of two; default 16)")
 

@@ -210,7 +210,7 @@ def test_unused_prompt_blocks_give_way_when_the_pool_needs_them(pair):
 def test_bad_pools_are_refused_with_clear_errors(pair):
     with pytest.raises(BlockPoolError, match="power of two"):
         BlockTables(10, 12, 2, 64, "cpu")
-    with pytest.raises(BlockPoolError, match=r"cannot hold one request of max_seq 128 tokens .* at least 144"):
+    with pytest.raises(BlockPoolError, match=r"cannot hold one request of max_seq 128 tokens .* at least 128"):
         _engine(pair, kv_tokens=100)
     assert issubclass(BlockPoolError, EngineError)
 
@@ -233,5 +233,30 @@ def test_the_cli_generates_the_same_ids_paged_and_an_aoti_engine_refuses_a_pool(
     shutil.copytree(out, fake)
     m = json.loads((fake / "manifest.json").read_text())
     (fake / "manifest.json").write_text(json.dumps(dict(m, backend="aoti")))
-    with pytest.raises(EngineError, match="paged KV caches .* run on the eager engine"):
+    with pytest.raises(EngineError, match="KV caches are laid out when it is built"):
         load_engine(fake, kv_tokens=256)
+
+
+def test_an_aoti_engine_built_with_a_pool_runs_paged_with_the_eager_tokens(agreeing_pair, tmp_path):
+    """`build --backend aoti --kv-cache-tokens`: the compiled parts address pools of blocks through the
+    slots' block tables (gathered inside the step), so the engine admits, grows, preempts and resumes as the
+    eager one does; with freed blocks poisoned, every token is the contiguous eager engine's. A pool too
+    small for one request, or one asked of an eager build, is refused at build time."""
+    out = tmp_path / "engine"
+    args = ("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--max-batch", 3, "--max-seq", 256)
+    r = run_cli(*args, "--out", out, "--backend", "aoti", "--kv-cache-tokens", 256, "--kv-block-size", 16)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "manifest.json").read_text())["aoti"]["kv_pool"] == [17, 16]
+    engine = load_engine(out)
+    assert engine.kv is not None and "a pool of 256 positions in blocks of 16" in engine.kv_description()
+    poison_freed_blocks(engine)
+    prompts, params = _workload(6, seed=0, max_tokens=(60, 120))
+    want = [r.output for r in Generator(_engine(agreeing_pair, max_batch=3, max_seq=256)).generate(prompts, params)]
+    gen = Generator(engine)
+    assert [r.output for r in gen.generate(prompts, params)] == want
+    assert gen.preemptions > 0
+    engine.kv.check()
+    r = run_cli(*args, "--out", tmp_path / "small", "--backend", "aoti", "--kv-cache-tokens", 200)
+    assert r.returncode == 2 and "cannot hold one request of max_seq 256 tokens" in r.stderr
+    r = run_cli(*args, "--out", tmp_path / "eager", "--kv-cache-tokens", 400)
+    assert r.returncode == 2 and "applies to --backend aoti" in r.stderr

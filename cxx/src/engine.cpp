@@ -392,6 +392,9 @@ void check_manifest(const std::string& dir, const json& m, at::Device& device) {
   if (layout != kLayout)
     throw EngineError(dir + ": this aoti engine was built by another muse-spark (the packages' layout '" + layout +
                       "', this library's is '" + kLayout + "'); rebuild it");
+  if (m.at("aoti").contains("kv_pool") && !m.at("aoti")["kv_pool"].is_null())
+    throw EngineError(dir + ": this engine's KV caches are a paged pool (built with --kv-cache-tokens): the C++ "
+                      "embedding runs engines with a cache window per slot; rebuild it without --kv-cache-tokens");
   if (!m.contains("embedding") || !m["embedding"].is_object())
     throw EngineError(dir + ": manifest lacks its 'embedding' section (the engine was built by a muse-spark "
                       "without the C++ embedding); rebuild it");

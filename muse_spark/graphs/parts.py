@@ -93,8 +93,8 @@ class SpecPair(nn.Module):
         x [B, γ+1, D] (layer 0's normed input, compute dtype), confidence [B, γ] fp32 (the confidence
         head's values; zeros for a draft without the head)).
         """
-        dcache = KVCache(list(dk), list(dv))
-        ids, probs, conf = self.draft.propose(anchor, anchor_pos, slots, dcache, dk[0].shape[1], seeds, temperature,
+        dcache = KVCache(list(dk), list(dv), window=key_window(dk[0], slots) if slots.dim() == 2 else None)
+        ids, probs, conf = self.draft.propose(anchor, anchor_pos, slots, dcache, dcache.max_seq, seeds, temperature,
                                               markov_ws, positions)
         if conf is None:
             conf = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
@@ -108,7 +108,7 @@ class SpecPair(nn.Module):
         final norm's weight for whichever norm reads its output: ``NEXT_NORM``): k/v [slots,
         max_seq, KV, Dh] written in place; stream [B, S, D] fp32 and x, its normed input →
         (the next stream, its norm: the next layer's input, or after the last layer h)."""
-        return self.target.layer_forward(0, stream, x, positions, slots, k, v, k.shape[1],
+        return self.target.layer_forward(0, stream, x, positions, slots, k, v, key_window(k, slots),
                                          next_norm=self.target.model.norm)
 
     def step_verify(self, markov_ws, h, ids, probs, positions, seeds, temperature):
@@ -197,6 +197,12 @@ class SpecPair(nn.Module):
         self.draft.store_context(self.target.cat_aux(list(aux), h), positions, slots, KVCache(list(dk), list(dv)))
         h_last = h.index_select(1, last)[:, 0]  # [1, D]
         return sample_tokens(self.target.logits(h_last), temperature, seeds, positions.index_select(1, last)[:, 0] + 1)
+
+
+def key_window(cache: torch.Tensor, slots: torch.Tensor) -> int:
+    """The positions a request's keys may take: a slot cache's length, or (paged: ``slots`` the requests'
+    block tables [B, n] into pools [blocks, P, …]) n · P."""
+    return cache.shape[1] * (slots.shape[1] if slots.dim() == 2 else 1)
 
 
 LAYER_PREFIX = "target.model.layers."
@@ -376,6 +382,13 @@ class LayeredStep(_Layered):
         self.widths = {gamma: (layer_fn, verify_fn, context_fn), **(widths or {})}
         self.side = side
         self._offsets: dict[torch.device, torch.Tensor] = {}  # [0 … γ] by device (``step_positions``)
+        # paged caches (the engine's block tables [slots, n]): the parts address the caches by the rows'
+        # tables, gathered from the slots inside the step (a captured graph reads the tables as they are)
+        self.table: torch.Tensor | None = None
+
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """What the parts address the caches by: the slots, or their block tables."""
+        return slots if self.table is None else self.table.index_select(0, slots)
 
     def _context(self, context_fn, head, dk, dv, aux, positions, slots):
         """Start ``context_fn``: on the side stream (→ the caller's stream, to join) or in order (→ None)."""
@@ -396,8 +409,8 @@ class LayeredStep(_Layered):
         if offsets is None:  # (made on a first, uncaptured call: a capture warms up first, ``cuda_graph.capture``)
             offsets = self._offsets[anchor_pos.device] = torch.arange(self.gamma + 1, device=anchor_pos.device)
         positions = step_positions(anchor_pos, offsets)
-        return (positions, *self.draft_fn(head, dk, dv, markov_ws, anchor, anchor_pos, slots, seeds, temperature,
-                                          positions))
+        return (positions, *self.draft_fn(head, dk, dv, markov_ws, anchor, anchor_pos, self.rows(slots), seeds,
+                                          temperature, positions))
 
     def verify(self, weights, tk, tv, dk, dv, markov_ws, slots, seeds, temperature, drafted: tuple,
                K: int | None = None, ctl: tuple | None = None):
@@ -415,9 +428,10 @@ class LayeredStep(_Layered):
             positions, stream, x = (t[:, :K + 1].contiguous() for t in (positions, stream, x))
         head = [weights[j] for j in self.head_idx]
         forked = []  # the caller's stream, where the context was forked from it
-        h, aux = self.layers(weights, tk, tv, stream, x, positions, slots, layer_fn=layer_fn,
+        rows = self.rows(slots)
+        h, aux = self.layers(weights, tk, tv, stream, x, positions, rows, layer_fn=layer_fn,
                              after_aux=lambda aux: forked.append(
-                                 self._context(context_fn, head, dk, dv, aux, positions, slots)))
+                                 self._context(context_fn, head, dk, dv, aux, positions, rows)))
         if ctl is None:
             packed = verify_fn(head, markov_ws, h, ids, probs, positions, seeds, temperature)
         else:
@@ -450,12 +464,15 @@ class LayeredPrefill(_Layered):
     def __init__(self, names, layers, aux_layer_ids, embed, layer_fn, finish_fn):
         super().__init__(names, layers, aux_layer_ids, layer_fn)
         self.embed, self.finish_fn = embed, finish_fn
+        self.table: torch.Tensor | None = None  # paged caches: the engine's block tables (``LayeredStep.table``)
 
     def __call__(self, weights, tk, tv, dk, dv, tokens, positions, slots, last, seeds, temperature, with_h=False):
         """→ the token after ``last`` ([1]); ``with_h``: (it, h [1, C, D]: the final norm of the chunk's last
         stream, for a caller that samples the first token itself)."""
         head = [weights[j] for j in self.head_idx]
         stream, x = self.embed(tokens)
+        if self.table is not None:
+            slots = self.table.index_select(0, slots)
         h, aux = self.layers(weights, tk, tv, stream, x, positions, slots)
         first = self.finish_fn(head, dk, dv, h, aux, positions, slots, last, seeds, temperature)
         return (first, h) if with_h else first
