@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh tests   # every GPU test (slow ones too), one line per test, but the CLI-built engines below
 #   scripts/gpu_check.sh engines # the CLI-built aoti engines with the Triton plugins: the default build, and
 #                                # one with a narrower verification width and the controlled step
-#   scripts/gpu_check.sh engine-switches # the engines built with non-default switches (PDL wait-only, the old path)
+#   scripts/gpu_check.sh engine-switches # the engines built with non-default switches (PDL wait-only, the old path,
+#                                # a paged pool)
 #   scripts/gpu_check.sh bench   # the step benchmark (benchmarks/step.py; docs/performance.md); BENCH_ARGS=--profile adds kernel tables
 #   scripts/gpu_check.sh linear  # the skinny GEMM against cuBLAS and its W8A16 (FP8 weight) form on the step's
 #                                # shapes at batch 1 and 2 (benchmarks/linear.py), after the FP8 kernel tests
@@ -65,16 +66,16 @@ engines)
     # of its own; each compiles its graphs in parallel processes)
     timeout "${TEST_TIMEOUT:-580}" python3 -m pytest -n 2 --dist loadgroup --max-worker-restart=0 -v -rfEs \
         -m "slow or not slow" tests/test_gpu_triton_engine.py \
-        -k "not (only_wait or without_the_rope_table)" 2>&1 | tee "$OUT/gpu-engines.log" |
+        -k "not (only_wait or without_the_rope_table or paged)" 2>&1 | tee "$OUT/gpu-engines.log" |
         grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)|node down"
     ;;
 engine-switches)
     # The engines built with switches other than the defaults (each a CLI build, the eager engine, and
-    # fresh-process runs: several minutes each, so one worker each): PDL waiting only, and the path
-    # without the RoPE table, the fused attention and PDL.
-    timeout "${TEST_TIMEOUT:-580}" python3 -m pytest -n 2 --dist loadgroup --max-worker-restart=0 -v -rfEs \
+    # fresh-process runs: several minutes each, so one worker each): PDL waiting only, the path
+    # without the RoPE table, the fused attention and PDL, and a paged pool.
+    timeout "${TEST_TIMEOUT:-580}" python3 -m pytest -n 3 --dist loadgroup --max-worker-restart=0 -v -rfEs \
         -m "slow or not slow" tests/test_gpu_triton_engine.py \
-        -k "only_wait or without_the_rope_table" 2>&1 | tee "$OUT/gpu-engine-switches.log" |
+        -k "only_wait or without_the_rope_table or paged" 2>&1 | tee "$OUT/gpu-engine-switches.log" |
         grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)|node down"
     ;;
 bench)

@@ -204,3 +204,23 @@ def test_confidence_scheduled_steps_at_narrower_widths_equal_eager(agreeing_pair
     want = Generator(eager).generate(PROMPTS[:2], controlled)
     assert [r.output for r in got] == [r.output for r in want]
     assert [lp for lp, _ in got[0].logprobs] == pytest.approx([lp for lp, _ in want[0].logprobs], abs=1e-3)
+
+
+@pytest.mark.xdist_group("triton_engine_paged")
+def test_a_paged_engine_with_the_triton_plugins_equals_eager(agreeing_pair, eager, tmp_path):
+    """Built with a pool (``--kv-cache-tokens``): the packages' Triton kernels write and read the caches
+    through the slots' block tables, gathered inside the captured step graphs (the tables change between
+    replays; no recapture); with freed blocks poisoned and requests preempted, greedy and sampled tokens
+    equal the eager engine's (slot caches)."""
+    from test_paged_kv import _workload, poison_freed_blocks
+
+    out = build(agreeing_pair, tmp_path / "engine", extra=("--kv-cache-tokens", 272, "--kv-block-size", 16))
+    engine = load_engine(out)
+    assert engine.kv is not None and engine.cuda_graphs
+    poison_freed_blocks(engine)
+    prompts, params = _workload(6, seed=0, max_tokens=(60, 120))
+    want = [r.output for r in Generator(eager).generate(prompts, params)]
+    gen = Generator(engine)
+    assert [r.output for r in gen.generate(prompts, params)] == want
+    assert gen.preemptions > 0
+    engine.kv.check()
