@@ -460,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--schedule", choices=["off", "confidence"], default=None,
                    help="the engine's default verification policy (confidence: each step verifies the drafts the "
                         "confidence head expects accepted; an aoti engine gets verification widths for it)")
-    add_kv_pool_arguments(b)
+    add_kv_pool_arguments(b, fraction=False)
     b.add_argument("--verify-widths", type=_positive_list, default=None, metavar="K,K",
                    help="aoti: also compile steps verifying only the first K drafts of each request, for "
                         "confidence scheduling (default with --schedule confidence: 1 and about γ/2)")

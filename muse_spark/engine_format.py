@@ -219,6 +219,26 @@ def kv_pool_blocks(tokens: int, block_size: int, max_seq: int) -> int:
     return blocks
 
 
+def kv_tokens_in_memory(fraction: float, tcfg, dcfg, dtype, device, block_size: int, max_seq: int,
+                        where: str = "") -> int:
+    """The positions a paged KV pool holds in ``fraction`` of ``device``'s available memory (in whole blocks):
+    every target and draft layer's K and V of a position. Refused (``EngineError``) where the fraction is not
+    in (0, 1], the memory is unknown, or it cannot hold one request of ``max_seq`` positions."""
+    if not (isinstance(fraction, (int, float)) and 0.0 < fraction <= 1.0):
+        raise EngineError(f"{where}KV cache memory fraction must be in (0, 1], got {fraction!r}")
+    memory = device_memory(device, available=True)
+    if memory is None:
+        raise EngineError(f"{where}the available memory of {device} is unknown: give the pool in tokens "
+                          f"(--kv-cache-tokens) instead of a memory fraction")
+    per_position = cache_bytes(tcfg, dcfg, 1, 1, dtype)
+    tokens = int(fraction * memory) // per_position // block_size * block_size
+    if tokens < max_seq + block_size:  # (block 0 comes out of it too)
+        raise EngineError(f"{where}{fraction:g} of the available memory ({_human(memory)}) holds {tokens} KV positions "
+                          f"({_human(per_position)} each), not one request of max_seq {max_seq}: give a larger "
+                          f"fraction, or free memory")
+    return tokens - block_size
+
+
 def check_cache_memory(engine_dir, tcfg, dcfg, dtype, *, max_batch: int, max_seq: int, device,
                        extra_slots: int = 0) -> None:
     """Refuse (``EngineError``) before allocating KV caches that the device's available memory cannot hold."""

@@ -31,12 +31,14 @@ __all__ = [
 
 
 def load_engine(engine_dir: str | Path, device: str | None = None, **kw):
-    """Load an engine directory with the backend its manifest names. ``kv_tokens`` (and
-    ``kv_block_size``): paged KV caches, a pool of that many positions (``runtime/kv_blocks.py``)."""
+    """Load an engine directory with the backend its manifest names. ``kv_tokens`` (or ``kv_memory_fraction``:
+    that fraction of the memory available once the weights are loaded) and ``kv_block_size``: paged KV caches
+    of an eager engine, a pool of that many positions (``runtime/kv_blocks.py``)."""
     m = read_manifest(engine_dir)
     backend = m["backend"]
-    if kw.get("kv_tokens") is None:
-        kw.pop("kv_tokens", None), kw.pop("kv_block_size", None)
+    if kw.get("kv_tokens") is None and kw.get("kv_memory_fraction") is None:
+        for k in ("kv_tokens", "kv_memory_fraction", "kv_block_size"):
+            kw.pop(k, None)
     elif backend != "eager":
         raise EngineError(f"{engine_dir}: a {backend!r} engine's KV caches are laid out when it is built (a paged "
                           f"pool: `muse-spark build --backend aoti --kv-cache-tokens N`); only an eager engine takes "

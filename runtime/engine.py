@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from muse_spark.config import parse_dtype
 from muse_spark.engine_format import (EngineError, check_cache_memory, check_plugins, configs_from_manifest,
-                                      kv_pool_blocks, read_manifest, verify_files)
+                                      kv_pool_blocks, kv_tokens_in_memory, read_manifest, verify_files)
 from muse_spark.models.draft import MuseSparkDSparkForCausalLM
 from muse_spark.models.layers import FP8, attention_path
 from muse_spark.models.target import MuseSpark1xForCausalLM
@@ -228,6 +228,10 @@ class EagerEngine:
         except (RuntimeError, ValueError, OSError) as e:
             raise EngineError(f"{d}: engine weights cannot be loaded: {e}") from None
         max_batch = max_batch or m["max_batch"]
+        if kw.get("kv_memory_fraction") is not None:  # (paged: the pool's size from the memory left after the weights)
+            kw["kv_tokens"] = kv_tokens_in_memory(kw.pop("kv_memory_fraction"), tcfg, dcfg, dt, dev,
+                                                  kw.get("kv_block_size", 16), m["max_seq"], where=f"{d}: ")
+        kw.pop("kv_memory_fraction", None)
         if kw.get("kv_tokens") is not None:  # (paged: one pool of that many positions, not max_batch windows)
             P = kw.get("kv_block_size", 16)
             check_cache_memory(d, tcfg, dcfg, dt, max_batch=1, max_seq=(-(-int(kw["kv_tokens"]) // P) + 1) * P,

@@ -13,8 +13,8 @@ final response otherwise. Bad requests get an INVALID_ARG error response and
 touch nothing else. ``config.pbtxt`` parameters: ``engine_dir`` (required),
 ``device`` (optional override of the engine's device), ``max_queue``, ``prefix_cache_mib``
 (memory for stored prompt prefixes, ``runtime/prefix_cache.py``; 0: none),
-``torch_threads`` (CPU threads of this instance; default torch's), ``kv_cache_tokens`` and
-``kv_block_size`` (paged KV caches, ``runtime/kv_blocks.py``; eager engines).
+``torch_threads`` (CPU threads of this instance; default torch's), ``kv_cache_tokens`` or
+``kv_cache_memory_fraction``, and ``kv_block_size`` (paged KV caches, ``runtime/kv_blocks.py``; eager engines).
 
 Shutdown: ``muse-spark serve`` names a file in ``MUSE_SPARK_SERVE_DRAIN_FILE`` (``options.serve_drain_file``)
 and writes the grace period (seconds) into it when it is asked to stop; a
@@ -233,8 +233,13 @@ class TritonPythonModel:
             self.engine = join_as_leader(engine_dir, tp, port, device=device or "cpu")
             self.engine.keepalive()
         else:
-            pool = ({"kv_tokens": int(params["kv_cache_tokens"]), "kv_block_size": int(params.get("kv_block_size") or 16)}
-                    if params.get("kv_cache_tokens") else {})
+            pool = {"kv_block_size": int(params.get("kv_block_size") or 16)}
+            if params.get("kv_cache_tokens"):
+                pool["kv_tokens"] = int(params["kv_cache_tokens"])
+            elif params.get("kv_cache_memory_fraction"):
+                pool["kv_memory_fraction"] = float(params["kv_cache_memory_fraction"])
+            else:
+                pool = {}
             self.engine = load_engine(engine_dir, device=device, **pool)
         self.tokenizer = load_tokenizer(self.engine.tokenizer_path)
         self.metrics = None

@@ -57,7 +57,9 @@ def render_config(model_name: str, engine_dir: Path, *, instances: int = 1, kind
     if tp > 1:
         params.append(_param("tp", tp))
     if kv_pool:
-        params += [_param("kv_cache_tokens", kv_pool["kv_tokens"]), _param("kv_block_size", kv_pool["kv_block_size"])]
+        size = (_param("kv_cache_memory_fraction", kv_pool["kv_memory_fraction"]) if "kv_memory_fraction" in kv_pool
+                else _param("kv_cache_tokens", kv_pool["kv_tokens"]))
+        params += [size, _param("kv_block_size", kv_pool["kv_block_size"])]
     return "\n".join([
         MARKER,
         f'name: "{model_name}"',

@@ -299,18 +299,29 @@ def _positive(text: str) -> int:
     return n
 
 
-def add_kv_pool_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-cache-tokens", type=_positive, default=None, metavar="N",
-                   help="paged KV caches: one pool of N token positions that requests take blocks of as they grow "
-                        "(an eager engine's when it is loaded, an aoti engine's when it is built; default: a window "
-                        "of max_seq positions per slot)")
+def add_kv_pool_arguments(p: argparse.ArgumentParser, fraction: bool = True) -> None:
+    """``--kv-cache-tokens``, ``--kv-block-size`` and (``fraction``: where an engine is loaded) the pool as a
+    fraction of the memory the loaded engine leaves."""
+    size = p.add_mutually_exclusive_group()
+    if fraction:
+        size.add_argument("--kv-cache-memory-fraction", type=float, default=None, metavar="F",
+                          help="paged KV caches sized to this fraction (0-1] of the memory available once the "
+                               "weights are loaded (eager engines; instead of --kv-cache-tokens)")
+    size.add_argument("--kv-cache-tokens", type=_positive, default=None, metavar="N",
+                      help="paged KV caches: one pool of N token positions that requests take blocks of as they "
+                           "grow (an eager engine's when it is loaded, an aoti engine's when it is built; default: a "
+                           "window of max_seq positions per slot)")
     p.add_argument("--kv-block-size", type=_positive, default=16, metavar="P",
                    help="tokens per KV block of the pool (a power of two; default 16)")
 
 
 def kv_pool(a) -> dict:
     """``load_engine``'s paged-cache arguments from ``add_kv_pool_arguments``' options (none: contiguous)."""
+    fraction = getattr(a, "kv_cache_memory_fraction", None)  # (argparse keeps it and the tokens apart)
+    if fraction is not None:
+        return {"kv_memory_fraction": fraction, "kv_block_size": a.kv_block_size}
     return {} if a.kv_cache_tokens is None else {"kv_tokens": a.kv_cache_tokens, "kv_block_size": a.kv_block_size}
+
 
 def _int(text: str, what: str) -> int:
     if not text.strip().isascii() or not text.strip().isdigit():

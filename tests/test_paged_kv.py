@@ -260,3 +260,28 @@ def test_an_aoti_engine_built_with_a_pool_runs_paged_with_the_eager_tokens(agree
     assert r.returncode == 2 and "cannot hold one request of max_seq 256 tokens" in r.stderr
     r = run_cli(*args, "--out", tmp_path / "eager", "--kv-cache-tokens", 400)
     assert r.returncode == 2 and "applies to --backend aoti" in r.stderr
+
+
+def test_a_pool_sized_by_a_memory_fraction(pair, tmp_path):
+    """`--kv-cache-memory-fraction F`: the pool holds the positions F of the memory left after the weights
+    takes (whole blocks, block 0 aside); a fraction outside (0, 1] or too small for one request is refused,
+    and the pool is given one way only."""
+    from muse_spark.engine_format import cache_bytes, device_memory
+
+    out = tmp_path / "engine"
+    r = run_cli("build", "--target", pair[0], "--draft", pair[1], "--out", out, "--max-batch", 2, "--max-seq", MAX_SEQ)
+    assert r.returncode == 0, r.stderr
+    engine = load_engine(out, kv_memory_fraction=1e-4, kv_block_size=16)
+    per = cache_bytes(engine.tcfg, engine.dcfg, 1, 1, engine.target.dtype)
+    assert engine.kv is not None and engine.kv.capacity_tokens >= MAX_SEQ
+    assert engine.kv.capacity_tokens <= 1e-4 * device_memory("cpu", available=True) / per
+    with pytest.raises(EngineError, match=r"must be in \(0, 1\]"):
+        load_engine(out, kv_memory_fraction=1.5)
+    with pytest.raises(EngineError, match="not one request of max_seq 128"):
+        load_engine(out, kv_memory_fraction=1e-12)
+    r = run_cli("generate", "--engine", out, "--prompt-ids", "65,66", "--kv-cache-tokens", 200,
+                "--kv-cache-memory-fraction", 0.1)
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+    r = run_cli("generate", "--engine", out, "--prompt-ids", "65,66,67", "--max-tokens", 8, "--ignore-eos",
+                "--kv-cache-memory-fraction", 1e-4, "--json")
+    assert r.returncode == 0, r.stderr
