@@ -198,11 +198,13 @@ def test_head_norm_rope_kernel_compiles_for_hopper_with_the_exact_math():
     names = [n for n, prm in inspect.signature(hk._head_norm_rope_cache_kernel.fn).parameters.items()
              if "constexpr" not in str(prm.annotation)]
     sig = dict(zip(names, ["*bf16", "*bf16", "*i64", "*i64", "*bf16", "*bf16", "*bf16"] + ["i32"] * 20
-                   + ["*fp32", "*fp32"]))  # (cos_ptr, sin_ptr: the table, read with TABLE)
-    assert len(sig) == len(names) == 29
+                   + ["*fp32", "*fp32", "i32"]))  # (cos_ptr, sin_ptr: the table, read with TABLE; STAB)
+    assert len(sig) == len(names) == 30
     consts = dict(EPS=1e-6, THETA=5e5, DH=128, BLOCK_H=hk.BLOCK_H, ROPE=True, BLOCK_KV=8)
     k = compile_for_hopper(hk._head_norm_rope_cache_kernel, sig, consts, 4)
     assert k.asm["cubin"] and "cos.approx" not in k.asm["ptx"]
+    # writing through block tables (paged caches): compiles too
+    assert compile_for_hopper(hk._head_norm_rope_cache_kernel, sig, dict(consts, PAGE=16), 4).asm["cubin"]
     # reading the step's table (launch_rope_table) instead: no angle computed, none of the library's
     # trigonometry (its large-argument reduction keeps an array in local memory)
     t = compile_for_hopper(hk._head_norm_rope_cache_kernel, sig, dict(consts, TABLE=True), 4).asm["ptx"]
