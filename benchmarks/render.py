@@ -90,6 +90,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _save(fig, ax, png: Path) -> Path:
+    """The plots' common finish: grid, legend, layout, written to ``png``, the figure closed."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+    plt.close(fig)
+    return png
+
+
 def plot(rows: list[dict], png: Path) -> Path:
     """Step time by batch size against the roofline (log-log), with eager and torch.compile where timed."""
     import matplotlib
@@ -125,13 +138,7 @@ def plot(rows: list[dict], png: Path) -> Path:
     devices = sorted({r["device"] for r in rows})
     ax.set_title(f"Muse-Spark-shaped pair (random bf16 weights), γ = 7, 1024 tokens of context; {', '.join(devices)}",
                  fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    plt.close(fig)
-    return png
+    return _save(fig, ax, png)
 
 
 def generation_series(docs: list[dict], device: str) -> dict[str, list[tuple[int, float]]]:
@@ -174,13 +181,7 @@ def generation_plot(series: dict[str, list[tuple[int, float]]], device: str, png
     ax.set_xlabel("batch size (concurrent requests)")
     ax.set_ylabel("generated tokens / s (256-token greedy generations)")
     ax.set_title(f"8B-shaped pairs with a chosen acceptance, aoti engine, γ = 7; {device}", fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    plt.close(fig)
-    return png
+    return _save(fig, ax, png)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -203,16 +203,16 @@ def cache_memory_shortfall(tcfg, dcfg, dtype, *, max_batch: int, max_seq: int, m
             f"more than the {memory} bytes ({_human(memory)}) of memory {what} on {torch.device(device)}; {hint}")
 
 
-def kv_pool_blocks(tokens: int, block_size: int, max_seq: int) -> int:
+def kv_pool_blocks(tokens: int, block_size: int, max_seq: int, error: type[EngineError] = EngineError) -> int:
     """The blocks of a paged KV pool of ``tokens`` positions in blocks of ``block_size`` (one more: block 0,
-    which no request holds, ``runtime/kv_blocks.py``), checked: a power-of-two block size, and room for
-    one request of ``max_seq`` positions (a request that fits the window must fit the pool alone)."""
+    which no request holds, ``runtime/kv_blocks.py``), checked (``error`` raised): a power-of-two block size,
+    and room for one request of ``max_seq`` positions (a request that fits the window must fit the pool alone)."""
     if not (isinstance(block_size, int) and block_size >= 1 and block_size & (block_size - 1) == 0):
-        raise EngineError(f"KV block size must be a power of two, got {block_size!r}")
+        raise error(f"KV block size must be a power of two, got {block_size!r}")
     blocks = -(-int(tokens) // block_size) + 1
     per_request = -(-max_seq // block_size)
     if blocks - 1 < per_request:
-        raise EngineError(
+        raise error(
             f"a KV pool of {blocks} blocks of {block_size} tokens ({blocks - 1} usable: block 0 is kept "
             f"empty) cannot hold one request of max_seq {max_seq} tokens ({per_request} blocks): give it at least "
             f"{per_request * block_size} tokens")

@@ -157,11 +157,7 @@ class EagerEngine:
         # as their requests grow (runtime/kv_blocks.py); else each slot owns max_seq positions.
         self.kv = None
         if kv_tokens is not None:
-            try:
-                blocks = kv_pool_blocks(kv_tokens, kv_block_size, max_seq)
-            except EngineError as e:
-                raise BlockPoolError(str(e)) from None
-            self.kv = BlockTables(blocks, kv_block_size, max_batch, max_seq, self.device)
+            self.kv = BlockTables.for_tokens(kv_tokens, kv_block_size, max_batch, max_seq, self.device)
             self.target_cache = target.allocate_paged_cache(self.kv.blocks, kv_block_size, max_seq, self.device)
             self.draft_cache = draft.allocate_paged_cache(self.kv.blocks, kv_block_size, max_seq, self.device)
         else:
@@ -234,8 +230,8 @@ class EagerEngine:
         kw.pop("kv_memory_fraction", None)
         if kw.get("kv_tokens") is not None:  # (paged: one pool of that many positions, not max_batch windows)
             P = kw.get("kv_block_size", 16)
-            check_cache_memory(d, tcfg, dcfg, dt, max_batch=1, max_seq=(-(-int(kw["kv_tokens"]) // P) + 1) * P,
-                               device=dev)
+            check_cache_memory(d, tcfg, dcfg, dt, max_batch=1, device=dev,
+                               max_seq=kv_pool_blocks(kw["kv_tokens"], P, m["max_seq"], BlockPoolError) * P)
         else:
             check_cache_memory(d, tcfg, dcfg, dt, max_batch=max_batch, max_seq=m["max_seq"], device=dev)
         tok = d / m["tokenizer"] if m.get("tokenizer") else None
@@ -340,16 +336,6 @@ class EagerEngine:
             return f"KV: {self.max_batch} slots × {self.max_seq} positions ({mib:.1f} MiB)"
         return (f"KV: paged, a pool of {self.kv.capacity_tokens} positions in blocks of {self.kv.block_size} "
                 f"({mib:.1f} MiB)")
-
-    def kv_reserve(self, slot: int, end: int) -> bool:
-        """Paged caches: blocks for ``slot``'s positions ``[0, end)``; → False (nothing taken) when the pool
-        is short. Contiguous caches always hold them."""
-        return self.kv is None or self.kv.reserve(slot, end)
-
-    def kv_release(self, slot: int) -> None:
-        """Paged caches: ``slot``'s blocks back to the pool (its request ended or was preempted)."""
-        if self.kv is not None:
-            self.kv.release(slot)
 
     @torch.inference_mode()
     def swap_out(self, slot: int, end: int) -> tuple[torch.Tensor, ...]:

@@ -320,7 +320,7 @@ class Generator:
 
     def _free_slot(self, req: Request) -> None:
         if self.paged:
-            self.engine.kv_release(req.slot)
+            self.engine.kv.release(req.slot)
         self.free_slots.append(req.slot)
         req.slot = -1
 
@@ -496,7 +496,7 @@ class Generator:
         a running one's K/V are copied out and it resumes, first in line, with them (the same bits, so the
         same tokens); a prefilling one starts its prefill again (the same chunks, so the same values)."""
         for req in sorted(self.active, key=lambda r: r.id):
-            while req.slot >= 0 and not self.engine.kv_reserve(req.slot, req.position + self.gamma + 1):
+            while req.slot >= 0 and not self.engine.kv.reserve(req.slot, req.position + self.gamma + 1):
                 self._preempt(max(self.active + self.prefilling, key=lambda r: r.id))
 
     def _preempt(self, req: Request) -> None:

@@ -39,10 +39,7 @@ class BlockTables:
     ``table`` [slots, blocks per slot] (int64; 0: none) that the engine indexes by slot."""
 
     def __init__(self, blocks: int, block_size: int, slots: int, max_seq: int, device):
-        try:
-            kv_pool_blocks((blocks - 1) * block_size, block_size, max_seq)
-        except EngineError as e:
-            raise BlockPoolError(str(e)) from None
+        kv_pool_blocks((blocks - 1) * block_size, block_size, max_seq, BlockPoolError)  # (checked: a clear error)
         per_slot = -(-max_seq // block_size)
         self.blocks, self.block_size, self.max_seq = blocks, block_size, max_seq
         self.free = list(range(blocks - 1, 0, -1))  # (pop() hands out the lowest id first)
@@ -52,6 +49,11 @@ class BlockTables:
         self.cached: dict[bytes, int] = {}  # a registered prompt block's key → its block
         self.key_of: dict[int, bytes] = {}
         self.unused: OrderedDict[int, None] = OrderedDict()  # registered, no slot holds it: reused oldest first
+
+    @classmethod
+    def for_tokens(cls, tokens: int, block_size: int, slots: int, max_seq: int, device) -> "BlockTables":
+        """The tables of a pool of ``tokens`` positions (``engine_format.kv_pool_blocks``)."""
+        return cls(kv_pool_blocks(tokens, block_size, max_seq, BlockPoolError), block_size, slots, max_seq, device)
 
     @property
     def free_tokens(self) -> int:
