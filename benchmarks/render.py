@@ -2,7 +2,6 @@
 time against the roofline by batch size.
 
     python benchmarks/render.py [--results benchmarks/results] [--png docs/performance.png]
-                                [--generation-png docs/generation.png]
 
 One device's figures (``--device``; by default the GPU whose results cover the most batch sizes): for
 each batch size the latest step result (``benchmarks/step.py``) on it that timed the aoti step at that
@@ -12,9 +11,9 @@ graph replayed in turns with the copy (and that copy's roofline), eager and torc
 run timed them, and the Markov loop as the engines call it. Needs matplotlib for the plot
 (``pip install -e .[bench]``); ``--png ''`` skips it.
 
-The second plot is of the generation benchmark (``benchmarks/generation.py``) on the compiled engine:
-generated tokens per second by batch size for each pair acceptance and verification schedule, beside
-the same engine's target-only decoding (the latest run of each acceptance on the device).
+The plot's second panel, where there are generation results (``benchmarks/generation.py``) on the
+compiled engine: generated tokens per second by batch size for each pair acceptance and verification
+schedule, beside the same engine's target-only decoding (the latest run of each acceptance on the device).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import results  # noqa: E402  (benchmarks/results.py, beside this file)
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = ROOT / "docs" / "performance.png"
-GENERATION_PNG = ROOT / "docs" / "generation.png"
 MARKOV_KEPT = "triton, kept workspace (in a CUDA graph; as the engines call it)"
 
 
@@ -90,28 +88,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _save(fig, ax, png: Path) -> Path:
-    """The plots' common finish: grid, legend, layout, written to ``png``, the figure closed."""
-    import matplotlib.pyplot as plt
-
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png)
-    plt.close(fig)
-    return png
-
-
-def plot(rows: list[dict], png: Path) -> Path:
-    """Step time by batch size against the roofline (log-log), with eager and torch.compile where timed."""
+def plot(rows: list[dict], png: Path, generation: tuple[dict, str] | None = None) -> Path:
+    """Step time by batch size against the roofline (log-log), with eager and torch.compile where timed;
+    with ``generation`` ((``generation_series``, its device)) a second panel of generated tokens/s."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    fig, axes = plt.subplots(1, 2 if generation else 1, figsize=(14 if generation else 7, 4.5), dpi=120,
+                             squeeze=False)
+    ax = axes[0][0]
     series = [("aoti step (CUDA-graph runner)", "aoti_ms", "o-", "C0"),
               ("roofline (bytes / measured copy bandwidth)", "roofline_ms", "s--", "k"),
               ("GEMM floor (the step's weight GEMMs alone)", "gemm_floor_ms", "^:", "C2"),
@@ -138,7 +126,16 @@ def plot(rows: list[dict], png: Path) -> Path:
     devices = sorted({r["device"] for r in rows})
     ax.set_title(f"Muse-Spark-shaped pair (random bf16 weights), γ = 7, 1024 tokens of context; {', '.join(devices)}",
                  fontsize=8)
-    return _save(fig, ax, png)
+    if generation:
+        generation_panel(axes[0][1], *generation)
+    for ax in axes[0]:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+    plt.close(fig)
+    return png
 
 
 def generation_series(docs: list[dict], device: str) -> dict[str, list[tuple[int, float]]]:
@@ -163,14 +160,8 @@ def generation_series(docs: list[dict], device: str) -> dict[str, list[tuple[int
     return {k: sorted(v) for k, v in series.items()}
 
 
-def generation_plot(series: dict[str, list[tuple[int, float]]], device: str, png: Path) -> Path:
+def generation_panel(ax, series: dict[str, list[tuple[int, float]]], device: str) -> None:
     """Generated tokens/s by batch size (log-log), one line per acceptance and schedule."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for i, (label, pts) in enumerate(series.items()):
         style = "s--" if label.startswith("target-only") else ("o-" if "fixed" in label else "D:")
         ax.plot(*zip(*pts), style, color="k" if label.startswith("target-only") else f"C{i}", label=label)
@@ -181,15 +172,12 @@ def generation_plot(series: dict[str, list[tuple[int, float]]], device: str, png
     ax.set_xlabel("batch size (concurrent requests)")
     ax.set_ylabel("generated tokens / s (256-token greedy generations)")
     ax.set_title(f"8B-shaped pairs with a chosen acceptance, aoti engine, γ = 7; {device}", fontsize=8)
-    return _save(fig, ax, png)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=results.RESULTS, help="the result files' folder")
     p.add_argument("--png", default=str(PNG), help="where the plot goes ('' for none)")
-    p.add_argument("--generation-png", default=str(GENERATION_PNG),
-                   help="where the generation benchmark's plot goes ('' for none)")
     p.add_argument("--device", default=None,
                    help="the GPU whose figures to show (a part of its name, e.g. H100); default: the one whose "
                         "results cover the most batch sizes")
@@ -216,14 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     if others:
         print(f"\nother devices: {'; '.join(others)} (`--device NAME`)")
     if a.png:
-        print(f"\nplot: {plot(rows, Path(a.png))}", file=sys.stderr)
-    gen = results.load(a.results, "generation")
-    gen_devices = sorted({d["device"] for d in gen if a.device is None or a.device.lower() in d["device"].lower()})
-    series = {dev: generation_series(gen, dev) for dev in gen_devices}
-    series = {dev: s for dev, s in series.items() if s}
-    if series and a.generation_png:
-        dev = max(series, key=lambda k: len(series[k]))
-        print(f"plot: {generation_plot(series[dev], dev, Path(a.generation_png))}", file=sys.stderr)
+        gen = results.load(a.results, "generation")
+        gen_devices = sorted({d["device"] for d in gen if a.device is None or a.device.lower() in d["device"].lower()})
+        series = {dev: s for dev in gen_devices if (s := generation_series(gen, dev))}
+        dev = max(series, key=lambda k: len(series[k])) if series else None
+        print(f"\nplot: {plot(rows, Path(a.png), (series[dev], dev) if dev else None)}", file=sys.stderr)
     return 0
 
 
