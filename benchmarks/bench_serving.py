@@ -74,6 +74,7 @@ where rates are swept), one point per concurrency or rate. Exit status 1 when an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import http.client
 import json
@@ -647,32 +648,33 @@ def sweep(client, mode: str, works: list[Work], concurrencies: list[int], rates:
     return runs
 
 
-def run_modes(a, engine_dir: str, works: list[Work], log) -> list[dict]:
-    """Every mode's runs: in process first, then the Triton modes through one server."""
+def run_modes(a, engine_dir: str, works: list[Work], log, save=lambda runs: None) -> list[dict]:
+    """Every mode's runs in the order given, the Triton modes through one server (started for the first
+    of them). ``save`` gets the runs so far after each mode: a sweep cut short by a time limit keeps
+    what it measured."""
     runs = []
-    for mode in [m for m in a.mode if m.startswith("inprocess")]:
-        client = InProcessClient(engine_dir, a.device, max(256, max(a.concurrency)), a.temperature,
-                                 target_only=mode == "inprocess-target-only")
-        try:
-            runs += sweep(client, mode, works, a.concurrency, a.request_rate, a, log)
-        finally:
-            client.close()
-    remote = [m for m in a.mode if not m.startswith("inprocess")]
-    if not remote:
-        return runs
-    repo_args = ["--max-queue", str(max(256, max(a.concurrency)))]
-    if a.torch_threads:
-        repo_args += ["--torch-threads", str(a.torch_threads)]
-    serve_args = ["--stub-numpy", a.stub_numpy] if a.stub_numpy else []
-    with tempfile.TemporaryDirectory(prefix="bench-serving-") as work, \
-            triton_server(engine_dir, a.device, Path(work), log, repo_args=repo_args, serve_args=serve_args) as srv:
-        for mode in remote:
-            client = (HttpStreamClient(srv.model_url, a.temperature) if mode == "triton-http"
-                      else GrpcStreamClient(srv.grpc, srv.model, a.temperature, max(a.concurrency)))
+    with contextlib.ExitStack() as stack:
+        srv = None
+        for mode in a.mode:
+            if mode.startswith("inprocess"):
+                client = InProcessClient(engine_dir, a.device, max(256, max(a.concurrency)), a.temperature,
+                                         target_only=mode == "inprocess-target-only")
+            else:
+                if srv is None:
+                    repo_args = ["--max-queue", str(max(256, max(a.concurrency)))]
+                    if a.torch_threads:
+                        repo_args += ["--torch-threads", str(a.torch_threads)]
+                    serve_args = ["--stub-numpy", a.stub_numpy] if a.stub_numpy else []
+                    work = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-serving-"))
+                    srv = stack.enter_context(triton_server(engine_dir, a.device, Path(work), log,
+                                                            repo_args=repo_args, serve_args=serve_args))
+                client = (HttpStreamClient(srv.model_url, a.temperature) if mode == "triton-http"
+                          else GrpcStreamClient(srv.grpc, srv.model, a.temperature, max(a.concurrency)))
             try:
                 runs += sweep(client, mode, works, a.concurrency, a.request_rate, a, log)
             finally:
                 client.close()
+            save(runs)
     return runs
 
 
@@ -840,17 +842,22 @@ def run(a, lengths: list[tuple[int, int]], log, prog: str) -> int:
     log(f"{len(works)} requests, prompts {min(p for p, _ in lengths)}-{max(p for p, _ in lengths)} tokens, outputs "
         f"{min(o for _, o in lengths)}-{max(o for _, o in lengths)} tokens; engine {a.engine} ({manifest['backend']}, "
         f"max_batch {manifest['max_batch']})")
-    runs = run_modes(a, a.engine, works, log)
-    print(table(runs), flush=True)
-
     config = {k: v for k, v in vars(a).items() if k not in ("command", "out_dir", "json", "plot", "intruder")}
     config["engine_backend"], config["gamma"], config["max_batch"] = manifest["backend"], gamma, manifest["max_batch"]
     if a.pair:
         config["pair_summary"] = pair_summary(a.pair)
     device = a.device or manifest.get("device", {}).get("kind", "")
-    doc = results.record("bench-serving", config, {"runs": runs}, command=[a.command],
+    doc = results.record("bench-serving", config, {"runs": []}, command=[a.command],
                          device=results.cpu_name() if str(device).startswith("cpu") else None)
-    path = results.write(doc, Path(a.out_dir))
+
+    def save(runs: list[dict]) -> Path:
+        # the same document (date and command) rewritten: one file that grows run by run
+        doc["results"]["runs"] = runs
+        return results.write(doc, Path(a.out_dir))
+
+    runs = run_modes(a, a.engine, works, log, save)
+    print(table(runs), flush=True)
+    path = save(runs)
     log(f"wrote {path}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -141,7 +141,7 @@ serving-sweep)
     free_disk "$here"
     pair_at "$here/pair" 0.8 "$OUT/make-pair.log" || exit 1
     timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_serving.py --pair "$here/pair" --work-dir "$here/engine" --reuse-engine \
-        --mode inprocess,inprocess-target-only,triton-grpc --concurrency 1,4,16,32 --num-requests 64 \
+        --mode inprocess,triton-grpc,inprocess-target-only --concurrency 1,4,16,32 --num-requests 64 \
         --prompt-len 128 --output-len 128 --long-prompt 2048 \
         ${stub:+--stub-numpy "$PWD/$stub"} --out-dir "$OUT" --plot "$OUT/bench-serving.png" 2>&1 | tee "$OUT/sweep.log"
     ;;
