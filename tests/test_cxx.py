@@ -2,15 +2,19 @@
 
 Its tokens must be the Python runtime's over the same engine, token for token (greedy, and sampled
 given the same seeds), with in-flight batching (more requests than slots, a prompt of two chunks),
-streaming, stop ids, and a bad request that fails alone; and it must refuse what the Python runtime
-refuses, with the same reasons.
+streaming, stop ids, a bad request that fails alone, and the manifest's confidence schedule; it must
+refuse what the Python runtime refuses, with the same reasons (where Python checks the manifest, the
+same message); and its benchmark program must run on the CPU engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,11 +23,12 @@ from safetensors.torch import load_file
 
 from muse_spark.builder.embedder import DERIVED_FILE, EMBEDDING_VERSION, embedding_section
 from muse_spark.config import MuseSpark1xConfig
+from muse_spark.engine_format import EngineError
 from muse_spark.runtime import Generator, RequestError, SamplingParams, load_engine
 from muse_spark.graphs.parts import LAYOUT, torch_dtype
 from muse_spark.runtime.engine import build_modules
 
-from conftest import AOTI_MAX_BATCH, ENGINE_PROMPTS, random_state_dict, small_configs
+from conftest import AOTI_MAX_BATCH, AOTI_MAX_SEQ, ENGINE_PROMPTS, random_state_dict, small_configs
 from cxx_utils import cxx, cxx_generate, finals, info, python_generate, same_as_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,7 +238,7 @@ def test_refuses_an_engine_it_cannot_run(cxx_build, aoti_built, tmp_path, case):
     d = edited(aoti_built[0], tmp_path / "e", edit)
     r = cxx(cxx_build, "--engine", d, "--prompt-ids", "1,2,3", *([] if checked else ["--no-verify"]))
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    assert r.stderr.startswith("error: ") and __import__("re").search(why, r.stderr), r.stderr
+    assert r.stderr.startswith("error: ") and re.search(why, r.stderr), r.stderr
 
 
 def test_refuses_more_slots_than_the_engine_has_and_a_manifest_that_is_not_one(cxx_build, aoti_built, tmp_path):
@@ -241,10 +246,153 @@ def test_refuses_more_slots_than_the_engine_has_and_a_manifest_that_is_not_one(c
     assert r.returncode == 2 and f"max_batch {AOTI_MAX_BATCH + 1} must be in [1, {AOTI_MAX_BATCH}]" in r.stderr
     (tmp_path / "manifest.json").write_text("[1, 2]")
     r = cxx(cxx_build, "--engine", tmp_path, "--prompt-ids", "1")
-    assert r.returncode == 2 and "the manifest is malformed" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"{tmp_path}/manifest.json: not a Muse Spark engine manifest" in r.stderr, r.stderr
     (tmp_path / "manifest.json").write_text("{not json")
     r = cxx(cxx_build, "--engine", tmp_path, "--prompt-ids", "1")
     assert r.returncode == 2 and "manifest.json is not valid JSON" in r.stderr, r.stderr
+
+
+def _replace_with_a_folder(d: Path, name: str) -> None:
+    (d / name).unlink()
+    (d / name).mkdir()
+
+
+def _link_outside(m: dict, d: Path) -> None:
+    os.symlink(d.parent, d / "out")  # (a link inside the directory to the folder that holds it)
+    m["files"]["out/x.safetensors"] = "0" * 64
+
+
+# Manifest fields the Python runtime's load_engine checks (engine_format.read_manifest, KernelOptions,
+# check_plugins, AOTIEngine: its layout, Markov workspaces and schedule), each altered alone: the library
+# refuses them with the very message Python raises.
+PYTHON_REFUSALS = {
+    "an_unknown_kernel_option": lambda m, d: m["options"].update(bogus=1),
+    "a_kernel_choice_it_does_not_have": lambda m, d: m["options"].update(attention="flash"),
+    "a_kernel_switch_not_a_bool": lambda m, d: m["options"].update(pdl=1),
+    "a_negative_attention_split_count": lambda m, d: m["options"].update(attention_splits=-1),
+    "kernel_options_not_a_dict": lambda m, d: m.update(options=[1]),
+    "another_plugin_version": lambda m, d: m["plugins"].update(markov_sample=m["plugins"]["markov_sample"] + 1),
+    "a_plugin_this_runtime_lacks": lambda m, d: m["plugins"].update(new_kernel=1),
+    "an_unknown_schedule": lambda m, d: m.update(schedule={"mode": "sometimes"}),
+    "a_schedule_threshold_past_1": lambda m, d: m.update(schedule={"mode": "confidence", "threshold": 1.5}),
+    "a_fixed_schedule_of_an_uncompiled_width": lambda m, d: m.update(schedule={"mode": "fixed", "length": 3}),
+    "a_schedule_without_narrower_widths": lambda m, d: (m.update(schedule={"mode": "confidence"}),
+                                                        m["aoti"].update(verify_widths=[m["gamma"]])),
+    "a_schedule_cost_table_with_a_zero": lambda m, d: m.update(schedule={"mode": "confidence", "cost_ms": {"3": [0]}}),
+    "a_schedule_not_an_object": lambda m, d: m.update(schedule=[1]),
+    "a_negative_fixed_length": lambda m, d: m.update(schedule={"mode": "fixed", "length": -1}),
+    "no_markov_workspace_for_a_bucket": lambda m, d: m["aoti"]["markov_workspace_words"].pop("3"),
+    "a_negative_markov_workspace": lambda m, d: m["aoti"]["markov_workspace_words"].update({"3": -1}),
+    "no_layout": lambda m, d: m["aoti"].pop("layout"),
+    "another_layout": lambda m, d: m["aoti"].update(layout="layered-4"),
+    "a_file_up_the_tree": lambda m, d: m["files"].update({"../x.safetensors": "0" * 64}),
+    "an_absolute_file": lambda m, d: m["files"].update({"/etc/passwd": "0" * 64}),
+    "a_file_through_a_link_outside": _link_outside,
+    "an_unhashed_tokenizer": lambda m, d: m.update(tokenizer="other.json"),
+    "no_dtype": lambda m, d: m.pop("dtype"),
+    "max_seq_not_an_integer": lambda m, d: m.update(max_seq=str(m["max_seq"])),
+    "gamma_not_the_drafts_block_size": lambda m, d: m.update(gamma=m["gamma"] - 1),
+    "max_batch_0": lambda m, d: m.update(max_batch=0),
+    "max_seq_below_gamma_plus_2": lambda m, d: m.update(max_seq=3),
+    "max_seq_past_the_targets_positions": lambda m, d: m.update(
+        max_seq=m["target_config"]["max_position_embeddings"] + 1),
+    "a_file_that_is_a_folder": lambda m, d: _replace_with_a_folder(d, "tokenizer_config.json"),
+    "another_schema": lambda m, d: m.update(schema_version=2),
+    "another_format": lambda m, d: m.update(format="onnx-model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PYTHON_REFUSALS))
+def test_refuses_what_the_python_runtime_refuses_with_its_message(cxx_build, aoti_built, tmp_path, case):
+    d = edited(aoti_built[0], tmp_path / "e", PYTHON_REFUSALS[case])
+    with pytest.raises((EngineError, ValueError)) as python:  # (OptionsError and the schedule's: ValueError)
+        load_engine(d)
+    r = cxx(cxx_build, "--engine", d, "--prompt-ids", "1,2,3", *([] if info(cxx_build)["checks_hashes"] else
+                                                                 ["--no-verify"]))
+    assert r.returncode == 2 and r.stderr == f"error: {python.value}\n", (str(python.value), r.stderr)
+
+
+def test_refuses_a_confidence_schedule_for_a_draft_without_the_head(cxx_build, aoti_built, tmp_path):
+    """AOTIEngine.set_schedule's refusal (the Python runtime meets this draft's config with its weights
+    first: they hold a head the config does not have)."""
+    d = edited(aoti_built[0], tmp_path / "e", lambda m, d: (m["draft_config"].update(enable_confidence_head=False),
+                                                            m.update(schedule={"mode": "confidence"})))
+    r = cxx(cxx_build, "--engine", d, "--prompt-ids", "1,2,3", *([] if info(cxx_build)["checks_hashes"] else
+                                                                 ["--no-verify"]))
+    assert r.returncode == 2 and r.stderr == (
+        "error: schedule 'confidence' needs a draft with a confidence head (enable_confidence_head in its "
+        "config.json); this draft has none\n"), r.stderr
+
+
+SCHEDULES = {
+    "fixed_2": {"mode": "fixed", "length": 2},
+    "confidence": {"mode": "confidence", "threshold": 0.5},
+    "confidence_cut_by_a_cost_table": {"mode": "confidence", "threshold": 0.05,
+                                       "cost_ms": {"3": [5.0, 6.0, 7.0, 8.0, 9.0, 10.0]}},
+    "confidence_with_a_flat_cost_table": {"mode": "confidence",
+                                          "cost_ms": {"3": [10.0, 10.1, 10.1, 10.2, 10.2, 10.25]}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_the_manifests_schedule_is_followed_as_in_python(cxx_build, aoti_built, tmp_path, name):
+    """An engine whose manifest holds a schedule (``muse-spark calibrate`` writes one): the library plans each
+    step's verification width as AOTIEngine does and runs the narrower packages, so the tokens, steps and
+    accepted drafts are Python's, greedy and sampled; the fixed and cost-cut schedules do verify fewer."""
+    d = edited(aoti_built[0], tmp_path / "e", lambda m, d: m.update(schedule=SCHEDULES[name]))
+    scheduled = load_engine(d)
+    for temperature, seed in ((0.0, 0), (0.9, 7)):
+        lines = cxx_generate(cxx_build, d, PROMPTS, max_tokens=30, temperature=temperature, seed=seed)
+        reqs = python_generate(scheduled, PROMPTS, max_tokens=30, temperature=temperature, seed=seed, ignore_eos=True)
+        same_as_python(lines, reqs)
+        verified = [s.verified for r in reqs for s in r.steps]
+        if name == "fixed_2":
+            assert set(verified) == {2}
+        elif name == "confidence_cut_by_a_cost_table":
+            assert 2 in verified
+        elif name == "confidence_with_a_flat_cost_table":
+            assert set(verified) == {None}  # (the plain step: its width cannot pay for planning)
+
+
+# ---- the benchmark program ----------------------------------------------------------------------------
+def bench(build: Path, *args, timeout: int = 300) -> subprocess.CompletedProcess:
+    extra = [] if info(build)["checks_hashes"] else ["--no-verify"]
+    return subprocess.run([str(build / "muse_spark_bench"), *map(str, args), *extra], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_benchmark_runs_on_the_cpu_engine(cxx_build, aoti_built, engine, tmp_path):
+    """One JSON line per batch size the engine holds (a larger one is skipped, saying so), the same list in
+    --json; its steps are those the Python runtime takes to generate N tokens from the benchmark's prompt
+    (the rows are alike: every request takes every step), its tokens B·N. No timing is checked but > 0."""
+    n, length, out = 24, 20, tmp_path / "bench.json"
+    r = bench(cxx_build, "--engine", aoti_built[0], "--batches", f"1,{AOTI_MAX_BATCH},{AOTI_MAX_BATCH + 5}",
+              "--max-tokens", n, "--prompt-len", length, "--warmup", 1, "--threads", 1, "--json", out)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert f"batch {AOTI_MAX_BATCH + 5} exceeds the engine's max_batch {AOTI_MAX_BATCH}: skipped" in r.stderr
+    assert "did not all finish" not in r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert json.loads(out.read_text()) == lines and [x["batch"] for x in lines] == [1, AOTI_MAX_BATCH]
+    prompt = [(7 + 31 * j) % engine.tcfg.vocab_size for j in range(length)]
+    (ref,) = python_generate(engine, [prompt], max_tokens=n, ignore_eos=True)
+    accepted = sum(s.accepted for s in ref.steps)
+    for x in lines:
+        assert {"batch", "step_ms_median", "step_ms_mean", "tokens_per_s", "steps", "accepted_per_step"} <= set(x)
+        assert x["tokens_per_s"] > 0 and x["step_ms_median"] > 0 and x["step_ms_mean"] > 0
+        assert x["steps"] == len(ref.steps) > 1 and x["tokens"] == x["batch"] * n
+        assert x["accepted_per_step"] == pytest.approx(accepted / len(ref.steps), abs=1e-4)
+    # (those steps are what N tokens take: the prefill's one, then each step's accepted drafts and bonus)
+    emitted = [1 + sum(s.accepted + 1 for s in ref.steps[:k]) for k in range(len(ref.steps) + 1)]
+    assert emitted[-2] < n <= emitted[-1]
+
+
+def test_the_benchmark_refuses_bad_arguments(cxx_build, aoti_built, tmp_path):
+    for args in (["--batches", "1,0"], ["--max-tokens", "0"], ["--warmup", "x"], ["--bogus"],
+                 ["--prompt-len", AOTI_MAX_SEQ, "--max-tokens", 8]):
+        r = bench(cxx_build, "--engine", aoti_built[0], *args)
+        assert r.returncode == 64 and "usage: muse_spark_bench" in r.stderr, (args, r.stderr)
+    r = bench(cxx_build, "--engine", tmp_path)
+    assert r.returncode == 2 and "manifest.json is missing" in r.stderr
 
 
 def test_refuses_a_directory_without_an_engine(cxx_build, tmp_path):

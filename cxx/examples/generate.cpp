@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <muse_spark/engine.h>
 
+#include "arguments.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <map>
@@ -28,22 +30,7 @@
 namespace {
 
 std::vector<int64_t> parse_ids(const std::string& s, const std::string& flag) {
-  std::vector<int64_t> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (item.empty()) continue;
-    size_t used = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(item, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != item.size()) throw std::invalid_argument(flag + ": '" + item + "' is not an integer token id");
-    out.push_back(v);
-  }
-  return out;
+  return muse_spark_examples::parse_integers(s, flag, "an integer token id");
 }
 
 std::string ids_json(const std::vector<int64_t>& ids) {

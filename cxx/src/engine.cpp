@@ -1,9 +1,11 @@
 // The C++ embedding of an aoti engine: see include/muse_spark/engine.h, and docs/cxx.md.
 //
 // It mirrors the Python runtime over the same packages: runtime/aoti_engine.py (the checks, the
-// prompt chunks), muse_spark/graphs/parts.py (LayeredPrefill, LayeredStep: the order of the parts and
-// their flat inputs), runtime/cuda_graph.py (StaticStep: padding rows, the Markov workspace and
-// its retry) and runtime/generator.py (admission, the emitted tokens, stop and length). What the
+// prompt chunks, the schedule's plan), muse_spark/engine_format.py and muse_spark/options.py (the
+// manifest's checks), muse_spark/graphs/parts.py (LayeredPrefill, LayeredStep: the order of the parts
+// and their flat inputs, the narrower verification widths), runtime/cuda_graph.py (StaticStep: padding
+// rows, the Markov workspace and its retry, the scheduled step's two halves) and runtime/generator.py
+// (admission, the emitted tokens, stop and length). What the
 // Python runtime derives from its modules, the builder wrote into the manifest's "embedding"
 // section (builder/embedder.py).
 #include "muse_spark/engine.h"
@@ -18,14 +20,17 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
 
 #ifdef MUSE_SPARK_CUDA
+#include <c10/core/DeviceGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
 #endif
@@ -36,7 +41,9 @@
 
 namespace muse_spark {
 
-using json = nlohmann::json;
+// (ordered: the manifest's keys in file order, as Python's dicts hold them, so that a check over a section
+// reports the entry Python's would)
+using json = nlohmann::ordered_json;
 using Tensors = std::vector<at::Tensor>;
 using Loader = torch::inductor::AOTIModelPackageLoader;
 
@@ -48,6 +55,170 @@ constexpr const char* kLayout = "layered-7";  // muse_spark/graphs/parts.py LAYO
 constexpr int kEmbeddingVersion = 1;          // builder/embedder.py EMBEDDING_VERSION
 constexpr int kMarkovErrorWord = 2;           // muse_spark/graphs/parts.py MARKOV_ERROR_WORD (documentation)
 constexpr double kGreedyBelow = 1e-5;         // runtime/generator.py GREEDY_BELOW
+constexpr double kFlatWithin = 0.25;          // muse_spark/schedule.py FLAT_WITHIN
+
+// plugins/__init__.py PLUGIN_VERSIONS: the library has no plugin code (every kernel it runs is in the
+// packages), but an engine built with other plugin versions is one the Python runtime refuses, and the
+// library's tokens are promised equal to that runtime's (tests/test_cxx.py checks the table against it).
+const std::vector<std::pair<std::string, int>> kPluginVersions = {
+    {"gated_residual_add", 2}, {"markov_sample", 1}, {"keyed_random", 1}, {"head_norm_rope", 1}};
+
+// muse_spark/options.py KernelOptions, field by field in its order (the manifest's "options" is read
+// back as it reads it): a switch, a count >= 0, or one of a few names.
+struct OptionSpec {
+  const char* name;
+  enum Kind { kSwitch, kCount, kChoice } kind;
+  std::vector<std::string> choices;
+};
+const std::vector<OptionSpec> kKernelOptions = {
+    {"attention", OptionSpec::kChoice, {"triton", "sdpa"}},
+    {"linear", OptionSpec::kChoice, {"triton", "cublas"}},
+    {"attention_cache", OptionSpec::kSwitch, {}},
+    {"rope_table", OptionSpec::kSwitch, {}},
+    {"attention_splits", OptionSpec::kCount, {}},
+    {"accept_kernels", OptionSpec::kSwitch, {}},
+    {"pdl", OptionSpec::kSwitch, {}},
+    {"pdl_trigger", OptionSpec::kSwitch, {}},
+    {"pdl_gemm_trigger", OptionSpec::kSwitch, {}},
+    {"context_stream", OptionSpec::kSwitch, {}},
+    {"chained_steps", OptionSpec::kSwitch, {}}};
+
+// ---- Python's spelling of values, for messages that must read as the Python runtime's -----------------
+std::string py_repr(const json& v);
+
+std::string py_quote(const std::string& s) {  // repr() of a str
+  const char q = s.find('\'') != std::string::npos && s.find('"') == std::string::npos ? '"' : '\'';
+  std::string out(1, q);
+  for (char c : s) {
+    if (c == q || c == '\\') out += '\\';
+    if (c == '\n') out += "\\n";
+    else if (c == '\t') out += "\\t";
+    else if (c == '\r') out += "\\r";
+    else out += c;
+  }
+  return out + q;
+}
+
+std::string py_list(const std::vector<std::string>& reprs) {
+  std::string out = "[";
+  for (size_t i = 0; i < reprs.size(); ++i) out += (i ? ", " : "") + reprs[i];
+  return out + "]";
+}
+
+std::string py_float(double x) {  // repr() of a float (shortest round trip, as Python's)
+  if (std::isnan(x)) return "nan";
+  if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+  std::string s = json(x).dump();
+  if (s.find_first_of(".eE") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string py_repr(const json& v) {
+  if (v.is_null()) return "None";
+  if (v.is_boolean()) return v.get<bool>() ? "True" : "False";
+  if (v.is_string()) return py_quote(v.get<std::string>());
+  if (v.is_number_float()) return py_float(v.get<double>());
+  if (v.is_number()) return v.dump();
+  std::vector<std::string> items;
+  if (v.is_array()) {
+    for (const auto& x : v) items.push_back(py_repr(x));
+    return py_list(items);
+  }
+  std::string out = "{";
+  for (auto it = v.begin(); it != v.end(); ++it)
+    out += (it == v.begin() ? "" : ", ") + py_quote(it.key()) + ": " + py_repr(it.value());
+  return out + "}";
+}
+
+std::string py_str(const json& v) { return v.is_string() ? v.get<std::string>() : py_repr(v); }  // str()
+
+std::string py_type(const json& v) {  // type(v).__name__
+  if (v.is_null()) return "NoneType";
+  if (v.is_boolean()) return "bool";
+  if (v.is_string()) return "str";
+  if (v.is_number_float()) return "float";
+  if (v.is_number()) return "int";
+  return v.is_array() ? "list" : "dict";
+}
+
+// Python's truth value of a JSON value (``x or default``, ``bool(x)``).
+bool py_truthy(const json& v) {
+  if (v.is_null()) return false;
+  if (v.is_boolean()) return v.get<bool>();
+  if (v.is_number_float()) return v.get<double>() != 0.0;
+  if (v.is_number()) return v.get<int64_t>() != 0;
+  if (v.is_string()) return !v.get<std::string>().empty();
+  return !v.empty();
+}
+
+// ---- muse_spark/schedule.py Schedule, as an engine reads it from its manifest ------------------------
+struct Schedule {
+  std::string mode = "off";
+  double threshold = 0.25;
+  bool budget = true;
+  std::map<int64_t, std::vector<double>> cost_ms;  // batch size → step ms by drafts verified per request
+  int64_t length = 0;
+
+  bool on() const { return mode != "off"; }
+
+  // Schedule.cost_row: the smallest measured batch size >= batch, else the largest; empty: no table.
+  const std::vector<double>* cost_row(int64_t batch) const {
+    if (cost_ms.empty()) return nullptr;
+    auto it = cost_ms.lower_bound(batch);
+    return it != cost_ms.end() ? &it->second : &cost_ms.rbegin()->second;
+  }
+
+  // Schedule.flat: the cost row so flat at this batch size that no cut can pay for planning it.
+  bool flat(int64_t batch) const {
+    const std::vector<double>* row = mode == "confidence" && budget ? cost_row(batch) : nullptr;
+    return row && *std::max_element(row->begin(), row->end()) <=
+                      *std::min_element(row->begin(), row->end()) * (1 + kFlatWithin);
+  }
+
+  // Schedule.from_dict and its checks, message for message (Python raises them as ValueError).
+  static Schedule from_manifest(const json& raw) {
+    Schedule s;
+    if (!py_truthy(raw)) return s;  // (``d or {}``)
+    if (!raw.is_object()) throw EngineError("schedule must be an object, got " + py_repr(raw));
+    auto number = [&](const char* key, double fallback) {
+      if (!raw.contains(key)) return fallback;
+      const json& v = raw.at(key);
+      if (v.is_boolean()) return v.get<bool>() ? 1.0 : 0.0;
+      if (!v.is_number()) throw EngineError("schedule " + std::string(key) + ": expected a number, got " + py_repr(v));
+      return v.get<double>();
+    };
+    s.mode = raw.contains("mode") ? py_str(raw.at("mode")) : "off";
+    s.threshold = number("threshold", 0.25);
+    s.budget = raw.contains("budget") ? py_truthy(raw.at("budget")) : true;
+    s.length = static_cast<int64_t>(std::trunc(number("length", 0)));  // (``int(...)``)
+    if (s.mode != "off" && s.mode != "confidence" && s.mode != "fixed")
+      throw EngineError("unknown schedule " + py_repr(raw.value("mode", json("off"))) +
+                        ": expected one of off, confidence, fixed");
+    if (!(s.threshold >= 0.0 && s.threshold <= 1.0))
+      throw EngineError("confidence threshold must be in [0, 1], got " + py_float(s.threshold));
+    if (s.length < 0)
+      throw EngineError("fixed schedule: length must be a count of drafts ≥ 0, got " + std::to_string(s.length));
+    const json costs = raw.contains("cost_ms") && py_truthy(raw.at("cost_ms")) ? raw.at("cost_ms") : json::object();
+    if (!costs.is_object()) throw EngineError("schedule cost table must be an object, got " + py_repr(costs));
+    for (auto it = costs.begin(); it != costs.end(); ++it) {
+      const std::string& key = it.key();
+      const json& row = it.value();
+      bool ok = !key.empty() && std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+                row.is_array() && !row.empty();
+      std::vector<double> values;
+      for (size_t i = 0; ok && i < row.size(); ++i) {
+        double x = row[i].is_boolean() ? (row[i].get<bool>() ? 1.0 : 0.0) : row[i].is_number() ? row[i].get<double>() : -1;
+        ok = (row[i].is_number() || row[i].is_boolean()) && x > 0 && std::isfinite(x);
+        values.push_back(x);
+      }
+      if (!ok)
+        throw EngineError("schedule cost table: batch " + py_quote(key) + " must map to a list of positive step times "
+                          "(ms by drafts verified per request), got " + py_repr(row));
+      s.cost_ms[std::stoll(key)] = values;
+    }
+    return s;
+  }
+};
 
 #ifdef MUSE_SPARK_SHA256
 std::string hex_sha256(const std::string& path) {
@@ -206,9 +377,17 @@ struct Engine::Impl {
   bool norm_zero_centered = false;
   Tensors tk, tv, dk, dv;  // the KV caches: target per layer, draft context per layer
   std::unique_ptr<Loader> prefill_layer, prefill_finish;
+  // The manifest's schedule (muse_spark/schedule.py), honoured as AOTIEngine.set_schedule honours it: a
+  // bucket whose cost row is not flat plans each step's verification width from its drafts' confidences
+  // and runs its narrower packages (the widths the engine was built with, verify_widths).
+  Schedule schedule;
+  std::vector<int64_t> verify_widths;  // ascending, γ last
   struct Bucket {
     int64_t size = 0;
     std::unique_ptr<Loader> draft, layer, verify, context;
+    // width K < γ → its layer, verify and context packages (``_k{K}``); loaded where the schedule plans
+    std::map<int64_t, std::array<std::unique_ptr<Loader>, 3>> narrower;
+    bool planned = false;  // the schedule plans this bucket's steps (AOTIEngine: runner.planner)
     at::Tensor markov_ws;
   };
   std::vector<Bucket> buckets;  // ascending
@@ -243,6 +422,38 @@ struct Engine::Impl {
   }
 
   at::TensorOptions i64() const { return at::TensorOptions().dtype(at::kLong).device(device); }
+
+  // AOTIEngine._plan over muse_spark/schedule.py's plan: a scheduled step's verification width from its
+  // drafts' confidences ([n, γ] float32 on the host), in Python's ATen ops (the same float32 products and
+  // sums, so the same cut), rounded up to a width the engine holds.
+  int64_t plan(const at::Tensor& confidence) const {
+    int64_t K = 0;
+    if (schedule.mode == "fixed") {
+      K = std::min(schedule.length, gamma);
+    } else {
+      at::Tensor cum = at::cumprod(confidence, -1);
+      at::Tensor counts = cum.ge(schedule.threshold).to(at::kLong).cumprod(-1).sum(-1);  // verify_counts
+      const int64_t top = counts.max().item<int64_t>();
+      K = top;
+      const std::vector<double>* cost = schedule.budget ? schedule.cost_row(confidence.size(0)) : nullptr;
+      if (cost) {  // best_cut: the K of the most expected tokens per ms, ties to the smaller
+        at::Tensor offsets = at::arange(cum.size(1), at::kLong).unsqueeze(0);
+        double best_rate = -1.0;
+        for (int64_t k = 0; k <= top; ++k) {
+          at::Tensor keep = offsets.lt(counts.clamp_max(k).unsqueeze(1));
+          double expected = (cum * keep).sum().add(counts.numel()).item<double>();
+          double rate = expected / (*cost)[std::min<size_t>(static_cast<size_t>(k), cost->size() - 1)];
+          if (rate > best_rate * (1 + 1e-9)) {
+            K = k;
+            best_rate = rate;
+          }
+        }
+      }
+    }
+    for (int64_t w : verify_widths)
+      if (w >= std::max<int64_t>(K, 1)) return w;
+    return gamma;
+  }
 
   // AOTIEngine.prefill: the prompt in static chunks (the last one padded) → the first token.
   int64_t prefill(const std::vector<int64_t>& prompt, int64_t slot, int64_t seed, double temperature) {
@@ -304,25 +515,39 @@ struct Engine::Impl {
     append(in, dk);
     append(in, dv);
     append(in, {b.markov_ws, a, ap, sl, sd, tp, positions});
-    Tensors drafted = b.draft->run(in);  // ids, probs, stream, x, confidence (every draft is verified)
+    Tensors drafted = b.draft->run(in);  // ids, probs, stream, x, confidence
+    at::Tensor conf = drafted.at(4).to(at::kCPU).to(at::kFloat).contiguous();
     {
-      at::Tensor conf = drafted.at(4).to(at::kCPU).to(at::kFloat).contiguous();
       const float* c = conf.data_ptr<float>();
       last_confidence.clear();
       for (size_t i = 0; i < batch.size(); ++i) last_confidence.emplace_back(c + i * gamma, c + (i + 1) * gamma);
+    }
+    // LayeredStep.verify at width K: the anchor and the first K drafts through the narrower packages
+    // (every draft where no schedule plans this bucket)
+    const int64_t K = b.planned ? plan(conf.narrow(0, 0, static_cast<int64_t>(batch.size()))) : gamma;
+    Loader *layer = b.layer.get(), *verify = b.verify.get(), *context_part = b.context.get();
+    at::Tensor pos = positions, stream = drafted.at(2), x = drafted.at(3);
+    if (K < gamma) {
+      auto& parts = b.narrower.at(K);
+      layer = parts[0].get();
+      verify = parts[1].get();
+      context_part = parts[2].get();
+      pos = pos.slice(1, 0, K + 1).contiguous();
+      stream = stream.slice(1, 0, K + 1).contiguous();
+      x = x.slice(1, 0, K + 1).contiguous();
     }
     auto context = [&](const Tensors& aux_streams) {
       Tensors c = head;
       append(c, dk);
       append(c, dv);
       append(c, aux_streams);
-      append(c, {positions, sl});
-      b.context->run(c);
+      append(c, {pos, sl});
+      context_part->run(c);
     };
-    auto [h, aux_streams] = layers(*b.layer, drafted.at(2), drafted.at(3), positions, sl, context);
+    auto [h, aux_streams] = layers(*layer, stream, x, pos, sl, context);
     Tensors v = head;
-    append(v, {b.markov_ws, h, drafted.at(0), drafted.at(1), positions, sd, tp});
-    at::Tensor packed = b.verify->run(v).at(0).to(at::kCPU).contiguous();
+    append(v, {b.markov_ws, h, drafted.at(0), drafted.at(1), pos, sd, tp});
+    at::Tensor packed = verify->run(v).at(0).to(at::kCPU).contiguous();
     std::vector<std::vector<int64_t>> rows;
     const int64_t W = packed.size(1);
     const int64_t* p = packed.data_ptr<int64_t>();
@@ -371,39 +596,138 @@ json read_manifest(const std::string& dir) {
   }
 }
 
+// engine_format.py _inside: a manifest entry that is a relative path staying inside the engine directory,
+// links resolved.
+void check_inside(const std::string& dir, const json& name, const std::string& what, const std::string& where) {
+  namespace fs = std::filesystem;
+  if (!name.is_string() || name.get<std::string>().empty())
+    throw EngineError(where + ": " + what + " must be a file name inside the engine directory, got " + py_repr(name));
+  fs::path p(name.get<std::string>());
+  bool up = false;
+  for (const auto& part : p) up = up || part == "..";
+  if (p.is_absolute() || up)
+    throw EngineError(where + ": " + what + " " + py_repr(name) +
+                      " points outside the engine directory; refusing to read it");
+  std::error_code ec;
+  fs::path root = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+  fs::path full = fs::weakly_canonical(root / p, ec);
+  if (std::mismatch(root.begin(), root.end(), full.begin(), full.end()).first != root.end())
+    throw EngineError(where + ": " + what + " " + py_repr(name) + " resolves outside the engine directory (to " +
+                      full.string() + "); refusing to read it");
+}
+
+// engine_format.py read_manifest's checks (the format, the schema, the keys, the paths, the limits), message
+// for message: the manifest is not hashed, so what it says is checked against itself before anything is read.
+void check_format(const std::string& dir, const json& m) {
+  const std::string path = dir + "/manifest.json";
+  if (!m.is_object() || !m.contains("format") || m["format"] != kFormat)
+    throw EngineError(path + ": not a Muse Spark engine manifest");
+  if (!m.contains("schema_version") || m["schema_version"] != kSchemaVersion)
+    throw EngineError(path + ": engine schema version " + py_str(m.value("schema_version", json(nullptr))) +
+                      " is not supported (this runtime reads version " + std::to_string(kSchemaVersion) +
+                      "); rebuild the engine");
+  for (const char* key : {"backend", "files", "target_config", "draft_config", "gamma", "max_seq", "max_batch", "dtype"})
+    if (!m.contains(key)) throw EngineError(path + ": manifest lacks " + py_quote(key));
+  // check_manifest_paths: every engine file, and the tokenizer (one of the hashed files), inside the directory
+  const json& files = m["files"];
+  bool digests = files.is_object();
+  for (auto it = files.begin(); digests && it != files.end(); ++it) digests = it.value().is_string();
+  if (!digests) throw EngineError(path + ": manifest 'files' must map file names to sha256 digests");
+  for (auto it = files.begin(); it != files.end(); ++it) check_inside(dir, json(it.key()), "engine file", path);
+  const json tok = m.value("tokenizer", json(nullptr));
+  if (!tok.is_null()) {
+    check_inside(dir, tok, "tokenizer", path);
+    if (!files.contains(tok.get<std::string>()))
+      throw EngineError(path + ": tokenizer " + py_repr(tok) + " is not among the manifest's hashed files; "
+                        "refusing an unverified tokenizer");
+  }
+  // check_manifest_limits: the limits against the configs (an edited max_seq would run past the positions
+  // the target was trained for)
+  for (const char* key : {"max_seq", "max_batch", "gamma"})
+    if (!m[key].is_number_integer())
+      throw EngineError(path + ": manifest " + key + " must be an integer, got " + py_repr(m[key]));
+  const int64_t gamma = m.at("draft_config").at("block_size").get<int64_t>();
+  const int64_t positions = m.at("target_config").value("max_position_embeddings", int64_t{4096});
+  const int64_t max_seq = m["max_seq"].get<int64_t>(), max_batch = m["max_batch"].get<int64_t>();
+  if (m["gamma"].get<int64_t>() != gamma)
+    throw EngineError(path + ": manifest gamma " + m["gamma"].dump() + " differs from the draft's block_size " +
+                      std::to_string(gamma));
+  if (max_batch < 1) throw EngineError(path + ": manifest max_batch must be >= 1, got " + std::to_string(max_batch));
+  if (max_seq < gamma + 2)
+    throw EngineError(path + ": manifest max_seq " + std::to_string(max_seq) + " is below γ+2 = " +
+                      std::to_string(gamma + 2));
+  if (max_seq > positions)
+    throw EngineError(path + ": manifest max_seq " + std::to_string(max_seq) +
+                      " exceeds the target's max_position_embeddings " + std::to_string(positions) +
+                      "; rebuild the engine with a --max-seq within it");
+}
+
+// options.py KernelOptions.from_manifest (engine_options): the kernel options the engine was built with,
+// refused where Python refuses them. The library has nothing to choose by them: the build-scope ones are
+// compiled into the packages, and the run-scope ones (context_stream, chained_steps) say how the Python
+// runtime launches the same packages (a second stream, the next step before the rows), not what they compute.
+void check_options(const std::string& dir, const json& m) {
+  if (!m.contains("options") || m["options"].is_null()) return;  // (built before they were recorded: the defaults)
+  const std::string where = dir + ": manifest options";
+  const json& o = m["options"];
+  if (!o.is_object()) throw EngineError(where + ": expected a dict of kernel options, got " + py_type(o));
+  std::vector<std::string> known, unknown;
+  for (const auto& spec : kKernelOptions) known.push_back(spec.name);
+  std::sort(known.begin(), known.end());
+  for (auto it = o.begin(); it != o.end(); ++it)
+    if (!std::binary_search(known.begin(), known.end(), it.key())) unknown.push_back(it.key());
+  std::sort(unknown.begin(), unknown.end());
+  auto reprs = [](const std::vector<std::string>& names) {
+    std::vector<std::string> out;
+    for (const auto& n : names) out.push_back(py_quote(n));
+    return py_list(out);
+  };
+  if (!unknown.empty())
+    throw EngineError(where + ": unknown kernel option(s) " + reprs(unknown) + " (this muse-spark knows " +
+                      reprs(known) + ")");
+  for (const auto& spec : kKernelOptions) {
+    if (!o.contains(spec.name)) continue;
+    const json& v = o[spec.name];
+    const std::string bad = where + ": kernel option " + spec.name + "=" + py_repr(v) + ": expected ";
+    if (spec.kind == OptionSpec::kChoice) {
+      if (!v.is_string() || std::find(spec.choices.begin(), spec.choices.end(), v.get<std::string>()) == spec.choices.end())
+        throw EngineError(bad + "one of " + reprs(spec.choices));
+    } else if (spec.kind == OptionSpec::kSwitch) {
+      if (!v.is_boolean()) throw EngineError(bad + "true or false");
+    } else if (!v.is_number_integer() || v.get<int64_t>() < 0) {
+      throw EngineError(bad + "0 (the launcher's choice) or a count ≥ 1");
+    }
+  }
+}
+
+// engine_format.py check_plugins: an engine built with other plugin versions (kPluginVersions).
+void check_plugins(const json& m) {
+  if (!m.contains("plugins") || !m["plugins"].is_object()) return;
+  for (auto it = m["plugins"].begin(); it != m["plugins"].end(); ++it) {
+    json mine(nullptr);
+    for (const auto& [name, version] : kPluginVersions)
+      if (name == it.key()) mine = version;
+    if (mine != it.value())
+      throw EngineError("engine was built with plugin " + it.key() + " v" + py_str(it.value()) +
+                        "; this runtime has v" + py_str(mine) + ": rebuild the engine");
+  }
+}
+
 std::string device_kind_error(const std::string& dir, const std::string& built, const std::string& here) {
   return dir + ": engine was compiled for '" + built + "' and cannot run on '" + here +
          "' (AOTInductor packages are device-specific); rebuild it with --device " + here;
 }
 
+// AOTIEngine.from_dir's checks before it reads a file, in its order, then the library's own (the packages'
+// layout, which Python checks once the weights are in, the embedding section, the caches' layout).
 void check_manifest(const std::string& dir, const json& m, at::Device& device) {
-  if (m.value("format", "") != kFormat)
-    throw EngineError(dir + ": manifest.json is not a muse-spark engine manifest");
-  if (m.value("schema_version", -1) != kSchemaVersion)
-    throw EngineError(dir + ": engine schema version " + m.value("schema_version", json(nullptr)).dump() +
-                      " is not supported (this library reads version " + std::to_string(kSchemaVersion) + ")");
-  std::string backend = m.value("backend", "");
-  if (backend != "aoti")
-    throw EngineError(dir + ": backend '" + backend + "' is not an aoti engine: the C++ embedding runs aoti engines "
-                      "(build one with `muse-spark build --backend aoti`)");
-  if (!m.contains("aoti") || !m["aoti"].is_object())
-    throw EngineError(dir + ": manifest lacks its 'aoti' section; rebuild the engine");
-  std::string layout = m.at("aoti").value("layout", "");
-  if (layout != kLayout)
-    throw EngineError(dir + ": this aoti engine was built by another muse-spark (the packages' layout '" + layout +
-                      "', this library's is '" + kLayout + "'); rebuild it");
-  if (m.at("aoti").contains("kv_pool") && !m.at("aoti")["kv_pool"].is_null())
-    throw EngineError(dir + ": this engine's KV caches are a paged pool (built with --kv-cache-tokens): the C++ "
-                      "embedding runs engines with a cache window per slot; rebuild it without --kv-cache-tokens");
-  if (!m.contains("embedding") || !m["embedding"].is_object())
-    throw EngineError(dir + ": manifest lacks its 'embedding' section (the engine was built by a muse-spark "
-                      "without the C++ embedding); rebuild it");
-  int ev = m.at("embedding").value("version", -1);
-  if (ev != kEmbeddingVersion)
-    throw EngineError(dir + ": the manifest's embedding section is version " + std::to_string(ev) +
-                      ", this library reads version " + std::to_string(kEmbeddingVersion) + "; rebuild the engine");
+  check_format(dir, m);
+  if (m["backend"] != "aoti")
+    throw EngineError(dir + ": backend " + py_repr(m["backend"]) + " is not an aoti engine: the C++ embedding runs "
+                      "aoti engines (build one with `muse-spark build --backend aoti`)");
+  check_options(dir, m);
   // device kind, then torch, then compute capability: runtime/aoti_engine.py check_compatibility
-  std::string kind = m.at("device").value("kind", "cpu");
+  std::string kind = m.value("device", json::object()).value("kind", "cpu");
   if (kind == "cuda") {
 #ifdef MUSE_SPARK_CUDA
     if (c10::cuda::device_count() == 0)
@@ -417,7 +741,9 @@ void check_manifest(const std::string& dir, const json& m, at::Device& device) {
   } else {
     throw EngineError(dir + ": unknown device kind '" + kind + "'");
   }
-  std::string built_torch = m.at("versions").value("torch", "");
+  if (!m.contains("aoti") || !m["aoti"].is_object())
+    throw EngineError(dir + ": manifest lacks its 'aoti' section; rebuild the engine");
+  std::string built_torch = m.value("versions", json::object()).value("torch", "");
   if (built_torch != MUSE_SPARK_TORCH_VERSION)
     throw EngineError(dir + ": engine was compiled with torch " + built_torch + ", this runtime has torch " +
                       MUSE_SPARK_TORCH_VERSION + ": AOTInductor packages are tied to the torch that compiled them; "
@@ -440,9 +766,28 @@ void check_manifest(const std::string& dir, const json& m, at::Device& device) {
     }
   }
 #endif
+  const json& a = m["aoti"];
+  const json layout = a.value("layout", json(nullptr));
+  if (layout != kLayout)
+    throw EngineError(dir + ": this aoti engine was built by another muse-spark (" +
+                      (layout.is_null() ? std::string("one unrolled graph per step")
+                                        : "the packages' layout " + py_repr(layout) + ", this runtime's is " +
+                                              py_quote(kLayout)) +
+                      "); rebuild it");
+  if (a.contains("kv_pool") && py_truthy(a["kv_pool"]))
+    throw EngineError(dir + ": this engine's KV caches are a paged pool (built with --kv-cache-tokens): the C++ "
+                      "embedding runs engines with a cache window per slot; rebuild it without --kv-cache-tokens");
+  if (!m.contains("embedding") || !m["embedding"].is_object())
+    throw EngineError(dir + ": manifest lacks its 'embedding' section (the engine was built by a muse-spark "
+                      "without the C++ embedding); rebuild it");
+  int ev = m.at("embedding").value("version", -1);
+  if (ev != kEmbeddingVersion)
+    throw EngineError(dir + ": the manifest's embedding section is version " + std::to_string(ev) +
+                      ", this library reads version " + std::to_string(kEmbeddingVersion) + "; rebuild the engine");
 }
 
-// Every file the manifest lists exists; with `hashes`, each matches its sha256 (runtime/engine.py).
+// Every file the manifest lists is a regular file; with `hashes`, each matches its sha256
+// (engine_format.py verify_files).
 void verify_files(const std::string& dir, const json& m, bool hashes) {
 #ifndef MUSE_SPARK_SHA256
   if (hashes)
@@ -452,8 +797,10 @@ void verify_files(const std::string& dir, const json& m, bool hashes) {
 #endif
   for (auto& [name, digest] : m.at("files").items()) {
     std::string path = dir + "/" + name;
-    std::ifstream probe(path);
-    if (!probe) throw EngineError(dir + ": engine file " + name + " is missing");
+    std::error_code ec;
+    auto st = std::filesystem::status(path, ec);
+    if (!std::filesystem::exists(st)) throw EngineError(dir + ": engine file " + name + " is missing");
+    if (!std::filesystem::is_regular_file(st)) throw EngineError(dir + ": engine file " + name + " is not a regular file");
     if (!hashes) continue;
 #ifdef MUSE_SPARK_SHA256
     std::string actual = hex_sha256(path), want = digest.get<std::string>();
@@ -483,6 +830,7 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
       throw EngineError(e.dir + ": max_batch " + std::to_string(options.max_batch) + " must be in [1, " +
                         std::to_string(engine_batch) + "] (the engine's max_batch; 0: all of them)");
     verify_files(e.dir, m, options.verify_hashes);
+    check_plugins(m);
     const json& a = m.at("aoti");
     const json& emb = m.at("embedding");
     e.dtype = dtype_from_name(m.at("dtype").get<std::string>(), e.dir);
@@ -563,9 +911,7 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
       throw EngineError(e.dir + ": the target cache has " + std::to_string(e.tk.size()) + " layers, the graphs " +
                         std::to_string(e.layer_idx.size()) + "; rebuild the engine");
 
-    // packages: the prompt chunk's two, then each bucket's four (AOTIEngine's choice of buckets)
-    e.prefill_layer = e.load("prefill_layer");
-    e.prefill_finish = e.load("prefill_finish");
+    // AOTIEngine's choice of buckets, and each one's Markov workspace (markov_words), checked first
     std::vector<int64_t> all = a.at("batch_buckets").get<std::vector<int64_t>>(), use;
     std::sort(all.begin(), all.end());
     for (int64_t b : all)
@@ -577,6 +923,43 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
           use.push_back(b);
           break;
         }
+    const json words = a.contains("markov_workspace_words") && a["markov_workspace_words"].is_object()
+                           ? a["markov_workspace_words"]
+                           : json::object();
+    std::map<int64_t, int64_t> markov_words;
+    for (int64_t b : use) {
+      const json n = words.value(std::to_string(b), json(nullptr));
+      if (!n.is_number_integer() || n.get<int64_t>() < 0)
+        throw EngineError(e.dir + ": the manifest's markov_workspace_words has no valid entry for batch bucket " +
+                          std::to_string(b) + " (got " + py_repr(n) + "); rebuild the engine");
+      markov_words[b] = n.get<int64_t>();
+    }
+
+    // the schedule (AOTIEngine.set_schedule's refusals, message for message), and the verification
+    // widths its steps were compiled for
+    const json widths = a.value("verify_widths", json(nullptr));
+    e.verify_widths = py_truthy(widths) ? widths.get<std::vector<int64_t>>() : std::vector<int64_t>{e.gamma};
+    std::sort(e.verify_widths.begin(), e.verify_widths.end());
+    e.schedule = Schedule::from_manifest(m.value("schedule", json(nullptr)));
+    if (e.schedule.mode == "confidence" && !m.at("draft_config").value("enable_confidence_head", false))
+      throw EngineError("schedule 'confidence' needs a draft with a confidence head (enable_confidence_head in its "
+                        "config.json); this draft has none");
+    if (e.schedule.on() && e.verify_widths.size() <= 1)
+      throw EngineError("schedule " + py_quote(e.schedule.mode) + ": this aoti engine's compiled step verifies every "
+                        "draft; rebuild it with narrower verification widths (build --verify-widths, or "
+                        "--schedule confidence)");
+    if (e.schedule.mode == "fixed" &&
+        std::find(e.verify_widths.begin(), e.verify_widths.end(), e.schedule.length) == e.verify_widths.end()) {
+      std::vector<std::string> ws;
+      for (int64_t w : e.verify_widths) ws.push_back(std::to_string(w));
+      throw EngineError("schedule 'fixed' with " + std::to_string(e.schedule.length) + " drafts: this engine's steps "
+                        "verify " + py_list(ws) + " drafts per request");
+    }
+
+    // packages: the prompt chunk's two, then each bucket's four (and, where the schedule plans its steps,
+    // the narrower widths' three each)
+    e.prefill_layer = e.load("prefill_layer");
+    e.prefill_finish = e.load("prefill_finish");
     for (int64_t b : use) {
       Impl::Bucket k;
       k.size = b;
@@ -585,11 +968,14 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
       k.layer = e.load("step_layer" + s);
       k.verify = e.load("step_verify" + s);
       k.context = e.load("step_context" + s);
-      const json& words = a.at("markov_workspace_words");
-      if (!words.contains(std::to_string(b)) || !words[std::to_string(b)].is_number_integer())
-        throw EngineError(e.dir + ": the manifest's markov_workspace_words has no valid entry for batch bucket " +
-                          std::to_string(b) + "; rebuild the engine");
-      k.markov_ws = at::zeros({words[std::to_string(b)].get<int64_t>()}, e.i64());
+      // (where the cost table is flat, the plain step: its width cannot pay for the wait)
+      k.planned = e.schedule.on() && !e.schedule.flat(b);
+      for (int64_t w : e.verify_widths)
+        if (k.planned && w < e.gamma) {
+          std::string sk = s + "_k" + std::to_string(w);
+          k.narrower[w] = {e.load("step_layer" + sk), e.load("step_verify" + sk), e.load("step_context" + sk)};
+        }
+      k.markov_ws = at::zeros({markov_words.at(b)}, e.i64());
       e.buckets.push_back(std::move(k));
     }
   } catch (const json::exception& ex) {
@@ -608,6 +994,15 @@ int64_t Engine::max_seq() const { return impl_->max_seq; }
 int64_t Engine::max_batch() const { return impl_->max_batch; }
 int64_t Engine::vocab_size() const { return impl_->vocab; }
 std::string Engine::device() const { return impl_->device.str(); }
+
+void Engine::synchronize() const {
+#ifdef MUSE_SPARK_CUDA
+  if (impl_->device.is_cuda()) {
+    c10::DeviceGuard guard(impl_->device);  // (the engine's device, whichever is current on this thread)
+    c10::cuda::device_synchronize();
+  }
+#endif
+}
 
 // Generator.validate, message for message.
 static void validate_request(const Engine::Impl& e, const std::vector<int64_t>& prompt, const SamplingParams& p) {

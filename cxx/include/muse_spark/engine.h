@@ -8,10 +8,12 @@
 // Its tokens are the Python runtime's (`muse_spark.runtime.Generator` over `AOTIEngine`), token
 // for token, greedy and sampled given the same seeds. It takes and returns token ids.
 //
-// It refuses, with an EngineError that says why, an engine that is not an aoti engine, was built
-// by another muse-spark (package layout, embedding section), for another device kind or compute
-// capability, with another torch than the one this library links, or whose files do not match
-// the manifest's hashes.
+// It refuses, with an EngineError that says why (the Python runtime's message where it refuses the
+// same), an engine that is not an aoti engine, was built by another muse-spark (package layout,
+// embedding section, kernel options or plugin versions it does not know), for another device kind or
+// compute capability, with another torch than the one this library links, whose manifest does not
+// hold together (limits, file names outside the directory, schedule) or whose files do not match
+// the manifest's hashes. It follows the manifest's confidence schedule as the Python runtime does.
 #pragma once
 
 #include <cstdint>
@@ -75,6 +77,9 @@ class Engine {
   int64_t max_batch() const;
   int64_t vocab_size() const;
   std::string device() const;  // "cpu" or "cuda:N"
+  // Wait until the engine's device has finished the work queued on it (a no-op on CPU): a caller that
+  // times steps on a CUDA engine (muse_spark_bench) needs it, the packages' kernels run asynchronously.
+  void synchronize() const;
 
   // Throws RequestError, with the Python runtime's message, for a request that cannot be served.
   void validate(const std::vector<int64_t>& prompt, const SamplingParams& params) const;
