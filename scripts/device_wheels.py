@@ -6,7 +6,10 @@ Writes into OUT (default ``.whl``):
   stubs of other Python versions and the 31 MB ``libpython3.13`` only the 3.13 stub links), so it and
   the numpy wheel fit together in a 64 MiB transfer;
 * ``numpy-1.26.4-cp312-…whl`` for Triton's python backend stub (``muse-spark serve --stub-numpy``),
-  where the machine's environment has numpy 2.
+  where the machine's environment has numpy 2;
+* ``tritonclient`` and ``protobuf`` (pure wheels, under 0.5 MiB) for bench-serving's gRPC mode, which also
+  needs ``grpcio`` on the machine (its 7 MiB binary wheel would pass the 64 MiB transfer: the HTTP
+  mode needs none of them).
 
 Install there with ``pip install --no-deps --target DIR OUT/nvidia_pytriton-*.whl`` and serve with
 ``muse-spark serve --stub-numpy OUT/numpy-1.26.4-*.whl``.
@@ -22,6 +25,7 @@ from pathlib import Path
 PYTHON = "3.12"
 PYTRITON = "nvidia-pytriton==0.7.0"
 NUMPY = "numpy==1.26.4"
+GRPC_CLIENT = ("tritonclient==2.73.0", "protobuf==7.36.2")
 
 
 def download(spec: str, out: Path, *platform_args: str) -> Path:
@@ -60,6 +64,8 @@ def main(argv: list[str]) -> int:
     slim(pytriton)
     download(NUMPY, out, "--python-version", PYTHON, "--implementation", "cp",
              "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64")
+    for spec in GRPC_CLIENT:
+        download(spec, out, "--python-version", PYTHON, "--platform", "manylinux2014_x86_64")
     for p in sorted(out.glob("*.whl")):
         print(f"{p}  {p.stat().st_size / 2**20:.1f} MiB")
     return 0

@@ -50,6 +50,16 @@ pair_at() {
     tail -2 "$3"
 }
 
+# The carried serving wheels (scripts/device_wheels.py: nvidia-pytriton, tritonclient, protobuf) into
+# /tmp/site on the path; numpy 1.x stays a wheel for the server's stub (--stub-numpy).
+server_wheels() {
+    local w
+    w=$(ls .whl/nvidia_pytriton-*.whl .whl/tritonclient-*.whl .whl/protobuf-*.whl 2>/dev/null) || true
+    [ -n "$w" ] || return 0
+    python3 -m pip install -q --no-deps --no-compile --target /tmp/site $w &&
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+}
+
 case "${1:-tests}" in
 tests)
     xdist=()
@@ -100,10 +110,7 @@ serving)
     # benchmarks/serving.py; its JSON lands in $OUT/serving-*). Carry .whl/ from
     # `python scripts/device_wheels.py .whl`: nvidia-pytriton, and numpy 1.x for the stub where the
     # environment has numpy 2 and no package index.
-    if ls .whl/nvidia_pytriton-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-deps --no-compile --target /tmp/site .whl/nvidia_pytriton-*.whl &&
-            export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    fi
+    server_wheels
     stub=$(ls .whl/numpy-1.*.whl 2>/dev/null | head -1)
     [ -n "$stub" ] && export STUB_NUMPY="$PWD/$stub"
     OUT="$OUT" timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -rfEs -s tests/test_gpu_serving.py 2>&1 |
@@ -132,16 +139,17 @@ serving-sweep)
     # target-only baseline, and through tritonserver, each run with a 2,048-token prompt sent into its running
     # streams (benchmarks/bench_serving.py; carry .whl/ as for `serving`; the engine stays in /tmp/w8b for a
     # second call when the build and the runs do not fit one)
-    if ls .whl/nvidia_pytriton-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-deps --no-compile --target /tmp/site .whl/nvidia_pytriton-*.whl &&
-            export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    fi
+    server_wheels
     stub=$(ls .whl/numpy-1.*.whl 2>/dev/null | head -1)
+    # the server through HTTP (the standard library's client) and, where tritonclient.grpc imports (grpcio
+    # on the machine), through gRPC too
+    modes=inprocess,triton-http
+    python3 -c "import tritonclient.grpc" 2>/dev/null && modes=$modes,triton-grpc || echo "(no tritonclient.grpc here: the gRPC mode is left out)"
     here=/tmp/w8b/sweep
     free_disk "$here"
     pair_at "$here/pair" 0.8 "$OUT/make-pair.log" || exit 1
     timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_serving.py --pair "$here/pair" --work-dir "$here/engine" --reuse-engine \
-        --mode inprocess,triton-grpc,inprocess-target-only --concurrency 1,4,16,32 --num-requests 64 \
+        --mode $modes,inprocess-target-only --concurrency 1,4,16,32 --num-requests 64 \
         --prompt-len 128 --output-len 128 --long-prompt 2048 \
         ${stub:+--stub-numpy "$PWD/$stub"} --out-dir "$OUT" --plot "$OUT/bench-serving.png" 2>&1 | tee "$OUT/sweep.log"
     ;;

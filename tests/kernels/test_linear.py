@@ -100,16 +100,23 @@ def fp8_operands(M, N, K, seed=3):
 @pytest.mark.parametrize("shape", ["step_rows", "draft_rows_ragged_n", "ragged_k"] + (["muse_down"] if BIG else []))
 def test_the_fp8_weight_kernel_gives_the_bf16_kernels_bits_on_the_dequantized_weight(tops, shape, silu_mul):
     """W8A16 (``linear_fp8_triton``): each FP8 weight tile is dequantized as it streams in (its rows'
-    scales, rounded once to bf16, as ``fp8_linear_reference`` rounds the weight), so the output is, bit
-    for bit, the bf16 kernel's on the dequantized weight; against the fp32-sum reference within the bf16
-    kernel's own bound. A planted error (the scales of the next row) is caught by the same comparison."""
+    scales, rounded once to bf16, as ``fp8_linear_reference`` rounds the weight), so the output is the
+    bf16 kernel's on the dequantized weight: bit for bit in the interpreter; on a GPU within a rounding
+    of it (the H100 gave other bits on the down projection's shape: the MMA of a tile converted in
+    registers may take K in another order than that of a tile loaded as it is); against the fp32-sum
+    reference within the bf16 kernel's own bound. A planted error (the scales of the next row) is caught
+    by the same comparison."""
     from muse_spark.plugins.linear.op import fp8_reference
 
     M, N, K = LINEAR_SHAPES[shape]
     x, w8, scale = fp8_operands(M, 2 * N if silu_mul else N, K)
     got = torch.ops.muse_spark.linear_fp8_triton(x, w8, scale, silu_mul)
     dequant = (w8.float() * scale).to(torch.bfloat16)
-    assert torch.equal(got, torch.ops.muse_spark.linear_triton(x, dequant, silu_mul))
+    bf16 = torch.ops.muse_spark.linear_triton(x, dequant, silu_mul)
+    if ON_GPU:
+        torch.testing.assert_close(got.float(), bf16.float(), rtol=2**-7, atol=2**-8 * bf16.float().abs().max().item())
+    else:
+        assert torch.equal(got, bf16)
     ref = fp8_reference(x, w8, scale, silu_mul).float()
     torch.testing.assert_close(got.float(), ref, rtol=2**-6, atol=2**-7 * ref.abs().max().item())
     planted = torch.ops.muse_spark.linear_fp8_triton(x, w8, scale.roll(1, 0), silu_mul)
