@@ -203,20 +203,38 @@ def cache_memory_shortfall(tcfg, dcfg, dtype, *, max_batch: int, max_seq: int, m
             f"more than the {memory} bytes ({_human(memory)}) of memory {what} on {torch.device(device)}; {hint}")
 
 
-def kv_pool_blocks(tokens: int, block_size: int, max_seq: int, error: type[EngineError] = EngineError) -> int:
+def kv_pool_blocks(tokens: int, block_size: int, max_seq: int, error: type[EngineError] = EngineError,
+                   where: str = "") -> int:
     """The blocks of a paged KV pool of ``tokens`` positions in blocks of ``block_size`` (one more: block 0,
-    which no request holds, ``runtime/kv_blocks.py``), checked (``error`` raised): a power-of-two block size,
-    and room for one request of ``max_seq`` positions (a request that fits the window must fit the pool alone)."""
-    if not (isinstance(block_size, int) and block_size >= 1 and block_size & (block_size - 1) == 0):
-        raise error(f"KV block size must be a power of two, got {block_size!r}")
+    which no request holds, ``runtime/kv_blocks.py``), checked (``error`` raised, its message after ``where``):
+    a power-of-two block size (what the kernels that read and write through block tables take), and room for
+    one request of ``max_seq`` positions (a request that fits the window must fit the pool alone)."""
+    if not (_is_int(block_size) and block_size >= 1 and block_size & (block_size - 1) == 0):
+        raise error(f"{where}KV block size must be a power of two, got {block_size!r}")
     blocks = -(-int(tokens) // block_size) + 1
     per_request = -(-max_seq // block_size)
     if blocks - 1 < per_request:
         raise error(
-            f"a KV pool of {blocks} blocks of {block_size} tokens ({blocks - 1} usable: block 0 is kept "
+            f"{where}a KV pool of {blocks} blocks of {block_size} tokens ({blocks - 1} usable: block 0 is kept "
             f"empty) cannot hold one request of max_seq {max_seq} tokens ({per_request} blocks): give it at least "
             f"{per_request * block_size} tokens")
     return blocks
+
+
+def manifest_kv_pool(pool, max_seq: int, where, section: str = "aoti") -> tuple[int, int] | None:
+    """A compiled engine's paged pool as its manifest records it (``<section>.kv_pool``: [blocks, block size];
+    null or absent: a window of max_seq positions per slot) → (blocks, block size), or None. The manifest is
+    not hashed, so the pool is checked as the build checked it (``kv_pool_blocks``): two positive integers, a
+    block size the kernels take, and blocks for one max_seq request beside block 0 (``EngineError``)."""
+    if pool is None:
+        return None
+    what = f"{where}: manifest {section}.kv_pool"
+    if not (isinstance(pool, list) and len(pool) == 2 and all(_is_int(v) and v >= 1 for v in pool)):
+        raise EngineError(f"{what} must be [blocks, block size], two positive integers (null: a window per "
+                          f"slot), got {json.dumps(pool)}; rebuild the engine")
+    blocks, block_size = pool
+    kv_pool_blocks((blocks - 1) * block_size, block_size, max_seq, EngineError, where=f"{what} {pool}: ")
+    return blocks, block_size
 
 
 def kv_tokens_in_memory(fraction: float, tcfg, dcfg, dtype, device, block_size: int, max_seq: int,

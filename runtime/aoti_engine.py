@@ -37,7 +37,7 @@ from muse_spark.graphs.parts import (CTL_FLOATS, CTL_INTS, LAYOUT, LayeredPrefil
                                             weight_tensors)
 from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep, StepHandle
 from muse_spark.engine_format import (EngineError, check_cache_memory, check_plugins, configs_from_manifest,
-                                      read_manifest, verify_files)
+                                      manifest_kv_pool, read_manifest, verify_files)
 from muse_spark.options import KernelOptions, current_options, engine_options
 from muse_spark.plugins.acceptance.processing import Processing
 from muse_spark.schedule import Schedule, plan
@@ -246,8 +246,9 @@ class AOTIEngine(EagerEngine):
         # paged (built with a pool: ``kv_pool`` [blocks, P]): the graphs address pools of blocks through the
         # slots' block tables (the scratch slot's row names block 0: padding rows write there)
         self.kv = None
-        if a.get("kv_pool"):
-            blocks, P = a["kv_pool"]
+        pool = manifest_kv_pool(a.get("kv_pool"), self.max_seq, engine_dir, self.section)
+        if pool:
+            blocks, P = pool
             self.kv = BlockTables(blocks, P, a["cache_slots"], self.max_seq, self.device)
             self.target_cache = target.allocate_paged_cache(blocks, P, self.max_seq, self.device)
             self.draft_cache = draft.allocate_paged_cache(blocks, P, self.max_seq, self.device)
@@ -372,6 +373,7 @@ class AOTIEngine(EagerEngine):
             raise EngineError(f"{d}: engine device is cuda but no CUDA device is available")
         check_compatibility(m, machine_info(dev), str(d), cls.section)
         cls.check_section(m, str(d))
+        pool = manifest_kv_pool(m[cls.section].get("kv_pool"), m["max_seq"], d, cls.section)
         if dtype is not None and parse_dtype(dtype) != parse_dtype(m["dtype"]):
             raise EngineError(f"{d}: an {cls.backend} engine runs in the dtype it was compiled for ({m['dtype']}), "
                               f"not {dtype}; rebuild it with --dtype {dtype}")
@@ -388,7 +390,6 @@ class AOTIEngine(EagerEngine):
         except (RuntimeError, ValueError, OSError) as e:
             raise EngineError(f"{d}: engine weights cannot be loaded: {e}") from None
         # (one slot more than max_batch: the scratch slot padding rows write; paged: the pool's positions)
-        pool = m[cls.section].get("kv_pool") if isinstance(m.get(cls.section), dict) else None
         if pool:
             check_cache_memory(d, tcfg, dcfg, dt, max_batch=1, max_seq=pool[0] * pool[1], device=dev)
         else:

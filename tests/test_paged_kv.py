@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -237,15 +238,27 @@ def test_the_cli_generates_the_same_ids_paged_and_an_aoti_engine_refuses_a_pool(
         load_engine(fake, kv_tokens=256)
 
 
-def test_an_aoti_engine_built_with_a_pool_runs_paged_with_the_eager_tokens(agreeing_pair, tmp_path):
+def _aoti_build_args(pair) -> tuple:
+    return "build", "--target", pair[0], "--draft", pair[1], "--max-batch", 3, "--max-seq", 256
+
+
+@pytest.fixture(scope="module")
+def aoti_paged(agreeing_pair, tmp_path_factory):
+    """A CPU aoti engine of the agreeing pair built with a pool of 256 positions in blocks of 16 (max_batch 3,
+    max_seq 256: one request's window) → its directory."""
+    out = tmp_path_factory.mktemp("aoti-paged") / "engine"
+    r = run_cli(*_aoti_build_args(agreeing_pair), "--out", out, "--backend", "aoti", "--kv-cache-tokens", 256,
+                "--kv-block-size", 16)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_an_aoti_engine_built_with_a_pool_runs_paged_with_the_eager_tokens(agreeing_pair, aoti_paged, tmp_path):
     """`build --backend aoti --kv-cache-tokens`: the compiled parts address pools of blocks through the
     slots' block tables (gathered inside the step), so the engine admits, grows, preempts and resumes as the
     eager one does; with freed blocks poisoned, every token is the contiguous eager engine's. A pool too
     small for one request, or one asked of an eager build, is refused at build time."""
-    out = tmp_path / "engine"
-    args = ("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--max-batch", 3, "--max-seq", 256)
-    r = run_cli(*args, "--out", out, "--backend", "aoti", "--kv-cache-tokens", 256, "--kv-block-size", 16)
-    assert r.returncode == 0, r.stderr[-3000:]
+    out, args = aoti_paged, _aoti_build_args(agreeing_pair)
     assert json.loads((out / "manifest.json").read_text())["aoti"]["kv_pool"] == [17, 16]
     engine = load_engine(out)
     assert engine.kv is not None and "a pool of 256 positions in blocks of 16" in engine.kv_description()
@@ -260,6 +273,36 @@ def test_an_aoti_engine_built_with_a_pool_runs_paged_with_the_eager_tokens(agree
     assert r.returncode == 2 and "cannot hold one request of max_seq 256 tokens" in r.stderr
     r = run_cli(*args, "--out", tmp_path / "eager", "--kv-cache-tokens", 400)
     assert r.returncode == 2 and "applies to --backend aoti" in r.stderr
+
+
+BAD_SHAPE = r"aoti.kv_pool must be \[blocks, block size\], two positive integers \(null: a window per slot\), got "
+
+
+@pytest.mark.parametrize("pool, message", [
+    ("17x16", BAD_SHAPE + '"17x16"'),
+    ([17], BAD_SHAPE + r"\[17\]"),
+    ([17, 16, 1], BAD_SHAPE + r"\[17, 16, 1\]"),
+    ({"blocks": 17, "block_size": 16}, BAD_SHAPE + r'\{"blocks": 17, "block_size": 16\}'),
+    ([17.0, 16], BAD_SHAPE + r"\[17.0, 16\]"),
+    ([True, 16], BAD_SHAPE + r"\[true, 16\]"),
+    ([17, 0], BAD_SHAPE + r"\[17, 0\]"),
+    ([-17, 16], BAD_SHAPE + r"\[-17, 16\]"),
+    ([17, 12], r"aoti.kv_pool \[17, 12\]: KV block size must be a power of two, got 12"),
+    ([16, 16], r"aoti.kv_pool \[16, 16\]: a KV pool of 16 blocks of 16 tokens \(15 usable: block 0 is kept empty\) "
+               r"cannot hold one request of max_seq 256 tokens \(16 blocks\): give it at least 256 tokens"),
+    ([1, 256], r"aoti.kv_pool \[1, 256\]: a KV pool of 1 blocks of 256 tokens \(0 usable"),
+], ids=["string", "one_number", "three_numbers", "object", "float", "bool", "zero_block_size", "negative",
+        "block_size_not_a_power_of_two", "blocks_too_few_for_max_seq", "only_block_0"])
+def test_a_malformed_pool_in_an_aoti_manifest_is_refused_with_the_reason(aoti_paged, tmp_path, pool, message):
+    """The manifest is not hashed: an edited `aoti.kv_pool` is checked as the build checks a pool (the same
+    check), and refused before anything loads, with the manifest entry and the reason."""
+    d = tmp_path / "engine"
+    shutil.copytree(aoti_paged, d)
+    m = json.loads((d / "manifest.json").read_text())
+    m["aoti"]["kv_pool"] = pool
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match=f"^{re.escape(str(d))}: manifest " + message):
+        load_engine(d)
 
 
 def test_a_pool_sized_by_a_memory_fraction(pair, tmp_path):
