@@ -7,6 +7,7 @@ Writes into OUT (default ``.whl``):
   the numpy wheel fit together in a 64 MiB transfer;
 * ``numpy-1.26.4-cp312-…whl`` for Triton's python backend stub (``muse-spark serve --stub-numpy``),
   where the machine's environment has numpy 2;
+* ``nlohmann-json`` (the C++ embedding's JSON header: ``scripts/gpu_check.sh cxx`` and ``cxx-bench``);
 * ``tritonclient`` and ``protobuf`` (pure wheels, under 0.5 MiB) for bench-serving's gRPC mode, which also
   needs ``grpcio`` on the machine (its 7 MiB binary wheel would pass the 64 MiB transfer: the HTTP
   mode needs none of them).
@@ -26,6 +27,7 @@ PYTHON = "3.12"
 PYTRITON = "nvidia-pytriton==0.7.0"
 NUMPY = "numpy==1.26.4"
 GRPC_CLIENT = ("tritonclient==2.73.0", "protobuf==7.36.2")
+JSON_HEADER = "nlohmann-json==3.12.0"
 
 
 def download(spec: str, out: Path, *platform_args: str) -> Path:
@@ -64,6 +66,7 @@ def main(argv: list[str]) -> int:
     slim(pytriton)
     download(NUMPY, out, "--python-version", PYTHON, "--implementation", "cp",
              "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64")
+    download(JSON_HEADER, out)
     for spec in GRPC_CLIENT:
         download(spec, out, "--python-version", PYTHON, "--platform", "manylinux2014_x86_64")
     for p in sorted(out.glob("*.whl")):

@@ -12,6 +12,8 @@
 #                                # shapes at batch 1 and 2 (benchmarks/linear.py), after the FP8 kernel tests
 #   scripts/gpu_check.sh cxx     # the C++ embedding's tests: CPU and CUDA engines (carry .whl/ for its
 #                                # JSON header: the nlohmann-json wheel)
+#   scripts/gpu_check.sh cxx-bench # the C++ library's step and tokens/s beside the Python runtime's, 8B-shaped
+#                                # pair (benchmarks/cxx_step.py; carry .whl/)
 #   scripts/gpu_check.sh serving # the Triton server on the GPU: exact outputs and its throughput beside
 #                                # the in-process runtime (carry .whl/: scripts/device_wheels.py)
 #   scripts/gpu_check.sh workload # tokens/s at real acceptance: an 8B-shaped pair (ACCEPTANCE=0.85), its aoti
@@ -105,6 +107,21 @@ cxx)
     timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -rfEs tests/test_gpu_cxx.py tests/test_cxx.py 2>&1 |
         tee "$OUT/cxx-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)"
     ;;
+cxx-bench)
+    # the C++ embedding beside the Python runtime (benchmarks/cxx_step.py): the 8B-shaped pair at acceptance 0.85,
+    # its aoti engine (buckets 1, 8, 32; kept in /tmp/w8b for a second call), the library built with CMake against
+    # this machine's torch (its JSON header from the carried nlohmann-json wheel), then step latency and tokens/s of
+    # muse_spark_bench with CUDA graphs, without, and of the Python runtime on the same workload
+    ls .whl/nlohmann_json-*.whl >/dev/null 2>&1 && python3 -m pip install --no-deps -q .whl/nlohmann_json-*.whl
+    cmake -S cxx -B /tmp/cxx-build -DPython3_EXECUTABLE="$(command -v python3)" >"$OUT/cxx-build.log" 2>&1 &&
+        cmake --build /tmp/cxx-build -j "$(nproc)" >>"$OUT/cxx-build.log" 2>&1 || { tail -20 "$OUT/cxx-build.log"; exit 1; }
+    here=/tmp/w8b/cxx
+    free_disk "$here"
+    pair_at "$here/pair" 0.85 "$OUT/make-pair.log" || exit 1
+    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/cxx_step.py --pair "$here/pair" --work-dir "$here/engine" \
+        --reuse-engine --cxx-build /tmp/cxx-build --batches 1,8,32 --max-tokens 128 --prompt-len 64 --out-dir "$OUT" \
+        2>&1 | grep -v "^\[build\]" | tee "$OUT/cxx-bench.log"
+    ;;
 serving)
     # the Triton server on the GPU beside the in-process runtime (tests/test_gpu_serving.py runs
     # benchmarks/serving.py; its JSON lands in $OUT/serving-*). Carry .whl/ from
@@ -183,7 +200,7 @@ tp-bench)
         --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
     ;;
 *)
-    echo "usage: $0 tests|engines|engine-switches|paged|linear|bench|cxx|serving|workload|serving-sweep|tp|tp-bench" >&2
+    echo "usage: $0 tests|engines|engine-switches|paged|linear|bench|cxx|cxx-bench|serving|workload|serving-sweep|tp|tp-bench" >&2
     exit 2
     ;;
 esac

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -449,3 +450,26 @@ def test_the_embedding_section_with_tied_embeddings_and_unweighted_norms(tmp_pat
     assert torch.equal(derived["target.model.layers.1.g_attn"], layer.g_attn)
     assert torch.equal(derived["target.model.layers.1.g_attn"], 0.75 * layer.attn_residual_gate.float())
     assert emb["caches"]["target"] == {"layers": 3, "shape": [3, 32, 1, 8], "dtype": "float32"}
+
+
+def test_the_cxx_step_benchmark_puts_the_library_beside_the_python_runtime(cxx_build, aoti_built, tmp_path):
+    """benchmarks/cxx_step.py on the CPU engine: muse_spark_bench (with and without CUDA graphs: on a CPU
+    engine both call the packages) and the Python runtime's Generator on the same workload, one row per
+    batch size with the three runners' figures and the ratios; it exits 0 only where the C++ and Python
+    runs took the same steps and accepted the same drafts. No timing is checked but > 0."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cxx_step
+
+    rc = cxx_step.main(["--engine", str(aoti_built[0]), "--cxx-build", str(cxx_build), "--batches", f"1,{AOTI_MAX_BATCH}",
+                        "--max-tokens", "12", "--prompt-len", "8", "--warmup", "1", "--threads", "1",
+                        "--out-dir", str(tmp_path)])
+    assert rc == 0
+    (f,) = tmp_path.glob("*_cxx-step.json")
+    doc = json.loads(f.read_text())
+    assert doc["benchmark"] == "cxx-step" and doc["command"].startswith("python benchmarks/cxx_step.py")
+    rows = doc["results"]["rows"]
+    assert [r["batch"] for r in rows] == [1, AOTI_MAX_BATCH]
+    for r in rows:
+        for k in cxx_step.RUNNERS:
+            assert r[k]["tokens"] == r["batch"] * 12 and r[k]["tokens_per_s"] > 0 and r[k]["steps"] > 1
+        assert r["cxx"]["cuda_graphs"] is False and r["step_ratio"] > 0 and r["tokens_per_s_ratio"] > 0

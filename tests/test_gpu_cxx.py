@@ -1,7 +1,9 @@
 """The C++ embedding on a CUDA engine: the tiny pair built for the GPU with the default plugins (the
-Triton kernels), run by the example program (its packages called one after another, no CUDA graph)
-and by the Python runtime (its captured steps): the same tokens, greedy and sampled. And the
-compute-capability refusal, which only a CUDA build of the library has."""
+Triton kernels), run by the example program (each bucket's step captured in CUDA graphs and chained,
+or its packages called one after another with --no-cuda-graphs) and by the Python runtime (its
+captured steps): the same tokens, greedy and sampled, with requests joining, waiting for a slot and
+cancelled between steps, and with a schedule's planned halves. And the compute-capability refusal,
+which only a CUDA build of the library has."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from muse_spark.runtime import load_engine
 
 from conftest import ENGINE_PROMPTS as PROMPTS
 from conftest import run_cli
-from cxx_utils import cxx, cxx_generate, python_generate, same_as_python
+from cxx_utils import cxx, cxx_generate, finals, python_generate, same_as_python
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.xdist_group("cxx")]
@@ -30,12 +32,55 @@ def built(agreeing_pair, tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda_graphs", "no_cuda_graphs"])
 @pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.9, 7)], ids=["greedy", "sampled"])
-def test_a_cuda_engine_gives_the_python_runtimes_tokens(cxx_build, built, temperature, seed):
-    lines = cxx_generate(cxx_build, built, PROMPTS, max_tokens=30, temperature=temperature, seed=seed)
+def test_a_cuda_engine_gives_the_python_runtimes_tokens(cxx_build, built, temperature, seed, graphs):
+    lines = cxx_generate(cxx_build, built, PROMPTS, max_tokens=30, temperature=temperature, seed=seed,
+                         extra=() if graphs else ("--no-cuda-graphs",))
     reqs = python_generate(load_engine(built), PROMPTS, max_tokens=30, temperature=temperature, seed=seed,
                            ignore_eos=True)
     same_as_python(lines, reqs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_requests_joining_waiting_and_cancelled_between_chained_graph_steps(cxx_build, built, temperature):
+    """Four requests over three slots through the C++ Generator with CUDA graphs and chained steps: two
+    join later (one waits for a slot while chained steps run), one is cancelled mid-run. A request's tokens
+    do not depend on its batch mates or on when it was stepped (per-request seeds), so every request that
+    ran to the end has the Python runtime's tokens and steps, the cancelled one a prefix of them, and each
+    request's streamed tokens are its output."""
+    args = ["--arrivals", "0,0,2,3", "--cancel", "1@5"]
+    lines = cxx_generate(cxx_build, built, PROMPTS, max_tokens=40, temperature=temperature, seed=11, stream=True,
+                         extra=args)
+    reqs = python_generate(load_engine(built), PROMPTS, max_tokens=40, temperature=temperature, seed=11,
+                           ignore_eos=True)
+    out = finals(lines)
+    assert [x["finish_reason"] for x in out] == ["length", "cancelled", "length", "length"]
+    for i in (0, 2, 3):
+        assert out[i]["output_ids"] == reqs[i].output and out[i]["steps"] == len(reqs[i].steps)
+    assert 0 < len(out[1]["output_ids"]) < 40 and out[1]["output_ids"] == reqs[1].output[: len(out[1]["output_ids"])]
+    for x in out:
+        assert sum((c["tokens"] for c in lines if "tokens" in c and c["request"] == x["request"]), []) == x["output_ids"]
+
+
+def test_a_planned_schedule_replays_the_draft_and_verification_graphs(cxx_build, built, tmp_path):
+    """A schedule in the manifest (fixed, at the narrowest compiled width): each step replays the draft
+    half's graph, then the verification graph at that width; the tokens and steps are the Python
+    runtime's under the same schedule."""
+    m = json.loads((built / "manifest.json").read_text())
+    widths = sorted(m["aoti"].get("verify_widths") or [m["gamma"]])
+    if len(widths) < 2:
+        pytest.skip("the engine was built without narrower verification widths")
+    d = tmp_path / "e"
+    shutil.copytree(built, d)
+    m["schedule"] = {"mode": "fixed", "length": widths[0]}
+    (d / "manifest.json").write_text(json.dumps(m))
+    for temperature, seed in ((0.0, 0), (0.9, 7)):
+        lines = cxx_generate(cxx_build, d, PROMPTS, max_tokens=30, temperature=temperature, seed=seed)
+        reqs = python_generate(load_engine(d), PROMPTS, max_tokens=30, temperature=temperature, seed=seed,
+                               ignore_eos=True)
+        same_as_python(lines, reqs)
+        assert {s.verified for r in reqs for s in r.steps} == {widths[0]}
 
 
 def test_refuses_an_engine_built_for_another_compute_capability(cxx_build, built, tmp_path):

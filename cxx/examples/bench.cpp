@@ -2,7 +2,7 @@
 // aoti engine directory, batch size by batch size.
 //
 //   muse_spark_bench --engine DIR [--batches 1,8,32] [--max-tokens N] [--prompt-len L] [--warmup K]
-//                    [--json FILE] [--threads N] [--no-verify]
+//                    [--json FILE] [--threads N] [--no-verify] [--no-cuda-graphs]
 //
 // For each batch size B (those above the engine's max_batch are skipped, saying so on stderr), B requests
 // of the same prompt (L token ids, (7 + 31·j) mod vocab) generate N tokens each, greedy, ignoring EOS,
@@ -55,6 +55,7 @@ std::string number(double x, int digits) {
 
 struct Result {
   int64_t batch = 0, steps = 0, tokens = 0;
+  bool cuda_graphs = false;
   double step_ms_median = 0, step_ms_mean = 0, tokens_per_s = 0, accepted_per_step = 0, seconds = 0;
 
   std::string json() const {
@@ -62,7 +63,8 @@ struct Result {
     return "{\"batch\": " + std::to_string(batch) + ", \"step_ms_median\": " + ms(step_ms_median) +
            ", \"step_ms_mean\": " + ms(step_ms_mean) + ", \"tokens_per_s\": " + number(tokens_per_s, 2) +
            ", \"steps\": " + std::to_string(steps) + ", \"accepted_per_step\": " + number(accepted_per_step, 4) +
-           ", \"tokens\": " + std::to_string(tokens) + ", \"seconds\": " + number(seconds, 6) + "}";
+           ", \"tokens\": " + std::to_string(tokens) + ", \"seconds\": " + number(seconds, 6) +
+           ", \"cuda_graphs\": " + (cuda_graphs ? "true" : "false") + "}";
   }
 };
 
@@ -97,6 +99,7 @@ Result run_batch(muse_spark::Engine& engine, int64_t batch, const std::vector<in
   }
   Result r;
   r.batch = batch;
+  r.cuda_graphs = engine.cuda_graphs();
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   int64_t request_steps = 0, accepted = 0;
   for (int64_t id : ids) {
@@ -125,7 +128,7 @@ Result run_batch(muse_spark::Engine& engine, int64_t batch, const std::vector<in
 int usage(const std::string& why) {
   std::cerr << "muse_spark_bench: " << why << "\n"
             << "usage: muse_spark_bench --engine DIR [--batches 1,8,32] [--max-tokens N] [--prompt-len L]\n"
-               "       [--warmup K] [--json FILE] [--threads N] [--no-verify]\n";
+               "       [--warmup K] [--json FILE] [--threads N] [--no-verify] [--no-cuda-graphs]\n";
   return 64;
 }
 
@@ -159,6 +162,8 @@ int main(int argc, char** argv) {
         at::set_num_threads(static_cast<int>(parse_count(value(), a, 1)));
       } else if (a == "--no-verify") {
         options.verify_hashes = false;
+      } else if (a == "--no-cuda-graphs") {  // a CUDA engine's packages called one by one (the comparison)
+        options.cuda_graphs = false;
       } else {
         return usage("unknown argument " + a);
       }
@@ -192,7 +197,8 @@ int main(int argc, char** argv) {
     if (!json_out) return usage("--json: cannot write " + json_path);
   }
   std::cerr << "muse_spark_bench: " << engine_dir << " on " << engine->device() << ", max_batch "
-            << engine->max_batch() << ", γ " << engine->gamma() << "; prompt " << prompt_len << " tokens, "
+            << engine->max_batch() << ", γ " << engine->gamma()
+            << (engine->cuda_graphs() ? ", CUDA graphs" : "") << "; prompt " << prompt_len << " tokens, "
             << max_tokens << " generated per request, " << warmup << " warm-up steps" << std::endl;
   std::vector<Result> results;
   try {

@@ -2,7 +2,7 @@
 //
 //   muse_spark_generate --engine DIR --prompt-ids 72,101,108 [--prompt-ids ...] [--max-tokens N]
 //                       [--temperature T] [--seed S] [--stop-ids a,b] [--ignore-eos] [--stream]
-//                       [--max-batch N] [--threads N] [--no-verify]
+//                       [--max-batch N] [--threads N] [--no-verify] [--no-cuda-graphs]
 //                       [--arrivals K0,K1,...] [--cancel I@K ...]
 //   muse_spark_generate --info
 //
@@ -91,7 +91,7 @@ int usage(const std::string& why) {
   std::cerr << "muse_spark_generate: " << why << "\n"
             << "usage: muse_spark_generate --engine DIR --prompt-ids IDS [--prompt-ids IDS ...] [--max-tokens N]\n"
                "       [--temperature T] [--seed S] [--stop-ids IDS] [--ignore-eos] [--stream] [--max-batch N]\n"
-               "       [--threads N] [--no-verify] [--arrivals K0,K1,...] [--cancel I@K ...]\n"
+               "       [--threads N] [--no-verify] [--no-cuda-graphs] [--arrivals K0,K1,...] [--cancel I@K ...]\n"
                "       muse_spark_generate --info\n";
   return 64;
 }
@@ -149,6 +149,8 @@ int main(int argc, char** argv) {
         cancels.emplace_back(static_cast<size_t>(ik[0]), ik[1]);
       } else if (a == "--no-verify") {
         options.verify_hashes = false;
+      } else if (a == "--no-cuda-graphs") {
+        options.cuda_graphs = false;
       } else {
         return usage("unknown argument " + a);
       }

@@ -26,12 +26,17 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 
 #ifdef MUSE_SPARK_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #endif
 
@@ -363,8 +368,6 @@ struct Engine::Impl {
   at::Device device = at::kCPU;
   at::ScalarType dtype = at::kBFloat16;
   int64_t gamma = 0, max_seq = 0, max_batch = 0, vocab = 0, prefill_chunk = 0, scratch_slot = 0;
-  // the last step's confidence head values, per batch row: the draft package's fifth output
-  std::vector<std::vector<float>> last_confidence;
   std::set<int64_t> eos;
   bool has_generator = false;  // one Generator at a time owns the slots and caches
   Tensors weights;
@@ -397,7 +400,9 @@ struct Engine::Impl {
     if (!graphs.contains(name)) throw EngineError(dir + ": the manifest lists no package '" + name + "'");
     std::string path = dir + "/" + graphs.at(name).at("file").get<std::string>();
     try {
-      return std::make_unique<Loader>(path, "model", /*run_single_threaded=*/false, /*num_runners=*/1,
+      // (single-threaded where the steps are CUDA graphs: the default run synchronizes an event, which a
+      // capture cannot hold)
+      return std::make_unique<Loader>(path, "model", /*run_single_threaded=*/cuda_graphs, /*num_runners=*/1,
                                       device.is_cuda() ? device.index() : static_cast<c10::DeviceIndex>(-1));
     } catch (const std::exception& e) {
       throw EngineError("AOTI package " + path + " cannot be loaded: " + e.what());
@@ -493,40 +498,31 @@ struct Engine::Impl {
     throw std::invalid_argument("batch of " + std::to_string(n) + " exceeds the engine's largest bucket");
   }
 
-  // LayeredStep over a bucket's packages, the rows padded as StaticStep pads them → packed rows.
-  std::vector<std::vector<int64_t>> step_once(Bucket& b, const std::vector<Request*>& batch) {
-    const int64_t B = b.size;
-    std::vector<int64_t> anchor(B, 0), anchor_pos(B, 0), slots(B, scratch_slot), seeds(B, 0);
-    std::vector<float> temps(B, 0.0f);
-    for (size_t i = 0; i < batch.size(); ++i) {
-      anchor[i] = batch[i]->anchor;
-      anchor_pos[i] = batch[i]->position;
-      slots[i] = batch[i]->slot;
-      seeds[i] = batch[i]->seed;
-      temps[i] = static_cast<float>(batch[i]->temperature);
-    }
-    auto dev = [&](std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device); };
-    at::Tensor a = dev(anchor), ap = dev(anchor_pos), sl = dev(slots), sd = dev(seeds);
-    at::Tensor tp = at::tensor(temps, at::kFloat).to(device);
-    at::Tensor positions = ap.unsqueeze(1) + at::arange(gamma + 1, i64());
-    Tensors head = pick(weights, head_idx);
+  // ---- the speculative step -----------------------------------------------------------------------
+  // The step's five per-request inputs on the device, as a bucket's packages take them: anchor,
+  // anchor_pos, slots, seeds (int64 [B]) and temperature (float32 [B]).
+  struct StepInputs {
+    at::Tensor a, ap, sl, sd, tp;
+  };
 
-    Tensors in = head;
-    append(in, dk);
-    append(in, dv);
-    append(in, {b.markov_ws, a, ap, sl, sd, tp, positions});
-    Tensors drafted = b.draft->run(in);  // ids, probs, stream, x, confidence
-    at::Tensor conf = drafted.at(4).to(at::kCPU).to(at::kFloat).contiguous();
-    {
-      const float* c = conf.data_ptr<float>();
-      last_confidence.clear();
-      for (size_t i = 0; i < batch.size(); ++i) last_confidence.emplace_back(c + i * gamma, c + (i + 1) * gamma);
-    }
-    // LayeredStep.verify at width K: the anchor and the first K drafts through the narrower packages
-    // (every draft where no schedule plans this bucket)
-    const int64_t K = b.planned ? plan(conf.narrow(0, 0, static_cast<int64_t>(batch.size()))) : gamma;
+  // LayeredStep's draft half → its outputs (ids, probs, stream, x, confidence) and the positions.
+  Tensors draft_half(Bucket& b, const StepInputs& in) {
+    at::Tensor positions = in.ap.unsqueeze(1) + at::arange(gamma + 1, i64());
+    Tensors x = pick(weights, head_idx);
+    append(x, dk);
+    append(x, dv);
+    append(x, {b.markov_ws, in.a, in.ap, in.sl, in.sd, in.tp, positions});
+    Tensors drafted = b.draft->run(x);
+    drafted.resize(5);
+    drafted.push_back(positions);
+    return drafted;
+  }
+
+  // LayeredStep.verify at width K over the draft half's outputs: the anchor and the first K drafts
+  // through the narrower packages (all γ: the full-width ones) → the packed rows [B, γ+2] int64.
+  at::Tensor verify_half(Bucket& b, const Tensors& drafted, const StepInputs& in, int64_t K) {
     Loader *layer = b.layer.get(), *verify = b.verify.get(), *context_part = b.context.get();
-    at::Tensor pos = positions, stream = drafted.at(2), x = drafted.at(3);
+    at::Tensor pos = drafted.at(5), stream = drafted.at(2), x = drafted.at(3);
     if (K < gamma) {
       auto& parts = b.narrower.at(K);
       layer = parts[0].get();
@@ -536,47 +532,344 @@ struct Engine::Impl {
       stream = stream.slice(1, 0, K + 1).contiguous();
       x = x.slice(1, 0, K + 1).contiguous();
     }
+    Tensors head = pick(weights, head_idx);
     auto context = [&](const Tensors& aux_streams) {
       Tensors c = head;
       append(c, dk);
       append(c, dv);
       append(c, aux_streams);
-      append(c, {pos, sl});
+      append(c, {pos, in.sl});
       context_part->run(c);
     };
-    auto [h, aux_streams] = layers(*layer, stream, x, pos, sl, context);
+    auto [h, aux_streams] = layers(*layer, stream, x, pos, in.sl, context);
     Tensors v = head;
-    append(v, {b.markov_ws, h, drafted.at(0), drafted.at(1), pos, sd, tp});
-    at::Tensor packed = verify->run(v).at(0).to(at::kCPU).contiguous();
-    std::vector<std::vector<int64_t>> rows;
-    const int64_t W = packed.size(1);
-    const int64_t* p = packed.data_ptr<int64_t>();
-    for (size_t i = 0; i < batch.size(); ++i) rows.emplace_back(p + i * W, p + (i + 1) * W);
-    return rows;
+    append(v, {b.markov_ws, h, drafted.at(0), drafted.at(1), pos, in.sd, in.tp});
+    return verify->run(v).at(0);
   }
 
-  // StaticStep.step_host's retry: rows flagged by the fused Markov kernel (n = -1) run once more
-  // on a zeroed workspace; a second failure is an error.
-  std::vector<std::vector<int64_t>> step(const std::vector<Request*>& batch) {
-    Bucket& b = bucket_for(batch.size());
-    auto flagged = [&](const std::vector<std::vector<int64_t>>& rows) {
-      if (!b.markov_ws.numel()) return false;
-      for (const auto& r : rows)
-        if (r[r.size() - 2] < 0) return true;
-      return false;
-    };
-    auto rows = step_once(b, batch);
-    if (flagged(rows)) {
-      b.markov_ws.zero_();
-      rows = step_once(b, batch);
-      if (flagged(rows)) {
-        b.markov_ws.zero_();
-        throw EngineError("the fused Markov kernel failed twice in a row (word " +
-                          std::to_string(kMarkovErrorWord) + " of its workspace): its programs were not all "
-                          "resident at once");
-      }
+  // What one step hands the host, in one tensor (one device→host copy): the packed rows [B, γ+2] and the
+  // drafts' confidences, their float32 bits in int64 columns [B, γ] → [B, 2γ+2].
+  at::Tensor with_confidence(const at::Tensor& packed, const at::Tensor& confidence) const {
+    return at::cat({packed, confidence.to(at::kFloat).contiguous().view(at::kInt).to(at::kLong)}, 1);
+  }
+
+  // The confidences of a step's draft half, rows [0, n), on the host as float32 (the schedule's plan).
+  static at::Tensor host_confidence(const Tensors& drafted, int64_t n) {
+    return drafted.at(4).narrow(0, 0, n).to(at::kCPU).to(at::kFloat).contiguous();
+  }
+
+  // The whole step over `in` (StaticStep._step: the plain step, or where the schedule plans this bucket,
+  // the draft half, the plan from the first n rows' confidences, the verification at its width).
+  at::Tensor run_step(Bucket& b, const StepInputs& in, int64_t n) {
+    Tensors drafted = draft_half(b, in);
+    const int64_t K = b.planned ? plan(host_confidence(drafted, n)) : gamma;
+    return with_confidence(verify_half(b, drafted, in, K), drafted.at(4));
+  }
+
+  // The host's inputs of a step, the batch's rows; padding rows are added where they are written.
+  struct HostInputs {
+    std::vector<int64_t> anchor, anchor_pos, slots, seeds;
+    std::vector<float> temperature;
+  };
+
+  static HostInputs host_inputs(const std::vector<Request*>& batch) {
+    HostInputs h;
+    for (const Request* r : batch) {
+      h.anchor.push_back(r->anchor);
+      h.anchor_pos.push_back(r->position);
+      h.slots.push_back(r->slot);
+      h.seeds.push_back(r->seed);
+      h.temperature.push_back(static_cast<float>(r->temperature));
     }
-    return rows;
+    return h;
+  }
+
+  // The rows a step handed the host: per request, the packed row (γ drafts, n accepted, the bonus) and
+  // the γ confidences.
+  struct StepRows {
+    std::vector<std::vector<int64_t>> rows;
+    std::vector<std::vector<float>> confidence;
+  };
+
+  StepRows unpack(const int64_t* p, int64_t width, size_t n) const {
+    StepRows r;
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t* row = p + static_cast<int64_t>(i) * width;
+      r.rows.emplace_back(row, row + gamma + 2);
+      std::vector<float> c(static_cast<size_t>(gamma));
+      for (int64_t k = 0; k < gamma; ++k) {
+        const int32_t bits = static_cast<int32_t>(row[gamma + 2 + k]);
+        std::memcpy(&c[static_cast<size_t>(k)], &bits, sizeof(float));
+      }
+      r.confidence.push_back(std::move(c));
+    }
+    return r;
+  }
+
+  // Whether a step's rows say the fused Markov kernel failed (n = -1; only with a workspace).
+  bool flagged(const Bucket& b, const StepRows& r) const {
+    if (!b.markov_ws.numel()) return false;
+    for (const auto& row : r.rows)
+      if (row[static_cast<size_t>(gamma)] < 0) return true;
+    return false;
+  }
+
+  [[noreturn]] void markov_failed(Bucket& b) {
+    b.markov_ws.zero_();
+    throw EngineError("the fused Markov kernel failed twice in a row (word " + std::to_string(kMarkovErrorWord) +
+                      " of its workspace): its programs were not all resident at once");
+  }
+
+  // A step without CUDA graphs (CPU engines, or graphs turned off): the inputs copied in, the packages run
+  // call by call, the rows read back (StaticStep.step_host, its Markov retry included: rows flagged by the
+  // fused Markov kernel run once more on a zeroed workspace; a second failure is an error).
+  StepRows step_uncaptured(Bucket& b, const HostInputs& h) {
+    const int64_t B = b.size;
+    const size_t n = h.anchor.size();
+    auto padded = [&](const std::vector<int64_t>& v, int64_t fill) {
+      std::vector<int64_t> out(v);
+      out.resize(static_cast<size_t>(B), fill);
+      return at::tensor(out, at::kLong).to(device);
+    };
+    std::vector<float> temps(h.temperature);
+    temps.resize(static_cast<size_t>(B), 0.0f);
+    StepInputs in{padded(h.anchor, 0), padded(h.anchor_pos, 0), padded(h.slots, scratch_slot), padded(h.seeds, 0),
+                  at::tensor(temps, at::kFloat).to(device)};
+    auto once = [&] {
+      at::Tensor out = run_step(b, in, static_cast<int64_t>(n)).to(at::kCPU).contiguous();
+      return unpack(out.data_ptr<int64_t>(), out.size(1), n);
+    };
+    StepRows r = once();
+    if (flagged(b, r)) {
+      b.markov_ws.zero_();
+      r = once();
+      if (flagged(b, r)) markov_failed(b);
+    }
+    return r;
+  }
+
+  // ---- CUDA graphs (runtime/cuda_graph.py's CUDAGraphStep and its chained steps) -------------------
+  // A launched step: its rows are read with `rows` (the Generator's handle).
+  struct Launched {
+    Bucket* bucket = nullptr;
+    int64_t serial = 0;
+    size_t n = 0;
+    at::Tensor out;                       // the device tensor the step wrote ([B, 2γ+2])
+    std::shared_ptr<HostInputs> inputs;   // given, or (chained) derived from the parent's rows when needed
+    std::shared_ptr<Launched> parent;
+    std::shared_ptr<StepRows> rows;       // once read
+    bool redone = false;                  // its rows came from a Markov retry: a step chained after it is invalid
+  };
+  using Handle = std::shared_ptr<Launched>;
+
+  bool cuda_graphs = false;  // the steps are CUDA graphs (a CUDA engine unless OpenOptions::cuda_graphs is off)
+  bool chained_steps = true; // the manifest's kernel option chained_steps (run scope)
+
+  // Whether the Generator chains this engine's steps (AOTIEngine.chains): graphs, the option, no schedule on.
+  bool chains() const { return cuda_graphs && chained_steps && !schedule.on(); }
+
+#ifdef MUSE_SPARK_CUDA
+  // A bucket's captured step: its static inputs (the five rows of one int64 buffer, the temperatures'
+  // row read as float32, with a pinned host twin: one host→device copy a step), the whole step's graph
+  // and, where the schedule plans the bucket, the draft half's and each width's verification graphs; two
+  // pinned host buffers for the rows of the (at most two) steps in flight.
+  struct Captured {
+    at::Tensor packed, host_packed;
+    StepInputs in;
+    std::unique_ptr<at::cuda::CUDAGraph> full, draft;
+    std::map<int64_t, std::unique_ptr<at::cuda::CUDAGraph>> verify;
+    at::Tensor out;                       // the whole step's
+    Tensors drafted;                      // the draft half's outputs
+    std::map<int64_t, at::Tensor> verify_out;
+    std::array<at::Tensor, 2> ring;
+    std::array<at::cuda::CUDAEvent, 2> done;
+    at::cuda::CUDAEvent copied_in;        // the last host→device copy has read the pinned twin
+    int64_t serial = 0;
+  };
+  std::map<int64_t, std::unique_ptr<Captured>> captured;  // by bucket size
+  decltype(at::cuda::graph_pool_handle()) graph_pool = {0, 0};
+
+  // CUDAGraphStep.__init__: warm-up calls on a side stream (a package's first run loads its kernels and
+  // may allocate), then the capture into one memory pool shared by every graph of the engine (largest
+  // bucket first, the smaller reuse its blocks). All rows are padding while it runs: only the scratch
+  // slot is written.
+  void capture(Bucket& b) {
+    c10::cuda::CUDAGuard guard(device);
+    const int64_t B = b.size, width = B + B % 2;
+    auto c = std::make_unique<Captured>();
+    c->packed = at::zeros({5, width}, i64());
+    c->host_packed = at::zeros({5, width}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    c->in = StepInputs{c->packed[0].narrow(0, 0, B), c->packed[1].narrow(0, 0, B), c->packed[2].narrow(0, 0, B),
+                       c->packed[3].narrow(0, 0, B), c->packed[4].view(at::kFloat).narrow(0, 0, B)};
+    c->in.sl.fill_(scratch_slot);
+    c->host_packed[2].fill_(scratch_slot);
+    for (auto& r : c->ring)
+      r = at::empty({B, 2 * gamma + 2}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    Captured& k = *c;
+    auto graph = [&](const std::function<at::Tensor()>& fn) {
+      c10::cuda::device_synchronize();
+      c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
+      at::Tensor out;
+      {
+        c10::cuda::CUDAStreamGuard on_side(side);
+        for (int i = 0; i < 2; ++i) fn();
+      }
+      c10::cuda::device_synchronize();
+      auto g = std::make_unique<at::cuda::CUDAGraph>();
+      {
+        c10::cuda::CUDAStreamGuard on_side(side);
+        g->capture_begin(graph_pool);
+        out = fn();
+        g->capture_end();
+      }
+      return std::make_pair(std::move(g), out);
+    };
+    std::tie(k.full, k.out) = graph([&] {
+      Tensors drafted = draft_half(b, k.in);
+      return with_confidence(verify_half(b, drafted, k.in, gamma), drafted.at(4));
+    });
+    if (b.planned) {
+      at::Tensor first;
+      std::tie(k.draft, first) = graph([&] {
+        k.drafted = draft_half(b, k.in);
+        return k.drafted.at(0);
+      });
+      for (int64_t w : verify_widths)
+        std::tie(k.verify[w], k.verify_out[w]) =
+            graph([&] { return with_confidence(verify_half(b, k.drafted, k.in, w), k.drafted.at(4)); });
+    }
+    c10::cuda::device_synchronize();
+    captured[b.size] = std::move(c);
+  }
+
+  // The step over the static inputs (the whole graph, or the planned halves: the one wait inside a step)
+  // → the tensor it wrote.
+  at::Tensor replay(Bucket& b, Captured& k, size_t n) {
+    if (!b.planned) {
+      k.full->replay();
+      return k.out;
+    }
+    k.draft->replay();
+    const int64_t K = plan(host_confidence(k.drafted, static_cast<int64_t>(n)));
+    k.verify.at(K)->replay();
+    return k.verify_out.at(K);
+  }
+
+  // StaticStep._write_twin + _fill_host: host values (padding rows too) into the pinned twin, once the
+  // last copy from it has read it, then one asynchronous copy of all five rows.
+  void fill(Captured& k, int64_t B, const HostInputs& h) {
+    const size_t n = h.anchor.size();
+    k.copied_in.synchronize();
+    int64_t* p = k.host_packed.data_ptr<int64_t>();
+    const int64_t width = k.host_packed.size(1);
+    float* t = reinterpret_cast<float*>(p + 4 * width);
+    for (int64_t i = 0; i < B; ++i) {
+      const bool real = static_cast<size_t>(i) < n;
+      p[i] = real ? h.anchor[i] : 0;
+      p[width + i] = real ? h.anchor_pos[i] : 0;
+      p[2 * width + i] = real ? h.slots[i] : scratch_slot;
+      p[3 * width + i] = real ? h.seeds[i] : 0;
+      t[i] = real ? h.temperature[i] : 0.0f;
+    }
+    k.packed.copy_(k.host_packed, /*non_blocking=*/true);
+    k.copied_in.record(c10::cuda::getCurrentCUDAStream(device.index()));
+  }
+
+  // StaticStep._launch: the step, then the one device→host copy of its rows into a pinned buffer of its
+  // own (two in flight at most), not waited for.
+  Handle launch_captured(Bucket& b, Captured& k, size_t n, std::shared_ptr<HostInputs> inputs, Handle parent) {
+    auto h = std::make_shared<Launched>();
+    h->bucket = &b;
+    h->n = n;
+    h->out = replay(b, k, n);
+    h->serial = ++k.serial;
+    h->inputs = std::move(inputs);
+    h->parent = std::move(parent);
+    const size_t slot = static_cast<size_t>(h->serial % 2);
+    k.ring[slot].copy_(h->out, /*non_blocking=*/true);
+    k.done[slot].record(c10::cuda::getCurrentCUDAStream(device.index()));
+    return h;
+  }
+#endif
+
+  // A step over `batch` from its host values, launched (CUDA graphs) or run (without them): → a handle
+  // for `rows`.
+  Handle launch(const std::vector<Request*>& batch) {
+    Bucket& b = bucket_for(batch.size());
+    auto inputs = std::make_shared<HostInputs>(host_inputs(batch));
+#ifdef MUSE_SPARK_CUDA
+    if (cuda_graphs) {
+      c10::cuda::CUDAGuard guard(device);
+      Captured& k = *captured.at(b.size);
+      fill(k, b.size, *inputs);
+      return launch_captured(b, k, batch.size(), std::move(inputs), nullptr);
+    }
+#endif
+    auto h = std::make_shared<Launched>();
+    h->bucket = &b;
+    h->n = batch.size();
+    h->rows = std::make_shared<StepRows>(step_uncaptured(b, *inputs));
+    h->inputs = std::move(inputs);
+    return h;
+  }
+
+  // StaticStep.launch_next: the step after `prev` (the last one its bucket launched) for the same
+  // requests, its inputs advanced on the device from prev's rows as the host would advance them (anchor ←
+  // bonus, anchor_pos ← anchor_pos + n + 1), launched before prev's rows are read.
+  Handle launch_next(const Handle& prev) {
+#ifdef MUSE_SPARK_CUDA
+    Bucket& b = *prev->bucket;
+    Captured& k = *captured.at(b.size);
+    if (!cuda_graphs || prev->serial != k.serial)
+      throw std::logic_error("launch_next: the step before must be the last one its bucket launched");
+    c10::cuda::CUDAGuard guard(device);
+    const int64_t n = static_cast<int64_t>(prev->n);
+    k.in.a.narrow(0, 0, n).copy_(prev->out.narrow(0, 0, n).select(1, gamma + 1));
+    k.in.ap.narrow(0, 0, n).add_(prev->out.narrow(0, 0, n).select(1, gamma) + 1);
+    return launch_captured(b, k, prev->n, nullptr, prev);
+#else
+    (void)prev;
+    throw std::logic_error("launch_next: this library was built without CUDA");
+#endif
+  }
+
+  // Wait for step h → its rows (StaticStep.rows). Where the fused Markov kernel raised its error flag, the
+  // step runs again from its host inputs on a zeroed workspace and h->redone is set (a step chained after
+  // h was computed from invalid rows: the caller drops it); a second failure is an error.
+  const StepRows& rows(const Handle& h) {
+    if (h->rows) return *h->rows;
+#ifdef MUSE_SPARK_CUDA
+    c10::cuda::CUDAGuard guard(device);
+    Bucket& b = *h->bucket;
+    Captured& k = *captured.at(b.size);
+    if (h->serial < k.serial - 1)
+      throw std::logic_error("rows: this step's buffer was reused by later steps (more than two in flight)");
+    const size_t slot = static_cast<size_t>(h->serial % 2);
+    k.done[slot].synchronize();
+    StepRows r = unpack(k.ring[slot].data_ptr<int64_t>(), k.ring[slot].size(1), h->n);
+    if (!h->inputs) {  // chained: the parent's inputs advanced by its rows (read before these), as the device did
+      const StepRows& pr = *h->parent->rows;
+      auto in = std::make_shared<HostInputs>(*h->parent->inputs);
+      for (size_t i = 0; i < h->n; ++i) {
+        in->anchor[i] = pr.rows[i][static_cast<size_t>(gamma + 1)];
+        in->anchor_pos[i] += pr.rows[i][static_cast<size_t>(gamma)] + 1;
+      }
+      h->inputs = std::move(in);
+    }
+    h->parent.reset();  // (a chain of steps holds no more than the step before)
+    if (flagged(b, r)) {
+      h->redone = true;
+      b.markov_ws.zero_();
+      fill(k, b.size, *h->inputs);
+      at::Tensor out = replay(b, k, h->n).to(at::kCPU).contiguous();
+      r = unpack(out.data_ptr<int64_t>(), out.size(1), h->n);
+      if (flagged(b, r)) markov_failed(b);
+    }
+    h->rows = std::make_shared<StepRows>(std::move(r));
+    return *h->rows;
+#else
+    throw std::logic_error("rows: a step without rows (this library was built without CUDA)");
+#endif
   }
 };
 
@@ -956,6 +1249,10 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
                         "verify " + py_list(ws) + " drafts per request");
     }
 
+    e.cuda_graphs = options.cuda_graphs && e.device.is_cuda();
+    if (m.contains("options") && m["options"].is_object() && m["options"].contains("chained_steps"))
+      e.chained_steps = m["options"]["chained_steps"].get<bool>();
+
     // packages: the prompt chunk's two, then each bucket's four (and, where the schedule plans its steps,
     // the narrower widths' three each)
     e.prefill_layer = e.load("prefill_layer");
@@ -978,6 +1275,13 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
       k.markov_ws = at::zeros({markov_words.at(b)}, e.i64());
       e.buckets.push_back(std::move(k));
     }
+#ifdef MUSE_SPARK_CUDA
+    if (e.cuda_graphs) {  // (AOTIEngine: largest bucket first, the smaller graphs reuse its pool's blocks)
+      c10::InferenceMode guard;
+      e.graph_pool = at::cuda::graph_pool_handle();
+      for (auto it = e.buckets.rbegin(); it != e.buckets.rend(); ++it) e.capture(*it);
+    }
+#endif
   } catch (const json::exception& ex) {
     throw EngineError(e.dir + ": the manifest is malformed (" + ex.what() + "); rebuild the engine");
   } catch (const c10::Error& ex) {
@@ -994,6 +1298,7 @@ int64_t Engine::max_seq() const { return impl_->max_seq; }
 int64_t Engine::max_batch() const { return impl_->max_batch; }
 int64_t Engine::vocab_size() const { return impl_->vocab; }
 std::string Engine::device() const { return impl_->device.str(); }
+bool Engine::cuda_graphs() const { return impl_->cuda_graphs; }
 
 void Engine::synchronize() const {
 #ifdef MUSE_SPARK_CUDA
@@ -1045,14 +1350,16 @@ void Engine::validate(const std::vector<int64_t>& prompt, const SamplingParams& 
   validate_request(*impl_, prompt, p);
 }
 
-// ---- the generator: runtime/generator.py's Generator, its unchained form (each step's rows are read
-// before the next step is launched), with the same admission order, slots and emitted tokens ------------
+// ---- the generator: runtime/generator.py's Generator (its chained steps where the engine's steps are CUDA
+// graphs), with the same admission order, slots and emitted tokens (a whole prompt prefilled at admission) ----
 struct Generator::Impl {
   Engine::Impl& e;
   std::map<int64_t, Request> requests;  // by id
   std::vector<Request*> waiting, active;
   std::vector<int64_t> free_slots;
   int64_t next_id = 0;
+  // a chained step launched, its rows not read yet, and its batch
+  std::optional<std::pair<Engine::Impl::Handle, std::vector<Request*>>> inflight;
 
   explicit Impl(Engine::Impl& engine) : e(engine) {
     for (int64_t s = e.max_batch - 1; s >= 0; --s) free_slots.push_back(s);  // pop_back() gives slot 0 first
@@ -1116,27 +1423,68 @@ struct Generator::Impl {
     return events;
   }
 
-  // Generator._step: one speculative step over every active request.
+  // Generator._step: one speculative step over every active request. Chained steps (an engine whose
+  // steps are CUDA graphs, Engine::Impl::chains): before it reads a step's rows, the next step for the
+  // same requests is launched, its inputs advanced on the device, so the device does not wait while the
+  // host reads rows, emits tokens and prepares the next step; the next call reads that step's rows. A
+  // request that finished or was cancelled meanwhile has its row ignored (its step wrote only its own
+  // slot, past its end); a batch that changes is not chained again until it is stepped afresh. The tokens
+  // are those of unchained steps: the chained step computes what the next call would have launched.
   std::vector<Event> step() {
     std::vector<Event> events;
-    std::vector<Request*> batch = active;
-    if (batch.empty()) return events;
-    auto rows = e.step(batch);
+    std::vector<Request*> batch;
+    Engine::Impl::Handle handle;
+    if (inflight) {
+      std::tie(handle, batch) = std::move(*inflight);
+      inflight.reset();
+    } else {
+      batch = active;
+      if (batch.empty()) return events;
+    }
+    Engine::Impl::Handle next;
+    try {
+      if (!handle) handle = e.launch(batch);
+      if (e.chains() && chains(batch)) next = e.launch_next(handle);
+      e.rows(handle);
+    } catch (...) {
+      inflight.reset();  // (an engine failure: nothing chained survives it)
+      throw;
+    }
+    if (next && !handle->redone) inflight.emplace(next, batch);  // (after a retried step the chained one is invalid)
+    const auto& rows = *handle->rows;
     for (size_t i = 0; i < batch.size(); ++i) {
       Request& r = *batch[i];
-      const auto& row = rows[i];
+      if (r.finished) continue;  // (finished or cancelled after this chained step was launched)
+      const auto& row = rows.rows[i];
       int64_t n = row[static_cast<size_t>(e.gamma)], bonus = row[static_cast<size_t>(e.gamma + 1)];
       std::vector<int64_t> emitted(row.begin(), row.begin() + n);
       emitted.push_back(bonus);
       events.push_back(emit(r, emitted));
-      events.back().confidence = e.last_confidence.at(i);
-      r.out.confidence.push_back(e.last_confidence.at(i));
+      events.back().confidence = rows.confidence.at(i);
+      r.out.confidence.push_back(rows.confidence.at(i));
       r.out.steps += 1;
       r.out.accepted_draft_tokens += n;
       r.anchor = bonus;
       r.position += n + 1;
     }
     return events;
+  }
+
+  // Generator._chains: launch the step after this one before reading its rows only while the same
+  // requests are all still running, none waits for a free slot, the chained step's writes stay inside the
+  // caches (its largest position + γ is below max_seq), and some request surely needs it (more than γ+1
+  // tokens left: this step emits at most γ+1).
+  bool chains(const std::vector<Request*>& batch) const {
+    const int64_t g = e.gamma;
+    if (batch != active || (!waiting.empty() && !free_slots.empty())) return false;
+    int64_t last = 0;
+    bool needed = false;
+    for (const Request* r : batch) {
+      if (r->finished) return false;
+      last = std::max(last, r->position);
+      needed = needed || r->params.max_tokens - static_cast<int64_t>(r->out.tokens.size()) > g + 1;
+    }
+    return last + 2 * (g + 1) <= e.max_seq && needed;
   }
 
   Request& get(int64_t id) {
@@ -1183,7 +1531,8 @@ bool Generator::has_work() const { return !impl_->waiting.empty() || !impl_->act
 std::vector<Event> Generator::step() {
   c10::InferenceMode guard;
   Impl& g = *impl_;
-  if (!g.waiting.empty() && !g.free_slots.empty()) return g.admit();
+  // (a chained step in flight is read first: its batch was chained while nobody waited for a slot)
+  if (!g.inflight && !g.waiting.empty() && !g.free_slots.empty()) return g.admit();
   return g.step();
 }
 

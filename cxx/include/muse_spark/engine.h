@@ -59,6 +59,9 @@ struct Output {
 struct OpenOptions {
   int64_t max_batch = 0;       // request slots; 0 = the engine's max_batch
   bool verify_hashes = true;   // sha256 of every engine file against the manifest
+  // A CUDA engine's steps captured in CUDA graphs, one per batch bucket, and replayed (chained where
+  // the manifest's chained_steps is on and no schedule is); off: the packages run call by call.
+  bool cuda_graphs = true;
 };
 
 // Called with (request index, tokens) each time a request emits tokens.
@@ -77,6 +80,7 @@ class Engine {
   int64_t max_batch() const;
   int64_t vocab_size() const;
   std::string device() const;  // "cpu" or "cuda:N"
+  bool cuda_graphs() const;     // whether its steps replay CUDA graphs (a CUDA engine, OpenOptions::cuda_graphs)
   // Wait until the engine's device has finished the work queued on it (a no-op on CPU): a caller that
   // times steps on a CUDA engine (muse_spark_bench) needs it, the packages' kernels run asynchronously.
   void synchronize() const;
