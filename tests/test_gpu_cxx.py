@@ -8,7 +8,9 @@ which only a CUDA build of the library has."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -91,3 +93,18 @@ def test_refuses_an_engine_built_for_another_compute_capability(cxx_build, built
     (d / "manifest.json").write_text(json.dumps(m))
     r = cxx(cxx_build, "--engine", d, "--prompt-ids", "1,2")
     assert r.returncode == 2 and "engine was compiled for compute capability 8.0" in r.stderr, r.stderr
+
+
+def test_the_benchmark_replays_graphs_with_the_manifests_programmatic_edges(cxx_build, built):
+    """muse_spark_bench on the CUDA engine: its steps are CUDA graphs, and where the engine was built with
+    PDL (the manifest's pdl_kernels) the captures made edges into those kernels programmatic, as the
+    Python runtime's do."""
+    m = json.loads((built / "manifest.json").read_text())
+    r = subprocess.run([str(cxx_build / "muse_spark_bench"), "--engine", str(built), "--batches", "1,3",
+                        "--max-tokens", "16", "--prompt-len", "8", "--warmup", "1"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["batch"] for x in rows] == [1, 3] and all(x["cuda_graphs"] for x in rows)
+    edges = int(re.search(r"CUDA graphs \((\d+) programmatic edges\)", r.stderr).group(1))
+    assert (edges > 0) == bool(m["aoti"].get("pdl_kernels")), r.stderr

@@ -198,7 +198,9 @@ int main(int argc, char** argv) {
   }
   std::cerr << "muse_spark_bench: " << engine_dir << " on " << engine->device() << ", max_batch "
             << engine->max_batch() << ", γ " << engine->gamma()
-            << (engine->cuda_graphs() ? ", CUDA graphs" : "") << "; prompt " << prompt_len << " tokens, "
+            << (engine->cuda_graphs() ? ", CUDA graphs (" + std::to_string(engine->programmatic_edges()) +
+                                            " programmatic edges)" : std::string())
+            << "; prompt " << prompt_len << " tokens, "
             << max_tokens << " generated per request, " << warmup << " warm-up steps" << std::endl;
   std::vector<Result> results;
   try {

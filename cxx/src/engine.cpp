@@ -37,7 +37,9 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda.h>  // (the driver API's types; its functions are looked up in libcuda at run time)
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #endif
 
 #ifndef MUSE_SPARK_TORCH_VERSION
@@ -58,6 +60,87 @@ constexpr const char* kFormat = "muse-spark-engine";
 constexpr int kSchemaVersion = 1;
 constexpr const char* kLayout = "layered-7";  // muse_spark/graphs/parts.py LAYOUT
 constexpr int kEmbeddingVersion = 1;          // builder/embedder.py EMBEDDING_VERSION
+
+#ifdef MUSE_SPARK_CUDA
+// The CUDA driver's graph-editing functions, looked up in libcuda.so.1 (loaded by the CUDA runtime already)
+// rather than linked: the library then needs no driver stub at build time. Null where one is missing.
+struct GraphDriver {
+  decltype(&::cuGraphGetEdges_v2) get_edges = nullptr;
+  decltype(&::cuGraphAddDependencies_v2) add = nullptr;
+  decltype(&::cuGraphRemoveDependencies_v2) remove = nullptr;
+  decltype(&::cuGraphNodeGetType) node_type = nullptr;
+  decltype(&::cuGraphKernelNodeGetParams_v2) kernel_params = nullptr;
+  decltype(&::cuFuncGetName) func_name = nullptr;
+
+  static const GraphDriver& get() {
+    static const GraphDriver d = [] {
+      GraphDriver g;
+      void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+      if (!lib) lib = dlopen("libcuda.so.1", RTLD_NOW);
+      if (!lib) return g;
+      auto sym = [&](auto& f, const char* name) { f = reinterpret_cast<std::decay_t<decltype(f)>>(dlsym(lib, name)); };
+      sym(g.get_edges, "cuGraphGetEdges_v2");
+      sym(g.add, "cuGraphAddDependencies_v2");
+      sym(g.remove, "cuGraphRemoveDependencies_v2");
+      sym(g.node_type, "cuGraphNodeGetType");
+      sym(g.kernel_params, "cuGraphKernelNodeGetParams_v2");
+      sym(g.func_name, "cuFuncGetName");
+      return g;
+    }();
+    return d;
+  }
+  bool complete() const { return get_edges && add && remove && node_type && kernel_params && func_name; }
+};
+
+// runtime/cuda_graph.py make_programmatic: each edge kernel → kernel of the captured (not yet instantiated)
+// graph whose downstream kernel's name is in `waiting` (the manifest's aoti.pdl_kernels: kernels that wait
+// before they touch memory) becomes a programmatic edge (PDL, docs/pdl.md; the "programmatic" port): that
+// kernel may launch before the one before it has finished. Edges from or to other nodes stay. → the edges
+// rewritten.
+int64_t make_programmatic(cudaGraph_t graph, const std::set<std::string>& waiting) {
+  const GraphDriver& cu = GraphDriver::get();
+  auto check = [](CUresult r, const char* what) {
+    if (r != CUDA_SUCCESS)
+      throw EngineError(std::string("making the step graph's edges programmatic: ") + what + " failed: error " +
+                        std::to_string(static_cast<int>(r)));
+  };
+  CUgraph h = reinterpret_cast<CUgraph>(graph);
+  size_t n = 0;
+  check(cu.get_edges(h, nullptr, nullptr, nullptr, &n), "cuGraphGetEdges");
+  std::vector<CUgraphNode> from(n), to(n);
+  std::vector<CUgraphEdgeData> data(n);
+  check(cu.get_edges(h, from.data(), to.data(), data.data(), &n), "cuGraphGetEdges");
+  std::map<CUgraphNode, std::optional<std::string>> names;  // a kernel's name ("" unknown); nullopt: not a kernel
+  auto kernel_name = [&](CUgraphNode node) -> const std::optional<std::string>& {
+    auto it = names.find(node);
+    if (it != names.end()) return it->second;
+    CUgraphNodeType kind;
+    check(cu.node_type(node, &kind), "cuGraphNodeGetType");
+    std::optional<std::string> name;
+    if (kind == CU_GRAPH_NODE_TYPE_KERNEL) {
+      CUDA_KERNEL_NODE_PARAMS params{};
+      check(cu.kernel_params(node, &params), "cuGraphKernelNodeGetParams");
+      name = "";
+      const char* raw = nullptr;
+      if (params.func && cu.func_name(&raw, params.func) == CUDA_SUCCESS && raw) name = raw;
+    }
+    return names.emplace(node, std::move(name)).first->second;
+  };
+  int64_t rewritten = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (data[i].type != CU_GRAPH_DEPENDENCY_TYPE_DEFAULT || !kernel_name(from[i])) continue;
+    const auto& downstream = kernel_name(to[i]);
+    if (!downstream || !waiting.count(*downstream)) continue;
+    CUgraphEdgeData pe{};
+    pe.type = CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC;
+    pe.from_port = CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC;
+    check(cu.remove(h, &from[i], &to[i], &data[i], 1), "cuGraphRemoveDependencies");
+    check(cu.add(h, &from[i], &to[i], &pe, 1), "cuGraphAddDependencies");
+    ++rewritten;
+  }
+  return rewritten;
+}
+#endif
 constexpr int kMarkovErrorWord = 2;           // muse_spark/graphs/parts.py MARKOV_ERROR_WORD (documentation)
 constexpr double kGreedyBelow = 1e-5;         // runtime/generator.py GREEDY_BELOW
 constexpr double kFlatWithin = 0.25;          // muse_spark/schedule.py FLAT_WITHIN
@@ -688,6 +771,10 @@ struct Engine::Impl {
   };
   std::map<int64_t, std::unique_ptr<Captured>> captured;  // by bucket size
   decltype(at::cuda::graph_pool_handle()) graph_pool = {0, 0};
+  // the kernels whose incoming edges the step graphs make programmatic (AOTIEngine.pdl_kernels), and how
+  // many edges the captures rewrote
+  std::set<std::string> pdl_kernels;
+  int64_t programmatic_edges = 0;
 
   // CUDAGraphStep.__init__: warm-up calls on a side stream (a package's first run loads its kernels and
   // may allocate), then the capture into one memory pool shared by every graph of the engine (largest
@@ -715,12 +802,16 @@ struct Engine::Impl {
         for (int i = 0; i < 2; ++i) fn();
       }
       c10::cuda::device_synchronize();
-      auto g = std::make_unique<at::cuda::CUDAGraph>();
+      auto g = std::make_unique<at::cuda::CUDAGraph>(/*keep_graph=*/!pdl_kernels.empty());
       {
         c10::cuda::CUDAStreamGuard on_side(side);
         g->capture_begin(graph_pool);
         out = fn();
         g->capture_end();
+      }
+      if (!pdl_kernels.empty()) {  // (CUDAGraphStep's capture_step: the edges rewritten before instantiation)
+        programmatic_edges += make_programmatic(g->raw_cuda_graph(), pdl_kernels);
+        g->instantiate();
       }
       return std::make_pair(std::move(g), out);
     };
@@ -1279,6 +1370,10 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
     if (e.cuda_graphs) {  // (AOTIEngine: largest bucket first, the smaller graphs reuse its pool's blocks)
       c10::InferenceMode guard;
       e.graph_pool = at::cuda::graph_pool_handle();
+      // programmatic_kernels: the manifest's pdl_kernels, or none (the same step launched without PDL) where
+      // the driver lacks the graph-editing functions
+      if (a.contains("pdl_kernels") && a["pdl_kernels"].is_array() && GraphDriver::get().complete())
+        for (const auto& k : a["pdl_kernels"]) e.pdl_kernels.insert(k.get<std::string>());
       for (auto it = e.buckets.rbegin(); it != e.buckets.rend(); ++it) e.capture(*it);
     }
 #endif
@@ -1299,6 +1394,13 @@ int64_t Engine::max_batch() const { return impl_->max_batch; }
 int64_t Engine::vocab_size() const { return impl_->vocab; }
 std::string Engine::device() const { return impl_->device.str(); }
 bool Engine::cuda_graphs() const { return impl_->cuda_graphs; }
+int64_t Engine::programmatic_edges() const {
+#ifdef MUSE_SPARK_CUDA
+  return impl_->programmatic_edges;
+#else
+  return 0;
+#endif
+}
 
 void Engine::synchronize() const {
 #ifdef MUSE_SPARK_CUDA

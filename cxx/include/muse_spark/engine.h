@@ -81,6 +81,8 @@ class Engine {
   int64_t vocab_size() const;
   std::string device() const;  // "cpu" or "cuda:N"
   bool cuda_graphs() const;     // whether its steps replay CUDA graphs (a CUDA engine, OpenOptions::cuda_graphs)
+  // the edges into the manifest's pdl_kernels its captured graphs launch programmatically (PDL; 0 without)
+  int64_t programmatic_edges() const;
   // Wait until the engine's device has finished the work queued on it (a no-op on CPU): a caller that
   // times steps on a CUDA engine (muse_spark_bench) needs it, the packages' kernels run asynchronously.
   void synchronize() const;
