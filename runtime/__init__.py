@@ -33,7 +33,9 @@ __all__ = [
 def load_engine(engine_dir: str | Path, device: str | None = None, **kw):
     """Load an engine directory with the backend its manifest names. ``kv_tokens`` (or ``kv_memory_fraction``:
     that fraction of the memory available once the weights are loaded) and ``kv_block_size``: paged KV caches
-    of an eager engine, a pool of that many positions (``runtime/kv_blocks.py``)."""
+    of an eager engine, a pool of that many positions (``runtime/kv_blocks.py``). ``swap_space``: GiB of host
+    memory for the K/V of requests preempted from a paged pool, any backend's (default 4; past it a preempted
+    request is recomputed)."""
     m = read_manifest(engine_dir)
     backend = m["backend"]
     if kw.get("kv_tokens") is None and kw.get("kv_memory_fraction") is None:

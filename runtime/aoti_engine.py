@@ -42,7 +42,7 @@ from muse_spark.options import KernelOptions, current_options, engine_options
 from muse_spark.plugins.acceptance.processing import Processing
 from muse_spark.schedule import Schedule, plan
 from muse_spark.runtime.engine import EagerEngine, PrefillChunk, build_modules, logprob_lists, with_options
-from muse_spark.runtime.kv_blocks import BlockTables
+from muse_spark.runtime.kv_blocks import SWAP_SPACE_GIB, BlockTables, swap_space_bytes
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +225,8 @@ class AOTIEngine(EagerEngine):
     section = "aoti"  # the manifest's section that describes the parts
 
     def __init__(self, target, draft, *, engine_dir: str | Path, manifest: dict, device, max_batch: int,
-                 tokenizer_path=None, cuda_graphs: bool = True, options: KernelOptions | None = None):
+                 tokenizer_path=None, cuda_graphs: bool = True, options: KernelOptions | None = None,
+                 swap_space: float = SWAP_SPACE_GIB):
         # Not EagerEngine.__init__: the caches have one scratch slot more (padding rows write it).
         a = manifest[self.section]
         self.options = options or KernelOptions.from_manifest(manifest, str(engine_dir))
@@ -246,6 +247,7 @@ class AOTIEngine(EagerEngine):
         # paged (built with a pool: ``kv_pool`` [blocks, P]): the graphs address pools of blocks through the
         # slots' block tables (the scratch slot's row names block 0: padding rows write there)
         self.kv = None
+        self.swap_space_bytes = swap_space_bytes(swap_space)  # (``EagerEngine``'s)
         pool = manifest_kv_pool(a.get("kv_pool"), self.max_seq, engine_dir, self.section)
         if pool:
             blocks, P = pool
@@ -359,9 +361,10 @@ class AOTIEngine(EagerEngine):
     @classmethod
     def from_dir(cls, engine_dir: str | Path, device: str | None = None, dtype: str | None = None,
                  max_batch: int | None = None, cuda_graphs: bool = True,
-                 options: KernelOptions | None = None) -> "AOTIEngine":
+                 options: KernelOptions | None = None, swap_space: float = SWAP_SPACE_GIB) -> "AOTIEngine":
         """The engine at ``engine_dir`` (``EagerEngine.from_dir``'s kernel options: the manifest's, the
-        run-scope ones from ``options`` or the environment)."""
+        run-scope ones from ``options`` or the environment). ``swap_space``: GiB of host memory for the K/V of
+        requests preempted from a paged pool (``runtime/kv_blocks.py``)."""
         d = Path(engine_dir)
         m = read_manifest(d)
         if m["backend"] != cls.backend:
@@ -397,7 +400,7 @@ class AOTIEngine(EagerEngine):
                                device=dev, extra_slots=1)
         tok = d / m["tokenizer"] if m.get("tokenizer") else None
         return cls(target, draft, engine_dir=d, manifest=m, device=dev, max_batch=max_batch or m["max_batch"],
-                   tokenizer_path=tok, cuda_graphs=cuda_graphs, options=opts)
+                   tokenizer_path=tok, cuda_graphs=cuda_graphs, options=opts, swap_space=swap_space)
 
     @property
     def dtype_name(self) -> str:

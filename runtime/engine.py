@@ -35,7 +35,7 @@ from muse_spark.options import KernelOptions, engine_options, use_options
 from muse_spark.plugins.acceptance.processing import Processing, logprobs, process_logits
 from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 from muse_spark.checkpoint import load_pair, materialize
-from muse_spark.runtime.kv_blocks import BlockPoolError, BlockTables
+from muse_spark.runtime.kv_blocks import SWAP_SPACE_GIB, BlockPoolError, BlockTables, swap_space_bytes
 from muse_spark.schedule import Schedule, plan
 from muse_spark.sharding import shard_config
 
@@ -143,7 +143,8 @@ class EagerEngine:
     def __init__(self, target: MuseSpark1xForCausalLM, draft: MuseSparkDSparkForCausalLM, *,
                  max_batch: int, max_seq: int, device, tokenizer_path: str | Path | None = None,
                  manifest: dict | None = None, prefill_chunk: int = 128, options: KernelOptions | None = None,
-                 schedule: Schedule | None = None, kv_tokens: int | None = None, kv_block_size: int = 16):
+                 schedule: Schedule | None = None, kv_tokens: int | None = None, kv_block_size: int = 16,
+                 swap_space: float = SWAP_SPACE_GIB):
         self.target, self.draft = target, draft
         self.options = options or KernelOptions()
         self.tcfg, self.dcfg = target.cfg, draft.cfg
@@ -156,6 +157,8 @@ class EagerEngine:
         # Paged (``kv_tokens``): the caches are pools of ``kv_block_size``-token blocks that the slots take
         # as their requests grow (runtime/kv_blocks.py); else each slot owns max_seq positions.
         self.kv = None
+        # host memory for the K/V of preempted requests (``Generator._preempt``; paged caches), in bytes
+        self.swap_space_bytes = swap_space_bytes(swap_space)
         if kv_tokens is not None:
             self.kv = BlockTables.for_tokens(kv_tokens, kv_block_size, max_batch, max_seq, self.device)
             self.target_cache = target.allocate_paged_cache(self.kv.blocks, kv_block_size, max_seq, self.device)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from muse_spark.runtime.engine import PrefillChunk
+from muse_spark.runtime.kv_blocks import SWAP_SPACE_GIB
 from muse_spark.runtime.prefix_cache import chunk_keys
 
 
@@ -97,8 +98,11 @@ class Request:
     t_end: float = 0.0
     pending: list[int] = field(default_factory=list)  # emitted, not yet streamed
     logprobs: list[tuple] = field(default_factory=list)  # per output token (SamplingParams.logprobs): (lp, top)
-    prefilled: int = 0  # prompt tokens prefilled so far (while the request is in ``Generator.prefilling``)
+    prefilled: int = 0  # tokens of ``Generator._sequence`` prefilled so far (while in ``Generator.prefilling``)
     swapped: tuple | None = field(default=None, repr=False)  # a preempted request's K/V (``EagerEngine.swap_out``)
+    # preempted by recompute (past the swap space): its prompt and emitted tokens are prefilled again, then it
+    # steps on from its anchor
+    recompute: bool = False
     block_keys: list[bytes] | None = field(default=None, repr=False)  # (``Generator._block_keys``)
     preempted: int = 0  # times the request gave its KV blocks up for another (paged caches)
     chunk_keys: list[bytes] | None = field(default=None, repr=False)  # (``Generator._keys``)
@@ -194,6 +198,13 @@ class Generator:
         # and the newest is preempted when the running ones outgrow it
         self.paged = getattr(engine, "kv", None) is not None
         self.preemptions = 0
+        # A running request preempted is swapped out (its K/V copied to host memory) while the copies of the
+        # requests swapped out stay within the engine's swap space (``swap_space``, bytes here), and preempted
+        # by recompute past it (``_preempt``): ``swapped_bytes`` is what they hold, ``swapped_bytes_peak`` the most
+        # they held, ``recomputations`` the preemptions by recompute.
+        self.swap_space = getattr(engine, "swap_space_bytes", int(SWAP_SPACE_GIB * 2**30))
+        self.swapped_bytes = self.swapped_bytes_peak = 0
+        self.recomputations = 0
         # ... and their prompts' full blocks are shared by reference, where a prefill chunk is whole blocks
         # (a request resumes its prefill at a chunk boundary: the same chunks, the same values)
         self.share_blocks = self.paged and engine.prefill_chunk % engine.kv.block_size == 0
@@ -314,9 +325,21 @@ class Generator:
             self.active.remove(req)
         if req in self.prefilling:
             self.prefilling.remove(req)
-        req.swapped = None
+        self._drop_swapped(req)
+        req.recompute = False
         if req.slot >= 0:
             self._free_slot(req)
+
+    def _drop_swapped(self, req: Request) -> None:
+        """Forget ``req``'s swapped-out copies (put back, or the request ended) and their host bytes."""
+        if req.swapped is not None:
+            self.swapped_bytes -= self.engine.block_bytes(req.swapped[0].shape[0])
+            req.swapped = None
+
+    def _sequence(self, req: Request) -> list[int]:
+        """The tokens ``req`` prefills: its prompt; after a preemption by recompute, its prompt and every token
+        it emitted but the last (its anchor: the next step starts at its position)."""
+        return req.prompt + req.output[:-1] if req.recompute else req.prompt
 
     def _free_slot(self, req: Request) -> None:
         if self.paged:
@@ -358,8 +381,8 @@ class Generator:
     def _admit(self) -> None:
         """Waiting requests take the free slots, in order, and start prefilling (no work yet). On paged
         caches a request also needs blocks for its prompt and first step (a preempted one: for the
-        positions it had reached, which it gets back as they were, and steps on); the first that does
-        not fit waits, and the ones behind it with it."""
+        positions it had reached, which it gets back as they were and steps on, or, preempted by recompute,
+        prefills again); the first that does not fit waits, and the ones behind it with it."""
         while self.waiting and self.free_slots:
             req = self.waiting[0]
             cached = 0
@@ -370,7 +393,8 @@ class Generator:
                     per_chunk = self.engine.prefill_chunk // kv.block_size
                     cached = kv.cached_run(keys) // per_chunk * per_chunk
                     kv.attach(slot, keys[:cached])
-                end = (req.position if req.swapped is not None else len(req.prompt)) + self.gamma + 1
+                resumes = req.swapped is not None or req.recompute
+                end = (req.position if resumes else len(req.prompt)) + self.gamma + 1
                 if not kv.reserve(slot, end):
                     kv.release(slot)
                     return
@@ -378,7 +402,7 @@ class Generator:
             req.slot = self.free_slots.pop()
             if req.swapped is not None:
                 self.engine.swap_in(req.slot, req.swapped)
-                req.swapped = None
+                self._drop_swapped(req)
                 if self._stateful_controls:  # (its slot's controls state may be another request's by now)
                     self.engine.set_controls(req.slot, self._controls_row(req))
                 self.active.append(req)
@@ -405,13 +429,15 @@ class Generator:
         for i, req in enumerate(self.prefilling):
             if self.share_prefill and self._share_prefill(req, self.prefilling[:i]):
                 continue  # (an earlier request prefills its next chunk this round: copied on the next)
-            n = min(C, len(req.prompt) - req.prefilled)
+            n = min(C, len(self._sequence(req)) - req.prefilled)
             if picked and n > budget:
                 break
             picked.append(req)
             budget -= n
-        chunks = [PrefillChunk(r.prompt, r.prefilled, r.slot, r.params.seed, float(r.params.temperature),
-                               self._controls_row(r) if r.params.controls() else None, r.params.logprobs)
+        # (a recomputed request's first token is not used: its controls and logprobs are not asked for)
+        chunks = [PrefillChunk(self._sequence(r), r.prefilled, r.slot, r.params.seed, float(r.params.temperature),
+                               self._controls_row(r) if r.params.controls() and not r.recompute else None,
+                               None if r.recompute else r.params.logprobs)
                   for r in picked]
         try:
             firsts = self.engine.prefill_chunks(chunks)
@@ -432,12 +458,18 @@ class Generator:
                 continue
             if self.prefix_cache is not None and not self.paged and req.prefilled + C <= len(req.prompt):
                 self.prefix_cache.insert(req.prompt, req.prefilled // C, req.slot)  # (a full chunk: keep it)
-            req.prefilled = min(len(req.prompt), req.prefilled + C)
+            req.prefilled = min(len(self._sequence(req)), req.prefilled + C)
             if self.share_blocks:  # the prompt's blocks written so far, for requests admitted later
                 self.engine.kv.register(req.slot, self._block_keys(req)[: req.prefilled // self.engine.kv.block_size])
             if first is None:
                 continue
             self.prefilling.remove(req)
+            if req.recompute:  # its K/V are back: it steps on from its anchor (the token sampled here is one it emitted)
+                req.recompute = False
+                self.active.append(req)
+                if self._stateful_controls:
+                    self.engine.set_controls(req.slot, self._controls_row(req))
+                continue
             req.anchor, req.position = int(first.item()), len(req.prompt)
             self.active.append(req)
             if req.params.logprobs is not None:
@@ -494,14 +526,24 @@ class Generator:
         """Paged caches: blocks for every running request's next step (positions up to its anchor + γ),
         oldest request first; while the pool is short, the newest request holding blocks is preempted:
         a running one's K/V are copied out and it resumes, first in line, with them (the same bits, so the
-        same tokens); a prefilling one starts its prefill again (the same chunks, so the same values)."""
+        same tokens), or, where the copy would pass the swap space, it prefills its prompt and emitted
+        tokens again when it resumes (the same tokens where the prefill writes the bits its steps wrote: the
+        CPU engines); a prefilling one starts its prefill again (the same chunks, so the same values)."""
         for req in sorted(self.active, key=lambda r: r.id):
             while req.slot >= 0 and not self.engine.kv.reserve(req.slot, req.position + self.gamma + 1):
                 self._preempt(max(self.active + self.prefilling, key=lambda r: r.id))
 
     def _preempt(self, req: Request) -> None:
         if req in self.active:
-            req.swapped = self.engine.swap_out(req.slot, req.position)
+            size = self.engine.block_bytes(req.position)
+            if self.swapped_bytes + size <= self.swap_space:
+                req.swapped = self.engine.swap_out(req.slot, req.position)
+                self.swapped_bytes += size
+                self.swapped_bytes_peak = max(self.swapped_bytes_peak, self.swapped_bytes)
+            else:  # (past the swap space: its blocks go, and its K/V are computed again when it resumes)
+                req.recompute = True
+                req.prefilled = 0
+                self.recomputations += 1
             self.active.remove(req)
         else:
             self.prefilling.remove(req)

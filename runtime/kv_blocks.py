@@ -11,7 +11,10 @@ positions it has reached (``reserve``), and gives them back when its request end
 Generator admits a request while the pool has blocks for its prompt and its first step, grows each
 running request's blocks before a step, and when the pool runs short preempts the newest request
 (``runtime/generator.py``): its K/V are copied out (``EagerEngine.swap_out``), its blocks freed, and
-it resumes later with the same bits, so with the same tokens.
+it resumes later with the same bits, so with the same tokens. The copies live in host memory up to the
+engine's swap space (``swap_space`` GiB, ``SWAP_SPACE_GIB`` by default, as vLLM's ``--swap-space``); a
+request whose copy would pass it is preempted by recompute instead: its blocks freed, its prompt and its
+emitted tokens prefilled again when it resumes.
 
 Full prompt blocks are shared by reference. Once a request's prefill has written a block that its
 prompt fills, the block is registered under a chained hash of every prompt token up to its end
@@ -23,11 +26,24 @@ deeper blocks before the ones in front of them) when it has none.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
 
 from muse_spark.engine_format import EngineError, kv_pool_blocks
+
+
+# Host memory (GiB) for the K/V of requests preempted by swapping, by default (``swap_space_bytes``).
+SWAP_SPACE_GIB = 4.0
+
+
+def swap_space_bytes(gib) -> int:
+    """The swap space of ``gib`` GiB in bytes, checked: a finite number >= 0 (0: every preemption of a
+    running request recomputes its K/V)."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib < 0:
+        raise EngineError(f"swap space must be a finite number of GiB >= 0, got {gib!r}")
+    return int(gib * 2**30)
 
 
 class BlockPoolError(EngineError):

@@ -14,7 +14,8 @@ touch nothing else. ``config.pbtxt`` parameters: ``engine_dir`` (required),
 ``device`` (optional override of the engine's device), ``max_queue``, ``prefix_cache_mib``
 (memory for stored prompt prefixes, ``runtime/prefix_cache.py``; 0: none),
 ``torch_threads`` (CPU threads of this instance; default torch's), ``kv_cache_tokens`` or
-``kv_cache_memory_fraction``, and ``kv_block_size`` (paged KV caches, ``runtime/kv_blocks.py``; eager engines).
+``kv_cache_memory_fraction``, and ``kv_block_size`` (paged KV caches, ``runtime/kv_blocks.py``; eager engines),
+``swap_space`` (GiB of host memory for the K/V of preempted requests; default 4).
 
 Shutdown: ``muse-spark serve`` names a file in ``MUSE_SPARK_SERVE_DRAIN_FILE`` (``options.serve_drain_file``)
 and writes the grace period (seconds) into it when it is asked to stop; a
@@ -240,6 +241,8 @@ class TritonPythonModel:
                 pool["kv_memory_fraction"] = float(params["kv_cache_memory_fraction"])
             else:
                 pool = {}
+            if params.get("swap_space"):
+                pool["swap_space"] = float(params["swap_space"])
             self.engine = load_engine(engine_dir, device=device, **pool)
         self.tokenizer = load_tokenizer(self.engine.tokenizer_path)
         self.metrics = None

@@ -56,10 +56,13 @@ def render_config(model_name: str, engine_dir: Path, *, instances: int = 1, kind
         params.append(_param("torch_threads", torch_threads))
     if tp > 1:
         params.append(_param("tp", tp))
-    if kv_pool:
+    kv_pool = kv_pool or {}
+    if "kv_memory_fraction" in kv_pool or "kv_tokens" in kv_pool:
         size = (_param("kv_cache_memory_fraction", kv_pool["kv_memory_fraction"]) if "kv_memory_fraction" in kv_pool
                 else _param("kv_cache_tokens", kv_pool["kv_tokens"]))
         params += [size, _param("kv_block_size", kv_pool["kv_block_size"])]
+    if "swap_space" in kv_pool:
+        params.append(_param("swap_space", kv_pool["swap_space"]))
     return "\n".join([
         MARKER,
         f'name: "{model_name}"',

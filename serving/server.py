@@ -301,7 +301,7 @@ def _positive(text: str) -> int:
 
 def add_kv_pool_arguments(p: argparse.ArgumentParser, fraction: bool = True) -> None:
     """``--kv-cache-tokens``, ``--kv-block-size`` and (``fraction``: where an engine is loaded) the pool as a
-    fraction of the memory the loaded engine leaves."""
+    fraction of the memory the loaded engine leaves, and ``--swap-space`` (host memory for preempted requests)."""
     size = p.add_mutually_exclusive_group()
     if fraction:
         size.add_argument("--kv-cache-memory-fraction", type=float, default=None, metavar="F",
@@ -313,14 +313,33 @@ def add_kv_pool_arguments(p: argparse.ArgumentParser, fraction: bool = True) -> 
                            "window of max_seq positions per slot)")
     p.add_argument("--kv-block-size", type=_positive, default=16, metavar="P",
                    help="tokens per KV block of the pool (a power of two; default 16)")
+    if fraction:
+        p.add_argument("--swap-space", type=_gib, default=None, metavar="GiB",
+                       help="paged KV caches: host memory for the K/V of requests preempted when the pool runs "
+                            "short (default 4); a request whose copy would pass it is recomputed when it resumes "
+                            "(0: always)")
 
 
 def kv_pool(a) -> dict:
-    """``load_engine``'s paged-cache arguments from ``add_kv_pool_arguments``' options (none: contiguous)."""
+    """``load_engine``'s paged-cache arguments from ``add_kv_pool_arguments``' options (none: contiguous, and
+    the default swap space)."""
+    swap = {} if getattr(a, "swap_space", None) is None else {"swap_space": a.swap_space}
     fraction = getattr(a, "kv_cache_memory_fraction", None)  # (argparse keeps it and the tokens apart)
     if fraction is not None:
-        return {"kv_memory_fraction": fraction, "kv_block_size": a.kv_block_size}
-    return {} if a.kv_cache_tokens is None else {"kv_tokens": a.kv_cache_tokens, "kv_block_size": a.kv_block_size}
+        return {"kv_memory_fraction": fraction, "kv_block_size": a.kv_block_size, **swap}
+    if a.kv_cache_tokens is None:
+        return swap
+    return {"kv_tokens": a.kv_cache_tokens, "kv_block_size": a.kv_block_size, **swap}
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected GiB >= 0, got {text}")
+    return value
 
 
 def _int(text: str, what: str) -> int:

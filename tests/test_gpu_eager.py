@@ -102,22 +102,26 @@ def test_cuda_rope_table_changes_no_token_and_no_cache_bit(random_pair, monkeypa
     assert [r[2] for r in runs] == [False, True, True]
 
 
+@pytest.mark.parametrize("swap_space", [4, 0], ids=["swapped", "recomputed"])
 @pytest.mark.parametrize("attention_cache", [False, True], ids=["norm_kernel", "fused_attention"])
-def test_cuda_paged_caches_give_the_slot_caches_tokens_through_the_same_kernels(random_pair, attention_cache):
+def test_cuda_paged_caches_give_the_slot_caches_tokens_through_the_same_kernels(random_pair, attention_cache,
+                                                                                  swap_space):
     """Paged KV caches on CUDA in bf16: the layers run the Triton kernels through the block tables (the
     norm kernel's cache write or the fused attention, then the split-KV attention), and a pool too small
-    for all requests preempts some; every token, greedy and sampled, is the slot caches' one."""
+    for all requests preempts some (swapped out, or with no swap space recomputed by a prefill of their
+    tokens); every token, greedy and sampled, is the slot caches' one."""
     from test_paged_kv import _workload, poison_freed_blocks
 
     prompts, params = _workload(8, seed=0)
     with use_options(KernelOptions(attention_cache=attention_cache)):
         slot = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128)
         want = [r.output for r in Generator(slot).generate(prompts, params)]
-        paged = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128, kv_tokens=160)
+        paged = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128, kv_tokens=160,
+                                             swap_space=swap_space)
         poison_freed_blocks(paged)
         gen = Generator(paged)
         assert [r.output for r in gen.generate(prompts, params)] == want
-    assert gen.preemptions > 0
+    assert gen.preemptions > 0 and (gen.recomputations == gen.preemptions) == (swap_space == 0)
     paged.kv.check()
 
 

@@ -25,8 +25,9 @@ from conftest import run_cli
 MAX_SEQ = 128
 
 
-def _engine(pair, kv_tokens=None, block=16, max_batch=4, max_seq=MAX_SEQ):
-    kw = {} if kv_tokens is None else {"kv_tokens": kv_tokens, "kv_block_size": block}
+def _engine(pair, kv_tokens=None, block=16, max_batch=4, max_seq=MAX_SEQ, **kw):
+    if kv_tokens is not None:
+        kw.update(kv_tokens=kv_tokens, kv_block_size=block)
     return EagerEngine.from_checkpoints(*pair, max_batch=max_batch, max_seq=max_seq, **kw)
 
 
@@ -117,10 +118,55 @@ def test_a_pool_too_small_for_all_preempts_the_newest_and_loses_no_token(pair, c
     assert len(paged.kv.free) == paged.kv.blocks - 1
 
 
-def test_arrivals_and_cancellations_between_steps_keep_tokens_and_blocks(pair, contiguous):
+def swapped_out_bytes(gen) -> int:
+    """The host bytes the copies of the generator's swapped-out requests hold, counted from the copies."""
+    return sum(t.numel() * t.element_size() for r in gen.waiting if r.swapped is not None for t in r.swapped)
+
+
+@pytest.mark.parametrize("swap_tokens", [0, MAX_SEQ], ids=["no_swap_space", "one_window_of_swap_space"])
+def test_past_the_swap_space_a_preempted_request_is_recomputed_with_the_same_tokens(pair, contiguous, swap_tokens):
+    """A swap space of nothing, or of one window's K/V: a running request whose copy would pass it is
+    preempted by recompute (its blocks freed, its prompt and emitted tokens prefilled again when it resumes),
+    the others are swapped out; greedy and seeded, every output is the contiguous engine's, the copies never
+    hold more than the swap space (counted from the copies, after every step), and the pool and the host
+    memory are empty at the end."""
+    prompts, params = _workload(10, seed=3)
+    want = [r.output for r in Generator(contiguous).generate(prompts, params)]
+    probe = _engine(pair, kv_tokens=160)
+    bound = probe.block_bytes(swap_tokens)
+    paged = _engine(pair, kv_tokens=160, swap_space=bound / 2**30)
+    assert paged.swap_space_bytes == bound
+    poison_freed_blocks(paged)
+    gen = Generator(paged)
+    reqs = [gen.add(p, sp) for p, sp in zip(prompts, params)]
+    while gen.has_work():
+        gen.step()
+        assert gen.swapped_bytes == swapped_out_bytes(gen) <= bound
+    assert [r.output for r in reqs] == want
+    assert gen.recomputations > 0 and gen.swapped_bytes_peak <= bound
+    if swap_tokens:
+        assert gen.swapped_bytes_peak > 0 and gen.recomputations < gen.preemptions  # (both kinds ran)
+    else:
+        assert gen.recomputations == gen.preemptions
+    assert gen.swapped_bytes == 0 and all(r.swapped is None and not r.recompute for r in reqs)
+    paged.kv.check()
+    assert len(paged.kv.free) == paged.kv.blocks - 1
+
+
+def test_the_swap_space_is_checked():
+    from muse_spark.runtime.kv_blocks import SWAP_SPACE_GIB, swap_space_bytes
+
+    assert SWAP_SPACE_GIB == 4 and swap_space_bytes(4) == 4 * 2**30 and swap_space_bytes(0) == 0
+    for bad in (-1, float("nan"), float("inf"), "4", True):
+        with pytest.raises(EngineError, match="swap space must be a finite number of GiB >= 0"):
+            swap_space_bytes(bad)
+
+
+@pytest.mark.parametrize("swap_space", [None, 0], ids=["swapped", "recomputed"])
+def test_arrivals_and_cancellations_between_steps_keep_tokens_and_blocks(pair, contiguous, swap_space):
     prompts, params = _workload(6, seed=2)
     want = [r.output for r in Generator(contiguous).generate(prompts, params)]
-    paged = _engine(pair, kv_tokens=192)
+    paged = _engine(pair, kv_tokens=192, **({} if swap_space is None else {"swap_space": swap_space}))
     poison_freed_blocks(paged)
     gen = Generator(paged)
     reqs = [gen.add(prompts[0], params[0]), gen.add(prompts[1], params[1])]
@@ -134,12 +180,15 @@ def test_arrivals_and_cancellations_between_steps_keep_tokens_and_blocks(pair, c
     gen.run()
     assert [r.output for r in reqs] == want
     assert victim.finish_reason == "cancelled" and victim.swapped is None
+    assert gen.swapped_bytes == 0 and gen.preemptions > 0 and (gen.recomputations > 0) == (swap_space == 0)
     paged.kv.check()
     assert len(paged.kv.free) == paged.kv.blocks - 1
 
 
 def test_a_thousand_requests_with_random_lengths_and_cancels_leave_the_pool_full(pair):
-    paged = _engine(pair, kv_tokens=256 + 16, max_batch=8, max_seq=256)
+    # (a swap space of a quarter window: some preempted requests swapped out, others recomputed)
+    paged = _engine(pair, kv_tokens=256 + 16, max_batch=8, max_seq=256,
+                    swap_space=_engine(pair, max_batch=1).block_bytes(64) / 2**30)
     gen = Generator(paged)
     rng = random.Random(7)
     system = [rng.randrange(30, 250) for _ in range(128)]  # (a fifth of the prompts start with it)
@@ -155,6 +204,8 @@ def test_a_thousand_requests_with_random_lengths_and_cancels_leave_the_pool_full
             gen.cancel(rng.choice(live))
     gen.run()
     assert all(r.finished for r in live) and gen.preemptions > 0 and gen.cached_prefill_tokens > 0
+    assert 0 < gen.recomputations < gen.preemptions and gen.swapped_bytes == 0
+    assert 0 < gen.swapped_bytes_peak <= paged.swap_space_bytes
     kv = paged.kv
     kv.check()
     assert len(kv.free) + len(kv.unused) == kv.blocks - 1 and not any(kv.refs) and not kv.table.any()
@@ -222,12 +273,17 @@ def test_the_cli_generates_the_same_ids_paged_and_an_aoti_engine_refuses_a_pool(
                 "--max-seq", MAX_SEQ)
     assert r.returncode == 0, r.stderr
     ids = []
-    for extra in ((), ("--kv-cache-tokens", 200, "--kv-block-size", 8)):
+    for extra in ((), ("--kv-cache-tokens", 200, "--kv-block-size", 8),
+                  ("--kv-cache-tokens", 200, "--kv-block-size", 8, "--swap-space", 0.5)):
         r = run_cli("generate", "--engine", out, "--prompt-ids", "65,66,67", "--max-tokens", 30, "--ignore-eos",
                     "--json", *extra)
         assert r.returncode == 0, r.stderr
         ids.append(json.loads(r.stdout.strip().splitlines()[-1])["output_ids"])
-    assert ids[0] == ids[1] and len(ids[0]) == 30
+    assert ids[0] == ids[1] == ids[2] and len(ids[0]) == 30
+    r = run_cli("generate", "--engine", out, "--prompt-ids", "65", "--kv-cache-tokens", 200, "--swap-space", -1)
+    assert r.returncode == 2 and "expected GiB >= 0, got -1" in r.stderr
+    assert load_engine(out, kv_tokens=200, kv_block_size=8, swap_space=0.5).swap_space_bytes == 2**29
+    assert load_engine(out).swap_space_bytes == 4 * 2**30  # (the default, vLLM's --swap-space)
     assert "KV: paged, a pool of 200 positions in blocks of 8" in load_engine(
         out, kv_tokens=200, kv_block_size=8).kv_description()
     fake = tmp_path / "aoti"
@@ -273,6 +329,27 @@ def test_an_aoti_engine_built_with_a_pool_runs_paged_with_the_eager_tokens(agree
     assert r.returncode == 2 and "cannot hold one request of max_seq 256 tokens" in r.stderr
     r = run_cli(*args, "--out", tmp_path / "eager", "--kv-cache-tokens", 400)
     assert r.returncode == 2 and "applies to --backend aoti" in r.stderr
+
+
+def test_an_aoti_engine_past_its_swap_space_recomputes_with_the_eager_tokens(agreeing_pair, aoti_paged):
+    """`load_engine(…, swap_space=0)` on the compiled paged engine: every running request preempted is
+    recomputed (its prompt and emitted tokens through the compiled prefill) and gets its sampling controls
+    back when it resumes; with freed blocks poisoned, the tokens are the contiguous eager engine's, greedy,
+    seeded and under controls, and nothing stays in the pool or in host memory."""
+    import dataclasses
+
+    engine = load_engine(aoti_paged, swap_space=0)
+    assert engine.swap_space_bytes == 0
+    poison_freed_blocks(engine)
+    prompts, params = _workload(6, seed=4, max_tokens=(60, 120))
+    params = [dataclasses.replace(p, repetition_penalty=1.3, top_k=20) if i % 3 == 1 else p
+              for i, p in enumerate(params)]
+    want = [r.output for r in Generator(_engine(agreeing_pair, max_batch=3, max_seq=256)).generate(prompts, params)]
+    gen = Generator(engine)
+    assert [r.output for r in gen.generate(prompts, params)] == want
+    assert gen.recomputations == gen.preemptions > 0 and gen.swapped_bytes_peak == 0
+    engine.kv.check()
+    assert len(engine.kv.free) + len(engine.kv.unused) == engine.kv.blocks - 1
 
 
 BAD_SHAPE = r"aoti.kv_pool must be \[blocks, block size\], two positive integers \(null: a window per slot\), got "

@@ -77,9 +77,14 @@ def test_repository_layout_and_config(engine_dir, tmp_path):
         assert "optional: true" in cfg[cfg.index(f'name: "{name}"'):].split("}", 1)[0]
     assert 'name: "output_log_probs"' in cfg
     assert check_repository(tmp_path / "repo") == [MODEL]
-    paged = write_repository(engine_dir, tmp_path / "paged", kv_pool={"kv_tokens": 4096, "kv_block_size": 32})
+    paged = write_repository(engine_dir, tmp_path / "paged", kv_pool={"kv_tokens": 4096, "kv_block_size": 32,
+                                                                      "swap_space": 0.5})
     cfg = (paged / "config.pbtxt").read_text()
     assert 'key: "kv_cache_tokens"' in cfg and 'string_value: "4096"' in cfg and 'string_value: "32"' in cfg
+    assert 'key: "swap_space"\n  value: { string_value: "0.5" }' in cfg
+    swap_only = write_repository(engine_dir, tmp_path / "swap", kv_pool={"swap_space": 1})
+    cfg = (swap_only / "config.pbtxt").read_text()
+    assert 'key: "swap_space"' in cfg and "kv_cache_tokens" not in cfg and "kv_block_size" not in cfg
 
 
 def test_repository_refuses_bad_arguments(engine_dir, tmp_path):
