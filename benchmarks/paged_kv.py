@@ -1,10 +1,12 @@
 """Paged KV caches against a window per slot, in one memory budget: how many requests of a mixed-length
 workload run at once, their tokens/s and step time, and the first token's latency behind a shared system
-prompt.
+prompt; or (``--backend aoti``) the compiled engine's speculative step, paged against slot caches.
 
     python benchmarks/paged_kv.py (--pair DIR | --engine DIR) [--memory-tokens N] [--block-size 16] \
         [--slots 32] [--requests 64] [--prompt-len 16:512] [--max-tokens 16:256] [--system-prompt 1024] \
         [--device cuda|cpu] [--out-dir benchmarks/results]
+    python benchmarks/paged_kv.py --backend aoti --pair DIR [--step-batches 1,8,32] [--context 1024] \
+        [--steps 32] [--block-size 16] [--work-dir D] [--reuse-engine] [--device cuda|cpu] [--out-dir …]
 
 Both sides are eager engines (the engine that runs a pool) with the same weights and window (max_seq):
 *contiguous*, with as many slots as N positions hold when each slot owns a window (N // max_seq);
@@ -21,11 +23,29 @@ Both sides are eager engines (the engine that runs a pool) with the same weights
    it), and the prompt tokens the paged side mapped in instead of prefilling.
 
 The result goes to ``benchmarks/results/`` in the common schema (``benchmarks/results.py``).
+
+``--backend aoti`` (``--pair`` only): two aoti engines built from the pair (``pairs.build_from_pair``, into
+``--work-dir``; ``--reuse-engine`` takes the ones an earlier run built there), with max_batch the largest
+of ``--step-batches``, batch buckets those sizes and one window (``--context`` + the steps' tokens):
+*slot*, a window of max_seq positions per slot; *paged*, a pool of the same positions (max_batch ×
+max_seq) in blocks of ``--block-size``. Their weight files are hard links to one copy where the manifests
+hash them alike. At each batch size B, on each engine in turn: B prompts of ``--context`` tokens (the draft
+vocabulary, seeded) prefilled, a warm-up, then ``--steps`` steady-state steps of the Generator, each timed
+synchronized (the device waited for before and after), greedy with EOS ignored, no request finishing or
+preempted meanwhile. A paged engine does not chain steps, so both are timed unchained (the ratio is the
+step's own cost); the slot engine is also timed with its chained steps (the runtime's default: ``--steps``
+steps between two synchronizations). Reported per batch: the median, mean and least step time of each,
+the slot engine's chained mean, the ratios paged / slot and paged / slot chained, and whether the tokens of
+the three runs are identical (they must be: the run fails otherwise); a table on stdout; the result in the
+common schema (benchmark ``paged_kv_step``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
 import random
 import statistics
 import sys
@@ -34,8 +54,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
-from pairs import check_pair, default_device, pair_summary  # noqa: E402
-from timing import host_description  # noqa: E402
+from pairs import build_from_pair, check_pair, default_device, pair_gamma, pair_summary, window  # noqa: E402
+from timing import batch_list, host_description  # noqa: E402
 
 
 def span(text: str) -> tuple[int, int]:
@@ -101,11 +121,164 @@ def run_shared(engine, system: list[int], questions: list[list[int]], sync) -> d
             "cached_prefill_tokens": gen.cached_prefill_tokens, "_outputs": outputs}
 
 
+# ---- --backend aoti: the compiled engine's step, paged against slot caches --------------------------------
+STEP_COLUMNS = [("batch", ("batch",), "{}"), ("slot ms", ("slot", "median_ms"), "{:.3f}"),
+                ("slot chained ms", ("slot_chained", "mean_ms"), "{:.3f}"),
+                ("paged ms", ("paged", "median_ms"), "{:.3f}"), ("paged/slot", ("paged_over_slot",), "{:.3f}"),
+                ("paged/slot chained", ("paged_over_slot_chained",), "{:.3f}"),
+                ("identical", ("outputs_identical",), "{}")]
+
+
+def share_weights(src: Path, dst: Path, log) -> None:
+    """Make ``dst``'s weight files hard links to ``src``'s where the two manifests hash them alike (one copy on
+    the disk; each engine still checks its files' hashes when it loads)."""
+    a, b = (json.loads((d / "manifest.json").read_text())["files"] for d in (src, dst))
+    for name, digest in b.items():
+        if not name.endswith(".safetensors") or a.get(name) != digest or os.path.samefile(src / name, dst / name):
+            continue
+        try:
+            os.link(src / name, dst / f"{name}.link")
+            os.replace(dst / f"{name}.link", dst / name)
+            log(f"{dst / name}: a hard link to {src / name}")
+        except OSError as e:  # (another file system: two copies, as built)
+            log(f"{dst / name} stays a copy of its own ({e})")
+
+
+def steady_steps(engine, prompts: list[list[int]], max_tokens: int, warmup: int, steps: int, sync,
+                 chained: bool) -> dict:
+    """``steps`` speculative steps of the Generator over ``prompts`` (all prefilled first, then ``warmup``
+    steps), none finishing or preempted: each timed synchronized (``chained`` off), or all ``steps`` between
+    two synchronizations with the engine's chained steps on → figures (ms) and the requests' tokens."""
+    from muse_spark.runtime import Generator, SamplingParams
+
+    engine.options = dataclasses.replace(engine.options, chained_steps=chained)
+    gen = Generator(engine, prefill_budget=sum(len(p) for p in prompts))  # (every prompt in the first round)
+    reqs = [gen.add(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+    while gen.waiting or gen.prefilling:
+        gen.step()
+    for _ in range(warmup):
+        gen.step()
+    times = []
+    sync()
+    if chained:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            gen.step()
+        sync()
+        times.append((time.perf_counter() - t0) / steps)
+    else:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            gen.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+    if any(r.finished for r in reqs) or len(gen.active) != len(reqs) or gen.preemptions:
+        raise SystemExit(f"paged_kv: the batch of {len(reqs)} did not stay running through the timed steps "
+                         f"(finished, waiting or preempted): raise --context's window or lower --steps")
+    outputs = [list(r.output) for r in reqs]
+    for r in reqs:
+        gen.cancel(r)
+    gen.step()  # (reads a chained step still in flight)
+    ms = [1e3 * t for t in times]
+    out = {"mean_ms": round(statistics.mean(ms), 4), "steps": steps}
+    if not chained:
+        out.update(median_ms=round(statistics.median(ms), 4), min_ms=round(min(ms), 4))
+    return {**out, "_outputs": outputs}
+
+
+def step_table(rows: list[dict]) -> str:
+    def cell(row, path, fmt):
+        v = row
+        for k in path:
+            v = v[k]
+        return fmt.format(v)
+
+    widths = [max(len(name), 9) for name, _, _ in STEP_COLUMNS]
+    lines = ["  ".join(n.rjust(w) for (n, _, _), w in zip(STEP_COLUMNS, widths))]
+    lines += ["  ".join(cell(r, path, fmt).rjust(w) for (_, path, fmt), w in zip(STEP_COLUMNS, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def aoti_steps(a, p) -> int:
+    """``--backend aoti``: the module doc's second part."""
+    import torch
+
+    from muse_spark.builder.pair import draft_token_ids
+    from muse_spark.engine_format import EngineError, kv_pool_blocks
+    from muse_spark.runtime import load_engine
+
+    t_start = time.perf_counter()
+
+    def log(msg):
+        print(f"[paged_kv {time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    if not a.pair:
+        p.error("--backend aoti builds its two engines from a --pair")
+    if a.context < 1 or a.steps < 1 or a.warmup_steps < 0:
+        p.error("--context and --steps must be positive, --warmup-steps >= 0")
+    pair = check_pair(a.pair)
+    device = default_device(a.device)
+    batches = sorted(set(a.step_batches))
+    gamma = pair_gamma(pair)
+    # (the tokens a request may emit before and through the timed steps, and one step more: none finishes)
+    max_tokens = (a.warmup_steps + a.steps + 2) * (gamma + 1)
+    max_seq = window(a.context, max_tokens, gamma)
+    try:
+        pool = [kv_pool_blocks(batches[-1] * max_seq, a.block_size, max_seq), a.block_size]
+    except EngineError as e:
+        p.error(str(e))
+    build = dict(backend="aoti", device=device, max_batch=batches[-1], max_seq=max_seq, log=log, buckets=batches,
+                 reuse=a.reuse_engine)
+    dirs = {"slot": build_from_pair(pair, a.work_dir, **build),
+            "paged": build_from_pair(pair, a.work_dir, kv_pool=pool, **build)}
+    share_weights(dirs["slot"], dirs["paged"], log)
+    engines = {}
+    for name, d in dirs.items():
+        engines[name] = load_engine(d, device=device)
+        log(f"{name}: {d}; {engines[name].kv_description()}")
+    if engines["paged"].kv is None or engines["slot"].kv is not None:
+        raise SystemExit(f"paged_kv: {dirs['paged']} should be paged and {dirs['slot']} not")
+    sync = (lambda: torch.cuda.synchronize(device)) if device == "cuda" else (lambda: None)
+    vocab = draft_token_ids(pair)
+    config = {k: v for k, v in vars(a).items() if k != "out_dir"}
+    config.update(device=device, max_seq=max_seq, max_tokens=max_tokens, kv_pool=pool,
+                  pool_tokens=(pool[0] - 1) * pool[1], slot_tokens=batches[-1] * max_seq,
+                  engines={k: str(v) for k, v in dirs.items()}, host=host_description(device),
+                  pair=pair_summary(pair), gamma=gamma)
+    doc = results.record("paged_kv_step", config, {}, device=None if device == "cuda" else results.cpu_name())
+    rows = []
+    for b in batches:
+        rng = random.Random(a.seed + b)
+        prompts = [[rng.choice(vocab) for _ in range(a.context)] for _ in range(b)]
+        run = dict(prompts=prompts, max_tokens=max_tokens, warmup=a.warmup_steps, steps=a.steps, sync=sync)
+        row = {"batch": b, "slot": steady_steps(engines["slot"], chained=False, **run),
+               "slot_chained": steady_steps(engines["slot"], chained=True, **run),
+               "paged": steady_steps(engines["paged"], chained=False, **run)}
+        outs = [row[k].pop("_outputs") for k in ("slot", "slot_chained", "paged")]
+        row["paged_over_slot"] = round(row["paged"]["median_ms"] / row["slot"]["median_ms"], 4)
+        row["paged_over_slot_chained"] = round(row["paged"]["median_ms"] / row["slot_chained"]["mean_ms"], 4)
+        row["outputs_identical"] = outs[0] == outs[1] == outs[2]
+        rows.append(row)
+        log(f"batch {b}: slot {row['slot']['median_ms']} ms (chained {row['slot_chained']['mean_ms']}), paged "
+            f"{row['paged']['median_ms']} ms: paged/slot {row['paged_over_slot']}; identical {row['outputs_identical']}")
+        doc["results"] = {"batches": rows, "kv": {k: e.kv_description() for k, e in engines.items()},
+                          "outputs_identical": all(r["outputs_identical"] for r in rows)}
+        path = results.write(doc, Path(a.out_dir))  # (after every batch: a run cut short keeps what it measured)
+    title = (f"aoti engine's speculative step on {doc['device']}, γ = {gamma}, {a.context} tokens of context, "
+             f"paged: blocks of {a.block_size} (ms per step, median of {a.steps})")
+    print(title + "\n" + step_table(rows), flush=True)
+    log(f"wrote {path}")
+    return 0 if doc["results"]["outputs_identical"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--pair", help="a folder of `muse-spark make-pair` (its target/ and draft/)")
     src.add_argument("--engine", help="an eager engine directory")
+    p.add_argument("--backend", choices=["eager", "aoti"], default="eager",
+                   help="eager (default): the memory-budget workload; aoti: the compiled engine's step time, paged "
+                        "against slot caches (two engines built from --pair)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda where there is one")
     p.add_argument("--memory-tokens", type=int, default=None,
                    help="the KV budget in positions, both sides (default: 4 × max_seq)")
@@ -118,7 +291,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared", type=int, default=4, help="requests behind the shared system prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=str(results.RESULTS))
+    g = p.add_argument_group("--backend aoti")
+    g.add_argument("--step-batches", type=batch_list, default=[1, 8, 32], metavar="B,B",
+                   help="batch sizes whose step is timed (default 1,8,32; the engines' max_batch is the largest)")
+    g.add_argument("--context", type=int, default=1024, help="prompt tokens of each request before the timed steps")
+    g.add_argument("--steps", type=int, default=32, help="timed steps per batch size and engine")
+    g.add_argument("--warmup-steps", type=int, default=4)
+    g.add_argument("--work-dir", default="/tmp/muse-spark-paged-kv", help="where the two engines are built")
+    g.add_argument("--reuse-engine", action="store_true",
+                   help="use the engines an earlier run built in --work-dir instead of building again")
     a = p.parse_args(argv)
+    if a.backend == "aoti":
+        return aoti_steps(a, p)
     if a.requests < 1 or a.shared < 1 or a.slots < 1 or a.system_prompt < 1:
         p.error("--requests, --shared, --slots and --system-prompt must be positive")
 

@@ -22,6 +22,8 @@
 #   scripts/gpu_check.sh serving-sweep # bench-serving on the 8B-shaped pair, in process and through tritonserver
 #   scripts/gpu_check.sh paged   # paged KV caches against a window per slot on the 8B-shaped pair (eager engines):
 #                                # requests at once in one memory budget, tok/s, step time, shared-prompt TTFT
+#   scripts/gpu_check.sh paged-step # the aoti engine's step on the 8B-shaped pair, paged against slot caches, at
+#                                # batch 1/8/32 (the two engines stay in /tmp/w8b for a second call)
 #   scripts/gpu_check.sh tp      # tensor parallelism over the machine's GPUs (2, 4, 8 as it has them)
 #   scripts/gpu_check.sh tp-bench # its benchmark on the 8B-shaped pair at each size the GPUs allow
 #
@@ -182,6 +184,19 @@ paged)
         --requests 64 --prompt-len 16:512 --max-tokens 16:128 --system-prompt 1024 --out-dir "$OUT" 2>&1 |
         tee "$OUT/paged.log"
     ;;
+paged-step)
+    # the compiled engine's speculative step, paged against slot caches (benchmarks/paged_kv.py --backend aoti): two
+    # aoti engines of the 8B-shaped pair (acceptance 0.8), slot caches and a pool of the same positions (one copy
+    # of the weights between them), the step at batch 1, 8 and 32 after 1,024 tokens of context; JSON and table
+    # in $OUT. The engines stay in /tmp/w8b: a run the call's time limit cut short (each 8B build takes minutes)
+    # is picked up by the next one.
+    here=/tmp/w8b/paged-step
+    free_disk "$here"
+    pair_at "$here/pair" 0.8 "$OUT/make-pair.log" || exit 1
+    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/paged_kv.py --backend aoti --pair "$here/pair" \
+        --work-dir "$here/engines" --reuse-engine --step-batches 1,8,32 --context 1024 --out-dir "$OUT" 2>&1 |
+        grep -v "^\[build\]" | tee "$OUT/paged-step.log"
+    ;;
 tp)
     # tensor parallelism over the machine's GPUs (NCCL): the split target's tokens against one GPU's
     # (tests/test_gpu_tensor_parallel.py, 2/4/8 ranks as the GPUs allow) and the CPU (gloo) tests
@@ -200,7 +215,7 @@ tp-bench)
         --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
     ;;
 *)
-    echo "usage: $0 tests|engines|engine-switches|paged|linear|bench|cxx|cxx-bench|serving|workload|serving-sweep|tp|tp-bench" >&2
+    echo "usage: $0 tests|engines|engine-switches|paged|paged-step|linear|bench|cxx|cxx-bench|serving|workload|serving-sweep|tp|tp-bench" >&2
     exit 2
     ;;
 esac

@@ -128,3 +128,44 @@ def test_the_paged_kv_benchmark_fits_more_requests_in_the_same_memory_with_the_s
     assert res["paged"]["workload"]["peak_running"] > 4
     assert res["paged"]["shared_prompt"]["cached_prefill_tokens"] == 2 * 128
     assert res["contiguous"]["shared_prompt"]["cached_prefill_tokens"] == 0
+
+
+def test_the_paged_kv_benchmark_times_the_compiled_step_paged_against_slot_caches(tmp_path):
+    """`--backend aoti` on the CPU with a tiny pair: two aoti engines built from it (slot caches, and a pool of
+    the same positions; one copy of the weights on the disk), the step timed at batch 1 and 2 on each; one
+    result file in the schema with both engines' figures and the ratio per batch, a printed table, the same
+    tokens on both; a second run reuses the engines. (The figures' values are not checked: a CPU's say
+    nothing.)"""
+    import os
+
+    from muse_spark.builder.pair import make_pair
+
+    make_pair(tmp_path / "pair", preset="tiny", acceptance=0.8, seed=0, device="cpu")
+    args = [sys.executable, str(ROOT / "benchmarks" / "paged_kv.py"), "--backend", "aoti", "--pair",
+            str(tmp_path / "pair"), "--device", "cpu", "--step-batches", "1,2", "--context", "40", "--steps", "3",
+            "--warmup-steps", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (path,) = (tmp_path / "out").glob("*_paged_kv_step.json")
+    doc = json.loads(path.read_text())
+    assert KEYS <= set(doc) and doc["benchmark"] == "paged_kv_step"
+    res, cfg = doc["results"], doc["config"]
+    assert [row["batch"] for row in res["batches"]] == [1, 2] and res["outputs_identical"] is True
+    for row in res["batches"]:
+        for side in ("slot", "paged"):
+            assert {"median_ms", "mean_ms", "min_ms"} <= set(row[side]) and row[side]["steps"] == 3
+            assert row[side]["median_ms"] > 0
+        assert row["slot_chained"]["mean_ms"] > 0 and row["outputs_identical"] is True
+        assert row["paged_over_slot"] == pytest.approx(row["paged"]["median_ms"] / row["slot"]["median_ms"],
+                                                       rel=1e-2, abs=1e-3)
+        assert row["paged_over_slot_chained"] == pytest.approx(
+            row["paged"]["median_ms"] / row["slot_chained"]["mean_ms"], rel=1e-2, abs=1e-3)
+    assert cfg["kv_pool"] == [17, 16] and cfg["pool_tokens"] == cfg["slot_tokens"] == 2 * cfg["max_seq"] == 256
+    assert "paged/slot" in r.stdout and "identical" in r.stdout
+    slot, paged = Path(cfg["engines"]["slot"]), Path(cfg["engines"]["paged"])
+    assert json.loads((slot / "manifest.json").read_text())["aoti"]["kv_pool"] is None
+    assert json.loads((paged / "manifest.json").read_text())["aoti"]["kv_pool"] == [17, 16]
+    assert os.path.samefile(slot / "target.safetensors", paged / "target.safetensors")
+    r = subprocess.run(args + ["--reuse-engine"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("reusing the engine built before") == 2 and len(list((tmp_path / "out").glob("*.json"))) == 2
