@@ -74,7 +74,7 @@ from typing import Callable, Iterator
 import torch
 
 from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
-from muse_spark.models.layers import attention_path, linear_path
+from muse_spark.models.layers import Fp8Linear, attention_path, linear_path
 from muse_spark.plugins.pdl import pdl_active, PDL_KERNELS
 from muse_spark.options import KernelOptions, use_options
 from muse_spark.graphs.parts import (CTL_FLOATS, CTL_INTS, GRAPH_INPUTS, LAYOUT, LOGPROBS_TOP, GraphFn, SpecPair,
@@ -341,6 +341,17 @@ def check_package(path: str | Path) -> None:
                                    "graph sharing TORCHINDUCTOR_CACHE_DIR?); build again") from None
 
 
+def install_fp8(pair, names: list[str], dtype: torch.dtype) -> None:
+    """An ``Fp8Linear`` (on meta) in the export modules for every projection whose weights the graphs read in
+    FP8 (its ``weight_scale`` among ``names``), as ``checkpoint.materialize`` installs them in the runtime's:
+    the traced projection then dequantizes its weight (``layers.linear``) instead of multiplying by FP8."""
+    for name in names:
+        if name.endswith(".weight_scale"):
+            path = name.removesuffix(".weight_scale")
+            with torch.device("meta"):
+                Fp8Linear.install(pair, path, dtype, static=f"{path}.input_scale" in names)
+
+
 def _compile_job(job: dict) -> dict:
     from muse_spark.plugins.dispatch import plugin_impl
 
@@ -356,6 +367,7 @@ def _compile_job(job: dict) -> dict:
         import muse_spark.plugins.triton_ops  # noqa: F401
     pair = build_pair(tcfg, dcfg)
     names = [w[0] for w in job["weights"]]
+    install_fp8(pair, names, torch_dtype(job["cache_dtype"]))
     args = fake_inputs(job, tcfg, dcfg)
     with plugin_impl(job["impl"]):
         ep = torch.export.export(GraphFn(pair, job["fn"], names), args, strict=False)

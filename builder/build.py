@@ -381,9 +381,10 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
             raise BuildError(f"cannot create the folder of --out {out.parent}: a component of the path is not a "
                              f"directory{missing_note(out.parent)}") from None
         raise BuildError(f"cannot create the folder of --out {e.filename or out.parent}: {os_error_reason(e)}") from None
-    if backend != "eager" and any(load_config(d).quantization_config is not None for d in (target_dir, draft_dir)):
-        raise BuildError(f"FP8 checkpoints (quantization_config) build eager engines today (--backend eager); the "
-                         f"{backend} engine's compiled graphs of FP8 projections are not supported yet (docs/fp8.md)")
+    if backend not in ("eager", "aoti") and any(load_config(d).quantization_config is not None
+                                                for d in (target_dir, draft_dir)):
+        raise BuildError(f"FP8 checkpoints (quantization_config) build eager and aoti engines (--backend eager|aoti); "
+                         f"the {backend} engine's graphs of FP8 projections are not supported yet (docs/fp8.md)")
     log(f"loading checkpoints {target_dir} + {draft_dir}")
     target, draft = load_pair(target_dir, draft_dir, dtype, "cpu")
     check_split(target.cfg, tp)  # (before anything is written)

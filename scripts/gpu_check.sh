@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh tests   # every GPU test (slow ones too), one line per test, but the CLI-built engines below
 #   scripts/gpu_check.sh engines # the CLI-built aoti engines with the Triton plugins: the default build, and
-#                                # one with a narrower verification width and the controlled step
+#                                # one with a narrower verification width and the controlled step, and the FP8 pair's
 #   scripts/gpu_check.sh engine-switches # the engines built with non-default switches (PDL wait-only, the old path,
 #                                # a paged pool)
 #   scripts/gpu_check.sh bench   # the step benchmark (benchmarks/step.py; docs/performance.md); BENCH_ARGS=--profile adds kernel tables
@@ -76,9 +76,9 @@ tests)
         grep -E "PASSED|FAILED|ERROR|SKIPPED|XFAIL|[0-9]+ (passed|failed)|node down"
     ;;
 engines)
-    # the default CLI build with the Triton plugins and the one with narrower widths (each build on a worker
-    # of its own; each compiles its graphs in parallel processes)
-    timeout "${TEST_TIMEOUT:-580}" python3 -m pytest -n 2 --dist loadgroup --max-worker-restart=0 -v -rfEs \
+    # the default CLI build with the Triton plugins, the one with narrower widths and the FP8 pair's (each build
+    # on a worker of its own; each compiles its graphs in parallel processes)
+    timeout "${TEST_TIMEOUT:-580}" python3 -m pytest -n 3 --dist loadgroup --max-worker-restart=0 -v -rfEs \
         -m "slow or not slow" tests/test_gpu_triton_engine.py \
         -k "not (only_wait or without_the_rope_table or paged)" 2>&1 | tee "$OUT/gpu-engines.log" |
         grep -E "PASSED|FAILED|ERROR|SKIPPED|[0-9]+ (passed|failed)|node down"

@@ -18,7 +18,7 @@ from muse_spark.builder.quantize import FP8_MAX, QuantizeError, quantize_checkpo
 from muse_spark.checkpoint import CheckpointError, load_draft, load_pair, load_target
 from muse_spark.config import MuseSpark1xConfig, QuantizationConfig, load_config, quantizable
 from muse_spark.models.layers import FP8, Fp8Linear, Fp8Weight, linear, linear_silu_mul, proj_weight
-from muse_spark.runtime import EagerEngine, Generator, SamplingParams
+from muse_spark.runtime import EagerEngine, Generator, SamplingParams, load_engine
 from muse_spark.runtime.target_only import generate_target_only
 
 PARTS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj", "o_gate_proj"), "self_attn.o_proj": ("o_proj",),
@@ -324,7 +324,6 @@ def test_an_eager_engine_built_from_fp8_checkpoints_keeps_them_and_their_tokens(
     and it generates the checkpoints' own tokens, greedy and sampled, in a fresh process too."""
     from safetensors import safe_open
 
-    from muse_spark.runtime import load_engine
     from conftest import cli_generate_ids
 
     out, ref = tmp_path / "engine", tmp_path / "bf16"
@@ -349,10 +348,37 @@ def test_an_eager_engine_built_from_fp8_checkpoints_keeps_them_and_their_tokens(
     want = [r.output for r in Generator(direct).generate(prompts, params)]
     assert [r.output for r in Generator(engine).generate(prompts, params)] == want
     assert cli_generate_ids(out, prompts[0], 24) == want[0]
-    r = run_cli("build", "--target", pair / "fp8" / "target", "--draft", pair / "fp8" / "draft", "--out",
-                tmp_path / "aoti", "--backend", "aoti", "--max-batch", 2, "--max-seq", 128)
-    assert r.returncode != 0 and "FP8 checkpoints (quantization_config) build eager engines today" in r.stderr
-    assert not (tmp_path / "aoti").exists()
+    from muse_spark.builder.build import BuildError, build_engine
+
+    with pytest.raises(BuildError, match=r"FP8 checkpoints \(quantization_config\) build eager and aoti engines"):
+        build_engine(pair / "fp8" / "target", pair / "fp8" / "draft", tmp_path / "mgx", backend="migraphx",
+                     device="cpu", max_batch=2, max_seq=128, quiet=True)
+    assert not (tmp_path / "mgx").exists()
+
+
+def test_an_aoti_engine_of_fp8_checkpoints_gives_the_eager_engines_tokens(pair, tmp_path, cxx_build):
+    """The compiled graphs of an FP8 pair: its projections' weights (E4M3) and scales are graph inputs, and the
+    exported modules hold Fp8Linear projections, so every graph dequantizes as the eager engine does (the W8A16
+    reference here, the Triton W8A16 kernel on CUDA). Its tokens are the eager FP8 engine's, greedy and
+    sampled, from the Python runtime and from the C++ library."""
+    from cxx_utils import cxx_generate, same_as_python
+
+    out = tmp_path / "aoti"
+    r = run_cli("build", "--target", pair / "fp8" / "target", "--draft", pair / "fp8" / "draft", "--out", out,
+                "--backend", "aoti", "--max-batch", 2, "--max-seq", 128)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((out / "manifest.json").read_text())
+    dtypes = {name: dt for name, _, dt in m["aoti"]["weights"]}
+    assert dtypes["target.model.layers.0.self_attn.qkv_proj.weight"] == "float8_e4m3fn"
+    assert dtypes["target.model.layers.0.self_attn.qkv_proj.weight_scale"] == "float32"
+    engine = load_engine(out)
+    direct = EagerEngine.from_checkpoints(pair / "fp8" / "target", pair / "fp8" / "draft", max_batch=2, max_seq=128)
+    prompts = random_prompts(draft_token_ids(pair / "bf16"), 2, 7, seed=5)
+    for temperature, seed in ((0.0, 0), (0.9, 3)):
+        params = SamplingParams(max_tokens=24, temperature=temperature, seed=seed, ignore_eos=True)
+        want = Generator(direct).generate(prompts, params)
+        assert [r.output for r in Generator(engine).generate(prompts, params)] == [r.output for r in want]
+        same_as_python(cxx_generate(cxx_build, out, prompts, max_tokens=24, temperature=temperature, seed=seed), want)
 
 
 def test_quantization_config_round_trip(pair):

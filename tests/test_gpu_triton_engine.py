@@ -224,3 +224,24 @@ def test_a_paged_engine_with_the_triton_plugins_equals_eager(agreeing_pair, eage
     assert [r.output for r in gen.generate(prompts, params)] == want
     assert gen.preemptions > 0
     engine.kv.check()
+
+
+@pytest.mark.xdist_group("triton_engine_fp8")
+def test_an_fp8_engine_with_the_triton_plugins_equals_the_eager_fp8_engine(tmp_path):
+    """The FP8 (per-channel E4M3) tiny pair built by the CLI into an aoti engine with the Triton plugins: the
+    step packages' projections run the W8A16 kernel (``linear_fp8_triton``, its FP8 weights and scales graph
+    inputs), and the CUDA-graph steps give the eager FP8 engine's tokens, greedy and sampled."""
+    from muse_spark.builder.pair import draft_token_ids, make_pair, random_prompts
+    from muse_spark.builder.quantize import quantize_pair
+
+    make_pair(tmp_path / "bf16", "tiny", acceptance=0.8, seed=0)
+    quantize_pair(tmp_path / "bf16" / "target", tmp_path / "fp8" / "target", draft=tmp_path / "bf16" / "draft",
+                  draft_out=tmp_path / "fp8" / "draft", log=lambda s: None)
+    out = build((tmp_path / "fp8" / "target", tmp_path / "fp8" / "draft"), tmp_path / "engine")
+    engine = load_engine(out)
+    assert engine.cuda_graphs
+    eager = EagerEngine.from_checkpoints(tmp_path / "fp8" / "target", tmp_path / "fp8" / "draft", device="cuda",
+                                         max_batch=2, max_seq=MAX_SEQ)
+    prompts = random_prompts(draft_token_ids(tmp_path / "bf16"), 2, 7, seed=2)
+    want = [r.output for r in Generator(eager).generate(prompts, PARAMS)]
+    assert [r.output for r in Generator(engine).generate(prompts, PARAMS)] == want

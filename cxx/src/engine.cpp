@@ -337,7 +337,7 @@ at::ScalarType dtype_from_name(const std::string& name, const std::string& where
   static const std::map<std::string, at::ScalarType> names = {
       {"bfloat16", at::kBFloat16}, {"float16", at::kHalf}, {"float32", at::kFloat}, {"float64", at::kDouble},
       {"int64", at::kLong},        {"int32", at::kInt},    {"int16", at::kShort},   {"int8", at::kChar},
-      {"uint8", at::kByte},        {"bool", at::kBool}};
+      {"uint8", at::kByte},        {"bool", at::kBool},    {"float8_e4m3fn", at::kFloat8_e4m3fn}};
   auto it = names.find(name);
   if (it == names.end()) throw EngineError(where + ": unknown dtype '" + name + "'");
   return it->second;
@@ -346,7 +346,8 @@ at::ScalarType dtype_from_name(const std::string& name, const std::string& where
 at::ScalarType dtype_from_safetensors(const std::string& name, const std::string& where) {
   static const std::map<std::string, at::ScalarType> names = {
       {"BF16", at::kBFloat16}, {"F16", at::kHalf}, {"F32", at::kFloat}, {"F64", at::kDouble}, {"I64", at::kLong},
-      {"I32", at::kInt},       {"I16", at::kShort}, {"I8", at::kChar},  {"U8", at::kByte},    {"BOOL", at::kBool}};
+      {"I32", at::kInt},       {"I16", at::kShort}, {"I8", at::kChar},  {"U8", at::kByte},    {"BOOL", at::kBool},
+      {"F8_E4M3", at::kFloat8_e4m3fn}};  // (FP8 checkpoints: E4M3 weights, float32 scales)
   auto it = names.find(name);
   if (it == names.end()) throw EngineError(where + ": unsupported safetensors dtype '" + name + "'");
   return it->second;
