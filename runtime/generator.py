@@ -623,7 +623,7 @@ class Generator:
         self.step_times.append(time.perf_counter() - t0)
         done = []
         for i, (req, row) in enumerate(zip(batch, packed)):
-            if req.finished:  # (finished or cancelled after this chained step was launched)
+            if req.finished or req.slot < 0:  # (finished, cancelled or preempted after this chained step was launched)
                 continue
             draft, n, bonus = row[:g], row[g], row[g + 1]
             emitted = draft[:n] + [bonus]
@@ -645,13 +645,18 @@ class Generator:
         """Whether to launch the step after this one before reading its rows: the same requests are
         all still running, none is waiting for a free slot, the chained step's writes stay inside the
         caches (its largest position + γ is below max_seq), and some request surely needs it (more
-        than γ+1 tokens left: this step emits at most γ+1)."""
+        than γ+1 tokens left: this step emits at most γ+1). Paged caches: the chained step's positions
+        (up to two steps past each request's anchor) get their blocks now, from the free pool without
+        preempting anyone, or the step is not chained."""
         g = self.gamma
-        if self.paged or any(r.finished for r in batch) or self.prefilling or (self.waiting and self.free_slots):
-            return False  # (paged: the chained step's positions would need blocks the step before took)
+        if any(r.finished for r in batch) or self.prefilling or (self.waiting and self.free_slots):
+            return False
         if max(r.position for r in batch) + 2 * (g + 1) > self.engine.max_seq:
             return False
-        return any(r.params.max_tokens - len(r.output) > g + 1 for r in batch)
+        if not any(r.params.max_tokens - len(r.output) > g + 1 for r in batch):
+            return False
+        # (a reservation that fails takes nothing; those made before it serve the requests' next steps)
+        return not self.paged or all(self.engine.kv.reserve(r.slot, r.position + 2 * (g + 1)) for r in batch)
 
     def run(self) -> None:
         while True:

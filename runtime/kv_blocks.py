@@ -88,7 +88,10 @@ class BlockTables:
         for b in blocks:
             self.refs[b] += 1
         self.owned[slot].extend(blocks)
-        self.table[slot, have : have + len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        ids = torch.tensor(blocks, dtype=torch.int64)
+        if self.table.is_cuda:  # (pinned and asynchronous: a pageable copy would wait for the steps in flight)
+            ids = ids.pin_memory()
+        self.table[slot, have : have + len(blocks)].copy_(ids, non_blocking=True)
 
     def cached_run(self, keys: list[bytes]) -> int:
         """How many of ``keys`` (a prompt's block keys, in order) are registered, from the first on."""
