@@ -473,3 +473,25 @@ def test_the_cxx_step_benchmark_puts_the_library_beside_the_python_runtime(cxx_b
         for k in cxx_step.RUNNERS:
             assert r[k]["tokens"] == r["batch"] * 12 and r[k]["tokens_per_s"] > 0 and r[k]["steps"] > 1
         assert r["cxx"]["cuda_graphs"] is False and r["step_ratio"] > 0 and r["tokens_per_s_ratio"] > 0
+
+
+def test_a_project_embeds_the_installed_library_with_find_package(cxx_build, aoti_built, engine, tmp_path):
+    """`cmake --install` of the build, then cxx/examples/minimal (find_package(muse_spark_embed), one
+    executable, docs/cxx.md) configured against the installed package and torch, built and run on the CPU
+    engine: its greedy tokens are the Python runtime's."""
+    from cxx_utils import _tool
+
+    if not info(cxx_build)["checks_hashes"]:
+        pytest.skip("this build cannot check engine hashes (no OpenSSL): the minimal program opens engines checked")
+    cmake, prefix, build = _tool("cmake"), tmp_path / "prefix", tmp_path / "minimal"
+    for cmd in ([cmake, "--install", cxx_build, "--prefix", prefix],
+                [cmake, "-S", ROOT / "cxx" / "examples" / "minimal", "-B", build,
+                 f"-DCMAKE_PREFIX_PATH={prefix};{torch.utils.cmake_prefix_path}"],
+                [cmake, "--build", build, "-j", "2"]):
+        r = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-3000:])
+    r = subprocess.run([str(build / "minimal"), str(aoti_built[0]), "12"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (want,) = python_generate(engine, [[1, 2, 3, 4]], max_tokens=12, ignore_eos=True)
+    assert [int(t) for t in r.stdout.split()] == want.output
