@@ -17,7 +17,6 @@
 // admission to the last step: end to end, prefills included), "steps" (speculative steps), "accepted_per_step"
 // (accepted drafts per request and step), "tokens", "seconds"}; with --json, the list of them in FILE.
 // An engine that cannot run here: the reason on stderr, exit status 2. Bad arguments: exit status 64.
-#include <ATen/Parallel.h>
 #include <muse_spark/engine.h>
 
 #include "arguments.h"
@@ -158,13 +157,7 @@ int main(int argc, char** argv) {
         warmup = parse_count(value(), a, 0);
       } else if (a == "--json") {
         json_path = value();
-      } else if (a == "--threads") {  // torch's intra-op threads (default: torch's choice)
-        at::set_num_threads(static_cast<int>(parse_count(value(), a, 1)));
-      } else if (a == "--no-verify") {
-        options.verify_hashes = false;
-      } else if (a == "--no-cuda-graphs") {  // a CUDA engine's packages called one by one (the comparison)
-        options.cuda_graphs = false;
-      } else {
+      } else if (!muse_spark_examples::engine_flag(a, value, options)) {
         return usage("unknown argument " + a);
       }
     }
@@ -173,13 +166,8 @@ int main(int argc, char** argv) {
   }
   if (engine_dir.empty()) return usage("--engine is required");
 
-  std::unique_ptr<muse_spark::Engine> engine;
-  try {
-    engine = muse_spark::Engine::open(engine_dir, options);
-  } catch (const muse_spark::EngineError& e) {
-    std::cerr << "error: " << e.what() << std::endl;
-    return 2;
-  }
+  std::unique_ptr<muse_spark::Engine> engine = muse_spark_examples::open_engine(engine_dir, options);
+  if (!engine) return 2;
   std::vector<int64_t> prompt(static_cast<size_t>(prompt_len));
   for (int64_t j = 0; j < prompt_len; ++j) prompt[static_cast<size_t>(j)] = (7 + 31 * j) % engine->vocab_size();
   muse_spark::SamplingParams params;

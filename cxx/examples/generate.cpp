@@ -14,7 +14,6 @@
 // then, for each request, {"request": i, "output_ids": [...], "finish_reason": ..., "steps": ...,
 // "accepted_draft_tokens": ..., "confidence": [[γ values] per step], "error": ...}. An engine that
 // cannot run here: the reason on stderr, exit status 2. Bad arguments: exit status 64.
-#include <ATen/Parallel.h>
 #include <muse_spark/engine.h>
 
 #include "arguments.h"
@@ -137,21 +136,13 @@ int main(int argc, char** argv) {
         stream = true;
       } else if (a == "--max-batch") {
         options.max_batch = std::stoll(value());
-      } else if (a == "--threads") {  // torch's intra-op threads (default: torch's choice)
-        int n = std::stoi(value());
-        if (n < 1) throw std::invalid_argument("--threads must be >= 1");
-        at::set_num_threads(n);
       } else if (a == "--arrivals") {
         arrivals = parse_ids(value(), a);
       } else if (a == "--cancel") {
         std::vector<int64_t> ik = parse_ids([&] { std::string v = value(); std::replace(v.begin(), v.end(), '@', ','); return v; }(), a);
         if (ik.size() != 2 || ik[0] < 0 || ik[1] < 0) throw std::invalid_argument("--cancel takes I@K");
         cancels.emplace_back(static_cast<size_t>(ik[0]), ik[1]);
-      } else if (a == "--no-verify") {
-        options.verify_hashes = false;
-      } else if (a == "--no-cuda-graphs") {
-        options.cuda_graphs = false;
-      } else {
+      } else if (!muse_spark_examples::engine_flag(a, value, options)) {
         return usage("unknown argument " + a);
       }
     }
@@ -165,13 +156,8 @@ int main(int argc, char** argv) {
   for (const auto& c : cancels)
     if (c.first >= prompts.size()) return usage("--cancel names a request past the prompts");
 
-  std::unique_ptr<muse_spark::Engine> engine;
-  try {
-    engine = muse_spark::Engine::open(engine_dir, options);
-  } catch (const muse_spark::EngineError& e) {
-    std::cerr << "error: " << e.what() << std::endl;
-    return 2;
-  }
+  std::unique_ptr<muse_spark::Engine> engine = muse_spark_examples::open_engine(engine_dir, options);
+  if (!engine) return 2;
   muse_spark::TokenCallback on_tokens = nullptr;
   if (stream)
     on_tokens = [](size_t r, const std::vector<int64_t>& tokens) {

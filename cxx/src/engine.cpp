@@ -656,6 +656,19 @@ struct Engine::Impl {
     std::vector<float> temperature;
   };
 
+  // StaticStep's padding: a bucket's rows past the batch point at the scratch slot, at position 0, greedy
+  // (they compute harmlessly and write only the scratch slot) → `h` as B rows.
+  HostInputs padded(const HostInputs& h, int64_t B) const {
+    HostInputs p = h;
+    const size_t rows = static_cast<size_t>(B);
+    p.anchor.resize(rows, 0);
+    p.anchor_pos.resize(rows, 0);
+    p.slots.resize(rows, scratch_slot);
+    p.seeds.resize(rows, 0);
+    p.temperature.resize(rows, 0.0f);
+    return p;
+  }
+
   static HostInputs host_inputs(const std::vector<Request*>& batch) {
     HostInputs h;
     for (const Request* r : batch) {
@@ -708,17 +721,11 @@ struct Engine::Impl {
   // call by call, the rows read back (StaticStep.step_host, its Markov retry included: rows flagged by the
   // fused Markov kernel run once more on a zeroed workspace; a second failure is an error).
   StepRows step_uncaptured(Bucket& b, const HostInputs& h) {
-    const int64_t B = b.size;
     const size_t n = h.anchor.size();
-    auto padded = [&](const std::vector<int64_t>& v, int64_t fill) {
-      std::vector<int64_t> out(v);
-      out.resize(static_cast<size_t>(B), fill);
-      return at::tensor(out, at::kLong).to(device);
-    };
-    std::vector<float> temps(h.temperature);
-    temps.resize(static_cast<size_t>(B), 0.0f);
-    StepInputs in{padded(h.anchor, 0), padded(h.anchor_pos, 0), padded(h.slots, scratch_slot), padded(h.seeds, 0),
-                  at::tensor(temps, at::kFloat).to(device)};
+    const HostInputs p = padded(h, b.size);
+    auto dev = [&](const std::vector<int64_t>& v) { return at::tensor(v, at::kLong).to(device); };
+    StepInputs in{dev(p.anchor), dev(p.anchor_pos), dev(p.slots), dev(p.seeds),
+                  at::tensor(p.temperature, at::kFloat).to(device)};
     auto once = [&] {
       at::Tensor out = run_step(b, in, static_cast<int64_t>(n)).to(at::kCPU).contiguous();
       return unpack(out.data_ptr<int64_t>(), out.size(1), n);
@@ -789,11 +796,10 @@ struct Engine::Impl {
     c->host_packed = at::zeros({5, width}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
     c->in = StepInputs{c->packed[0].narrow(0, 0, B), c->packed[1].narrow(0, 0, B), c->packed[2].narrow(0, 0, B),
                        c->packed[3].narrow(0, 0, B), c->packed[4].view(at::kFloat).narrow(0, 0, B)};
-    c->in.sl.fill_(scratch_slot);
-    c->host_packed[2].fill_(scratch_slot);
     for (auto& r : c->ring)
       r = at::empty({B, 2 * gamma + 2}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
     Captured& k = *c;
+    fill(k, B, HostInputs{});  // (every row padding while the graphs are captured)
     auto graph = [&](const std::function<at::Tensor()>& fn) {
       c10::cuda::device_synchronize();
       c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
@@ -850,19 +856,16 @@ struct Engine::Impl {
   // StaticStep._write_twin + _fill_host: host values (padding rows too) into the pinned twin, once the
   // last copy from it has read it, then one asynchronous copy of all five rows.
   void fill(Captured& k, int64_t B, const HostInputs& h) {
-    const size_t n = h.anchor.size();
+    const HostInputs p = padded(h, B);
     k.copied_in.synchronize();
-    int64_t* p = k.host_packed.data_ptr<int64_t>();
+    int64_t* twin = k.host_packed.data_ptr<int64_t>();
     const int64_t width = k.host_packed.size(1);
-    float* t = reinterpret_cast<float*>(p + 4 * width);
-    for (int64_t i = 0; i < B; ++i) {
-      const bool real = static_cast<size_t>(i) < n;
-      p[i] = real ? h.anchor[i] : 0;
-      p[width + i] = real ? h.anchor_pos[i] : 0;
-      p[2 * width + i] = real ? h.slots[i] : scratch_slot;
-      p[3 * width + i] = real ? h.seeds[i] : 0;
-      t[i] = real ? h.temperature[i] : 0.0f;
-    }
+    const size_t bytes = static_cast<size_t>(B) * sizeof(int64_t);
+    std::memcpy(twin, p.anchor.data(), bytes);
+    std::memcpy(twin + width, p.anchor_pos.data(), bytes);
+    std::memcpy(twin + 2 * width, p.slots.data(), bytes);
+    std::memcpy(twin + 3 * width, p.seeds.data(), bytes);
+    std::memcpy(twin + 4 * width, p.temperature.data(), static_cast<size_t>(B) * sizeof(float));
     k.packed.copy_(k.host_packed, /*non_blocking=*/true);
     k.copied_in.record(c10::cuda::getCurrentCUDAStream(device.index()));
   }
