@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from muse_spark.runtime.engine import PrefillChunk
-from muse_spark.runtime.kv_blocks import SWAP_SPACE_GIB
+from muse_spark.runtime.kv_blocks import SWAP_SPACE_GIB, swap_space_bytes
 from muse_spark.runtime.prefix_cache import chunk_keys
 
 
@@ -202,7 +202,9 @@ class Generator:
         # requests swapped out stay within the engine's swap space (``swap_space``, bytes here), and preempted
         # by recompute past it (``_preempt``): ``swapped_bytes`` is what they hold, ``swapped_bytes_peak`` the most
         # they held, ``recomputations`` the preemptions by recompute.
-        self.swap_space = getattr(engine, "swap_space_bytes", int(SWAP_SPACE_GIB * 2**30))
+        self.swap_space = getattr(engine, "swap_space_bytes", None)
+        if self.swap_space is None:  # (an engine without paged caches: the default, never used)
+            self.swap_space = swap_space_bytes(SWAP_SPACE_GIB)
         self.swapped_bytes = self.swapped_bytes_peak = 0
         self.recomputations = 0
         # ... and their prompts' full blocks are shared by reference, where a prefill chunk is whole blocks
