@@ -165,11 +165,12 @@ serving-sweep)
     # on the machine), through gRPC too
     modes=inprocess,triton-http
     python3 -c "import tritonclient.grpc" 2>/dev/null && modes=$modes,triton-grpc || echo "(no tritonclient.grpc here: the gRPC mode is left out)"
+    modes=${SWEEP_MODES:-$modes,inprocess-target-only}  # SWEEP_MODES: the modes to run, in order
     here=/tmp/w8b/sweep
     free_disk "$here"
     pair_at "$here/pair" 0.8 "$OUT/make-pair.log" || exit 1
     timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/bench_serving.py --pair "$here/pair" --work-dir "$here/engine" --reuse-engine \
-        --mode $modes,inprocess-target-only --concurrency 1,4,16,32 --num-requests 64 \
+        --mode $modes --concurrency 1,4,16,32 --num-requests 64 \
         --prompt-len 128 --output-len 128 --long-prompt 2048 \
         ${stub:+--stub-numpy "$PWD/$stub"} --out-dir "$OUT" --plot "$OUT/bench-serving.png" 2>&1 | tee "$OUT/sweep.log"
     ;;
