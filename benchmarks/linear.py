@@ -13,7 +13,9 @@ fused). ``--sweep`` times the launch configurations per shape and reports each s
 Each shape also times the W8A16 form (``--fp8``, the default: the same kernel streaming an FP8 E4M3
 copy of the weight with per-row scales, ``launch_linear(scale=)``, half the bytes) in its default
 configuration, beside the bf16 kernel and cuBLAS, with its error against the dequantized weight's
-cuBLAS product.
+cuBLAS product; W8A8 (``models.layers.fp8_linear_w8a8``, on FP8 hardware), and the W8A16 reference
+(dequantize per call, then cuBLAS) at every row count (``--batches 8,32``: the verification GEMMs W8A8
+takes).
 The figures go to ``benchmarks/results/`` in the common schema (``benchmarks/results.py``), rewritten
 after every shape.
 """
@@ -69,18 +71,31 @@ def time_calls(fn, x, ws) -> float:
 
 
 def fp8_figures(x, ws, silu: bool) -> dict:
-    """The W8A16 kernel on FP8 copies of ``ws`` (per-row absmax scales): µs a call, the FP8 weight stream's
-    GB/s, and the relative error against cuBLAS on the dequantized weight."""
-    from muse_spark.models.layers import FP8, FP8_MAX
+    """The FP8 forms on FP8 copies of ``ws`` (per-row absmax scales): the W8A16 kernel where it takes the rows
+    (µs a call, the FP8 weight stream's GB/s, relative error against cuBLAS on the dequantized weight), W8A8
+    (``fp8_linear_w8a8``: the rows quantized per token, ``torch._scaled_mm``; its error against its spec) and
+    the W8A16 reference (the weight dequantized per call, then cuBLAS: what runs without either)."""
+    from muse_spark.models.layers import (FP8, FP8_MAX, Fp8Weight, fp8_linear_reference, fp8_linear_w8a8,
+                                          fp8_w8a8_reference)
+    from muse_spark.plugins.linear.triton_kernel import MAX_ROWS
 
     scales = [(w.float().abs().amax(1) / FP8_MAX).clamp_min(1e-12) for w in ws]
     w8s = [(w.float() / s[:, None]).to(FP8) for w, s in zip(ws, scales)]
-    pairs = list(zip(w8s, scales))
-    us = time_calls(lambda x, ws_: launch_linear(x, ws_[0], silu, scale=ws_[1]), x, pairs)
-    out = launch_linear(x, w8s[0], silu, scale=scales[0]).float()
-    ref = linear_reference(x, (w8s[0].float() * scales[0][:, None]).to(x.dtype), silu).float()
-    err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-    return {"fp8_us": us, "fp8_GBps": w8s[0].numel() / us / 1e3, "fp8_rel_err": err}
+    fws = [Fp8Weight(w8, s[:, None], None, x.dtype) for w8, s in zip(w8s, scales)]
+    r = {}
+    if x.shape[0] <= MAX_ROWS:
+        pairs = list(zip(w8s, scales))
+        us = time_calls(lambda x, ws_: launch_linear(x, ws_[0], silu, scale=ws_[1]), x, pairs)
+        out = launch_linear(x, w8s[0], silu, scale=scales[0]).float()
+        ref = linear_reference(x, (w8s[0].float() * scales[0][:, None]).to(x.dtype), silu).float()
+        err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+        r.update(fp8_us=us, fp8_GBps=w8s[0].numel() / us / 1e3, fp8_rel_err=err)
+    if torch.cuda.get_device_capability(x.device) >= (8, 9):
+        r["w8a8_us"] = time_calls(lambda x, fw: fp8_linear_w8a8(x, fw, silu), x, fws)
+        out, ref = fp8_linear_w8a8(x, fws[0], silu).float(), fp8_w8a8_reference(x, fws[0], silu).float()
+        r["w8a8_rel_err"] = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+    r["dequant_us"] = time_calls(lambda x, fw: fp8_linear_reference(x, fw, silu), x, fws)
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,9 +162,14 @@ def main(argv: list[str] | None = None) -> int:
                           f"{best['us']:8.1f} µs ({r['triton_GBps']:5.0f} GB/s) {r['best']}", flush=True)
                 if a.fp8 and time.time() - t0 < a.deadline_s:
                     r.update(fp8_figures(x, ws, silu))
-                    print(f"{key:>22}: W8A16 {r['fp8_us']:8.1f} µs ({r['fp8_GBps']:5.0f} GB/s of FP8 weights), "
-                          f"{r.get('triton_us', float('nan')) / r['fp8_us']:.2f}× the bf16 kernel's speed, "
-                          f"rel. error {r['fp8_rel_err']:.2e}", flush=True)
+                    if "fp8_us" in r:
+                        print(f"{key:>22}: W8A16 {r['fp8_us']:8.1f} µs ({r['fp8_GBps']:5.0f} GB/s of FP8 weights), "
+                              f"{r.get('triton_us', float('nan')) / r['fp8_us']:.2f}× the bf16 kernel's speed, "
+                              f"rel. error {r['fp8_rel_err']:.2e}", flush=True)
+                    if "w8a8_us" in r:
+                        print(f"{key:>22}: W8A8 {r['w8a8_us']:8.1f} µs ({r['cublas_us'] / r['w8a8_us']:.2f}× bf16 "
+                              f"cuBLAS's speed; rel. error {r['w8a8_rel_err']:.2e}), dequantize + cuBLAS "
+                              f"{r['dequant_us']:8.1f} µs", flush=True)
                 res["shapes"][key] = r
                 save()
                 del ws

@@ -8,8 +8,8 @@
 #   scripts/gpu_check.sh engine-switches # the engines built with non-default switches (PDL wait-only, the old path,
 #                                # a paged pool)
 #   scripts/gpu_check.sh bench   # the step benchmark (benchmarks/step.py; docs/performance.md); BENCH_ARGS=--profile adds kernel tables
-#   scripts/gpu_check.sh linear  # the skinny GEMM against cuBLAS and its W8A16 (FP8 weight) form on the step's
-#                                # shapes at batch 1 and 2 (benchmarks/linear.py), after the FP8 kernel tests
+#   scripts/gpu_check.sh linear  # the skinny GEMM against cuBLAS, its W8A16 (FP8 weight) form and W8A8 on the
+#                                # step's shapes at batch 1, 2, 8, 32 (benchmarks/linear.py), after the FP8 kernel tests
 #   scripts/gpu_check.sh cxx     # the C++ embedding's CUDA tests: its CUDA graphs and chained steps against the
 #                                # Python runtime (carry .whl/ for its JSON header: the nlohmann-json wheel)
 #   scripts/gpu_check.sh cxx-bench # the C++ library's step and tokens/s beside the Python runtime's, 8B-shaped
@@ -98,8 +98,8 @@ bench)
         --out-dir "$OUT" --markdown "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
     ;;
 linear)
-    timeout 200 python3 -m pytest -q tests/kernels/test_linear.py -k fp8 2>&1 | tail -2
-    timeout "${BENCH_TIMEOUT:-380}" python3 benchmarks/linear.py --batches 1,2 --deadline-s 300 --out-dir "$OUT" 2>&1 |
+    timeout 200 python3 -m pytest -q tests/kernels/test_linear.py -k "fp8 or w8a8" 2>&1 | tail -2
+    timeout "${BENCH_TIMEOUT:-380}" python3 benchmarks/linear.py --batches ${LINEAR_BATCHES:-1,2,8,32} --deadline-s 300 --out-dir "$OUT" 2>&1 |
         tee "$OUT/linear.log"
     ;;
 cxx)

@@ -135,6 +135,68 @@ def test_linear_is_the_w8a16_reference():
     assert fw.shape == (12, 16) and fw.dtype == torch.bfloat16 and fw[4:10].scale.shape == (6, 1)
 
 
+def _w8a8_operands(M=24, N=48, K=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * torch.exp(torch.randn(N, 1, generator=g))
+    q, s = quantize_weight(w)
+    x = (torch.randn(M, K, generator=g) * torch.exp(torch.randn(M, 1, generator=g))).to(torch.bfloat16)
+    return x, Fp8Weight(q, s, dtype=torch.bfloat16)
+
+
+def test_activation_rows_are_quantized_per_token():
+    """``quantize_rows``: one absmax scale per row, so a row's codes do not depend on the others; an all-zero
+    row stays zero; a static ``input_scale`` serves every row and saturates at ±448."""
+    from muse_spark.models.layers import quantize_rows
+
+    x, _ = _w8a8_operands()
+    x[3] = 0
+    q, s = quantize_rows(x)
+    assert q.dtype == FP8 and s.shape == (x.shape[0], 1) and s.dtype == torch.float32
+    assert float(q.float().abs().amax(1)[0]) == FP8_MAX and not bool(q.float()[3].any())
+    assert torch.allclose(q.float() * s, x.float(), rtol=REL, atol=SUB * float(s.max()))
+    q5, s5 = quantize_rows(x[5:6])
+    assert torch.equal(q5.view(torch.uint8), q[5:6].view(torch.uint8)) and torch.equal(s5, s[5:6])
+    qs, ss = quantize_rows(x, torch.tensor(0.001))
+    assert bool((ss == 0.001).all()) and float(qs.float().abs().max()) == FP8_MAX  # saturated, not inf/NaN
+
+
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+def test_the_w8a8_product_is_its_spec(silu_mul):
+    """``fp8_linear_w8a8`` (``torch._scaled_mm`` with row-wise scales; the CPU's here, the GPU's in
+    tests/kernels/test_linear.py) against ``fp8_w8a8_reference`` within one bf16 rounding, and against the W8A16
+    spec within the activations' quantization error (each code within 2^-4 of its value: |Δy| ≤ 2^-4·|x|·|w|
+    per output, plus a rounding). A planted error, the last output channel's scale 5 % off, is caught."""
+    from muse_spark.models.layers import fp8_linear_reference, fp8_linear_w8a8, fp8_w8a8_reference
+
+    x, fw = _w8a8_operands(N=96 if silu_mul else 48)
+    got, spec = fp8_linear_w8a8(x, fw, silu_mul), fp8_w8a8_reference(x, fw, silu_mul)
+    assert got.dtype == torch.bfloat16 and got.shape == spec.shape == (24, 48)
+    tol = dict(rtol=2**-7, atol=2**-7 * float(spec.float().abs().max()) * 2**-6)
+    torch.testing.assert_close(got.float(), spec.float(), **tol)
+    w16 = fp8_linear_reference(x, fw, silu_mul).float()
+    if not silu_mul:
+        bound = (REL + 2**-8) * (x.float().abs() @ fw.dequantize().abs().T) + 2**-8 * w16.abs()
+        assert bool(((got.float() - w16).abs() <= bound).all())
+    else:
+        assert float((got.float() - w16).abs().max()) <= 0.1 * float(w16.abs().max())
+    bad = Fp8Weight(fw.weight, fw.scale.clone(), dtype=torch.bfloat16)
+    bad.scale[-1] *= 1.05  # (the last channel: an up-projection's under silu·mul)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(fp8_linear_w8a8(x, bad, silu_mul).float(), spec.float(), **tol)
+    x3 = x.reshape(2, 12, 64)  # leading dims kept
+    torch.testing.assert_close(fp8_linear_w8a8(x3, fw, silu_mul).float(), got.reshape(2, 12, -1).float(), **tol)
+
+
+def test_the_w8a8_path_is_taken_only_on_fp8_hardware():
+    """``linear`` runs W8A8 only for bf16 activations on an NVIDIA GPU of compute capability ≥ 8.9; on the CPU
+    it stays the W8A16 reference, the spec the quantized target is defined by."""
+    from muse_spark.models import layers
+
+    x, fw = _w8a8_operands()
+    assert not layers._w8a8_fits(x, fw)
+    assert torch.equal(linear(x, fw), layers.fp8_linear_reference(x, fw))
+
+
 def test_the_draft_context_uses_the_fp8_kv_rows(pair):
     _, draft = load_pair(pair / "fp8" / "target", pair / "fp8" / "draft")
     attn = draft.model.layers[0].self_attn

@@ -17,8 +17,9 @@ builder and the engines set them with ``use_options``).
 FP8 checkpoints (docs/fp8.md): the loader holds a quantized decoder projection as an ``Fp8Linear``
 (float8_e4m3fn ``weight`` + float32 per-channel ``weight_scale``); the layers pass
 ``proj_weight(module)`` to ``linear``, which for an ``Fp8Weight`` runs the skinny W8A16 kernel where it
-fits (``linear_fp8_triton``), else the W8A16 reference (``fp8_linear_reference``: dequantized per call,
-computed in the activations' dtype).
+fits (``linear_fp8_triton``), W8A8 for more rows in bf16 on FP8 hardware (``fp8_linear_w8a8``: the rows
+quantized per token, one ``torch._scaled_mm``), else the W8A16 reference (``fp8_linear_reference``:
+dequantized per call, computed in the activations' dtype).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from muse_spark.options import KernelOptions, current_options
 from muse_spark.plugins.attention.reference import (CacheKV, KeyBounds, KVProvider, Mask, attend_reference,
                                                     cache_rows, triton_attention_fits)
 from muse_spark.plugins.head_norm_rope.reference import head_norm_rope_reference
-from muse_spark.plugins.linear.reference import linear_reference
+from muse_spark.plugins.linear.reference import linear_reference, silu_mul_halves
 from muse_spark.plugins.norm import rms_norm
 
 
@@ -263,9 +264,66 @@ def proj_weight(proj: nn.Module) -> torch.Tensor | Fp8Weight:
 def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) -> torch.Tensor:
     """The W8A16 spec: ``x @ (w.weight.float() * w.scale).T`` computed in x's dtype (the weight
     dequantized per call, exactly in float32, then rounded to x's dtype; the product as ``F.linear``
-    in x's dtype); with ``silu_mul``, ``silu(g) · u`` of its halves. The GPU kernels (a W8A16 GEMM
-    for few rows, W8A8 ``torch._scaled_mm`` for many) are to be checked against it (docs/fp8.md)."""
+    in x's dtype); with ``silu_mul``, ``silu(g) · u`` of its halves. What runs without FP8 tensor cores; the skinny
+    W8A16 kernel for few rows is checked against it; W8A8 has its own spec, ``fp8_w8a8_reference``."""
     return linear_reference(x, w.dequantize(x.dtype), silu_mul)
+
+
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations of a W8A8 product in FP8: ``x`` [M, K] → (E4M3 codes [M, K], float32 scales [M, 1]) with
+    ``x ≈ codes · scale``. Dynamic (no ``input_scale``): one scale per row (per token), its absmax / 448, so a
+    row's codes never depend on the other rows; an all-zero row gets the smallest normal float32 scale. Static:
+    the checkpoint's ``input_scale`` for every row, the codes saturated at ±448."""
+    xf = x.float()
+    if input_scale is None:
+        scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    else:
+        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_w8a8_reference(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) -> torch.Tensor:
+    """The W8A8 spec: x's rows quantized as ``quantize_rows`` does, the product of the dequantized codes (exact
+    in float32) accumulated in float32 and rounded once to x's dtype; with ``silu_mul``, ``silu(g) · u`` of its
+    halves in x's dtype. ``fp8_linear_w8a8`` is checked against it."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_rows(x2, w.input_scale)
+    y = ((xq.float() * xs) @ w.dequantize().T).to(x.dtype).reshape(*x.shape[:-1], -1)
+    return silu_mul_halves(y) if silu_mul else y
+
+
+def fp8_linear_w8a8(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) -> torch.Tensor:
+    """W8A8: x's rows quantized to E4M3 (``quantize_rows``) and one ``torch._scaled_mm`` with row-wise scales
+    (the activations' per row, the weight's per output channel), accumulated in float32, out in x's dtype.
+    What ``linear`` runs for an ``Fp8Weight`` on Hopper/Ada when the skinny W8A16 kernel does not take the rows
+    (prefill, verification at batch > 2); its spec is ``fp8_w8a8_reference``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_rows(x2, w.input_scale)
+    y = torch._scaled_mm(xq, w.weight.T, scale_a=xs, scale_b=w.scale.reshape(1, -1), out_dtype=x.dtype)
+    y = y.reshape(*x.shape[:-1], -1)
+    return silu_mul_halves(y) if silu_mul else y
+
+
+def _w8a8_fits(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether ``linear`` runs ``fp8_linear_w8a8`` on ``w``: bf16 activations on an NVIDIA GPU with FP8 tensor
+    cores (compute capability ≥ 8.9: Ada, Hopper and later), dims that ``torch._scaled_mm`` takes (multiples
+    of 16) and at least one row."""
+    if not (nvidia(x.device) and x.dtype == torch.bfloat16 and w.dtype == x.dtype):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False
+    n, k = w.weight.shape
+    return n % 16 == 0 and k % 16 == 0 and x.numel() > 0 and w.weight.is_contiguous()
+
+
+def _fp8_linear(x: torch.Tensor, w: Fp8Weight, silu_mul: bool) -> torch.Tensor:
+    """An ``Fp8Weight``'s product: the skinny W8A16 kernel for few rows, W8A8 for more on FP8 hardware, else the
+    W8A16 reference."""
+    if _triton_linear_fits(x, w):
+        return torch.ops.muse_spark.linear_fp8_triton(x, w.weight, w.scale, silu_mul)
+    if _w8a8_fits(x, w):
+        return fp8_linear_w8a8(x, w, silu_mul)
+    return fp8_linear_reference(x, w, silu_mul)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
@@ -273,26 +331,23 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     on CUDA, unless ``KernelOptions.linear`` is ``cublas``: the skinny Triton kernel, in the eager engine and the
     compiled packages alike; otherwise cuBLAS (or the CPU's GEMM). An ``Fp8Weight``: the same skinny kernel
     dequantizing its tiles as they stream in (``linear_fp8_triton``, bit for bit the kernel on the dequantized
-    weight) where it fits, else the W8A16 reference (``fp8_linear_reference``)."""
-    if _triton_linear_fits(x, w):
-        if isinstance(w, Fp8Weight):
-            return torch.ops.muse_spark.linear_fp8_triton(x, w.weight, w.scale, False)
-        return torch.ops.muse_spark.linear_triton(x, w, False)
+    weight) where it fits; more rows in bf16 on FP8 hardware W8A8 (``fp8_linear_w8a8``); else the W8A16
+    reference (``fp8_linear_reference``)."""
     if isinstance(w, Fp8Weight):
-        return fp8_linear_reference(x, w)
+        return _fp8_linear(x, w, False)
+    if _triton_linear_fits(x, w):
+        return torch.ops.muse_spark.linear_triton(x, w, False)
     return linear_reference(x, w)
 
 
 def linear_silu_mul(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """``silu(g) · u`` of ``[g | u] = F.linear(x, w)``, each rounded to x's dtype as the plain modules
     round them; one kernel (the gate/up output never stored) where ``linear`` takes the Triton path.
-    An ``Fp8Weight``: ``linear_fp8_triton`` or ``fp8_linear_reference``, as ``linear``."""
-    if _triton_linear_fits(x, w):
-        if isinstance(w, Fp8Weight):
-            return torch.ops.muse_spark.linear_fp8_triton(x, w.weight, w.scale, True)
-        return torch.ops.muse_spark.linear_triton(x, w, True)
+    An ``Fp8Weight``: ``linear_fp8_triton``, ``fp8_linear_w8a8`` or ``fp8_linear_reference``, as ``linear``."""
     if isinstance(w, Fp8Weight):
-        return fp8_linear_reference(x, w, True)
+        return _fp8_linear(x, w, True)
+    if _triton_linear_fits(x, w):
+        return torch.ops.muse_spark.linear_triton(x, w, True)
     return linear_reference(x, w, True)
 
 

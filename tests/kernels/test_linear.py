@@ -143,6 +143,32 @@ def test_the_models_run_fp8_projections_on_the_kernel(tops):
         torch.ops.muse_spark.linear_fp8_triton(x, w8, scale[:-1], False)
 
 
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores (sm_89+)")
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("rows", [64, 256] + ([1024] if BIG else []))
+def test_many_rows_of_fp8_projections_run_w8a8(tops, rows, silu_mul):
+    """Beyond the skinny kernel's rows, ``models.layers.linear`` of an ``Fp8Weight`` runs W8A8 on FP8 hardware
+    (``fp8_linear_w8a8``: the rows quantized per token, ``torch._scaled_mm`` with row-wise scales), within one
+    bf16 rounding of its spec ``fp8_w8a8_reference``; a planted error (the last channel's scale 5 % off) is
+    caught by the same comparison."""
+    from muse_spark.models import layers
+
+    N, K = (2 * 1792 if silu_mul else 4096), 4096
+    x, w8, scale = fp8_operands(rows, N, K)
+    fw = layers.Fp8Weight(w8, scale, None, torch.bfloat16)
+    assert not layers._triton_linear_fits(x, fw) and layers._w8a8_fits(x, fw)
+    fn = layers.linear_silu_mul if silu_mul else layers.linear
+    got = fn(x, fw)
+    assert torch.equal(got, layers.fp8_linear_w8a8(x, fw, silu_mul))
+    spec = layers.fp8_w8a8_reference(x, fw, silu_mul).float()
+    tol = dict(rtol=2**-7, atol=2**-13 * spec.abs().max().item())
+    torch.testing.assert_close(got.float(), spec, **tol)
+    bad = layers.Fp8Weight(w8, scale.clone(), None, torch.bfloat16)
+    bad.scale[-1] *= 1.05
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(fn(x, bad).float(), spec, **tol)
+
+
 @needs_kernels
 def test_linear_op_rejects_bad_inputs(tops):
     x, w = linear_operands(8, 64, 128, torch.bfloat16, exact=True)
