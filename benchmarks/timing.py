@@ -175,10 +175,17 @@ def copy_bandwidth(device, gib: float = 2.0, buffers: tuple | None = None) -> di
 
 def step_bytes(tcfg, dcfg, batch: int, context: int) -> dict:
     """The fewest bytes one speculative step reads: every weight matrix once (embedding and W1 rows
-    only where gathered), valid KV once. bf16 weights/KV; fp32 residual gates ignored (tiny)."""
+    only where gathered), valid KV once. bf16 weights/KV; the decoder projections of an FP8 checkpoint
+    (a config with ``quantization_config``: docs/fp8.md) one byte an element plus their float32 scale per
+    output row; fp32 residual gates ignored (tiny)."""
     g, D, e = dcfg.block_size, tcfg.hidden_size, 2
-    t_layer = (tcfg.qkv_out * D + tcfg.q_size * D + 3 * tcfg.intermediate_size * D) * e
-    d_layer = (dcfg.qkv_out * D + dcfg.q_size * D + 3 * dcfg.intermediate_size * D) * e
+
+    def layer_bytes(c) -> int:
+        rows = c.qkv_out + D + 2 * c.intermediate_size + D  # output rows of qkv, o, gate_up, down
+        elements = c.qkv_out * D + c.q_size * D + 3 * c.intermediate_size * D
+        return elements + 4 * rows if c.quantization_config is not None else elements * e
+
+    t_layer, d_layer = layer_bytes(tcfg), layer_bytes(dcfg)
     target_w = tcfg.num_hidden_layers * t_layer + tcfg.vocab_size * D * e + batch * (g + 1) * D * e
     draft_w = (dcfg.num_hidden_layers * d_layer + dcfg.draft_vocab_size * D * e  # layers, lm_head
                + dcfg.hidden_size * dcfg.target_hidden_size * len(dcfg.target_layer_ids) * e  # fc

@@ -171,3 +171,27 @@ def test_the_paged_kv_benchmark_times_the_compiled_step_paged_against_slot_cache
     r = subprocess.run(args + ["--reuse-engine"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("reusing the engine built before") == 2 and len(list((tmp_path / "out").glob("*.json"))) == 2
+
+
+def test_a_step_of_fp8_projections_reads_their_bytes_once():
+    """The roofline of an FP8 checkpoint (``timing.step_bytes``): its decoder projections one byte an element
+    and a float32 scale per output row, everything else as in bf16."""
+    import dataclasses
+
+    from presets import preset_configs
+    from timing import step_bytes
+
+    from muse_spark.config import QuantizationConfig
+
+    t, d = preset_configs("muse-spark-8b")
+    q = QuantizationConfig.from_dict({"quant_method": "fp8"}, "test")
+    tq, dq = dataclasses.replace(t, quantization_config=q), dataclasses.replace(d, quantization_config=q)
+    bf16, fp8 = step_bytes(t, d, 1, 1024), step_bytes(tq, dq, 1, 1024)
+    D = t.hidden_size
+
+    def proj(c):
+        return c.num_hidden_layers * (c.qkv_out * D + c.q_size * D + 3 * c.intermediate_size * D)
+
+    rows = sum(c.num_hidden_layers * (c.qkv_out + 2 * D + 2 * c.intermediate_size) for c in (t, d))
+    assert bf16["weights"] - fp8["weights"] == proj(t) + proj(d) - 4 * rows
+    assert bf16["kv"] == fp8["kv"] and 0.5 < fp8["total"] / bf16["total"] < 0.65
