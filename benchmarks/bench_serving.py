@@ -746,7 +746,9 @@ def _list(kind):
 
 
 def _modes(s: str) -> list[str]:
-    modes = [m.strip() for m in s.split(",") if m.strip()]
+    """``--mode``: a comma list of ``MODES``; ``triton`` stands for ``triton-http`` (the server through HTTP, which
+    needs no gRPC package)."""
+    modes = ["triton-http" if m.strip() == "triton" else m.strip() for m in s.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if not modes or bad:
         raise argparse.ArgumentTypeError(f"{', '.join(bad) or repr(s)} is not one of {', '.join(MODES)}")
@@ -756,7 +758,7 @@ def _modes(s: str) -> list[str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--mode", type=_modes, default=["inprocess"],
-                   help=f"{' | '.join(MODES)}, or a comma list of them (default inprocess)")
+                   help=f"{' | '.join(MODES)} (triton: triton-http), or a comma list of them (default inprocess)")
     p.add_argument("--concurrency", type=_list(int), default=[8],
                    help="clients (closed loop) or the most requests in flight (with --request-rate); a comma list "
                         "sweeps (default 8)")

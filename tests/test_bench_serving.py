@@ -63,6 +63,14 @@ def test_percentiles_are_numpys_and_empty_gives_none():
     assert bs.percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
 
 
+def test_modes_are_checked_and_triton_means_http():
+    import argparse
+
+    assert bs._modes("inprocess, triton") == ["inprocess", "triton-http"]
+    with pytest.raises(argparse.ArgumentTypeError, match="triton-udp is not one of"):
+        bs._modes("inprocess,triton-udp")
+
+
 def test_inter_token_latency_divides_each_gap_by_the_tokens_of_the_later_chunk():
     # the prefill token at 10 ms, then steps of 1, 4, (an empty final response), 2 tokens
     chunks = [(0.010, 1), (0.020, 1), (0.040, 4), (0.041, 0), (0.050, 2)]
