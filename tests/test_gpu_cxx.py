@@ -27,9 +27,10 @@ pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a 
 
 @pytest.fixture(scope="module")
 def built(agreeing_pair, tmp_path_factory):
+    """The tiny pair's CUDA engine, with a narrower verification width (2) beside γ for the planned schedule."""
     out = tmp_path_factory.mktemp("cxx_cuda") / "engine"
     r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend", "aoti",
-                "--device", "cuda", "--max-batch", 3, "--max-seq", 256)
+                "--device", "cuda", "--max-batch", 3, "--max-seq", 256, "--verify-widths", 2)
     assert r.returncode == 0, r.stderr[-4000:]
     return out
 

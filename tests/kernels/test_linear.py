@@ -149,7 +149,9 @@ def test_the_models_run_fp8_projections_on_the_kernel(tops):
 def test_many_rows_of_fp8_projections_run_w8a8(tops, rows, silu_mul):
     """Beyond the skinny kernel's rows, ``models.layers.linear`` of an ``Fp8Weight`` runs W8A8 on FP8 hardware
     (``fp8_linear_w8a8``: the rows quantized per token, ``torch._scaled_mm`` with row-wise scales), within one
-    bf16 rounding of its spec ``fp8_w8a8_reference``; a planted error (the last channel's scale 5 % off) is
+    bf16 rounding of its spec ``fp8_w8a8_reference`` (two under silu·mul: the H100 gave 1 element of 1.8 M
+    1.08 % apart, g or u one rounding off); a planted error (the scale of the channel of the largest output, its
+    up-projection's under silu·mul, 5 % off) is
     caught by the same comparison."""
     from muse_spark.models import layers
 
@@ -161,10 +163,11 @@ def test_many_rows_of_fp8_projections_run_w8a8(tops, rows, silu_mul):
     got = fn(x, fw)
     assert torch.equal(got, layers.fp8_linear_w8a8(x, fw, silu_mul))
     spec = layers.fp8_w8a8_reference(x, fw, silu_mul).float()
-    tol = dict(rtol=2**-7, atol=2**-13 * spec.abs().max().item())
+    # one bf16 rounding of the product apart; under silu·mul g and u are each one rounding apart, then rounded
+    tol = dict(rtol=2**-6 if silu_mul else 2**-7, atol=2**-13 * spec.abs().max().item())
     torch.testing.assert_close(got.float(), spec, **tol)
     bad = layers.Fp8Weight(w8, scale.clone(), None, torch.bfloat16)
-    bad.scale[-1] *= 1.05
+    bad.scale[(N // 2 if silu_mul else 0) + int(spec.abs().amax(0).argmax())] *= 1.05  # the largest output's
     with pytest.raises(AssertionError):
         torch.testing.assert_close(fn(x, bad).float(), spec, **tol)
 
