@@ -87,7 +87,10 @@ class _Sequences:
 
 
 class _ResponseSink:
-    """Turns one sequence's tokens into Triton responses (called from the scheduler thread)."""
+    """Turns one sequence's tokens into Triton responses (called from the scheduler's responder thread, with
+    snapshots of the request: ``serving/scheduler.py``)."""
+
+    off_thread = True
 
     def __init__(self, sender, stream: bool, tokenizer, gamma: int, index: int = 0, group: _Sequences | None = None):
         self.sender, self.stream, self.gamma = sender, stream, gamma

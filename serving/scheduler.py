@@ -12,6 +12,15 @@ else:
         hand each request's new tokens to its sink (a streamed response, or the
         single final response of a non-streamed request)
 
+A sink whose ``off_thread`` attribute is true (the Triton model's) has its calls
+(``deliver``, ``fail``) run on a second thread, the responder, in the order the scheduler
+made them, with a snapshot of the request as it was: building and sending a response
+(detokenizing, the Triton tensors, the IPC to the server) then overlaps the next step
+instead of delaying it. Its ``deliver`` that raises (the client is gone) has its request
+cancelled by the scheduler at its next turn. Shutdown waits for the responder to send
+everything it was given. Other sinks are called on the scheduler thread with the live
+request (the OpenAI server's may end it at a stop string).
+
 New requests join between steps; a finished or cancelled request leaves at
 once and its slot goes to the next waiting one. Every request gets exactly one
 final call on its sink — ``deliver(..., finished)`` or ``fail`` — whatever
@@ -27,6 +36,8 @@ gets a normal final response with the tokens it has and finish reason
 
 from __future__ import annotations
 
+import copy
+import queue
 import threading
 import time
 import traceback
@@ -54,6 +65,9 @@ class Sink(Protocol):
     def cancelled(self) -> bool:
         """Whether the client cancelled the request or went away."""
 
+    # off_thread: bool — optional; true: ``deliver`` and ``fail`` run on the responder thread (a snapshot of
+    # the request), false or absent: on the scheduler thread
+
 
 @dataclass
 class Counters:
@@ -72,6 +86,72 @@ class Occupancy:
     active: int
     waiting: int
     free_slots: int
+
+
+class Responder:
+    """The sinks' calls, run in order on a thread of their own (``Scheduler``'s docstring says why).
+    ``deliver(sink, snapshot, new)`` and ``fail(sink, message, kind)`` queue; ``broken()`` → the ids of
+    requests whose ``deliver`` raised since the last call; ``flush()`` waits until everything queued has
+    run; ``close()`` flushes and ends the thread."""
+
+    def __init__(self, log=print):
+        self._log = log
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._broken: list[int] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="muse-spark-responder", daemon=True)
+        self._thread.start()
+
+    def deliver(self, sink: Sink, req: Request, new_tokens: list[int]) -> None:
+        self._queue.put((self._deliver, (sink, req, new_tokens)))
+
+    def fail(self, sink: Sink, message: str, kind: str) -> None:
+        self._queue.put((_safe_fail, (sink, message, kind)))
+
+    def broken(self) -> list[int]:
+        with self._lock:
+            out, self._broken = self._broken, []
+        return out
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every call queued before this one has run → whether it did within ``timeout``."""
+        if not self._thread.is_alive():
+            return True
+        done = threading.Event()
+        self._queue.put((done.set, ()))
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.flush(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _deliver(self, sink: Sink, req: Request, new_tokens: list[int]) -> None:
+        try:
+            sink.deliver(req, new_tokens)
+        except Exception:  # the client is gone: the scheduler cancels the request (if it still runs)
+            if not req.finished:
+                with self._lock:
+                    self._broken.append(req.id)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except BaseException:  # a sink's bug must not stop the responses of the others
+                self._log(f"muse_spark responder: a response failed:\n{traceback.format_exc()}")
+
+
+def snapshot(req: Request) -> Request:
+    """``req`` as it is now, for a sink on the responder thread while the scheduler steps it on: a shallow
+    copy whose lists (output, steps, log-probabilities) are copies."""
+    view = copy.copy(req)
+    view.output, view.steps, view.logprobs = list(req.output), list(req.steps), list(req.logprobs)
+    return view
 
 
 class Scheduler:
@@ -95,6 +175,7 @@ class Scheduler:
         self._queued = 0  # requests taken from the inbox that may still wait for a slot (see submit)
         self._last_poll = 0.0
         self._occupancy = Occupancy(0, 0, len(self.gen.free_slots))
+        self._responder = Responder(log)
         self._thread = threading.Thread(target=self._run, name="muse-spark-scheduler", daemon=True)
 
     # ---- called from Triton's threads -------------------------------------------------------
@@ -188,6 +269,7 @@ class Scheduler:
                 self._count("cancelled")
                 _safe_end(sink, Request.ended(prompt, params, "shutdown"))
         self._end_all("shutdown", waiting_only=False)
+        self._responder.close()  # every response queued is sent before stop() returns
         self._publish()
 
     def _drain(self, deadline: float) -> None:
@@ -203,18 +285,22 @@ class Scheduler:
             self._live.pop(req.id, None)
             self._count("cancelled")
             req.pending = []
-            _safe_end(sink, req)
+            self._end(sink, req)
 
     def _add(self, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
         try:
             req = self.gen.add(prompt, params)
         except RequestError as e:
             self._count("rejected")
-            _safe_fail(sink, str(e), "invalid")
+            self._fail(sink, str(e), "invalid")
             return
         self._live[req.id] = (req, sink)
 
     def _drop_cancelled(self) -> None:
+        for rid in self._responder.broken():  # a response could not be sent: the client is gone
+            entry = self._live.get(rid)
+            if entry is not None:
+                self._cancel(*entry, "the response could not be sent")
         now = time.monotonic()
         if now - self._last_poll < CANCEL_POLL_SECONDS:
             return
@@ -231,7 +317,7 @@ class Scheduler:
         self.gen.cancel(req)  # frees its slot (or removes it from the waiting list)
         self._live.pop(req.id, None)
         self._count("cancelled")
-        _safe_fail(sink, message, "cancelled")
+        self._fail(sink, message, "cancelled")
 
     def _step(self) -> None:
         try:
@@ -248,18 +334,34 @@ class Scheduler:
             if req.finish_reason == "error":  # the engine failed on this request alone (e.g. its prefill)
                 self._live.pop(req.id, None)
                 self._count("failed")
-                _safe_fail(sink, f"the engine failed on this request: {getattr(req, 'error', None)}", "internal")
+                self._fail(sink, f"the engine failed on this request: {getattr(req, 'error', None)}", "internal")
                 continue
             new, req.pending = req.pending, []
-            try:
-                sink.deliver(req, new)
-            except Exception:  # the client is gone
-                if not req.finished:
-                    self._cancel(req, sink, "the response could not be sent")
-                    continue
+            if getattr(sink, "off_thread", False):
+                self._responder.deliver(sink, snapshot(req), new)
+            else:
+                try:
+                    sink.deliver(req, new)
+                except Exception:  # the client is gone
+                    if not req.finished:
+                        self._cancel(req, sink, "the response could not be sent")
+                        continue
             if req.finished:
                 self._live.pop(req.id, None)
                 self._account(req)
+
+    def _end(self, sink: Sink, req: Request) -> None:
+        """The final response of a request the server ended (its tokens so far, its finish reason)."""
+        if getattr(sink, "off_thread", False):
+            self._responder.deliver(sink, snapshot(req), [])
+        else:
+            _safe_end(sink, req)
+
+    def _fail(self, sink: Sink, message: str, kind: str) -> None:
+        if getattr(sink, "off_thread", False):
+            self._responder.fail(sink, message, kind)
+        else:
+            _safe_fail(sink, message, kind)
 
     def _account(self, req: Request) -> None:
         self._count("completed")
@@ -273,7 +375,7 @@ class Scheduler:
         for req, sink in list(self._live.values()):
             self.gen.cancel(req)
             self._count("failed" if kind == "internal" else "cancelled")
-            _safe_fail(sink, message, kind)
+            self._fail(sink, message, kind)
         self._live.clear()
 
     def _count(self, outcome: str) -> None:

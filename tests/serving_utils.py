@@ -250,14 +250,17 @@ def all_slots_free(m: dict, max_batch: int) -> bool:
 
 
 class Collector:
-    """A real Sink that keeps what the scheduler hands it."""
+    """A real Sink that keeps what the scheduler hands it (``off_thread``: called on the scheduler's responder
+    thread with snapshots; ``outputs`` the request's output as each call saw it, ``threads`` where it ran)."""
 
-    def __init__(self, cancel_after: int | None = None):
+    def __init__(self, cancel_after: int | None = None, off_thread: bool = False):
         self.chunks, self.error, self.done, self.cancel_after = [], None, threading.Event(), cancel_after
-        self.finish_reason = None
+        self.finish_reason, self.off_thread, self.outputs, self.threads = None, off_thread, [], set()
 
     def deliver(self, req, new_tokens):
         self.chunks.append(list(new_tokens))
+        self.outputs.append(list(req.output))
+        self.threads.add(threading.current_thread().name)
         if req.finished:
             self.finish_reason = req.finish_reason
             self.done.set()

@@ -10,6 +10,8 @@ tritonclient is not installed.
 
 from __future__ import annotations
 
+import itertools
+
 import random
 import threading
 import time
@@ -157,32 +159,68 @@ def test_stream_decoder_holds_back_split_characters(ref):
     assert not any("\ufffd" in p for p in pieces)
 
 
-def test_scheduler_batches_requests_in_flight_and_frees_every_slot(engine_dir, ref):
+@pytest.mark.parametrize("off_thread", [False, True], ids=["scheduler_thread", "responder_thread"])
+def test_scheduler_batches_requests_in_flight_and_frees_every_slot(engine_dir, ref, off_thread):
     with one_torch_thread():
-        _scheduler_batches_requests(engine_dir, ref)
+        _scheduler_batches_requests(engine_dir, ref, off_thread)
 
 
-def _scheduler_batches_requests(engine_dir, ref):
+def _scheduler_batches_requests(engine_dir, ref, off_thread):
+    """Requests in flight, one refused and one cancelled, with sinks called on the scheduler thread or (the
+    Triton model's) on the responder thread, where each call sees the request as it was at its step."""
     sched = Scheduler(load_engine(engine_dir), max_queue=64)
     sched.start()
     jobs = [([i + 1, 2 * i + 3], dict(max_tokens=5 + 3 * i, ignore_eos=True)) for i in range(12)]  # > 8 slots
-    sinks = [Collector() for _ in jobs]
+    sinks = [Collector(off_thread=off_thread) for _ in jobs]
     for (prompt, params), sink in zip(jobs, sinks):
         sched.submit(prompt, SamplingParams(**params), sink)
-    bad = Collector()
+    bad = Collector(off_thread=off_thread)
     sched.submit([1, 2], SamplingParams(max_tokens=0), bad)
-    cancelled = Collector(cancel_after=2)
+    cancelled = Collector(cancel_after=2, off_thread=off_thread)
     sched.submit([9, 9], SamplingParams(max_tokens=400, ignore_eos=True), cancelled)
     for sink in [*sinks, bad, cancelled]:
         assert sink.done.wait(60)
     for (prompt, params), sink in zip(jobs, sinks):
         assert sink.error is None and sink.chunks == ref.chunks(prompt, **params)
+        assert sink.threads == {"muse-spark-responder" if off_thread else "muse-spark-scheduler"}
+        # each call's snapshot: the output up to that call's tokens, not what the request reached later
+        assert [len(o) for o in sink.outputs] == list(itertools.accumulate(len(c) for c in sink.chunks))
     assert bad.error[0] == "invalid" and "max_tokens" in bad.error[1]
     assert cancelled.error[0] == "cancelled" and len(cancelled.chunks) < 400
     time.sleep(0.2)
     assert sched.occupancy.free_slots == MAX_BATCH and sched.occupancy.active == 0
     assert sched.counters.outcomes == {"completed": 12, "rejected": 1, "cancelled": 1, "failed": 0}
     sched.stop()
+
+
+class _BrokenSink(Collector):
+    """A Triton-like sink (responder thread) whose client goes away: its second response cannot be sent."""
+
+    def deliver(self, req, new_tokens):
+        if len(self.chunks) == 1:
+            raise ConnectionError("the client went away")
+        super().deliver(req, new_tokens)
+
+
+def test_a_response_that_cannot_be_sent_cancels_its_request_and_frees_its_slot(engine_dir, ref):
+    with one_torch_thread():
+        sched = Scheduler(load_engine(engine_dir), max_queue=8)
+        sched.start()
+        try:
+            broken, other = _BrokenSink(off_thread=True), Collector(off_thread=True)
+            sched.submit([5, 6], SamplingParams(max_tokens=200, ignore_eos=True), broken)
+            sched.submit([1, 2, 3], SamplingParams(max_tokens=12, ignore_eos=True), other)
+            assert broken.done.wait(60) and other.done.wait(60)
+            assert broken.error[0] == "cancelled" and "could not be sent" in broken.error[1]
+            assert len(broken.chunks) == 1 and other.error is None
+            assert sum(other.chunks, []) == ref.run([1, 2, 3], max_tokens=12, ignore_eos=True).output
+            deadline = time.monotonic() + 10
+            while sched.occupancy.free_slots != MAX_BATCH and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert sched.occupancy.free_slots == MAX_BATCH
+            assert sched.counters.outcomes["cancelled"] == 1 and sched.counters.outcomes["completed"] == 1
+        finally:
+            sched.stop()
 
 
 def test_scheduler_refuses_past_its_queue_and_ends_everything_on_stop(engine_dir):
