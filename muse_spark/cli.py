@@ -209,6 +209,8 @@ def cmd_generate(a) -> int:
     # The prompt is checked before the (slower) engine load.
     text = _utf8_text(a.prompt, "--prompt") if a.prompt is not None else None
     ids = _parse_ids(a.prompt_ids) if a.prompt_ids is not None else None
+    if a.tp is None:  # an engine built for ranks runs over them; anything else in this process
+        a.tp = _built_world(a.engine) if a.engine else 1
     if a.tp != 1:
         return _generate_tensor_parallel(a, text, ids)
     if a.engine:
@@ -323,6 +325,17 @@ def _generate_samples(a, engine, gen, tok, prompt: list[int], params) -> int:
             body = o["text"] if o["text"] is not None else " ".join(map(str, o["output_ids"]))
             print(body if a.n == 1 else f"[{i}] {body}  ({o['finish_reason']})")
     return 0
+
+
+def _built_world(engine_dir) -> int:
+    """The ranks an engine directory was built for (``build --tp N``), 1 for any other (or one whose manifest
+    does not read: loading it then says why)."""
+    from muse_spark.engine_format import EngineError, read_manifest
+
+    try:
+        return int((read_manifest(engine_dir).get("tensor_parallel") or {}).get("world") or 1)
+    except (EngineError, OSError, ValueError, TypeError):
+        return 1
 
 
 def _generate_tensor_parallel(a, text, ids) -> int:
@@ -501,8 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None)
     g.add_argument("--dtype", default=None)
-    g.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="split the target across N ranks (processes: gloo on CPU, NCCL on CUDA; --target/--draft)")
+    g.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="split the target across N ranks (processes: gloo on CPU, NCCL on CUDA). Default: the ranks "
+                        "an engine was built for (build --tp N), else 1")
     add_kv_pool_arguments(g)
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this mass")

@@ -5,7 +5,9 @@ Rank ``r`` of ``world`` holds the stacked q/k/v/o_gate projection's rows of q he
 ``[r·H/world, (r+1)·H/world)`` with their gate rows and the K/V heads they read (its share where
 there are at least ``world`` KV heads, else the one its q heads share), ``gate_proj``/``up_proj``'s
 rows of its FFN slice, and the matching input columns of ``o_proj`` and ``down_proj``; every other
-tensor whole.
+tensor whole. FP8 projections (docs/fp8.md) split their E4M3 weights so, the per-channel
+``weight_scale`` going with the rows it scales (the column-parallel projections' rows; all of a
+row-parallel projection's), a static ``input_scale`` whole.
 """
 
 from __future__ import annotations
@@ -24,9 +26,6 @@ def check_split(cfg, world: int) -> None:
     H, KV, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     if world < 1:
         raise TensorParallelError(f"--tp must be at least 1, got {world}")
-    if getattr(cfg, "quantization_config", None) is not None and world > 1:
-        raise TensorParallelError(f"--tp {world}: FP8 checkpoints are not split across ranks yet; run them on one "
-                                  "device")
     if H % world:
         raise TensorParallelError(f"--tp {world}: the target's {H} attention heads do not split over {world} ranks")
     if (KV >= world and KV % world) or (KV < world and world % KV):
@@ -53,7 +52,9 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg, rank: int, world: int) ->
     kv_rows = torch.cat([torch.arange(h * Dh, (h + 1) * Dh) for h in kv_heads])
     out = {}
     for name, t in sd.items():
-        if name.endswith("self_attn.qkv_proj.weight"):
+        if name.endswith(("self_attn.o_proj.weight_scale", "feed_forward.down_proj.weight_scale")):
+            out[name] = t  # (FP8: a row-parallel projection keeps every output channel, so all its scales)
+        elif name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.weight_scale")):
             q_end, k_end, v_end = H * Dh, H * Dh + KV * Dh, H * Dh + 2 * KV * Dh
             parts = [t[:q_end][q_rows], t[q_end:k_end][kv_rows], t[k_end:v_end][kv_rows]]
             if cfg.attn_output_gate:
@@ -61,7 +62,7 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg, rank: int, world: int) ->
             out[name] = torch.cat(parts)
         elif name.endswith("self_attn.o_proj.weight"):
             out[name] = t[:, q_rows]
-        elif name.endswith("feed_forward.gate_up_proj.weight"):
+        elif name.endswith(("feed_forward.gate_up_proj.weight", "feed_forward.gate_up_proj.weight_scale")):
             out[name] = torch.cat([t[rank * Ir : (rank + 1) * Ir], t[inter + rank * Ir : inter + (rank + 1) * Ir]])
         elif name.endswith("feed_forward.down_proj.weight"):
             out[name] = t[:, rank * Ir : (rank + 1) * Ir]

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from muse_spark.checkpoint import load_pair
+from muse_spark.checkpoint import load_pair, materialize
 from muse_spark.process import die_with_parent
 from muse_spark.sharding import TensorParallelError, check_split, shard_config, shard_state_dict  # noqa: F401
 from muse_spark.models.target import MuseSpark1xForCausalLM
@@ -51,9 +51,8 @@ def shard_target(target: MuseSpark1xForCausalLM, rank: int, world: int, group) -
     sd = shard_state_dict(target.state_dict(), target.cfg, rank, world)
     with torch.device("meta"):
         part = MuseSpark1xForCausalLM(cfg, target.aux_layer_ids)
-    part.load_state_dict(sd, strict=True, assign=True)
-    part.after_load()
-    part.eval().requires_grad_(False)
+    # (FP8 projections become Fp8Linear as the loader makes them; the slices stay on the target's device)
+    materialize(part, sd, target.model.embed_tokens.weight.device, target.model.embed_tokens.weight.dtype)
     for layer in part.model.layers:
         layer.tp_group = group
     return part

@@ -53,6 +53,49 @@ def test_the_shards_hold_the_whole_layer(agreeing_pair):
         assert torch.equal(parts[0]["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
 
 
+@pytest.fixture(scope="module")
+def fp8_pair(agreeing_pair, tmp_path_factory):
+    from muse_spark.builder.quantize import quantize_pair
+
+    out = tmp_path_factory.mktemp("fp8_tp")
+    quantize_pair(agreeing_pair[0], out / "target", draft=agreeing_pair[1], draft_out=out / "draft", log=lambda s: None)
+    return out / "target", out / "draft"
+
+
+def test_fp8_shards_keep_each_rows_scale(fp8_pair):
+    """An FP8 target's slices: the E4M3 weights split as the bf16 ones, each per-channel scale with the rows
+    it scales (the row-parallel projections keep all of theirs), so the dequantized slices put back together
+    are the dequantized layer."""
+    target, _ = load_pair(*fp8_pair)
+    cfg, sd = target.cfg, target.state_dict()
+    pre = "model.layers.0."
+    for world in (2, 4):
+        parts = [tp.shard_state_dict(sd, cfg, r, world) for r in range(world)]
+        for proj, dim in (("feed_forward.down_proj", 1), ("self_attn.o_proj", 1), ("feed_forward.gate_up_proj", 0)):
+            w, s = f"{pre}{proj}.weight", f"{pre}{proj}.weight_scale"
+            assert all(p[w].dtype == torch.float8_e4m3fn for p in parts)
+            deq = [p[w].float() * p[s] for p in parts]
+            if dim == 1:
+                assert all(torch.equal(p[s], sd[s]) for p in parts)
+                assert torch.equal(torch.cat(deq, 1), sd[w].float() * sd[s])
+            else:  # gate rows then up rows on each rank
+                inter = cfg.intermediate_size // world
+                gate = torch.cat([d[:inter] for d in deq]), torch.cat([d[inter:] for d in deq])
+                assert torch.equal(torch.cat(gate), sd[w].float() * sd[s])
+        qkv = parts[0][f"{pre}self_attn.qkv_proj.weight_scale"]
+        assert qkv.shape == (tp.shard_config(cfg, world).qkv_out, 1)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_fp8_target_split_over_ranks_gives_the_single_process_tokens(fp8_pair, world):
+    """FP8 checkpoints over ranks: greedy and seeded tokens equal the single-process FP8 engine's (the row-parallel
+    partial products on the dequantized weight, summed in FP32 and rounded once)."""
+    engine = EagerEngine.from_checkpoints(*fp8_pair, max_batch=2, max_seq=128)
+    want = [r.output for r in Generator(engine).generate(PROMPTS, PARAMS)]
+    out = tp.generate(*fp8_pair, PROMPTS, PARAMS, world, max_batch=2, max_seq=128)
+    assert [o["output"] for o in out] == want
+
+
 def test_splits_the_model_cannot_take_are_refused(agreeing_pair):
     target, _ = load_pair(*agreeing_pair)
     for world, says in ((3, "attention heads"), (0, "at least 1")):
@@ -285,8 +328,8 @@ def test_the_tensor_parallel_benchmark_writes_its_figures(agreeing_pair, tmp_pat
 
 
 def test_an_engine_built_for_ranks_loads_each_ranks_slice_only(agreeing_pair, single, tmp_path):
-    """`build --tp 2`: one target weight file per rank (rank r reads its own); generate and the
-    single-device loader say what the engine needs."""
+    """`build --tp 2`: one target weight file per rank (rank r reads its own); `generate --engine` runs it over
+    its ranks, and refuses another count; the single-device loader says what the engine needs."""
     import json
 
     from muse_spark.engine_format import EngineError
@@ -307,6 +350,12 @@ def test_an_engine_built_for_ranks_loads_each_ranks_slice_only(agreeing_pair, si
     assert [o["output"] for o in out] == single
     bad = run_cli("generate", "--engine", engine, "--prompt-ids", "1", "--tp", 4)
     assert bad.returncode == 2 and "split for 2 ranks, not 4" in bad.stderr
+    # without --tp, generate runs the engine over the ranks it was built for
+    r = run_cli("generate", "--engine", engine, "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-tokens", 24,
+                "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["tp"] == 2 and got["output_ids"] == single[0]
     r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", tmp_path / "x",
                 "--tp", 3)
     assert r.returncode == 2 and "do not split over 3 ranks" in r.stderr and not (tmp_path / "x").exists()

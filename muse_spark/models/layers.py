@@ -516,7 +516,9 @@ class DecoderLayer(nn.Module):
         if self.tp_group is None:
             proj = linear(branch_in, w)
         else:  # this rank's partial product, summed over the ranks in FP32, rounded once as the whole GEMM is
-            proj = torch.nn.functional.linear(branch_in.float(), w.float())
+            # (an FP8 weight: dequantized and rounded to the compute dtype, as the W8A16 reference rounds it)
+            wf = w.dequantize(w.dtype).float() if isinstance(w, Fp8Weight) else w.float()
+            proj = torch.nn.functional.linear(branch_in.float(), wf)
             torch.distributed.all_reduce(proj, group=self.tp_group)
             proj = proj.to(w.dtype)
         return dispatch.gated_residual_add(stream, proj, gate, norm_weight, c.rms_norm_eps,
