@@ -24,6 +24,8 @@
 #                                # requests at once in one memory budget, tok/s, step time, shared-prompt TTFT
 #   scripts/gpu_check.sh paged-step # the aoti engine's step on the 8B-shaped pair, paged against slot caches, at
 #                                # batch 1/8/32 (the two engines stay in /tmp/w8b for a second call)
+#   scripts/gpu_check.sh fp8-error # the FP8 target's logits against the bf16 target's on the 8B-shaped pair (64
+#                                # prompts of 64 tokens; benchmarks/fp8_error.py)
 #   scripts/gpu_check.sh tp      # tensor parallelism over the machine's GPUs (2, 4, 8 as it has them)
 #   scripts/gpu_check.sh tp-bench # its benchmark on the 8B-shaped pair at each size the GPUs allow
 #
@@ -173,6 +175,15 @@ serving-sweep)
         --mode $modes --concurrency 1,4,16,32 --num-requests 64 \
         --prompt-len 128 --output-len 128 --long-prompt 2048 \
         ${stub:+--stub-numpy "$PWD/$stub"} --out-dir "$OUT" --plot "$OUT/bench-serving.png" 2>&1 | tee "$OUT/sweep.log"
+    ;;
+fp8-error)
+    # the FP8 target against the bf16 one (benchmarks/fp8_error.py): the 8B-shaped pair (acceptance 0.8), its target
+    # quantized beside it, both run over 64 prompts of 64 tokens; JSON in $OUT
+    here=/tmp/w8b/fp8
+    free_disk "$here"
+    pair_at "$here/pair" 0.8 "$OUT/make-pair.log" || exit 1
+    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/fp8_error.py --pair "$here/pair" --work-dir "$here" \
+        --prompts 64 --prompt-len 64 --out-dir "$OUT" 2>&1 | tee "$OUT/fp8-error.log"
     ;;
 paged)
     # paged KV caches (benchmarks/paged_kv.py): the 8B-shaped pair (acceptance 0.8), a budget of 8 windows of

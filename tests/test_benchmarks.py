@@ -195,3 +195,24 @@ def test_a_step_of_fp8_projections_reads_their_bytes_once():
     rows = sum(c.num_hidden_layers * (c.qkv_out + 2 * D + 2 * c.intermediate_size) for c in (t, d))
     assert bf16["weights"] - fp8["weights"] == proj(t) + proj(d) - 4 * rows
     assert bf16["kv"] == fp8["kv"] and 0.5 < fp8["total"] / bf16["total"] < 0.65
+
+
+def test_the_fp8_error_benchmark_reports_the_logit_error(tmp_path):
+    """benchmarks/fp8_error.py on a tiny pair (CPU): the FP8 target's logits against the bf16 target's, written
+    in the common schema; the figures are small and nonzero (the weights were rounded), and the comparison
+    itself is checked on logits it knows."""
+    import torch
+
+    import fp8_error
+
+    assert fp8_error.main(["--preset", "tiny", "--prompts", "4", "--prompt-len", "8", "--out-dir", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*_fp8-error.json")
+    doc = json.loads(path.read_text())
+    r = doc["results"]
+    assert doc["benchmark"] == "fp8-error" and r["positions"] == 32
+    assert 0 < r["max_abs_logit_error"] < 0.1 * r["logit_scale"] and 0 <= r["mean_kl_nats"] <= r["max_kl_nats"] < 1e-3
+    assert 0.9 <= r["greedy_agreement"] <= 1
+    ref = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]])
+    same, shifted = fp8_error.compare(ref, ref.clone()), fp8_error.compare(ref, ref + torch.tensor([0.0, 0.0, 5.0]))
+    assert same["max_kl_nats"] == 0 and same["greedy_agreement"] == 1
+    assert shifted["max_abs_logit_error"] == 5 and shifted["greedy_agreement"] == 0.5 and shifted["mean_kl_nats"] > 0
