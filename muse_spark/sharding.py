@@ -7,7 +7,9 @@ there are at least ``world`` KV heads, else the one its q heads share), ``gate_p
 rows of its FFN slice, and the matching input columns of ``o_proj`` and ``down_proj``; every other
 tensor whole. FP8 projections (docs/fp8.md) split their E4M3 weights so, the per-channel
 ``weight_scale`` going with the rows it scales (the column-parallel projections' rows; all of a
-row-parallel projection's), a static ``input_scale`` whole.
+row-parallel projection's), a static ``input_scale`` whole. An untied ``lm_head`` splits by vocabulary
+rows (``vocab_split``: rank ``r`` computes the logits of ids ``[r·n, (r+1)·n)``, n = ⌈V/world⌉, and the
+ranks gather them); the embedding stays whole, since the replicated draft reads it too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
 
 class TensorParallelError(ValueError):
@@ -42,6 +45,29 @@ def shard_config(cfg, world: int):
                                intermediate_size=cfg.intermediate_size // world)
 
 
+def vocab_split(cfg, world: int) -> bool:
+    """Whether the target's ``lm_head`` splits by vocabulary rows over ``world`` ranks: an untied head (a tied
+    head is the embedding, which stays whole). Each rank holds ``vocab_rows`` rows; where the vocabulary
+    does not divide evenly, the last rank's slice ends in zero rows, whose logits the gather drops."""
+    return world > 1 and not cfg.tie_word_embeddings
+
+
+def vocab_rows(cfg, world: int) -> int:
+    """The lm_head rows one rank holds under ``vocab_split``: ⌈vocab / world⌉."""
+    return -(-cfg.vocab_size // world)
+
+
+def fit_lm_head(module: nn.Module, sd: dict[str, torch.Tensor]) -> bool:
+    """Give ``module`` (a target built on meta) an ``lm_head`` of the rows ``sd`` holds: the whole vocabulary,
+    or one rank's slice of it (``vocab_split``) → whether it is a slice."""
+    w = sd.get("lm_head.weight")
+    if w is None or module.lm_head is None or w.shape[0] == module.lm_head.out_features:
+        return False
+    with torch.device("meta"):
+        module.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    return True
+
+
 def shard_state_dict(sd: dict[str, torch.Tensor], cfg, rank: int, world: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s slice of the target's canonical state dict (the layout above)."""
     H, KV, Dh, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
@@ -66,6 +92,10 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg, rank: int, world: int) ->
             out[name] = torch.cat([t[rank * Ir : (rank + 1) * Ir], t[inter + rank * Ir : inter + (rank + 1) * Ir]])
         elif name.endswith("feed_forward.down_proj.weight"):
             out[name] = t[:, rank * Ir : (rank + 1) * Ir]
+        elif name == "lm_head.weight" and vocab_split(cfg, world):
+            rows = vocab_rows(cfg, world)
+            part = t[rank * rows : (rank + 1) * rows]
+            out[name] = torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])])
         else:
             out[name] = t
     return {k: v.contiguous() for k, v in out.items()}

@@ -37,7 +37,7 @@ from muse_spark.plugins.acceptance.reference import accept, sample_tokens
 from muse_spark.checkpoint import load_pair, materialize
 from muse_spark.runtime.kv_blocks import SWAP_SPACE_GIB, BlockPoolError, BlockTables, swap_space_bytes
 from muse_spark.schedule import Schedule, plan
-from muse_spark.sharding import shard_config
+from muse_spark.sharding import fit_lm_head, shard_config
 
 def neutral_controls(prompt: list[int]) -> dict:
     """Sampling controls that change nothing (a ``Processing.build`` row)."""
@@ -123,6 +123,7 @@ def build_modules(tcfg, dcfg, target_sd, draft_sd, dtype: torch.dtype, device) -
         return (not t.is_floating_point() or name.endswith(("residual_gate", ".weight_scale", ".input_scale"))
                 or t.dtype == FP8)
 
+    fit_lm_head(target, target_sd)  # (a tensor-parallel rank's file: its vocabulary slice of the head)
     for module, sd in ((target, target_sd), (draft, draft_sd)):
         materialize(module, {k: (v if own_dtype(k, v) else v.to(dtype)) for k, v in sd.items()}, device, dtype)
     draft.bind_target_embeddings(target.model.embed_tokens.weight)

@@ -11,9 +11,10 @@ Each of ``world`` ranks holds a slice of every target layer:
   (``DecoderLayer.residual``, in FP32) before the branch norm and the gated FP32 residual;
 * ``gate_proj``/``up_proj`` by the intermediate dimension (column-parallel).
 
-The embedding, the final norm and the lm_head are replicated (every rank computes the full logits
-from the same hidden state, so acceptance and sampling, keyed by (seed, position), give every rank the
-same tokens without a gather); the draft is replicated too: its five layers at batch 1 cost less
+An untied lm_head splits by vocabulary rows (``sharding.vocab_split``): each rank computes its slice of
+the logits and one all-gather gives every rank the whole row, so acceptance and sampling, keyed by (seed,
+position), give every rank the same tokens. The embedding and the final norm are replicated (a tied head
+is the embedding, whole); the draft is replicated too: its five layers at batch 1 cost less
 than the collectives sharding them would add. Rank 0 owns the scheduler: its ``LeaderEngine``
 broadcasts each call that runs the model (a prefill round, a step, with their inputs) before running
 it, and the other ranks (``follow``) run the same call on their slices, so any scheduler — the
@@ -38,7 +39,8 @@ import torch.distributed as dist
 
 from muse_spark.checkpoint import load_pair, materialize
 from muse_spark.process import die_with_parent
-from muse_spark.sharding import TensorParallelError, check_split, shard_config, shard_state_dict  # noqa: F401
+from muse_spark.sharding import (TensorParallelError, check_split, fit_lm_head, shard_config,  # noqa: F401
+                                 shard_state_dict, vocab_split)
 from muse_spark.models.target import MuseSpark1xForCausalLM
 from muse_spark.runtime.engine import EagerEngine
 
@@ -51,11 +53,19 @@ def shard_target(target: MuseSpark1xForCausalLM, rank: int, world: int, group) -
     sd = shard_state_dict(target.state_dict(), target.cfg, rank, world)
     with torch.device("meta"):
         part = MuseSpark1xForCausalLM(cfg, target.aux_layer_ids)
+    vocab = fit_lm_head(part, sd)
     # (FP8 projections become Fp8Linear as the loader makes them; the slices stay on the target's device)
     materialize(part, sd, target.model.embed_tokens.weight.device, target.model.embed_tokens.weight.dtype)
+    set_group(part, group, vocab)
+    return part
+
+
+def set_group(part: MuseSpark1xForCausalLM, group, vocab: bool) -> None:
+    """A rank's target slice all-reduces its layers' partial products over ``group``, and gathers its logits
+    there where ``vocab`` (its lm_head a vocabulary slice)."""
     for layer in part.model.layers:
         layer.tp_group = group
-    return part
+    part.vocab_group = group if vocab else None
 
 
 def engine_from_checkpoints(target_dir, draft_dir, rank: int, world: int, *, device="cpu", dtype=None,
@@ -309,8 +319,8 @@ def engine_from_dir(engine_dir, rank: int, world: int, *, device: str | None = N
             raise EngineError(f"{engine_dir}: this engine is split for {split['world']} ranks, not {world}: run it "
                               f"with --tp {split['world']}")
         engine = EagerEngine.from_dir(engine_dir, device=device, tp_rank=rank)
-        for layer in engine.target.model.layers:
-            layer.tp_group = dist.group.WORLD
+        head = engine.target.lm_head
+        set_group(engine.target, dist.group.WORLD, head is not None and head.out_features < engine.target.cfg.vocab_size)
         return engine
     full = EagerEngine.from_dir(engine_dir, device=device)
     if full.backend != "eager":

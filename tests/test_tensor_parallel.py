@@ -51,6 +51,15 @@ def test_the_shards_hold_the_whole_layer(agreeing_pair):
         qkv = parts[world - 1]["model.layers.0.self_attn.qkv_proj.weight"]
         assert qkv.shape[0] == shard_cfg.qkv_out
         assert torch.equal(parts[0]["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
+        # the untied lm_head by vocabulary rows (each rank's logits slice, gathered), the embedding whole
+        # (259 ids: ⌈259 / world⌉ rows a rank, the last rank's slice ending in zero rows)
+        rows = -(-cfg.vocab_size // world)
+        assert tp.vocab_split(cfg, world) and all(p["lm_head.weight"].shape[0] == rows for p in parts)
+        head = torch.cat([p["lm_head.weight"] for p in parts])
+        assert torch.equal(head[: cfg.vocab_size], sd["lm_head.weight"]) and not head[cfg.vocab_size:].any()
+    import dataclasses
+
+    assert not tp.vocab_split(dataclasses.replace(cfg, tie_word_embeddings=True), 2)  # (the head is the embedding)
 
 
 @pytest.fixture(scope="module")
@@ -342,6 +351,10 @@ def test_an_engine_built_for_ranks_loads_each_ranks_slice_only(agreeing_pair, si
     m = json.loads((engine / "manifest.json").read_text())
     assert m["tensor_parallel"] == {"world": 2, "target_files": ["target.tp0.safetensors", "target.tp1.safetensors"]}
     assert not (engine / "target.safetensors").exists()
+    from safetensors import safe_open
+
+    with safe_open(str(engine / "target.tp1.safetensors"), "pt") as f:  # (rank 1's vocabulary slice of the head)
+        assert f.get_slice("lm_head.weight").get_shape()[0] == -(-load_pair(*agreeing_pair)[0].cfg.vocab_size // 2)
     assert set(m["files"]) >= {"target.tp0.safetensors", "target.tp1.safetensors", "draft.safetensors"}
     with pytest.raises(EngineError, match="split for 2 tensor-parallel ranks"):
         load_engine(engine)

@@ -119,6 +119,9 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.model = MuseSpark1xModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Tensor parallelism with the lm_head split by vocabulary rows (``muse_spark.sharding.vocab_split``): the
+        # ranks' group, over which ``raw_logits`` gathers each rank's slice of the logits
+        self.vocab_group = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -171,8 +174,16 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         return torch.cat(aux, -1) if aux else like.new_zeros(like.shape[:2] + (0,), dtype=torch.float32)
 
     def raw_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The head's output before ``output_transform`` (the compute dtype)."""
-        return linear(h, self.lm_head_weight())
+        """The head's output before ``output_transform`` (the compute dtype); with ``vocab_group``, this rank's
+        vocabulary slice gathered from every rank in rank order (each logit the same dot product; the padding
+        rows of an uneven split dropped)."""
+        z = linear(h, self.lm_head_weight())
+        if self.vocab_group is None:
+            return z
+        z = z.contiguous()
+        parts = [torch.empty_like(z) for _ in range(torch.distributed.get_world_size(self.vocab_group))]
+        torch.distributed.all_gather(parts, z, group=self.vocab_group)
+        return torch.cat(parts, -1)[..., : self.cfg.vocab_size]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Transformed fp32 logits over the target vocabulary."""
