@@ -16,8 +16,9 @@ A sink whose ``off_thread`` attribute is true (the Triton model's) has its calls
 (``deliver``, ``fail``) run on a second thread, the responder, in the order the scheduler
 made them, with a snapshot of the request as it was: building and sending a response
 (detokenizing, the Triton tensors, the IPC to the server) then overlaps the next step
-instead of delaying it. Its ``deliver`` that raises (the client is gone) has its request
-cancelled by the scheduler at its next turn. Shutdown waits for the responder to send
+instead of delaying it; whether its client went away (``cancelled()``, an IPC round trip
+for the Triton model) is asked there too. A ``deliver`` that raises (the client is gone) or
+a client that went away has its request cancelled by the scheduler at its next turn. Shutdown waits for the responder to send
 everything it was given. Other sinks are called on the scheduler thread with the live
 request (the OpenAI server's may end it at a stop string).
 
@@ -90,14 +91,15 @@ class Occupancy:
 
 class Responder:
     """The sinks' calls, run in order on a thread of their own (``Scheduler``'s docstring says why).
-    ``deliver(sink, snapshot, new)`` and ``fail(sink, message, kind)`` queue; ``broken()`` → the ids of
-    requests whose ``deliver`` raised since the last call; ``flush()`` waits until everything queued has
-    run; ``close()`` flushes and ends the thread."""
+    ``deliver(sink, snapshot, new)``, ``fail(sink, message, kind)`` and ``poll(sinks)`` (their ``cancelled()``)
+    queue; ``broken()`` → the requests to cancel since the last call (a ``deliver`` raised, a client went
+    away); ``flush()`` waits until everything queued has run; ``close()`` flushes and ends the thread."""
 
     def __init__(self, log=print):
         self._log = log
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._broken: list[int] = []
+        self._broken: list[tuple[int, str]] = []
+        self._polling = False  # a poll is queued and has not run yet
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="muse-spark-responder", daemon=True)
         self._thread.start()
@@ -108,10 +110,32 @@ class Responder:
     def fail(self, sink: Sink, message: str, kind: str) -> None:
         self._queue.put((_safe_fail, (sink, message, kind)))
 
-    def broken(self) -> list[int]:
+    def poll(self, sinks: list[tuple[int, Sink]]) -> None:
+        """Ask each (request id, sink) whether its client went away, on this thread, after what is queued (not
+        while an earlier poll still waits its turn: a responder behind does not pile them up)."""
+        with self._lock:
+            if self._polling:
+                return
+            self._polling = True
+        self._queue.put((self._poll, (sinks,)))
+
+    def broken(self) -> list[tuple[int, str]]:
+        """(request id, why) of the requests to cancel: a ``deliver`` raised, or a polled client went away."""
         with self._lock:
             out, self._broken = self._broken, []
         return out
+
+    def _poll(self, sinks: list[tuple[int, Sink]]) -> None:
+        with self._lock:
+            self._polling = False
+        for rid, sink in sinks:
+            try:
+                gone = sink.cancelled()
+            except Exception:
+                gone = True
+            if gone:
+                with self._lock:
+                    self._broken.append((rid, "the request was cancelled"))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every call queued before this one has run → whether it did within ``timeout``."""
@@ -132,7 +156,7 @@ class Responder:
         except Exception:  # the client is gone: the scheduler cancels the request (if it still runs)
             if not req.finished:
                 with self._lock:
-                    self._broken.append(req.id)
+                    self._broken.append((req.id, "the response could not be sent"))
 
     def _run(self) -> None:
         while True:
@@ -297,21 +321,27 @@ class Scheduler:
         self._live[req.id] = (req, sink)
 
     def _drop_cancelled(self) -> None:
-        for rid in self._responder.broken():  # a response could not be sent: the client is gone
+        for rid, message in self._responder.broken():  # a response could not be sent, or the client went away
             entry = self._live.get(rid)
             if entry is not None:
-                self._cancel(*entry, "the response could not be sent")
+                self._cancel(*entry, message)
         now = time.monotonic()
         if now - self._last_poll < CANCEL_POLL_SECONDS:
             return
         self._last_poll = now
+        off_thread = []
         for req, sink in list(self._live.values()):
+            if getattr(sink, "off_thread", False):  # (asked on the responder thread: an IPC round trip each)
+                off_thread.append((req.id, sink))
+                continue
             try:
                 gone = sink.cancelled()
             except Exception:
                 gone = True
             if gone:
                 self._cancel(req, sink, "the request was cancelled")
+        if off_thread:
+            self._responder.poll(off_thread)
 
     def _cancel(self, req: Request, sink: Sink, message: str) -> None:
         self.gen.cancel(req)  # frees its slot (or removes it from the waiting list)

@@ -193,6 +193,27 @@ def _scheduler_batches_requests(engine_dir, ref, off_thread):
     sched.stop()
 
 
+def test_a_client_that_goes_away_is_seen_from_the_responder_thread(engine_dir):
+    """An off-thread sink's ``cancelled()`` is asked on the responder thread (not between steps); its request
+    is then cancelled and its slot freed, and the other request runs on."""
+    with one_torch_thread():
+        sched = Scheduler(load_engine(engine_dir), max_queue=8)
+        sched.start()
+        try:
+            leaving, staying = Collector(cancel_after=3, off_thread=True), Collector(off_thread=True)
+            asked = []
+            leaving_cancelled = leaving.cancelled
+            leaving.cancelled = lambda: asked.append(threading.current_thread().name) or leaving_cancelled()
+            sched.submit([5, 6], SamplingParams(max_tokens=300, ignore_eos=True), leaving)
+            sched.submit([1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), staying)
+            assert leaving.done.wait(60) and staying.done.wait(60)
+            assert leaving.error[0] == "cancelled" and "was cancelled" in leaving.error[1]
+            assert set(asked) == {"muse-spark-responder"} and staying.error is None
+            assert len(sum(staying.chunks, [])) == 40 and len(sum(leaving.chunks, [])) < 300
+        finally:
+            sched.stop()
+
+
 class _BrokenSink(Collector):
     """A Triton-like sink (responder thread) whose client goes away: its second response cannot be sent."""
 
