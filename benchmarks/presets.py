@@ -79,15 +79,27 @@ def random_pair(tcfg, dcfg, device, seed: int = 0):
 def step_matrices(target, draft) -> list:
     """The weight matrices a speculative step multiplies by, with the rows it multiplies:
     ``[(name, weight, "target"|"draft")]``. Every ``nn.Linear`` of both models (the target's
-    lm_head is its embedding when tied) except the Markov head's, which the Markov loop reads."""
+    lm_head is its embedding when tied) except the Markov head's, which the Markov loop reads; an FP8
+    projection (``Fp8Linear``) as the ``Fp8Weight`` the engine multiplies by."""
     from torch import nn
 
-    mats = [(f"target.{n}", m.weight, "target") for n, m in target.named_modules() if isinstance(m, nn.Linear)]
+    from muse_spark.models.layers import Fp8Linear, proj_weight
+
+    def projections(module, who: str, keep=lambda n: True):
+        return [(f"{who}.{n}", proj_weight(m), who) for n, m in module.named_modules()
+                if isinstance(m, (nn.Linear, Fp8Linear)) and keep(n)]
+
+    mats = projections(target, "target")
     if getattr(target, "lm_head", None) is None:
         mats.append(("target.embed_tokens (tied lm_head)", target.embed_tokens.weight, "target"))
-    mats += [(f"draft.{n}", m.weight, "draft") for n, m in draft.named_modules()
-             if isinstance(m, nn.Linear) and "markov" not in n]
-    return mats
+    return mats + projections(draft, "draft", lambda n: "markov" not in n)
+
+
+def weight_bytes(w) -> int:
+    """Bytes a product reads of ``w``: a tensor's, or an ``Fp8Weight``'s codes and scales."""
+    if hasattr(w, "scale"):
+        return w.weight.numel() * w.weight.element_size() + w.scale.numel() * w.scale.element_size()
+    return w.numel() * w.element_size()
 
 
 def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int, engine: bool = False) -> dict:
@@ -96,11 +108,12 @@ def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int, engine
     ``engine`` the engine's own path (``models.layers.linear`` / ``linear_silu_mul``: the skinny
     Triton kernel with silu·mul fused for ≤ 16 rows by default; cuBLAS and a silu kernel under the
     kernel option ``linear="cublas"`` or for more rows; the current options'). What a step built on
-    these GEMMs cannot beat, whatever it fuses around them."""
+    these GEMMs cannot beat, whatever it fuses around them. FP8 projections run the engine's path either way
+    (``F.linear`` takes no FP8 weight)."""
     import torch
     import torch.nn.functional as F
 
-    from muse_spark.models.layers import linear, linear_silu_mul
+    from muse_spark.models.layers import Fp8Weight, linear, linear_silu_mul
 
     mats = step_matrices(target, draft)
     rows = {"target": batch * (gamma + 1), "draft": batch * gamma}
@@ -109,12 +122,11 @@ def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int, engine
         key = (rows[who], w.shape[1], w.dtype)
         if key not in xs:
             xs[key] = torch.randn(key[0], key[1], device=device).to(w.dtype)
-    calls = [(xs[(rows[who], w.shape[1], w.dtype)], w, engine and name.endswith("gate_up_proj"))
-             for name, w, who in mats]
-    gemm = linear if engine else F.linear
+    calls = [(xs[(rows[who], w.shape[1], w.dtype)], w, engine and name.endswith("gate_up_proj"),
+              linear if engine or isinstance(w, Fp8Weight) else F.linear) for name, w, who in mats]
 
     def run():
-        for x, w, silu_mul in calls:
+        for x, w, silu_mul, gemm in calls:
             linear_silu_mul(x, w) if silu_mul else gemm(x, w)
 
     with torch.inference_mode():
@@ -123,5 +135,5 @@ def gemm_floor(target, draft, batch: int, gamma: int, device, iters: int, engine
             r = {"median_ms": us / 1e3, "iters": iters}
         else:
             r, how = time_fn(run, device, iters), "eager"
-    wbytes = sum(w.numel() * w.element_size() for _, w, _ in mats)
+    wbytes = sum(weight_bytes(w) for _, w, _ in mats)
     return dict(r, how=how, gemms=len(mats), weight_bytes=wbytes)

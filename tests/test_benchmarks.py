@@ -216,3 +216,27 @@ def test_the_fp8_error_benchmark_reports_the_logit_error(tmp_path):
     same, shifted = fp8_error.compare(ref, ref.clone()), fp8_error.compare(ref, ref + torch.tensor([0.0, 0.0, 5.0]))
     assert same["max_kl_nats"] == 0 and same["greedy_agreement"] == 1
     assert shifted["max_abs_logit_error"] == 5 and shifted["greedy_agreement"] == 0.5 and shifted["mean_kl_nats"] > 0
+
+
+def test_the_gemm_floor_counts_fp8_projections(tmp_path):
+    """``presets.step_matrices`` and ``gemm_floor`` of an FP8 pair: the same GEMMs as the bf16 pair's, the FP8
+    projections as the engine multiplies by them (their codes and scales: fewer bytes)."""
+    from presets import gemm_floor, step_matrices, weight_bytes
+
+    import torch
+
+    from muse_spark.builder.pair import make_pair
+    from muse_spark.builder.quantize import quantize_pair
+    from muse_spark.checkpoint import load_pair
+    from muse_spark.models.layers import Fp8Weight
+
+    make_pair(tmp_path / "bf16", "tiny", acceptance=0.8, seed=0)
+    quantize_pair(tmp_path / "bf16" / "target", tmp_path / "fp8" / "target", draft=tmp_path / "bf16" / "draft",
+                  draft_out=tmp_path / "fp8" / "draft", log=lambda s: None)
+    bf16, fp8 = load_pair(tmp_path / "bf16" / "target", tmp_path / "bf16" / "draft"), \
+        load_pair(tmp_path / "fp8" / "target", tmp_path / "fp8" / "draft")
+    a, b = step_matrices(*bf16), step_matrices(*fp8)
+    assert [n for n, _, _ in a] == [n for n, _, _ in b] and any(isinstance(w, Fp8Weight) for _, w, _ in b)
+    assert sum(weight_bytes(w) for _, w, _ in b) < sum(weight_bytes(w) for _, w, _ in a)
+    r = gemm_floor(*fp8, 1, 5, torch.device("cpu"), iters=1)
+    assert r["gemms"] == len(b) and r["weight_bytes"] == sum(weight_bytes(w) for _, w, _ in b)
