@@ -185,6 +185,10 @@ def test_the_w8a8_product_is_its_spec(silu_mul):
         torch.testing.assert_close(fp8_linear_w8a8(x, bad, silu_mul).float(), spec.float(), **tol)
     x3 = x.reshape(2, 12, 64)  # leading dims kept
     torch.testing.assert_close(fp8_linear_w8a8(x3, fw, silu_mul).float(), got.reshape(2, 12, -1).float(), **tol)
+    static = Fp8Weight(fw.weight, fw.scale, torch.tensor(float(x.float().abs().max()) / 448), torch.bfloat16)
+    spec = fp8_w8a8_reference(x, static, silu_mul).float()  # (a static input_scale: one scale for every row)
+    torch.testing.assert_close(fp8_linear_w8a8(x, static, silu_mul).float(), spec,
+                               rtol=2**-7, atol=2**-13 * float(spec.abs().max()))
 
 
 def test_the_w8a8_path_is_taken_only_on_fp8_hardware():

@@ -278,7 +278,7 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> t
     if input_scale is None:
         scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     else:
-        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()  # (_scaled_mm: [M, 1] dense)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
