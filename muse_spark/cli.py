@@ -210,7 +210,9 @@ def cmd_generate(a) -> int:
     text = _utf8_text(a.prompt, "--prompt") if a.prompt is not None else None
     ids = _parse_ids(a.prompt_ids) if a.prompt_ids is not None else None
     if a.tp is None:  # an engine built for ranks runs over them; anything else in this process
-        a.tp = _built_world(a.engine) if a.engine else 1
+        from muse_spark.engine_format import built_world
+
+        a.tp = built_world(a.engine) if a.engine else 1
     if a.tp != 1:
         return _generate_tensor_parallel(a, text, ids)
     if a.engine:
@@ -325,17 +327,6 @@ def _generate_samples(a, engine, gen, tok, prompt: list[int], params) -> int:
             body = o["text"] if o["text"] is not None else " ".join(map(str, o["output_ids"]))
             print(body if a.n == 1 else f"[{i}] {body}  ({o['finish_reason']})")
     return 0
-
-
-def _built_world(engine_dir) -> int:
-    """The ranks an engine directory was built for (``build --tp N``), 1 for any other (or one whose manifest
-    does not read: loading it then says why)."""
-    from muse_spark.engine_format import EngineError, read_manifest
-
-    try:
-        return int((read_manifest(engine_dir).get("tensor_parallel") or {}).get("world") or 1)
-    except (EngineError, OSError, ValueError, TypeError):
-        return 1
 
 
 def _generate_tensor_parallel(a, text, ids) -> int:

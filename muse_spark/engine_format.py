@@ -63,6 +63,16 @@ def read_manifest(engine_dir: str | Path) -> dict:
     return m
 
 
+def built_world(engine_dir: str | Path) -> int:
+    """The tensor-parallel ranks an engine directory was built for (``build --tp N``: its manifest's
+    ``tensor_parallel``), 1 for any other, or for one whose manifest does not read (loading it says why): the
+    ranks a command runs it over when not told."""
+    try:
+        return int((read_manifest(engine_dir).get("tensor_parallel") or {}).get("world") or 1)
+    except (EngineError, OSError, ValueError, TypeError, KeyError):
+        return 1
+
+
 def _inside(engine_dir: Path, name, what: str, where) -> None:
     """``name`` (a manifest entry) is a relative path that stays inside the engine directory, links resolved."""
     if not isinstance(name, str) or not name:

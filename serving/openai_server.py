@@ -637,8 +637,9 @@ def add_serve_openai_command(sub) -> None:
     s.add_argument("--prefix-cache-mib", type=float, default=0,
                    help="memory (MiB) for stored prompt prefixes: a request starting with one (a shared system "
                         "prompt) skips its prefill (default 0: none)")
-    s.add_argument("--tp", type=_positive, default=1, metavar="N",
-                   help="split the target across N ranks (an eager engine; processes: gloo on CPU, NCCL on CUDA)")
+    s.add_argument("--tp", type=_positive, default=None, metavar="N",
+                   help="split the target across N ranks (an eager engine; processes: gloo on CPU, NCCL on CUDA). "
+                        "Default: the ranks the engine was built for (build --tp N), else 1")
     add_kv_pool_arguments(s)
     s.set_defaults(fn=cmd_serve_openai)
 
@@ -656,6 +657,10 @@ def cmd_serve_openai(a: argparse.Namespace) -> int:
     try:
         if a.prefix_cache_mib < 0:
             raise ServingError(f"--prefix-cache-mib must be >= 0, got {a.prefix_cache_mib}")
+        if a.tp is None:  # (an engine built for ranks is served over them)
+            from muse_spark.engine_format import built_world
+
+            a.tp = built_world(a.engine)
         if a.tp > 1:
             import functools
 

@@ -78,9 +78,10 @@ def render_config(model_name: str, engine_dir: Path, *, instances: int = 1, kind
 
 def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str = "muse_spark",
                      instances: int = 1, max_queue: int = 256, device: str | None = None,
-                     torch_threads: int | None = None, prefix_cache_mib: float = 0, tp: int = 1,
+                     torch_threads: int | None = None, prefix_cache_mib: float = 0, tp: int | None = None,
                      kv_pool: dict | None = None) -> Path:
-    """Write (or replace) model ``model_name`` in repository ``out``; → the model directory. ``tp`` > 1: the
+    """Write (or replace) model ``model_name`` in repository ``out``; → the model directory. ``tp`` (default: the
+    ranks the engine was built for, else 1) > 1: the
     model runs the engine's target split over that many ranks (rank 0 in the model, the others started by
     ``muse-spark serve``; an eager engine, one instance).
 
@@ -103,11 +104,15 @@ def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str
         raise RepoError(f"--prefix-cache-mib must be >= 0, got {prefix_cache_mib}")
     engine_dir = Path(engine_dir).resolve()
     manifest = read_manifest(engine_dir)  # a clear error now rather than at model load
+    split = (manifest.get("tensor_parallel") or {}).get("world")
+    if tp is None:  # (an engine built for ranks is served over them)
+        tp = int(split or 1)
+    if tp == 1 and split and split != 1:
+        raise RepoError(f"this engine is split for {split} ranks: give --tp {split}")
     if tp != 1:
         from muse_spark.engine_format import configs_from_manifest
         from muse_spark.sharding import TensorParallelError, check_split
 
-        split = (manifest.get("tensor_parallel") or {}).get("world")
         if tp < 1:
             raise RepoError(f"--tp must be >= 1, got {tp}")
         if manifest["backend"] != "eager":
@@ -154,9 +159,9 @@ def add_triton_repo_command(sub) -> None:
     r.add_argument("--prefix-cache-mib", type=float, default=0,
                    help="memory (MiB) for stored prompt prefixes: a request starting with one skips its prefill "
                         "(default 0: none)")
-    r.add_argument("--tp", type=int, default=1, metavar="N",
+    r.add_argument("--tp", type=int, default=None, metavar="N",
                    help="split the target over N ranks (an eager engine; `muse-spark serve` starts ranks 1 … N-1, "
-                        "the model is rank 0)")
+                        "the model is rank 0). Default: the ranks the engine was built for (build --tp N), else 1")
     add_kv_pool_arguments(r)
     r.set_defaults(fn=cmd_triton_repo)
 

@@ -372,3 +372,28 @@ def test_an_engine_built_for_ranks_loads_each_ranks_slice_only(agreeing_pair, si
     r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", tmp_path / "x",
                 "--tp", 3)
     assert r.returncode == 2 and "do not split over 3 ranks" in r.stderr and not (tmp_path / "x").exists()
+
+
+def test_an_engine_built_for_ranks_is_served_over_them_by_default(agreeing_pair, tmp_path):
+    """Without --tp, serve-openai and triton-repo take the ranks an engine was built for (``built_world``); an
+    explicit single rank is refused with the count to give."""
+    import socket
+
+    from muse_spark.engine_format import built_world
+    from muse_spark.serving.repo import RepoError, write_repository
+
+    engine = tmp_path / "engine"
+    assert run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", engine, "--tp", 2,
+                   "--max-batch", 2, "--max-seq", 128).returncode == 0
+    assert built_world(engine) == 2 and built_world(tmp_path / "missing") == 1
+    model = write_repository(engine, tmp_path / "repo")
+    assert 'key: "tp"\n  value: { string_value: "2" }' in (model / "config.pbtxt").read_text()
+    with pytest.raises(RepoError, match="split for 2 ranks: give --tp 2"):
+        write_repository(engine, tmp_path / "repo1", tp=1)
+    # serve-openai launches 2 ranks for it: on CUDA, which this check's machine lacks, the rank set says so
+    if not torch.cuda.is_available():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        r = run_cli("serve-openai", "--engine", engine, "--port", port, "--device", "cuda")
+        assert r.returncode == 2 and "--tp 2 needs 2 GPUs" in r.stderr, r.stderr[-2000:]
