@@ -186,17 +186,19 @@ def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: lis
                max_seq: int, cache_slots: int, buckets: list[int], prefill_chunk: int, impl: str,
                cache_dtype: str, configs: dict, out_dir: Path, with_prefill: bool = True,
                markov_words: dict[int, int] | None = None, options: KernelOptions | None = None,
-               widths: list[int] = (), controls: bool = False, kv_pool: list[int] | None = None) -> list[dict]:
+               widths: list[int] = (), controls: bool = False, kv_pool: list[int] | None = None,
+               tp: dict | None = None) -> list[dict]:
     """One self-contained job per package (picklable: a worker rebuilds everything from it).
     ``markov_words``: the Markov kernel's kept workspace per batch bucket (``markov_workspaces``);
     ``options``: the kernel options the graphs are traced under (default: the defaults);
     ``widths``, ``controls``: the narrower verification widths, the controlled verification
     (``graph_plan_names``); ``kv_pool``: [blocks, block size] of paged caches (the parts then take the
-    rows' block tables where they take their slots)."""
+    rows' block tables where they take their slots); ``tp``: {"world", "vocab"} of a tensor-parallel rank's
+    graphs (``tcfg`` that rank's share; ``split_pair``)."""
     names = [w[0] for w in wspecs]
     common = dict(tcfg=tcfg.to_dict(), dcfg=dcfg.to_dict(), device=device, max_seq=max_seq,
                   cache_slots=cache_slots, cache_dtype=cache_dtype, impl=impl, configs=configs,
-                  options=(options or KernelOptions()).to_dict(), kv_pool=kv_pool)
+                  options=(options or KernelOptions()).to_dict(), kv_pool=kv_pool, tp=tp)
     jobs = []
     spec = {w[0]: w for w in wspecs}
     for name, fn, batch, K in graph_plan_names(buckets, with_prefill, widths, controls):
@@ -352,6 +354,30 @@ def install_fp8(pair, names: list[str], dtype: torch.dtype) -> None:
                 Fp8Linear.install(pair, path, dtype, static=f"{path}.input_scale" in names)
 
 
+def split_pair(pair, tp: dict, shapes: dict[str, list[int]]) -> None:
+    """Make the export modules one tensor-parallel rank's (``tp``: {"world", "vocab"}): its layers all-reduce,
+    and its lm_head (a vocabulary slice where ``vocab``: the rows ``shapes`` records) gathers, over the default
+    process group. Tracing a collective needs that group to exist: a compile worker has no ranks, so it
+    registers torch's fake process group of ``world`` ranks (the same default group name, "0", a rank's package
+    then resolves on the real group: gloo or NCCL). The packages are the same for every rank: a rank's weights
+    are inputs, and every rank's slice has the same shapes."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from muse_spark.runtime.tensor_parallel import set_group
+
+    if dist.is_initialized() and dist.get_world_size() != int(tp["world"]):
+        raise RuntimeError(f"tracing a rank of {tp['world']} in a process whose default group has "
+                           f"{dist.get_world_size()} ranks")
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=int(tp["world"]))
+    if tp["vocab"] and "target.lm_head.weight" in shapes:  # (the parts that read the head)
+        rows, cols = shapes["target.lm_head.weight"]
+        with torch.device("meta"):
+            pair.target.lm_head = torch.nn.Linear(cols, rows, bias=False)
+    set_group(pair.target, dist.group.WORLD, bool(tp["vocab"]))
+
+
 def _compile_job(job: dict) -> dict:
     from muse_spark.plugins.dispatch import plugin_impl
 
@@ -367,6 +393,8 @@ def _compile_job(job: dict) -> dict:
         import muse_spark.plugins.triton_ops  # noqa: F401
     pair = build_pair(tcfg, dcfg)
     names = [w[0] for w in job["weights"]]
+    if job.get("tp"):
+        split_pair(pair, job["tp"], {w[0]: w[1] for w in job["weights"]})
     install_fp8(pair, names, torch_dtype(job["cache_dtype"]))
     args = fake_inputs(job, tcfg, dcfg)
     with plugin_impl(job["impl"]):
@@ -374,6 +402,8 @@ def _compile_job(job: dict) -> dict:
     t1 = time.perf_counter()
     with int64_indexing():
         torch._inductor.aoti_compile_and_package(ep, package_path=job["out"], inductor_configs=job["configs"])
+    if job.get("tp") and torch.distributed.get_backend() == "fake":  # (split_pair's, in a compile process)
+        torch.distributed.destroy_process_group()
     check_package(job["out"])
     return {"name": job["name"], "file": Path(job["out"]).name, "fn": job["fn"], "batch": job["batch"],
             "tokens": job["tokens"], "width": job.get("width"), "export_s": round(t1 - t0, 1),
@@ -442,14 +472,15 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
                buckets: list[int] | None = None, prefill_chunk: int | None = None, fast_compile: bool | None = None,
                plugins: str = "auto", jobs: int | None = None, log: Callable[[str], None] = lambda m: None,
                options: KernelOptions | None = None, verify_widths: list[int] | None = None,
-               sampling_controls: bool = True, kv_pool: list[int] | None = None) -> dict:
+               sampling_controls: bool = True, kv_pool: list[int] | None = None, tp: dict | None = None) -> dict:
     """Compile the prefill and step packages into ``out_dir`` under the kernel ``options`` (default:
     the defaults); → the manifest's ``aoti`` section. ``verify_widths``: verification widths K < γ
     to compile step packages for beside the full width (confidence-scheduled steps verify the first
     K drafts of every row; ``muse_spark/schedule.py``). ``sampling_controls``: compile each bucket's
     verification under the requests' sampling controls too (``SpecPair.step_verify_ctl``). ``kv_pool``:
     [blocks, block size]: paged caches, a pool of that many blocks (``runtime/kv_blocks.py``), which the
-    parts address through block tables."""
+    parts address through block tables. ``tp``: {"world", "vocab"}: ``target`` is one tensor-parallel rank's
+    slice (``shard_target``), whose packages every rank runs on its own slice (``split_pair``)."""
     options = options or KernelOptions()
     buckets, chunk = graph_plan(device, max_batch, max_seq, buckets, prefill_chunk)
     widths = check_widths(verify_widths, draft.cfg.block_size)
@@ -470,7 +501,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         job_list = graph_jobs(target.cfg, draft.cfg, wspecs, device=device, max_seq=max_seq,
                               cache_slots=max_batch + 1, buckets=buckets, prefill_chunk=chunk, impl=impl,
                               cache_dtype=cache_dtype, configs=configs, out_dir=out_dir, markov_words=words,
-                              options=options, widths=widths, controls=sampling_controls, kv_pool=kv_pool)
+                              options=options, widths=widths, controls=sampling_controls, kv_pool=kv_pool, tp=tp)
         return compile_graphs(job_list, jobs, log), words
 
     fallback = None

@@ -368,8 +368,11 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     if aoti_options and backend != "aoti":
         raise ValueError(f"options {sorted(aoti_options)} apply to --backend aoti only")
     check_max_batch(max_batch)
-    if tp != 1 and backend != "eager":
-        raise ValueError(f"--tp {tp}: tensor-parallel engines are eager engines for now (--backend eager)")
+    if tp != 1 and backend not in ("eager", "aoti"):
+        raise ValueError(f"--tp {tp}: tensor-parallel engines are eager or aoti engines (--backend eager|aoti)")
+    if tp != 1 and aoti_options.get("kv_pool"):
+        raise ValueError(f"--tp {tp}: a tensor-parallel aoti engine keeps a cache window per slot; build it without "
+                         "--kv-cache-tokens")
     t0 = time.perf_counter()
     log = lambda m: _log(m, quiet)  # noqa: E731
     out = Path(out)
@@ -447,7 +450,18 @@ def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, d
         from muse_spark.builder.tensorrt import build_tensorrt
 
         trt = build_tensorrt(target, draft, tmp, max_batch=max_batch, max_seq=max_seq, log=log)
-    if backend == "aoti":
+    if backend == "aoti" and tp != 1:
+        # one set of packages every rank runs on its own slice (weights are graph inputs, and the slices share
+        # their shapes), traced from rank 0's; no C++ embedding section: the C++ library runs one device
+        from muse_spark.builder.aoti import build_aoti
+        from muse_spark.runtime.tensor_parallel import shard_target
+        from muse_spark.sharding import vocab_split
+
+        log(f"compiling one rank's graphs (the slices of {tp} ranks share them)")
+        part = shard_target(target, 0, tp, None)
+        aoti = build_aoti(part, draft, tmp, device=device, max_batch=max_batch, max_seq=max_seq, log=log,
+                          options=options, tp={"world": tp, "vocab": vocab_split(target.cfg, tp)}, **aoti_options)
+    elif backend == "aoti":
         from muse_spark.builder.aoti import build_aoti
 
         aoti = build_aoti(target, draft, tmp, device=device, max_batch=max_batch, max_seq=max_seq, log=log,
@@ -492,6 +506,7 @@ def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, d
         manifest["tensor_parallel"] = {"world": tp, "target_files": target_files}
     if aoti:
         manifest["aoti"] = aoti
+    if embedding:
         manifest["embedding"] = embedding
     if trt:
         manifest["tensorrt"] = trt

@@ -334,19 +334,15 @@ def _generate_tensor_parallel(a, text, ids) -> int:
     import functools
 
     from muse_spark.config import MuseSpark1xConfig
-    from muse_spark.engine_format import configs_from_manifest, read_manifest
+    from muse_spark.engine_format import read_manifest
     from muse_spark.runtime import SamplingParams, load_tokenizer
     from muse_spark.runtime import tensor_parallel as tp
+    from muse_spark.sharding import check_engine_split
 
     try:
-        if a.engine:  # (an eager engine directory: split at load, or built for exactly this many ranks)
+        if a.engine:  # (an eager engine directory: split at load; or one built for exactly this many ranks)
             m = read_manifest(a.engine)
-            world = (m.get("tensor_parallel") or {}).get("world")
-            if m["backend"] != "eager":
-                return _die(f"{a.engine}: a {m['backend']} engine runs on one device; --tp splits eager engines")
-            if world and world != a.tp:
-                return _die(f"{a.engine}: this engine is split for {world} ranks, not {a.tp}: run it with --tp {world}")
-            tp.check_split(configs_from_manifest(m)[0], a.tp)
+            check_engine_split(m, a.tp, a.engine)
             tok_path = Path(a.engine) / (m.get("tokenizer") or "tokenizer.json")
         else:
             tp.check_split(MuseSpark1xConfig.from_dict(json.loads((Path(a.target) / "config.json").read_text()),

@@ -99,3 +99,19 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg, rank: int, world: int) ->
         else:
             out[name] = t
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def check_engine_split(manifest: dict, world: int, where) -> None:
+    """Refuse to run the engine ``manifest`` describes over ``world`` ranks where it cannot: one built for
+    another count (``tensor_parallel.world``), a compiled engine built for one device (its graphs have the
+    whole layers' shapes: build it for the ranks), or a split its target does not take."""
+    from muse_spark.engine_format import configs_from_manifest
+
+    built = int((manifest.get("tensor_parallel") or {}).get("world") or 1)
+    if built != world and built != 1:
+        raise TensorParallelError(f"{where}: this engine is split for {built} ranks, not {world}: run it with --tp {built}")
+    if world != 1 and built == 1 and manifest["backend"] != "eager":
+        raise TensorParallelError(f"{where}: this {manifest['backend']} engine was compiled for one device; --tp splits "
+                                  f"eager engines at load, or build one for the ranks "
+                                  f"(`muse-spark build --backend {manifest['backend']} --tp {world}`)")
+    check_split(configs_from_manifest(manifest)[0], world)

@@ -112,6 +112,18 @@ def with_options(method):
     return run
 
 
+def tp_split(manifest: dict, tp_rank: int | None, where) -> dict:
+    """The manifest's ``tensor_parallel`` section ({} for an engine on one device), checked against the rank
+    asked for: a split engine needs one (``runtime/tensor_parallel.py`` gives each rank its own)."""
+    split = manifest.get("tensor_parallel") or {}
+    if split and tp_rank is None:
+        raise EngineError(f"{where}: this engine is split for {split.get('world')} tensor-parallel ranks: run it with "
+                          f"--tp {split.get('world')}")
+    if split and not 0 <= tp_rank < int(split.get("world", 0)):
+        raise EngineError(f"{where}: rank {tp_rank} is outside the engine's {split.get('world')} ranks")
+    return split
+
+
 def build_modules(tcfg, dcfg, target_sd, draft_sd, dtype: torch.dtype, device) -> tuple[MuseSpark1xForCausalLM, MuseSparkDSparkForCausalLM]:
     """Reference modules from canonical state dicts (assigned, no second copy). Floating tensors take
     ``dtype``, but the residual gates and an FP8 projection's weight and scales, which keep their own."""
@@ -202,12 +214,7 @@ class EagerEngine:
         loads rank ``tp_rank``'s slice of the target (``runtime/tensor_parallel.py`` does)."""
         d = Path(engine_dir)
         m = read_manifest(d)
-        split = m.get("tensor_parallel") or {}
-        if split and tp_rank is None:
-            raise EngineError(f"{d}: this engine is split for {split.get('world')} tensor-parallel ranks: run it with "
-                              f"--tp {split.get('world')}")
-        if split and not 0 <= tp_rank < int(split.get("world", 0)):
-            raise EngineError(f"{d}: rank {tp_rank} is outside the engine's {split.get('world')} ranks")
+        split = tp_split(m, tp_rank, d)
         if m["backend"] != cls.backend:
             raise EngineError(f"{d}: this is a {m['backend']!r} engine; {cls.__name__} loads {cls.backend!r} "
                               f"engines (muse_spark.runtime.load_engine loads any)")

@@ -46,6 +46,30 @@ from muse_spark.runtime.engine import EagerEngine
 
 COLLECTIVE_TIMEOUT_S = 60.0
 
+# The process groups a rank set uses beside the default one (``init_groups``). The default group (name "0")
+# belongs to the compiled packages of an aoti engine built for ranks: their traced collectives resolve it by
+# name. Collectives issued from Python on that same group interleave with the packages' and mismatch (seen
+# with gloo: a broadcast between two package calls deadlocks), so Python keeps to groups of its own:
+# "control" (gloo, CPU objects: the leader's broadcast calls) and "model" (the default backend: the eager
+# model's all-reduces and gathers).
+_GROUPS: dict = {}
+
+
+def init_groups() -> None:
+    """Create the rank set's own groups; every rank calls it once, right after ``init_process_group``."""
+    _GROUPS["control"] = dist.new_group(backend="gloo")
+    _GROUPS["model"] = dist.new_group()
+
+
+def control_group():
+    return _GROUPS.get("control")
+
+
+def model_group():
+    """The group the eager model's collectives run on (the default group where ``init_groups`` was not run)."""
+    g = _GROUPS.get("model")
+    return dist.group.WORLD if g is None else g
+
 
 def shard_target(target: MuseSpark1xForCausalLM, rank: int, world: int, group) -> MuseSpark1xForCausalLM:
     """A new target module holding rank ``rank``'s slice, its layers all-reducing over ``group``."""
@@ -75,7 +99,7 @@ def engine_from_checkpoints(target_dir, draft_dir, rank: int, world: int, *, dev
     if str(device) == "cuda":
         device = f"cuda:{rank}"
     target, draft = load_pair(target_dir, draft_dir, dtype, device)
-    part = shard_target(target, rank, world, dist.group.WORLD if world > 1 else None)
+    part = shard_target(target, rank, world, model_group() if world > 1 else None)
     draft.bind_target_embeddings(part.model.embed_tokens.weight)
     del target
     tok = Path(target_dir) / "tokenizer.json"
@@ -95,6 +119,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    init_groups()
     out = fn(rank, world, *args)
     if rank == 0:
         results.put(out)
@@ -227,8 +252,17 @@ class LeaderEngine:
 
         threading.Thread(target=beat, name="muse-spark-tp-keepalive", daemon=True).start()
 
+    # The Generator waits for each step here: a chained step (``AOTIEngine.step_launch``) would run on rank 0
+    # alone, its collectives never met.
+    chains = False
+
     def prefill_chunks(self, chunks):
         return self._run("prefill_chunks", chunks)
+
+    def set_controls(self, slot: int, row: dict) -> None:
+        """A compiled engine's per-slot sampling controls (``AOTIEngine.set_controls``): every rank's
+        controlled verification reads its own copy."""
+        self._run("set_controls", slot, row)
 
     def step_host(self, *args, **kw):
         return self._run("step_host", *args, **kw)
@@ -272,16 +306,16 @@ class LeaderEngine:
                 self._send("close")
 
 
-def time_collectives(engine: EagerEngine, rows: int, iters: int, group=None) -> float:
-    """Median ms of a step's all-reduces alone: two a target layer over [rows, hidden] FP32, the
-    device synchronized around each repetition (every rank runs it together)."""
+def time_collectives(engine: EagerEngine, rows: int, iters: int) -> float:
+    """Median ms of a step's all-reduces alone: two a target layer over [rows, hidden] FP32, on the group the
+    eager model's run on, the device synchronized around each repetition (every rank runs it together)."""
     from muse_spark.runtime.calibrate import median_ms
 
     buf = torch.zeros(rows, engine.tcfg.hidden_size, device=engine.device)
 
     def reduces():
         for _ in range(2 * engine.tcfg.num_hidden_layers):
-            dist.all_reduce(buf, group=group)
+            dist.all_reduce(buf, group=model_group())
 
     return median_ms(reduces, engine.device, iters)
 
@@ -297,7 +331,7 @@ def follow(engine: EagerEngine, group=None) -> int:
         if call == "close":
             return n
         if call == "time_collectives":
-            time_collectives(engine, *args, group=group)
+            time_collectives(engine, *args)
             continue
         if call == "ping":  # (the leader's keep-alive while its server is idle)
             continue
@@ -307,26 +341,33 @@ def follow(engine: EagerEngine, group=None) -> int:
 
 
 def engine_from_dir(engine_dir, rank: int, world: int, *, device: str | None = None) -> EagerEngine:
-    """This rank's engine from an eager engine directory (its weights, limits, tokenizer and options):
-    its target slice and the whole draft."""
+    """This rank's engine from an engine directory (its weights, limits, tokenizer and options): its target
+    slice and the whole draft. An eager engine on one device is split here; an engine built for ranks
+    (``build --tp``: eager, or aoti with the packages every rank runs) loads this rank's weight file alone."""
     from muse_spark.engine_format import EngineError, read_manifest
 
     if device is not None and str(device) == "cuda":
         device = f"cuda:{rank}"
-    split = read_manifest(engine_dir).get("tensor_parallel")
+    m = read_manifest(engine_dir)
+    split = m.get("tensor_parallel")
     if split:  # (built for ranks: this rank's weight file alone)
         if int(split["world"]) != world:
             raise EngineError(f"{engine_dir}: this engine is split for {split['world']} ranks, not {world}: run it "
                               f"with --tp {split['world']}")
+        if m["backend"] == "aoti":
+            from muse_spark.runtime.aoti_engine import AOTIEngine
+
+            return AOTIEngine.from_dir(engine_dir, device=device, tp_rank=rank)
         engine = EagerEngine.from_dir(engine_dir, device=device, tp_rank=rank)
         head = engine.target.lm_head
-        set_group(engine.target, dist.group.WORLD, head is not None and head.out_features < engine.target.cfg.vocab_size)
+        set_group(engine.target, model_group(), head is not None and head.out_features < engine.target.cfg.vocab_size)
         return engine
     full = EagerEngine.from_dir(engine_dir, device=device)
     if full.backend != "eager":
         raise TensorParallelError(f"{engine_dir}: a {full.backend} engine runs on one device; --tp splits eager "
-                                  "engines (and checkpoint pairs)")
-    part = shard_target(full.target, rank, world, dist.group.WORLD if world > 1 else None)
+                                  "engines (and checkpoint pairs); build a compiled one for the ranks with "
+                                  f"`muse-spark build --backend {full.backend} --tp {world}`")
+    part = shard_target(full.target, rank, world, model_group() if world > 1 else None)
     full.draft.bind_target_embeddings(part.model.embed_tokens.weight)
     return EagerEngine(part, full.draft, max_batch=full.max_batch, max_seq=full.max_seq, device=full.device,
                        tokenizer_path=full.tokenizer_path, manifest=full.manifest, options=full.options)
@@ -347,9 +388,9 @@ def lead_or_follow(rank: int, world: int, target_dir, draft_dir, lead: Callable,
                                          max_seq=max_seq)
     if rank != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        follow(engine)
+        follow(engine, control_group())
         return None
-    leader = LeaderEngine(engine)
+    leader = LeaderEngine(engine, control_group())
     try:
         return lead(leader)
     finally:
@@ -363,6 +404,7 @@ def _join(rank: int, world: int, port: int, device: str, timeout_s: float) -> No
     backend = "nccl" if str(device).startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    init_groups()
 
 
 def join_as_leader(engine_dir, world: int, port: int, device: str = "cpu",
@@ -371,7 +413,7 @@ def join_as_leader(engine_dir, world: int, port: int, device: str = "cpu",
     it hosts the rendezvous on ``port``, loads its slice of the eager engine at ``engine_dir`` → its
     ``LeaderEngine`` (``close()`` releases the followers)."""
     _join(0, world, port, device, timeout_s)
-    return LeaderEngine(engine_from_dir(engine_dir, 0, world, device=device))
+    return LeaderEngine(engine_from_dir(engine_dir, 0, world, device=device), control_group())
 
 
 def follower_main(argv: list[str] | None = None) -> int:
@@ -397,7 +439,7 @@ def follower_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (rank 0 ends the set; a terminal's Ctrl-C reaches every rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // a.world))
     _join(a.rank, a.world, a.port, a.device, a.timeout)
-    follow(engine_from_dir(a.engine, a.rank, a.world, device=a.device))
+    follow(engine_from_dir(a.engine, a.rank, a.world, device=a.device), control_group())
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # (without tearing the group down: see _rank_main)

@@ -666,20 +666,13 @@ def cmd_serve_openai(a: argparse.Namespace) -> int:
 
             from muse_spark.runtime import tensor_parallel as tp
 
-            from muse_spark.engine_format import EngineError, configs_from_manifest, read_manifest
+            from muse_spark.engine_format import EngineError, read_manifest
+            from muse_spark.sharding import check_engine_split
 
             if port_in_use(a.host, a.port):  # (before the ranks load)
                 raise ServingError(f"the port {a.host}:{a.port} is in use; choose another with --port")
             try:
-                manifest = read_manifest(a.engine)
-                if manifest["backend"] != "eager":
-                    raise tp.TensorParallelError(f"{a.engine}: a {manifest['backend']} engine runs on one device; "
-                                                 "--tp splits eager engines")
-                world = (manifest.get("tensor_parallel") or {}).get("world")
-                if world and world != a.tp:
-                    raise tp.TensorParallelError(f"{a.engine}: this engine is split for {world} ranks, not {a.tp}: "
-                                                 f"serve it with --tp {world}")
-                tp.check_split(configs_from_manifest(manifest)[0], a.tp)
+                check_engine_split(read_manifest(a.engine), a.tp, a.engine)
             except EngineError as e:
                 raise ServingError(str(e)) from None
             except tp.TensorParallelError as e:

@@ -110,19 +110,14 @@ def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str
     if tp == 1 and split and split != 1:
         raise RepoError(f"this engine is split for {split} ranks: give --tp {split}")
     if tp != 1:
-        from muse_spark.engine_format import configs_from_manifest
-        from muse_spark.sharding import TensorParallelError, check_split
+        from muse_spark.sharding import TensorParallelError, check_engine_split
 
         if tp < 1:
             raise RepoError(f"--tp must be >= 1, got {tp}")
-        if manifest["backend"] != "eager":
-            raise RepoError(f"--tp {tp}: a {manifest['backend']} engine runs on one device; --tp splits eager engines")
-        if split and split != tp:
-            raise RepoError(f"--tp {tp}: this engine is split for {split} ranks")
         if instances != 1:
             raise RepoError(f"--tp {tp} runs one model instance (its ranks are the parallelism), not {instances}")
         try:
-            check_split(configs_from_manifest(manifest)[0], tp)
+            check_engine_split(manifest, tp, engine_dir)
         except TensorParallelError as e:
             raise RepoError(str(e)) from None
     dev = device or manifest.get("device", {}).get("kind", "cpu")

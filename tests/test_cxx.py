@@ -222,6 +222,8 @@ REFUSALS = {
     "an_older_layout": (lambda m, d: m["aoti"].update(layout="layered-4"),
                         r"built by another muse-spark \(the packages' layout 'layered-4'"),
     "no_embedding_section": (lambda m, d: m.pop("embedding"), r"lacks its 'embedding' section"),
+    "a_tensor_parallel_engine": (lambda m, d: m.update(tensor_parallel={"world": 2, "target_files": []}),
+                                 r"split for 2 tensor-parallel ranks \(built with --tp\): the C\+\+ embedding runs"),
     "an_eager_engine": (lambda m, d: m.update(backend="eager"), r"backend 'eager' is not an aoti engine"),
     "a_cuda_engine": (lambda m, d: m["device"].update(kind="cuda", compute_capability=[9, 0]),
                       r"compiled for 'cuda' and cannot run on 'cpu'|no CUDA device is available"),

@@ -397,3 +397,44 @@ def test_an_engine_built_for_ranks_is_served_over_them_by_default(agreeing_pair,
             port = s.getsockname()[1]
         r = run_cli("serve-openai", "--engine", engine, "--port", port, "--device", "cuda")
         assert r.returncode == 2 and "--tp 2 needs 2 GPUs" in r.stderr, r.stderr[-2000:]
+
+
+def test_an_aoti_engine_built_for_ranks_runs_its_packages_on_every_rank(agreeing_pair, single, tmp_path):
+    """`build --backend aoti --tp 2`: one set of packages compiled from a rank's slice (its collectives traced
+    on the default group), a weight file per rank, no C++ embedding section. Its two ranks give the single
+    process's tokens, greedy and seeded with in-flight batching, and a request's sampling controls (set on
+    every rank's slot state); `generate` runs it over its ranks. An aoti engine compiled for one device is
+    refused a rank count, and a split engine is refused a paged pool."""
+    import json
+
+    engine = tmp_path / "engine"
+    r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", engine, "--tp", 2,
+                "--backend", "aoti", "--device", "cpu", "--max-batch", 2, "--max-seq", 128)
+    assert r.returncode == 0, r.stderr[-4000:]
+    m = json.loads((engine / "manifest.json").read_text())
+    assert m["backend"] == "aoti" and m["tensor_parallel"]["world"] == 2 and "embedding" not in m
+    assert "target.safetensors" not in m["files"] and "step_layer_b2.pt2" in m["files"]
+    controlled = SamplingParams(max_tokens=20, repetition_penalty=1.5, top_k=4, temperature=0.9, seed=2,
+                                ignore_eos=True)
+    want = single + [r.output for r in Generator(EagerEngine.from_checkpoints(*agreeing_pair, max_batch=1,
+                                                                                max_seq=128)).generate(
+        PROMPTS[:1], [controlled])]
+    out = tp.launch(2, tp.lead_or_follow, str(engine), None,
+                    functools.partial(tp.generate_lead, prompts=PROMPTS + PROMPTS[:1], params=PARAMS + [controlled]),
+                    "cpu")
+    assert [o["output"] for o in out] == want
+    r = run_cli("generate", "--engine", engine, "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-tokens", 24,
+                "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["tp"] == 2 and got["output_ids"] == single[0]
+    r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", tmp_path / "x", "--tp", 2,
+                "--backend", "aoti", "--device", "cpu", "--max-batch", 2, "--max-seq", 128, "--kv-cache-tokens", 256)
+    assert r.returncode == 2 and "keeps a cache window per slot" in r.stderr and not (tmp_path / "x").exists()
+
+
+def test_a_compiled_engine_for_one_device_is_refused_ranks(aoti_built):
+    """An aoti engine compiled for one device has the whole layers' shapes: `generate --tp 2` says to build
+    one for the ranks (before any rank starts)."""
+    r = run_cli("generate", "--engine", aoti_built[0], "--prompt-ids", "1,2", "--tp", 2)
+    assert r.returncode == 2 and "compiled for one device" in r.stderr and "--backend aoti --tp 2" in r.stderr

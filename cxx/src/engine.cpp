@@ -1165,6 +1165,10 @@ void check_manifest(const std::string& dir, const json& m, at::Device& device) {
   if (a.contains("kv_pool") && py_truthy(a["kv_pool"]))
     throw EngineError(dir + ": this engine's KV caches are a paged pool (built with --kv-cache-tokens): the C++ "
                       "embedding runs engines with a cache window per slot; rebuild it without --kv-cache-tokens");
+  if (m.contains("tensor_parallel") && py_truthy(m["tensor_parallel"]))
+    throw EngineError(dir + ": this engine is split for " + m["tensor_parallel"].value("world", json()).dump() +
+                      " tensor-parallel ranks (built with --tp): the C++ embedding runs an engine on one device; "
+                      "run this one with `muse-spark generate --engine` or build one without --tp");
   if (!m.contains("embedding") || !m["embedding"].is_object())
     throw EngineError(dir + ": manifest lacks its 'embedding' section (the engine was built by a muse-spark "
                       "without the C++ embedding); rebuild it");

@@ -42,6 +42,25 @@ from muse_spark.plugins.linear.reference import linear_reference, silu_mul_halve
 from muse_spark.plugins.norm import rms_norm
 
 
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of ``group``, as a new tensor (torch's functional collective: eager it
+    runs on the group's backend; traced by ``torch.export`` it is a graph op an AOTI package runs on the
+    process group of that name at run time)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(x, "sum", group)
+
+
+def all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` of every rank of ``group`` side by side on the last dimension, in rank order (functional, as
+    ``all_reduce``)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    world = torch.distributed.get_world_size(group)
+    stacked = funcol.all_gather_tensor(x.contiguous(), 0, group).view(world, *x.shape)
+    return stacked.movedim(0, -2).reshape(*x.shape[:-1], world * x.shape[-1])
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, affine: bool, zero_centered: bool):
         super().__init__()
@@ -518,9 +537,8 @@ class DecoderLayer(nn.Module):
         else:  # this rank's partial product, summed over the ranks in FP32, rounded once as the whole GEMM is
             # (an FP8 weight: dequantized and rounded to the compute dtype, as the W8A16 reference rounds it)
             wf = w.dequantize(w.dtype).float() if isinstance(w, Fp8Weight) else w.float()
-            proj = torch.nn.functional.linear(branch_in.float(), wf)
-            torch.distributed.all_reduce(proj, group=self.tp_group)
-            proj = proj.to(w.dtype)
+            # (a functional collective: traceable, so a compiled rank's package holds the all-reduce)
+            proj = all_reduce(torch.nn.functional.linear(branch_in.float(), wf), self.tp_group).to(w.dtype)
         return dispatch.gated_residual_add(stream, proj, gate, norm_weight, c.rms_norm_eps,
                                            c.norm_zero_centered_gamma, apply_norm, w.dtype, branch_norm_weight, True)
 

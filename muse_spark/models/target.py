@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from muse_spark.config import MuseSpark1xConfig
-from muse_spark.models.layers import DecoderLayer, linear, make_norm
+from muse_spark.models.layers import DecoderLayer, all_gather_last, linear, make_norm
 from muse_spark.plugins.acceptance.reference import output_transform
 from muse_spark.plugins.attention.reference import CacheKV, KeyBounds, PagedKV
 
@@ -180,10 +180,7 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         z = linear(h, self.lm_head_weight())
         if self.vocab_group is None:
             return z
-        z = z.contiguous()
-        parts = [torch.empty_like(z) for _ in range(torch.distributed.get_world_size(self.vocab_group))]
-        torch.distributed.all_gather(parts, z, group=self.vocab_group)
-        return torch.cat(parts, -1)[..., : self.cfg.vocab_size]
+        return all_gather_last(z, self.vocab_group)[..., : self.cfg.vocab_size]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Transformed fp32 logits over the target vocabulary."""
