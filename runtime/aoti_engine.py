@@ -508,9 +508,10 @@ class AOTIEngine(EagerEngine):
     def chains(self) -> bool:
         """Whether the ``Generator`` chains this engine's steps (the next step launched before this
         one's rows are read: ``step_launch``/``step_next``/``step_rows``): the kernel option
-        ``chained_steps`` of this engine (``self.options``), unless a schedule is on (a scheduled
-        step waits for its drafts' confidences before it verifies)."""
-        return self.options.chained_steps and not self.schedule.on
+        ``chained_steps`` of this engine (``self.options``), unless a step plans its width (a scheduled
+        step waits for its drafts' confidences before it verifies; a schedule whose cost rows are flat
+        at every bucket runs the plain steps, which chain)."""
+        return self.options.chained_steps and not any(r.planner for r in self.runners.values())
 
     @torch.inference_mode()
     def step_launch(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> StepHandle:

@@ -251,10 +251,11 @@ def test_a_flat_cost_table_leaves_the_aoti_engine_its_plain_step(aoti_engine):
     try:
         aoti_engine.set_schedule(flat)
         assert all(r.planner is None for r in aoti_engine.runners.values())
+        assert aoti_engine.chains  # (the plain steps chain as without a schedule)
         reqs = Generator(aoti_engine).generate(prompts, [SamplingParams(max_tokens=20, ignore_eos=True)] * 2)
         assert all(s.verified is None for r in reqs for s in r.steps)  # (all γ: no plan ran)
         aoti_engine.set_schedule(steep)
-        assert all(r.planner is not None for r in aoti_engine.runners.values())
+        assert all(r.planner is not None for r in aoti_engine.runners.values()) and not aoti_engine.chains
     finally:
         aoti_engine.set_schedule(Schedule())
     assert [r.output for r in reqs] == _outputs(aoti_engine, Schedule(), prompts, 0.0, max_tokens=20)
