@@ -2,10 +2,13 @@
 each tensor-parallel size, against each size's bandwidth roofline.
 
     python benchmarks/tensor_parallel.py --pair DIR [--tp 1,2,4,8] [--batches 1,8,32] [--context 256]
-        [--max-tokens 128] [--device cuda|cpu] [--out-dir benchmarks/results]
+        [--max-tokens 128] [--device cuda|cpu] [--backend eager|aoti --work-dir DIR [--reuse-engine]]
+        [--out-dir benchmarks/results]
 
 For each tensor-parallel size N (ranks as processes: NCCL, one GPU a rank, on CUDA; gloo on CPU) and
-batch size B, on the eager engine split as ``runtime/tensor_parallel.py`` splits it:
+batch size B, on the eager engine split as ``runtime/tensor_parallel.py`` splits it (``--backend aoti``: an
+aoti engine built for N ranks, ``build --backend aoti --tp N``, in ``--work-dir``/tp{N}; at N = 1 the
+plain aoti engine, run on one rank through the same leader):
 
 * the step: B requests with ``--context`` tokens of prompt each, the step run ``--iters`` times at the
   same position (the device synchronized around each; median ms), on rank 0's ``LeaderEngine`` so the
@@ -94,6 +97,20 @@ def _lead(leader, batches: list[int], context: int, iters: int, max_tokens: int,
     return out
 
 
+def aoti_engine(a, world: int, max_batch: int, max_seq: int) -> Path:
+    """The aoti engine of the pair for ``world`` ranks in ``a.work_dir``/tp{world} (built unless
+    ``--reuse-engine`` finds one), its batch buckets the benchmark's batch sizes."""
+    from muse_spark.builder.build import build_engine
+
+    out = Path(a.work_dir) / f"tp{world}"
+    if a.reuse_engine and (out / "manifest.json").is_file():
+        return out
+    print(f"[tensor-parallel] tp {world}: building {out}", flush=True)
+    build_engine(Path(a.pair) / "target", Path(a.pair) / "draft", out, backend="aoti", device=a.device,
+                 max_batch=max_batch, max_seq=max_seq, tp=world, buckets=sorted(a.batches), quiet=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", required=True, help="a make-pair folder (target/, draft/)")
@@ -103,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda where available")
+    p.add_argument("--backend", choices=["eager", "aoti"], default="eager",
+                   help="eager: the pair split at load; aoti: an engine compiled for each size")
+    p.add_argument("--work-dir", default=None, help="(--backend aoti) where the engines are built, tp{N} each")
+    p.add_argument("--reuse-engine", action="store_true", help="(--backend aoti) keep an engine already built there")
     p.add_argument("--out-dir", default=str(results.RESULTS))
     a = p.parse_args(argv)
     import torch
@@ -110,15 +131,22 @@ def main(argv: list[str] | None = None) -> int:
     from muse_spark.runtime import tensor_parallel as tp
 
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.backend == "aoti" and not a.work_dir:
+        p.error("--backend aoti builds its engines in --work-dir")
     max_batch, max_seq = max(a.batches), a.context + a.max_tokens + 64
     runs = {}
     for world in a.tp:
-        print(f"[tensor-parallel] tp {world}: ranks loading", flush=True)
         lead = functools.partial(_lead, batches=sorted(a.batches), context=a.context, iters=a.iters,
                                  max_tokens=a.max_tokens, world=world)
-        runs[str(world)] = r = tp.launch(world, tp.lead_or_follow, str(Path(a.pair) / "target"),
-                                         str(Path(a.pair) / "draft"), lead, a.device, max_batch, max_seq,
-                                         device=a.device)
+        if a.backend == "aoti":
+            engine = aoti_engine(a, world, max_batch, max_seq)
+            print(f"[tensor-parallel] tp {world}: ranks loading {engine}", flush=True)
+            r = tp.launch(world, tp.lead_or_follow, str(engine), None, lead, a.device, device=a.device)
+        else:
+            print(f"[tensor-parallel] tp {world}: ranks loading", flush=True)
+            r = tp.launch(world, tp.lead_or_follow, str(Path(a.pair) / "target"), str(Path(a.pair) / "draft"), lead,
+                          a.device, max_batch, max_seq, device=a.device)
+        runs[str(world)] = r
         for b, row in r["batches"].items():
             print(f"  tp {world} B={b}: step {row['step_ms']:.3f} ms ({row['step_over_roofline']:.2f}× its roofline "
                   f"{row['roofline_ms']:.3f} ms), all-reduces {row['allreduce_ms']:.3f} ms, "

@@ -362,11 +362,15 @@ def engine_from_dir(engine_dir, rank: int, world: int, *, device: str | None = N
         head = engine.target.lm_head
         set_group(engine.target, model_group(), head is not None and head.out_features < engine.target.cfg.vocab_size)
         return engine
-    full = EagerEngine.from_dir(engine_dir, device=device)
-    if full.backend != "eager":
-        raise TensorParallelError(f"{engine_dir}: a {full.backend} engine runs on one device; --tp splits eager "
+    if m["backend"] != "eager":
+        if world == 1:  # (a compiled engine for one device: one rank runs it whole)
+            from muse_spark.runtime import load_engine
+
+            return load_engine(engine_dir, device=device)
+        raise TensorParallelError(f"{engine_dir}: a {m['backend']} engine runs on one device; --tp splits eager "
                                   "engines (and checkpoint pairs); build a compiled one for the ranks with "
-                                  f"`muse-spark build --backend {full.backend} --tp {world}`")
+                                  f"`muse-spark build --backend {m['backend']} --tp {world}`")
+    full = EagerEngine.from_dir(engine_dir, device=device)
     part = shard_target(full.target, rank, world, model_group() if world > 1 else None)
     full.draft.bind_target_embeddings(part.model.embed_tokens.weight)
     return EagerEngine(part, full.draft, max_batch=full.max_batch, max_seq=full.max_seq, device=full.device,

@@ -27,7 +27,8 @@
 #   scripts/gpu_check.sh fp8-error # the FP8 target's logits against the bf16 target's on the 8B-shaped pair (64
 #                                # prompts of 64 tokens; benchmarks/fp8_error.py)
 #   scripts/gpu_check.sh tp      # tensor parallelism over the machine's GPUs (2, 4, 8 as it has them)
-#   scripts/gpu_check.sh tp-bench # its benchmark on the 8B-shaped pair at each size the GPUs allow
+#   scripts/gpu_check.sh tp-bench # its benchmark on the 8B-shaped pair at each size the GPUs allow (BACKEND=aoti:
+#                                # compiled ranks; on one GPU, tp 1 through the ranks' leader)
 #
 # MUSE_SPARK_ATTENTION=triton|sdpa picks the attention kernel of every mode (default triton).
 #
@@ -224,8 +225,10 @@ tp-bench)
     here=/tmp/w8b/tp
     free_disk "$here"
     pair_at "$here/pair" 0.85 "$OUT/make-pair.log" || exit 1
+    # BACKEND=aoti: compiled ranks (an 8B aoti engine built for each size in /tmp/w8b/tp/engines, kept for the next
+    # call: the builds of four sizes do not fit one)
     timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/tensor_parallel.py --pair "$here/pair" --tp "$sizes" \
-        --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
+        --backend "${BACKEND:-eager}" --work-dir "$here/engines" --reuse-engine --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
     ;;
 *)
     echo "usage: $0 tests|engines|engine-switches|paged|paged-step|linear|bench|cxx|cxx-bench|serving|workload|serving-sweep|tp|tp-bench" >&2

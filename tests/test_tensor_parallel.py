@@ -399,7 +399,16 @@ def test_an_engine_built_for_ranks_is_served_over_them_by_default(agreeing_pair,
         assert r.returncode == 2 and "--tp 2 needs 2 GPUs" in r.stderr, r.stderr[-2000:]
 
 
-def test_an_aoti_engine_built_for_ranks_runs_its_packages_on_every_rank(agreeing_pair, single, tmp_path):
+@pytest.fixture(scope="module")
+def aoti_tp2(agreeing_pair, tmp_path_factory):
+    """`build --backend aoti --tp 2` of the tiny pair (CPU) → (the engine directory, the build's result)."""
+    engine = tmp_path_factory.mktemp("engines") / "tp2"
+    r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", engine, "--tp", 2,
+                "--backend", "aoti", "--device", "cpu", "--max-batch", 2, "--max-seq", 128)
+    return engine, r
+
+
+def test_an_aoti_engine_built_for_ranks_runs_its_packages_on_every_rank(agreeing_pair, single, aoti_tp2, tmp_path):
     """`build --backend aoti --tp 2`: one set of packages compiled from a rank's slice (its collectives traced
     on the default group), a weight file per rank, no C++ embedding section. Its two ranks give the single
     process's tokens, greedy and seeded with in-flight batching, and a request's sampling controls (set on
@@ -407,9 +416,7 @@ def test_an_aoti_engine_built_for_ranks_runs_its_packages_on_every_rank(agreeing
     refused a rank count, and a split engine is refused a paged pool."""
     import json
 
-    engine = tmp_path / "engine"
-    r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", engine, "--tp", 2,
-                "--backend", "aoti", "--device", "cpu", "--max-batch", 2, "--max-seq", 128)
+    engine, r = aoti_tp2
     assert r.returncode == 0, r.stderr[-4000:]
     m = json.loads((engine / "manifest.json").read_text())
     assert m["backend"] == "aoti" and m["tensor_parallel"]["world"] == 2 and "embedding" not in m
@@ -438,3 +445,34 @@ def test_a_compiled_engine_for_one_device_is_refused_ranks(aoti_built):
     one for the ranks (before any rank starts)."""
     r = run_cli("generate", "--engine", aoti_built[0], "--prompt-ids", "1,2", "--tp", 2)
     assert r.returncode == 2 and "compiled for one device" in r.stderr and "--backend aoti --tp 2" in r.stderr
+
+
+def test_the_benchmark_runs_compiled_ranks_and_one_rank_through_the_leader(agreeing_pair, aoti_tp2, aoti_built,
+                                                                           tmp_path):
+    """`benchmarks/tensor_parallel.py --backend aoti`: the aoti engine for 2 ranks, and at 1 rank a plain aoti
+    engine run through the same leader on one rank (the path a single GPU takes)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    work = tmp_path / "engines"
+    work.mkdir()
+    (work / "tp1").symlink_to(aoti_built[0])
+    (work / "tp2").symlink_to(aoti_tp2[0])
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "tensor_parallel.py"), "--pair",
+                        str(Path(agreeing_pair[0]).parent), "--tp", "1,2", "--batches", "1,2", "--context", "8",
+                        "--max-tokens", "8", "--iters", "1", "--device", "cpu", "--backend", "aoti", "--work-dir",
+                        str(work), "--reuse-engine", "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (path,) = tmp_path.glob("*_tensor-parallel.json")
+    doc = json.loads(path.read_text())
+    assert doc["config"]["backend"] == "aoti"
+    runs = doc["results"]["tp"]
+    for world, run in runs.items():
+        for row in run["batches"].values():
+            assert row["step_ms"] > 0 and row["tokens_per_s"] > 0 and row["mean_accepted_per_step"] > 0
+            assert (row["allreduce_ms"] > 0) == (world == "2")
+    assert runs["2"]["batches"]["1"]["rank_bytes"] < runs["1"]["batches"]["1"]["rank_bytes"]
