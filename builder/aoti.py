@@ -364,7 +364,7 @@ def split_pair(pair, tp: dict, shapes: dict[str, list[int]]) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from muse_spark.runtime.tensor_parallel import set_group
+    from muse_spark.sharding import set_group
 
     if dist.is_initialized() and dist.get_world_size() != int(tp["world"]):
         raise RuntimeError(f"tracing a rank of {tp['world']} in a process whose default group has "

@@ -454,7 +454,7 @@ def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, d
         # one set of packages every rank runs on its own slice (weights are graph inputs, and the slices share
         # their shapes), traced from rank 0's; no C++ embedding section: the C++ library runs one device
         from muse_spark.builder.aoti import build_aoti
-        from muse_spark.runtime.tensor_parallel import shard_target
+        from muse_spark.sharding import shard_target
         from muse_spark.sharding import vocab_split
 
         log(f"compiling one rank's graphs (the slices of {tp} ranks share them)")

@@ -63,12 +63,17 @@ def read_manifest(engine_dir: str | Path) -> dict:
     return m
 
 
+def tp_world(manifest: dict) -> int:
+    """The tensor-parallel ranks the engine of ``manifest`` was built for (``build --tp N``: its
+    ``tensor_parallel`` section), 1 for an engine on one device."""
+    return int((manifest.get("tensor_parallel") or {}).get("world") or 1)
+
+
 def built_world(engine_dir: str | Path) -> int:
-    """The tensor-parallel ranks an engine directory was built for (``build --tp N``: its manifest's
-    ``tensor_parallel``), 1 for any other, or for one whose manifest does not read (loading it says why): the
-    ranks a command runs it over when not told."""
+    """``tp_world`` of an engine directory, or 1 for one whose manifest does not read (loading it says why):
+    the ranks a command runs it over when not told."""
     try:
-        return int((read_manifest(engine_dir).get("tensor_parallel") or {}).get("world") or 1)
+        return tp_world(read_manifest(engine_dir))
     except (EngineError, OSError, ValueError, TypeError, KeyError):
         return 1
 

@@ -68,6 +68,30 @@ def fit_lm_head(module: nn.Module, sd: dict[str, torch.Tensor]) -> bool:
     return True
 
 
+def shard_target(target, rank: int, world: int, group):
+    """A new target module holding rank ``rank``'s slice, its layers all-reducing over ``group``."""
+    from muse_spark.checkpoint import materialize
+    from muse_spark.models.target import MuseSpark1xForCausalLM
+
+    cfg = shard_config(target.cfg, world)
+    sd = shard_state_dict(target.state_dict(), target.cfg, rank, world)
+    with torch.device("meta"):
+        part = MuseSpark1xForCausalLM(cfg, target.aux_layer_ids)
+    vocab = fit_lm_head(part, sd)
+    # (FP8 projections become Fp8Linear as the loader makes them; the slices stay on the target's device)
+    materialize(part, sd, target.model.embed_tokens.weight.device, target.model.embed_tokens.weight.dtype)
+    set_group(part, group, vocab)
+    return part
+
+
+def set_group(part, group, vocab: bool) -> None:
+    """A rank's target slice all-reduces its layers' partial products over ``group``, and gathers its logits
+    there where ``vocab`` (its lm_head a vocabulary slice)."""
+    for layer in part.model.layers:
+        layer.tp_group = group
+    part.vocab_group = group if vocab else None
+
+
 def shard_state_dict(sd: dict[str, torch.Tensor], cfg, rank: int, world: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s slice of the target's canonical state dict (the layout above)."""
     H, KV, Dh, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
@@ -105,9 +129,9 @@ def check_engine_split(manifest: dict, world: int, where) -> None:
     """Refuse to run the engine ``manifest`` describes over ``world`` ranks where it cannot: one built for
     another count (``tensor_parallel.world``), a compiled engine built for one device (its graphs have the
     whole layers' shapes: build it for the ranks), or a split its target does not take."""
-    from muse_spark.engine_format import configs_from_manifest
+    from muse_spark.engine_format import configs_from_manifest, tp_world
 
-    built = int((manifest.get("tensor_parallel") or {}).get("world") or 1)
+    built = tp_world(manifest)
     if built != world and built != 1:
         raise TensorParallelError(f"{where}: this engine is split for {built} ranks, not {world}: run it with --tp {built}")
     if world != 1 and built == 1 and manifest["backend"] != "eager":

@@ -401,7 +401,8 @@ class AOTIEngine(EagerEngine):
         except (RuntimeError, ValueError, OSError) as e:
             raise EngineError(f"{d}: engine weights cannot be loaded: {e}") from None
         if split:  # (the eager paths a compiled engine still runs: the prefill's first token gathers the logits)
-            from muse_spark.runtime.tensor_parallel import model_group, set_group
+            from muse_spark.runtime.groups import model_group
+            from muse_spark.sharding import set_group
 
             set_group(target, model_group(), target.lm_head is not None and
                       target.lm_head.out_features != tcfg.vocab_size)

@@ -37,60 +37,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from muse_spark.checkpoint import load_pair, materialize
+from muse_spark.checkpoint import load_pair
 from muse_spark.process import die_with_parent
-from muse_spark.sharding import (TensorParallelError, check_split, fit_lm_head, shard_config,  # noqa: F401
-                                 shard_state_dict, vocab_split)
-from muse_spark.models.target import MuseSpark1xForCausalLM
+from muse_spark.sharding import (TensorParallelError, check_split, set_group, shard_config,  # noqa: F401
+                                 shard_state_dict, shard_target, vocab_split)
 from muse_spark.runtime.engine import EagerEngine
+from muse_spark.runtime.groups import control_group, init_groups, model_group  # noqa: F401
 
 COLLECTIVE_TIMEOUT_S = 60.0
-
-# The process groups a rank set uses beside the default one (``init_groups``). The default group (name "0")
-# belongs to the compiled packages of an aoti engine built for ranks: their traced collectives resolve it by
-# name. Collectives issued from Python on that same group interleave with the packages' and mismatch (seen
-# with gloo: a broadcast between two package calls deadlocks), so Python keeps to groups of its own:
-# "control" (gloo, CPU objects: the leader's broadcast calls) and "model" (the default backend: the eager
-# model's all-reduces and gathers).
-_GROUPS: dict = {}
-
-
-def init_groups() -> None:
-    """Create the rank set's own groups; every rank calls it once, right after ``init_process_group``."""
-    _GROUPS["control"] = dist.new_group(backend="gloo")
-    _GROUPS["model"] = dist.new_group()
-
-
-def control_group():
-    return _GROUPS.get("control")
-
-
-def model_group():
-    """The group the eager model's collectives run on (the default group where ``init_groups`` was not run)."""
-    g = _GROUPS.get("model")
-    return dist.group.WORLD if g is None else g
-
-
-def shard_target(target: MuseSpark1xForCausalLM, rank: int, world: int, group) -> MuseSpark1xForCausalLM:
-    """A new target module holding rank ``rank``'s slice, its layers all-reducing over ``group``."""
-    cfg = shard_config(target.cfg, world)
-    sd = shard_state_dict(target.state_dict(), target.cfg, rank, world)
-    with torch.device("meta"):
-        part = MuseSpark1xForCausalLM(cfg, target.aux_layer_ids)
-    vocab = fit_lm_head(part, sd)
-    # (FP8 projections become Fp8Linear as the loader makes them; the slices stay on the target's device)
-    materialize(part, sd, target.model.embed_tokens.weight.device, target.model.embed_tokens.weight.dtype)
-    set_group(part, group, vocab)
-    return part
-
-
-def set_group(part: MuseSpark1xForCausalLM, group, vocab: bool) -> None:
-    """A rank's target slice all-reduces its layers' partial products over ``group``, and gathers its logits
-    there where ``vocab`` (its lm_head a vocabulary slice)."""
-    for layer in part.model.layers:
-        layer.tp_group = group
-    part.vocab_group = group if vocab else None
-
 
 def engine_from_checkpoints(target_dir, draft_dir, rank: int, world: int, *, device="cpu", dtype=None,
                             max_batch: int = 8, max_seq: int | None = None) -> EagerEngine:

@@ -88,7 +88,7 @@ def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str
     Other models already in ``out`` are left alone; a model directory of the same
     name is replaced only if this command wrote it.
     """
-    from muse_spark.engine_format import read_manifest  # imports torch: keep the CLI parser light
+    from muse_spark.engine_format import read_manifest, tp_world  # imports torch: keep the CLI parser light
 
     if not _NAME_RE.match(model_name):
         raise RepoError(f"model name {model_name!r} must be letters, digits, '_', '.', '-'")
@@ -104,10 +104,10 @@ def write_repository(engine_dir: str | Path, out: str | Path, *, model_name: str
         raise RepoError(f"--prefix-cache-mib must be >= 0, got {prefix_cache_mib}")
     engine_dir = Path(engine_dir).resolve()
     manifest = read_manifest(engine_dir)  # a clear error now rather than at model load
-    split = (manifest.get("tensor_parallel") or {}).get("world")
+    split = tp_world(manifest)
     if tp is None:  # (an engine built for ranks is served over them)
-        tp = int(split or 1)
-    if tp == 1 and split and split != 1:
+        tp = split
+    if tp == 1 and split != 1:
         raise RepoError(f"this engine is split for {split} ranks: give --tp {split}")
     if tp != 1:
         from muse_spark.sharding import TensorParallelError, check_engine_split
