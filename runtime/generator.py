@@ -80,6 +80,37 @@ class StepRecord:
     verified: int | None = None  # drafts sent to the target (None: all γ; the schedule 'off')
 
 
+@dataclass(frozen=True)
+class StepTotals:
+    """What ``Request.stats`` sums over a request's steps, kept as they are appended (``add``), so that a
+    server reporting the statistics with every streamed response pays O(γ) a response, not O(steps).
+    Immutable: a snapshot of the request (``serving/scheduler.py``) shares it with no one writing it."""
+
+    n: int = 0  # steps counted
+    gamma: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    verified: int = 0
+    per_position: tuple[int, ...] = ()  # steps whose accepted run reached past each draft position
+    yes: tuple[float, int] = (0.0, 0)  # the confidences (sum, count) at decided positions where the draft was accepted
+    no: tuple[float, int] = (0.0, 0)  # … and where it was rejected
+
+    def add(self, step: StepRecord, gamma: int) -> "StepTotals":
+        per = self.per_position or (0,) * gamma
+        yes, no = decided_confidences([step], gamma)
+        return StepTotals(self.n + 1, gamma, self.accepted + step.accepted, self.emitted + len(step.emitted),
+                          self.verified + (gamma if step.verified is None else step.verified),
+                          tuple(c + (step.accepted > k) for k, c in enumerate(per)),
+                          (self.yes[0] + sum(yes), self.yes[1] + len(yes)), (self.no[0] + sum(no), self.no[1] + len(no)))
+
+    @classmethod
+    def of(cls, steps: list[StepRecord], gamma: int) -> "StepTotals":
+        totals = cls()
+        for step in steps:
+            totals = totals.add(step, gamma)
+        return totals
+
+
 @dataclass
 class Request:
     id: int
@@ -106,6 +137,12 @@ class Request:
     block_keys: list[bytes] | None = field(default=None, repr=False)  # (``Generator._block_keys``)
     preempted: int = 0  # times the request gave its KV blocks up for another (paged caches)
     chunk_keys: list[bytes] | None = field(default=None, repr=False)  # (``Generator._keys``)
+    totals: StepTotals = field(default_factory=StepTotals, repr=False)  # ``steps`` summed (``add_step``)
+
+    def add_step(self, step: StepRecord, gamma: int) -> None:
+        """Append ``step`` and count it in ``totals``."""
+        self.steps.append(step)
+        self.totals = self.totals.add(step, gamma)
 
     @classmethod
     def ended(cls, prompt: list[int], params: SamplingParams | None, reason: str) -> Request:
@@ -117,24 +154,24 @@ class Request:
                    finished=True, finish_reason=reason, t_start=now, t_end=now)
 
     def stats(self, gamma: int) -> dict:
-        accepted = [s.accepted for s in self.steps]
-        yes, no = decided_confidences(self.steps, gamma)
-        per_pos = [sum(1 for a in accepted if a > k) / len(accepted) if accepted else 0.0 for k in range(gamma)]
+        t = self.totals
+        if (t.n, t.gamma) != (len(self.steps), gamma if self.steps else t.gamma):  # (steps appended elsewhere)
+            t = StepTotals.of(self.steps, gamma)
+        n = t.n
         secs = max(self.t_end - self.t_start, 1e-9)
         return {
-            "steps": len(self.steps),
+            "steps": n,
             "generated_tokens": len(self.output),
-            "accepted_draft_tokens": sum(accepted),
-            "mean_accepted_per_step": sum(accepted) / len(accepted) if accepted else 0.0,
-            "mean_emitted_per_step": (sum(len(s.emitted) for s in self.steps) / len(self.steps)) if self.steps else 0.0,
-            "acceptance_per_position": per_pos,
+            "accepted_draft_tokens": t.accepted,
+            "mean_accepted_per_step": t.accepted / n if n else 0.0,
+            "mean_emitted_per_step": t.emitted / n if n else 0.0,
+            "acceptance_per_position": [c / n for c in t.per_position] if n else [0.0] * gamma,
             # drafts sent to the target per step (γ unless a confidence schedule verified fewer)
-            "mean_verified_per_step": (sum(gamma if s.verified is None else s.verified for s in self.steps)
-                                       / len(self.steps)) if self.steps else 0.0,
+            "mean_verified_per_step": t.verified / n if n else 0.0,
             "tokens_per_second": len(self.output) / secs,
             "seconds": secs,
             "finish_reason": self.finish_reason,
-            **({"confidence": confidence_figures(yes, no)} if yes or no else {}),
+            **({"confidence": _confidence_totals(t.yes, t.no)} if t.yes[1] or t.no[1] else {}),
         }
 
 
@@ -149,6 +186,12 @@ def decided_confidences(steps: list[StepRecord], gamma: int) -> tuple[list[float
         for k in range(min(s.accepted + 1, gamma)):
             (yes if k < s.accepted else no).append(s.confidence[k])
     return yes, no
+
+
+def _confidence_totals(yes: tuple[float, int], no: tuple[float, int]) -> dict:
+    """``confidence_figures`` from (sum, count) of each side."""
+    return {"decided_positions": yes[1] + no[1], "mean_when_accepted": yes[0] / yes[1] if yes[1] else None,
+            "mean_when_rejected": no[0] / no[1] if no[1] else None}
 
 
 def confidence_figures(yes: list[float], no: list[float]) -> dict:
@@ -632,8 +675,8 @@ class Generator:
             shown = self._emit(req, emitted)
             if logprobs is not None and req.params.logprobs is not None:
                 req.logprobs.extend(self._top(lp, req.params.logprobs) for lp in logprobs[i][: len(shown)])
-            req.steps.append(StepRecord(req.position, draft, n, shown, confidence[i] if confidence else None,
-                                        verified[i] if verified else None))
+            req.add_step(StepRecord(req.position, draft, n, shown, confidence[i] if confidence else None,
+                                    verified[i] if verified else None), g)
             req.anchor, req.position = bonus, req.position + n + 1
             done.append(req)
         return done

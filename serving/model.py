@@ -109,7 +109,8 @@ class _ResponseSink:
         if self.stream:
             ids, text = new_tokens, self.decoder.push(req.output, final=req.finished)
         else:
-            ids, text = req.output, self.decoder.full(req.output)
+            ids = list(req.output)
+            text = self.decoder.full(ids)
         log_probs = None
         if req.params.logprobs is not None:  # (return_log_probs: the logprobs of these ids, the last of the output)
             start = len(req.output) - len(ids)

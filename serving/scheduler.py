@@ -43,6 +43,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -170,11 +171,39 @@ class Responder:
                 self._log(f"muse_spark responder: a response failed:\n{traceback.format_exc()}")
 
 
+class Prefix(Sequence):
+    """The first ``n`` items of a list that only grows (a request's output, steps, log-probabilities): what it
+    held when the view was taken, in O(1), whatever is appended after. Slices copy only what they select."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list, n: int | None = None):
+        self._items, self._n = items, len(items) if n is None else n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)
+            return self._items[start:stop] if step == 1 else [self._items[k] for k in range(start, stop, step)]
+        if not -self._n <= i < self._n:
+            raise IndexError("Prefix index out of range")
+        return self._items[i % self._n]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, tuple, Prefix)) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"Prefix({list(self)!r})"
+
+
 def snapshot(req: Request) -> Request:
     """``req`` as it is now, for a sink on the responder thread while the scheduler steps it on: a shallow
-    copy whose lists (output, steps, log-probabilities) are copies."""
+    copy whose output, steps and log-probabilities are ``Prefix`` views of the lists the scheduler appends to
+    (O(1) a step, not O(tokens so far)); its step totals (``Request.totals``) are immutable."""
     view = copy.copy(req)
-    view.output, view.steps, view.logprobs = list(req.output), list(req.steps), list(req.logprobs)
+    view.output, view.steps, view.logprobs = Prefix(req.output), Prefix(req.steps), Prefix(req.logprobs)
     return view
 
 

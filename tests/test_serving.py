@@ -507,3 +507,22 @@ def test_load_loop_ends_without_failure_or_leaked_slot(server, ref):
     m = wait_for(server, slots_free, "all slots free after the load loop")
     assert m["muse_spark_requests_total:failed"] == 0
     print(f"load loop: 200 requests at concurrency 16 in {elapsed:.1f}s")
+
+
+def test_a_snapshot_sees_the_request_as_it_was_without_copying_it():
+    """``snapshot``: the output, steps and log-probabilities as they were (``Prefix`` views of the lists the
+    scheduler goes on appending to), slices and indices within that length, equal to the lists it saw."""
+    from muse_spark.runtime.generator import Request, StepRecord
+    from muse_spark.serving.scheduler import Prefix, snapshot
+
+    req = Request(1, [1, 2], SamplingParams(), frozenset(), output=[5, 6, 7])
+    req.add_step(StepRecord(2, [5, 6, 9], 2, [5, 6, 7]), 3)
+    view = snapshot(req)
+    req.output.extend([8, 9])
+    req.add_step(StepRecord(5, [8, 1, 1], 1, [8, 9]), 3)
+    assert view.output == [5, 6, 7] and len(view.output) == 3 and list(view.output) == [5, 6, 7]
+    assert view.output[1:] == [6, 7] and view.output[-1] == 7 and view.output[::-1] == [7, 6, 5]
+    with pytest.raises(IndexError):
+        view.output[3]
+    assert len(view.steps) == 1 and view.stats(3)["steps"] == 1 and req.stats(3)["steps"] == 2
+    assert Prefix([1, 2, 3], 2) == [1, 2] and Prefix([1, 2, 3], 2) != [1, 2, 3]

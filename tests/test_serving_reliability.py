@@ -245,7 +245,8 @@ def test_a_dead_model_process_fails_in_flight_requests_and_is_restarted(server, 
     assert isinstance(grpc["result"][-1], str), grpc["result"][-3:]  # an error, not a final response
     assert not is_ready(server)
     status, body = generate(server, {"input_ids": [1, 2], "max_tokens": 3})
-    assert status == 503 and "model process" in body["error"]
+    # (a clear 503 either way: the dead model process, or, once the restart has begun, the server not reachable)
+    assert status == 503 and ("model process" in body["error"] or "not reachable" in body["error"]), body
     wait_ready(server)
     status, body = generate(server, {"input_ids": [1, 2, 3], "max_tokens": 10})
     assert status == 200 and ids_of(body) == ref.run([1, 2, 3], max_tokens=10).output

@@ -209,3 +209,36 @@ def test_two_stage_argmax_is_argmax(chunk):
         assert torch.equal(sampling.argmax_last(x[..., :n], chunk), x[..., :n].argmax(-1))
     bf = x.bfloat16()
     assert torch.equal(sampling.argmax_last(bf, chunk), bf.argmax(-1))
+
+
+def test_step_totals_give_the_statistics_of_the_steps_they_count():
+    """``Request.stats`` from its running totals (``add_step``) equals the figures summed over the steps here,
+    and a request whose steps were appended by hand (no totals) gets the same."""
+    import random
+
+    from muse_spark.runtime.generator import Request, StepRecord
+
+    rng, gamma = random.Random(3), 5
+    counted = Request(1, [1], SamplingParams(), frozenset())
+    by_hand = Request(2, [1], SamplingParams(), frozenset())
+    steps = []
+    for i in range(40):
+        n = rng.randrange(gamma + 1)
+        steps.append(StepRecord(i, [0] * gamma, n, [0] * (n + 1),
+                                [rng.random() for _ in range(gamma)] if i % 3 else None, rng.choice([None, 2, gamma])))
+        counted.add_step(steps[-1], gamma)
+        by_hand.steps.append(steps[-1])
+    yes = [s.confidence[k] for s in steps if s.confidence for k in range(min(s.accepted + 1, gamma)) if k < s.accepted]
+    no = [s.confidence[s.accepted] for s in steps if s.confidence and s.accepted < gamma]
+    for st in (counted.stats(gamma), by_hand.stats(gamma)):
+        assert st["steps"] == 40 and st["accepted_draft_tokens"] == sum(s.accepted for s in steps)
+        assert st["mean_emitted_per_step"] == pytest.approx(sum(len(s.emitted) for s in steps) / 40)
+        assert st["mean_verified_per_step"] == pytest.approx(
+            sum(gamma if s.verified is None else s.verified for s in steps) / 40)
+        assert st["acceptance_per_position"] == pytest.approx(
+            [sum(s.accepted > k for s in steps) / 40 for k in range(gamma)])
+        assert st["confidence"]["decided_positions"] == len(yes) + len(no)
+        assert st["confidence"]["mean_when_accepted"] == pytest.approx(sum(yes) / len(yes))
+        assert st["confidence"]["mean_when_rejected"] == pytest.approx(sum(no) / len(no))
+    assert counted.totals.n == 40 and by_hand.totals.n == 0
+    assert Request(3, [1], SamplingParams(), frozenset()).stats(gamma)["acceptance_per_position"] == [0.0] * gamma
