@@ -146,14 +146,15 @@ workload)
     # 8 and 32 with fixed γ and with confidence scheduling (SCHEDULES, default off,confidence), each against
     # the same engine's target-only decoding (benchmarks/generation.py; JSON and table in $OUT). The pair
     # and the engine stay in /tmp/w8b: a run the call's time limit cut short (the 8B aoti build takes
-    # minutes) is picked up by the next one with the same ACCEPTANCE and BACKEND.
+    # minutes) is picked up by the next one with the same ACCEPTANCE and BACKEND. BATCHES: the batch sizes (default
+    # 1,8,32; the largest is the engine's max batch, so another list builds another engine).
     p=${ACCEPTANCE:-0.85} backend=${BACKEND:-aoti}
     here=/tmp/w8b/workload-$p
     free_disk "$here"
     pair_at "$here/pair" "$p" "$OUT/make-pair-$p.log" || exit 1
     cp "$here/pair/pair.json" "$OUT/pair-$p.json"
     timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/generation.py --pair "$here/pair" --reuse-engine \
-        --backend "$backend" --batches 1,8,32 --max-tokens "${MAX_TOKENS:-256}" --prompt-len 32 \
+        --backend "$backend" --batches "${BATCHES:-1,8,32}" --max-tokens "${MAX_TOKENS:-256}" --prompt-len 32 \
         --work-dir "$here/engine-$backend" --out-dir "$OUT" --schedule "${SCHEDULES:-off,confidence}" --calibrate \
         --markdown "$OUT/generation-$p-$backend.md" 2>&1 | grep -v "^\[build\]" | tee "$OUT/generation-$p-$backend.log"
     ;;
