@@ -454,20 +454,18 @@ def _write_engine(tmp: Path, target, draft, target_dir, draft_dir, *, backend, d
         # one set of packages every rank runs on its own slice (weights are graph inputs, and the slices share
         # their shapes), traced from rank 0's; no C++ embedding section: the C++ library runs one device
         from muse_spark.builder.aoti import build_aoti
-        from muse_spark.sharding import shard_target
-        from muse_spark.sharding import vocab_split
+        from muse_spark.sharding import shard_target, vocab_split
 
         log(f"compiling one rank's graphs (the slices of {tp} ranks share them)")
-        part = shard_target(target, 0, tp, None)
-        aoti = build_aoti(part, draft, tmp, device=device, max_batch=max_batch, max_seq=max_seq, log=log,
-                          options=options, tp={"world": tp, "vocab": vocab_split(target.cfg, tp)}, **aoti_options)
+        aoti = build_aoti(shard_target(target, 0, tp, None), draft, tmp, device=device, max_batch=max_batch,
+                          max_seq=max_seq, log=log, options=options,
+                          tp={"world": tp, "vocab": vocab_split(target.cfg, tp)}, **aoti_options)
     elif backend == "aoti":
         from muse_spark.builder.aoti import build_aoti
+        from muse_spark.builder.embedder import embedding_section
 
         aoti = build_aoti(target, draft, tmp, device=device, max_batch=max_batch, max_seq=max_seq, log=log,
                           options=options, **aoti_options)
-        from muse_spark.builder.embedder import embedding_section
-
         # (for the C++ embedding: the weights' sources, the parts' weights, the caches; derived.safetensors)
         embedding = embedding_section(target, draft, tmp, cache_slots=aoti["cache_slots"], max_seq=max_seq)
     tokenizer_name = None

@@ -41,8 +41,7 @@ from muse_spark.engine_format import (EngineError, check_cache_memory, check_plu
 from muse_spark.options import KernelOptions, current_options, engine_options
 from muse_spark.plugins.acceptance.processing import Processing
 from muse_spark.schedule import Schedule, plan
-from muse_spark.runtime.engine import EagerEngine, PrefillChunk, build_modules, logprob_lists, tp_split, with_options
-from muse_spark.sharding import shard_config
+from muse_spark.runtime.engine import EagerEngine, PrefillChunk, build_modules, logprob_lists, target_slice, with_options
 from muse_spark.runtime.kv_blocks import SWAP_SPACE_GIB, BlockTables, swap_space_bytes
 
 log = logging.getLogger(__name__)
@@ -368,10 +367,10 @@ class AOTIEngine(EagerEngine):
         run-scope ones from ``options`` or the environment). ``swap_space``: GiB of host memory for the K/V of
         requests preempted from a paged pool (``runtime/kv_blocks.py``). An engine built for tensor
         parallelism loads rank ``tp_rank``'s slice, whose packages all-reduce over the default process
-        group (``runtime/tensor_parallel.py`` starts the ranks and the group)."""
+        group (``runtime/tensor_parallel.py`` starts the ranks and the group, and joins the slice's eager
+        modules to theirs)."""
         d = Path(engine_dir)
         m = read_manifest(d)
-        split = tp_split(m, tp_rank, d)
         if m["backend"] != cls.backend:
             raise EngineError(f"{d}: backend {m['backend']!r} is not an {cls.backend} engine")
         opts = engine_options(m, options, where=str(d))
@@ -390,22 +389,14 @@ class AOTIEngine(EagerEngine):
         verify_files(d, m)
         check_plugins(m)
         tcfg, dcfg = configs_from_manifest(m)
-        if split:
-            tcfg = shard_config(tcfg, int(split["world"]))
+        tcfg, target_file = target_slice(m, tcfg, tp_rank, d)
         dt = parse_dtype(m["dtype"])
         try:
-            target_sd = load_file(str(d / (split["target_files"][tp_rank] if split else "target.safetensors")),
-                                  device=str(dev))
+            target_sd = load_file(str(d / target_file), device=str(dev))
             draft_sd = load_file(str(d / "draft.safetensors"), device=str(dev))
             target, draft = build_modules(tcfg, dcfg, target_sd, draft_sd, dt, dev)
         except (RuntimeError, ValueError, OSError) as e:
             raise EngineError(f"{d}: engine weights cannot be loaded: {e}") from None
-        if split:  # (the eager paths a compiled engine still runs: the prefill's first token gathers the logits)
-            from muse_spark.runtime.groups import model_group
-            from muse_spark.sharding import set_group
-
-            set_group(target, model_group(), target.lm_head is not None and
-                      target.lm_head.out_features != tcfg.vocab_size)
         # (one slot more than max_batch: the scratch slot padding rows write; paged: the pool's positions)
         if pool:
             check_cache_memory(d, tcfg, dcfg, dt, max_batch=1, max_seq=pool[0] * pool[1], device=dev)

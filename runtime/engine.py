@@ -112,16 +112,19 @@ def with_options(method):
     return run
 
 
-def tp_split(manifest: dict, tp_rank: int | None, where) -> dict:
-    """The manifest's ``tensor_parallel`` section ({} for an engine on one device), checked against the rank
-    asked for: a split engine needs one (``runtime/tensor_parallel.py`` gives each rank its own)."""
+def target_slice(manifest: dict, tcfg, tp_rank: int | None, where) -> tuple:
+    """(the target config, the target weight file) of rank ``tp_rank`` of the engine ``manifest`` describes: the
+    whole target of an engine on one device, that rank's share and file of one built for ranks (which needs a
+    rank: ``runtime/tensor_parallel.py`` gives each its own)."""
     split = manifest.get("tensor_parallel") or {}
-    if split and tp_rank is None:
+    if not split:
+        return tcfg, "target.safetensors"
+    if tp_rank is None:
         raise EngineError(f"{where}: this engine is split for {split.get('world')} tensor-parallel ranks: run it with "
                           f"--tp {split.get('world')}")
-    if split and not 0 <= tp_rank < int(split.get("world", 0)):
+    if not 0 <= tp_rank < int(split.get("world", 0)):
         raise EngineError(f"{where}: rank {tp_rank} is outside the engine's {split.get('world')} ranks")
-    return split
+    return shard_config(tcfg, int(split["world"])), split["target_files"][tp_rank]
 
 
 def build_modules(tcfg, dcfg, target_sd, draft_sd, dtype: torch.dtype, device) -> tuple[MuseSpark1xForCausalLM, MuseSparkDSparkForCausalLM]:
@@ -214,7 +217,6 @@ class EagerEngine:
         loads rank ``tp_rank``'s slice of the target (``runtime/tensor_parallel.py`` does)."""
         d = Path(engine_dir)
         m = read_manifest(d)
-        split = tp_split(m, tp_rank, d)
         if m["backend"] != cls.backend:
             raise EngineError(f"{d}: this is a {m['backend']!r} engine; {cls.__name__} loads {cls.backend!r} "
                               f"engines (muse_spark.runtime.load_engine loads any)")
@@ -222,14 +224,13 @@ class EagerEngine:
         verify_files(d, m)
         check_plugins(m)
         tcfg, dcfg = configs_from_manifest(m)
-        if split:
-            tcfg = shard_config(tcfg, int(split["world"]))
+        tcfg, target_file = target_slice(m, tcfg, tp_rank, d)
         dev = torch.device(device or m.get("device", {}).get("kind", "cpu"))
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise EngineError(f"{d}: engine device is cuda but no CUDA device is available (use --device cpu)")
         dt = parse_dtype(dtype or m["dtype"])
         try:
-            target_sd = load_file(str(d / (split["target_files"][tp_rank] if split else "target.safetensors")))
+            target_sd = load_file(str(d / target_file))
             draft_sd = load_file(str(d / "draft.safetensors"))
             target, draft = build_modules(tcfg, dcfg, target_sd, draft_sd, dt, dev)
         except (RuntimeError, ValueError, OSError) as e:

@@ -155,7 +155,7 @@ class Request:
 
     def stats(self, gamma: int) -> dict:
         t = self.totals
-        if (t.n, t.gamma) != (len(self.steps), gamma if self.steps else t.gamma):  # (steps appended elsewhere)
+        if t.n != len(self.steps) or (t.n and t.gamma != gamma):  # (steps appended elsewhere, or another γ)
             t = StepTotals.of(self.steps, gamma)
         n = t.n
         secs = max(self.t_end - self.t_start, 1e-9)

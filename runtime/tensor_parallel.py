@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from muse_spark.checkpoint import load_pair
 from muse_spark.process import die_with_parent
-from muse_spark.sharding import (TensorParallelError, check_split, set_group, shard_config,  # noqa: F401
-                                 shard_state_dict, shard_target, vocab_split)
+from muse_spark.sharding import (TensorParallelError, check_engine_split, check_split, set_group,  # noqa: F401
+                                 shard_config, shard_state_dict, shard_target, vocab_split)
 from muse_spark.runtime.engine import EagerEngine
 from muse_spark.runtime.groups import control_group, init_groups, model_group  # noqa: F401
 
@@ -298,32 +298,27 @@ def engine_from_dir(engine_dir, rank: int, world: int, *, device: str | None = N
     """This rank's engine from an engine directory (its weights, limits, tokenizer and options): its target
     slice and the whole draft. An eager engine on one device is split here; an engine built for ranks
     (``build --tp``: eager, or aoti with the packages every rank runs) loads this rank's weight file alone."""
-    from muse_spark.engine_format import EngineError, read_manifest
+    from muse_spark.engine_format import read_manifest
 
     if device is not None and str(device) == "cuda":
         device = f"cuda:{rank}"
     m = read_manifest(engine_dir)
-    split = m.get("tensor_parallel")
-    if split:  # (built for ranks: this rank's weight file alone)
-        if int(split["world"]) != world:
-            raise EngineError(f"{engine_dir}: this engine is split for {split['world']} ranks, not {world}: run it "
-                              f"with --tp {split['world']}")
+    check_engine_split(m, world, engine_dir)
+    if m.get("tensor_parallel"):  # (built for ranks: this rank's weight file alone)
         if m["backend"] == "aoti":
             from muse_spark.runtime.aoti_engine import AOTIEngine
 
-            return AOTIEngine.from_dir(engine_dir, device=device, tp_rank=rank)
-        engine = EagerEngine.from_dir(engine_dir, device=device, tp_rank=rank)
+            engine = AOTIEngine.from_dir(engine_dir, device=device, tp_rank=rank)
+        else:
+            engine = EagerEngine.from_dir(engine_dir, device=device, tp_rank=rank)
+        # (the eager modules' own collectives: an eager engine's layers; a compiled one's first token of a prefill)
         head = engine.target.lm_head
         set_group(engine.target, model_group(), head is not None and head.out_features < engine.target.cfg.vocab_size)
         return engine
-    if m["backend"] != "eager":
-        if world == 1:  # (a compiled engine for one device: one rank runs it whole)
-            from muse_spark.runtime import load_engine
+    if m["backend"] != "eager":  # (a compiled engine for one device, on one rank: check_engine_split)
+        from muse_spark.runtime import load_engine
 
-            return load_engine(engine_dir, device=device)
-        raise TensorParallelError(f"{engine_dir}: a {m['backend']} engine runs on one device; --tp splits eager "
-                                  "engines (and checkpoint pairs); build a compiled one for the ranks with "
-                                  f"`muse-spark build --backend {m['backend']} --tp {world}`")
+        return load_engine(engine_dir, device=device)
     full = EagerEngine.from_dir(engine_dir, device=device)
     part = shard_target(full.target, rank, world, model_group() if world > 1 else None)
     full.draft.bind_target_embeddings(part.model.embed_tokens.weight)
