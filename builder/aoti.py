@@ -223,9 +223,9 @@ def fake_inputs(job: dict, tcfg, dcfg):
 
         pool = job.get("kv_pool")  # paged: [blocks, P]
 
-        def cache(cfg):
+        def cache(cfg):  # (the target's: E4M3 for an FP8 KV cache)
             rows, length = pool if pool else (job["cache_slots"], job["max_seq"])
-            return t((rows, length, cfg.num_key_value_heads, cfg.head_dim), cache_dtype)
+            return t((rows, length, cfg.num_key_value_heads, cfg.head_dim), cfg.cache_dtype(cache_dtype))
 
         def rows(n):  # the cache rows of n requests: slots [n], or block tables [n, ⌈max_seq / P⌉]
             return t((n, -(-job["max_seq"] // pool[1])) if pool else (n,), i64)

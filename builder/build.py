@@ -344,12 +344,14 @@ _WRITE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQ
 def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path, *, backend: str = "eager",
                  device: str = "cpu", max_batch: int = 8, max_seq: int = 1024, dtype: str | None = None,
                  overwrite: bool = True, quiet: bool = False, options: KernelOptions | None = None, tp: int = 1,
-                 **aoti_options) -> dict:
+                 kv_cache_dtype: str | None = None, **aoti_options) -> dict:
     """Build an engine directory; returns its manifest. (The module's docstring: how ``out`` is
     replaced atomically, and how builds into one ``out`` are serialized.)
 
     ``options``: the kernel options the engine is built with and records; None: the environment's
     (``KernelOptions.from_env``: the kernel options' variables, read here once).
+    ``kv_cache_dtype``: the target's KV cache, "auto" (the compute dtype) or "fp8" (E4M3 with the layers'
+    scales: docs/fp8.md); None: as the target checkpoint says.
     ``aoti_options`` (backend ``aoti`` only): ``buckets``, ``prefill_chunk``, ``verify_widths``, ``sampling_controls``,
     ``fast_compile``, ``plugins``, ``jobs`` — see ``builder/aoti.py``."""
     options = KernelOptions.from_env() if options is None else options
@@ -388,8 +390,12 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
                                                 for d in (target_dir, draft_dir)):
         raise BuildError(f"FP8 checkpoints (quantization_config) build eager and aoti engines (--backend eager|aoti); "
                          f"the {backend} engine's graphs of FP8 projections are not supported yet (docs/fp8.md)")
+    if backend not in ("eager", "aoti") and (kv_cache_dtype == "fp8" or (
+            kv_cache_dtype is None and load_config(target_dir).fp8_kv_cache)):
+        raise BuildError(f"an FP8 KV cache builds eager and aoti engines (--backend eager|aoti); the {backend} "
+                         "engine keeps its caches in the compute dtype (--kv-cache-dtype auto)")
     log(f"loading checkpoints {target_dir} + {draft_dir}")
-    target, draft = load_pair(target_dir, draft_dir, dtype, "cpu")
+    target, draft = load_pair(target_dir, draft_dir, dtype, "cpu", kv_cache_dtype)
     check_split(target.cfg, tp)  # (before anything is written)
     gamma = draft.cfg.block_size
     check_max_seq(target, draft, max_seq)

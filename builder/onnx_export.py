@@ -130,6 +130,9 @@ def export_onnx(target, draft, out_dir: Path, *, max_batch: int, max_seq: int, b
     check_max_seq(target, draft, max_seq)
     if draft.cfg.dspark_draft_topk:
         raise ValueError("the MarkovSample plugin takes no dspark_draft_topk; it is not exported")
+    if target.cfg.fp8_kv_cache:
+        raise ValueError("the ONNX graphs keep the KV caches in the compute dtype: this target's FP8 KV cache "
+                         "(its kv_cache_scheme) is not exported; export it with --kv-cache-dtype auto")
     device = "cpu"  # (the graphs are device-free: a TensorRT build places them)
     buckets, chunk = graph_plan("cuda", max_batch, max_seq, buckets, prefill_chunk)  # (a GPU's buckets: 1, 2, 4 …)
     wspecs = weight_specs(SpecPair(target, draft))

@@ -24,6 +24,11 @@
   keeps the rules above; an FP8 tensor anywhere else, a projection of the wrong dtype, a missing or
   misshaped scale, non-positive or non-finite scales, NaN weights and block-wise scales are errors
   naming the tensor;
+* an FP8 KV cache (the target's ``kv_cache_dtype`` ``"fp8"``: a ``kv_cache_scheme`` in its
+  ``quantization_config``, or ``--kv-cache-dtype fp8``): each layer's ``self_attn.k_scale`` and
+  ``self_attn.v_scale``, float32 (bf16/fp16 widened) per layer ([] or [1]) or per KV head ([KV]),
+  positive and finite, held as float32 [KV]. Required where the checkpoint declares the scheme; 1 where
+  the option asks for an FP8 cache and the checkpoint has none; ignored where the cache is not FP8;
 * a file or folder that cannot be read (permission denied, a folder where a file
   should be, …) is a ``CheckpointError`` naming the path and the reason;
 * memory: safetensors maps the files; tensors are converted one at a time and
@@ -33,6 +38,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -204,7 +210,35 @@ def expected_shapes(cfg: MuseSpark1xConfig) -> dict[str, tuple[int, ...]]:
         s[f"{module}.weight_scale"] = (s[f"{module}.weight"][0], 1)
         if static:
             s[f"{module}.input_scale"] = ()
+    if cfg.fp8_kv_cache:
+        for i in range(cfg.num_hidden_layers):
+            for kind in KV_SCALES:
+                s[f"model.layers.{i}.self_attn.{kind}"] = (cfg.num_key_value_heads,)
     return s
+
+
+KV_SCALES = ("k_scale", "v_scale")  # an FP8 KV cache's per-layer scales (``self_attn.k_scale``/``v_scale``)
+_KV_SCALE_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.[kv]_scale$")
+
+
+def _kv_scale(directory, ck: str, t: torch.Tensor, cfg: MuseSpark1xConfig) -> torch.Tensor:
+    """A layer's ``k_scale``/``v_scale`` → float32 [KV] (a per-layer scale expanded over the KV heads)."""
+    kv = cfg.num_key_value_heads
+    if t.dtype not in _SCALE_DTYPES:
+        raise CheckpointError(f"{directory}: tensor {ck!r} has dtype {dtype_name(t.dtype)}, expected float32 "
+                              "(KV-cache scales are float32; bfloat16 and float16 are widened exactly)")
+    if tuple(t.shape) in ((), (1,)):
+        t = t.reshape(1).float().expand(kv)
+    elif tuple(t.shape) == (kv,):
+        t = t.float()
+    else:
+        raise CheckpointError(f"{directory}: tensor {ck!r} has shape {list(t.shape)}, expected a scale per layer "
+                              f"([] or [1]) or per KV head ([{kv}])")
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if bool(bad.any()):
+        raise CheckpointError(f"{directory}: tensor {ck!r} has {int(bad.sum())} scale(s) that are not positive "
+                              f"finite numbers (e.g. {float(t[bad][0])})")
+    return t.contiguous()
 
 
 # ---- FP8 ----------------------------------------------------------------------------------
@@ -377,6 +411,10 @@ def load_state_dict(directory: str | Path, cfg: MuseSpark1xConfig, dtype: torch.
     scale_groups: dict[str, list[tuple[str, str]]] = {}
     layouts: dict[str, list[tuple[str, str, int]]] = {}  # FP8 module → [(part, checkpoint module, rows)]
     for name, parts in _iter_canonical(source, cfg):
+        if _KV_SCALE_RE.match(name) and not is_draft:
+            if cfg.fp8_kv_cache:  # (else ignored: the cache holds the compute dtype)
+                sd[name] = _kv_scale(directory, parts[0][1], source.get(parts[0][1]), cfg)
+            continue
         if name not in expect:
             raise _unexpected(directory, name, parts, cfg, fp8)
         if name.endswith((".weight_scale", ".input_scale")):
@@ -429,9 +467,15 @@ def load_state_dict(directory: str | Path, cfg: MuseSpark1xConfig, dtype: torch.
         if static:
             sd[f"{module}.input_scale"] = _load_scales(directory, source, module, "input_scale", layouts[module],
                                                        scale_groups.pop(f"{module}.input_scale", []))
+    declared = cfg.quantization_config is not None and cfg.quantization_config.kv_cache_scheme is not None
     for name, shape in expect.items():
         if name.endswith("residual_gate") and name not in sd:
             sd[name] = torch.ones(shape, dtype=torch.float32)  # absent gates mean 1
+        elif _KV_SCALE_RE.match(name) and name not in sd and not declared:
+            sd[name] = torch.ones(shape, dtype=torch.float32)  # an FP8 cache asked for without scales: 1
+        elif _KV_SCALE_RE.match(name) and name not in sd:
+            raise CheckpointError(f"{directory}: missing tensor {name!r} (the FP8 KV cache's scale that "
+                                  "quantization_config's kv_cache_scheme declares)")
         elif name not in sd:
             shown = {"draft_id_to_target_id": "d2t"}.get(name, name)
             if is_draft and shown.startswith("model."):
@@ -556,11 +600,22 @@ def materialize(module: torch.nn.Module, sd: dict[str, torch.Tensor], device, dt
     module.eval().requires_grad_(False)
 
 
+def with_kv_cache_dtype(cfg: MuseSpark1xConfig, kv_cache_dtype: str | None) -> MuseSpark1xConfig:
+    """``cfg`` with its KV cache ``kv_cache_dtype`` ("auto" | "fp8"; None: the checkpoint's own)."""
+    if kv_cache_dtype is None or kv_cache_dtype == cfg.kv_cache_dtype:
+        return cfg
+    cfg = dataclasses.replace(cfg, kv_cache_dtype=kv_cache_dtype)
+    cfg.validate(f"--kv-cache-dtype {kv_cache_dtype}")
+    return cfg
+
+
 def load_target(directory: str | Path, dtype: torch.dtype | str | None = None, device="cpu",
-                aux_layer_ids: tuple[int, ...] = ()) -> MuseSpark1xForCausalLM:
+                aux_layer_ids: tuple[int, ...] = (), kv_cache_dtype: str | None = None) -> MuseSpark1xForCausalLM:
+    """The target checkpoint in ``directory`` (``kv_cache_dtype``: its KV cache's, over the config's)."""
     cfg = load_config(directory)
     if isinstance(cfg, MuseSparkDSparkConfig):
         raise CheckpointError(f"{directory}: this is a DSpark draft checkpoint, expected a target")
+    cfg = with_kv_cache_dtype(cfg, kv_cache_dtype)
     dt = parse_dtype(dtype) if dtype is not None else cfg.dtype
     sd = load_state_dict(directory, cfg, dt)
     with torch.device("meta"):
@@ -584,11 +639,13 @@ def load_draft(directory: str | Path, target_cfg: MuseSpark1xConfig | None = Non
     return model
 
 
-def load_pair(target_dir, draft_dir, dtype=None, device="cpu"):
-    """Load target + draft, cross-validate, share the target's embeddings with the draft."""
+def load_pair(target_dir, draft_dir, dtype=None, device="cpu", kv_cache_dtype: str | None = None):
+    """Load target + draft, cross-validate, share the target's embeddings with the draft (``kv_cache_dtype``:
+    the target's KV cache, "auto" or "fp8"; None: as its checkpoint says)."""
     target_cfg = load_config(target_dir)
     draft = load_draft(draft_dir, target_cfg, dtype, device)
-    target = load_target(target_dir, dtype, device, aux_layer_ids=draft.cfg.target_layer_ids)
+    target = load_target(target_dir, dtype, device, aux_layer_ids=draft.cfg.target_layer_ids,
+                         kv_cache_dtype=kv_cache_dtype)
     draft.bind_target_embeddings(target.model.embed_tokens.weight)
     return target, draft
 

@@ -127,7 +127,7 @@ def cmd_build(a) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     build_engine(a.target, a.draft, a.out, backend=a.backend, device=a.device, max_batch=a.max_batch,
-                 max_seq=a.max_seq, dtype=a.dtype, tp=a.tp, **aoti)
+                 max_seq=a.max_seq, dtype=a.dtype, tp=a.tp, kv_cache_dtype=a.kv_cache_dtype, **aoti)
     if a.schedule is not None:
         from muse_spark.runtime.calibrate import write_schedule
         from muse_spark.schedule import Schedule
@@ -153,7 +153,7 @@ def cmd_export_onnx(a) -> int:
     from muse_spark.checkpoint import load_pair
 
     out = new_out_dir(a.out, a.max_batch)
-    target, draft = load_pair(a.target, a.draft, a.dtype, "cpu")
+    target, draft = load_pair(a.target, a.draft, a.dtype, "cpu", a.kv_cache_dtype)
     section = export_onnx_dir(target, draft, out, max_batch=a.max_batch, max_seq=a.max_seq,
                               log=lambda m: print(f"[export-onnx] {m}", file=sys.stderr, flush=True))
     print(f"onnx graphs: {out} ({len(section['graphs'])} parts; their inputs and outputs: {out / 'onnx.json'})")
@@ -209,16 +209,23 @@ def cmd_generate(a) -> int:
     # The prompt is checked before the (slower) engine load.
     text = _utf8_text(a.prompt, "--prompt") if a.prompt is not None else None
     ids = _parse_ids(a.prompt_ids) if a.prompt_ids is not None else None
+    if a.kv_cache_dtype is not None and a.engine:
+        return _die("--kv-cache-dtype is for --target/--draft: an engine's KV cache is chosen when it is built "
+                    "(muse-spark build --kv-cache-dtype)")
     if a.tp is None:  # an engine built for ranks runs over them; anything else in this process
         from muse_spark.engine_format import built_world
 
         a.tp = built_world(a.engine) if a.engine else 1
     if a.tp != 1:
+        if a.kv_cache_dtype is not None:
+            return _die(f"--kv-cache-dtype with --tp {a.tp}: build the engine with both (muse-spark build "
+                        f"--kv-cache-dtype {a.kv_cache_dtype} --tp {a.tp}) and run it with --engine")
         return _generate_tensor_parallel(a, text, ids)
     if a.engine:
         engine = load_engine(a.engine, device=a.device, dtype=a.dtype, **kv_pool(a))
     else:
-        engine = EagerEngine.from_checkpoints(a.target, a.draft, device=a.device or "cpu", dtype=a.dtype, max_batch=1)
+        engine = EagerEngine.from_checkpoints(a.target, a.draft, device=a.device or "cpu", dtype=a.dtype, max_batch=1,
+                                              kv_cache_dtype=a.kv_cache_dtype)
     tok = load_tokenizer(engine.tokenizer_path)
     if text is not None:
         if tok is None:
@@ -410,6 +417,13 @@ def _positive_list(text: str) -> list[int]:
     return [_positive(part) for part in text.split(",")]
 
 
+def add_kv_cache_dtype_argument(p, when: str = "") -> None:
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                   help=f"{when}the target's KV cache: auto (the compute dtype) or fp8 (E4M3 with each layer's "
+                        "k_scale/v_scale from the checkpoint, else 1: half the cache memory). Default: as the "
+                        "target checkpoint's quantization_config says (kv_cache_scheme), else auto")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="muse-spark", description="Muse Spark DSpark deployment backend")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -461,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's default verification policy (confidence: each step verifies the drafts the "
                         "confidence head expects accepted; an aoti engine gets verification widths for it)")
     add_kv_pool_arguments(b, fraction=False)
+    add_kv_cache_dtype_argument(b)
     b.add_argument("--verify-widths", type=_positive_list, default=None, metavar="K,K",
                    help="aoti: also compile steps verifying only the first K drafts of each request, for "
                         "confidence scheduling (default with --schedule confidence: 1 and about γ/2)")
@@ -485,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--max-batch", type=int, default=8)
     x.add_argument("--max-seq", type=int, default=1024)
     x.add_argument("--dtype", default=None, help="override the checkpoint's torch_dtype")
+    x.add_argument("--kv-cache-dtype", choices=["auto"], default=None,
+                   help="auto: export a target whose checkpoint declares an FP8 KV cache with a cache of the "
+                        "compute dtype (the graphs take no FP8 cache)")
     x.set_defaults(fn=cmd_export_onnx)
 
     g = sub.add_parser("generate", help="speculative generation")
@@ -505,6 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the target across N ranks (processes: gloo on CPU, NCCL on CUDA). Default: the ranks "
                         "an engine was built for (build --tp N), else 1")
     add_kv_pool_arguments(g)
+    add_kv_cache_dtype_argument(g, "with --target/--draft: ")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     g.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this mass")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this × the top probability")

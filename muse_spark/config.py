@@ -38,6 +38,29 @@ _DTYPES = {
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 QUANT_METHODS = ("fp8",)
 ACTIVATION_SCHEMES = ("dynamic", "static")
+# The target's KV cache: "auto" (the compute dtype) or "fp8" (E4M3 codes with a float32 scale per layer and KV
+# head, ``models.layers.Attention.k_scale``/``v_scale``; docs/fp8.md)
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_MAX = 448.0  # E4M3's largest finite value
+
+
+def check_kv_cache_scheme(kv: Any, where: str) -> None:
+    """A ``quantization_config.kv_cache_scheme`` as llm-compressor writes it for an FP8 KV cache with static
+    scales: ``{"num_bits": 8, "type": "float", "strategy": "tensor" | "attn_head", "dynamic": false,
+    "symmetric": true}`` (the scales are the layers' ``self_attn.k_scale``/``v_scale``). Anything else is
+    refused by what it asks for."""
+    w = f"{where}: quantization_config.kv_cache_scheme"
+    if not isinstance(kv, dict):
+        raise ValueError(f"{w} must be an object, got {kv!r}")
+    if kv.get("num_bits", 8) != 8 or kv.get("type", "float") != "float":
+        raise ValueError(f"{w} {kv!r}: only an 8-bit float (E4M3) KV cache is supported")
+    if kv.get("strategy", "tensor") not in ("tensor", "attn_head"):
+        raise ValueError(f"{w}: strategy {kv.get('strategy')!r} is not supported (a scale per layer, 'tensor', "
+                         "or per layer and KV head, 'attn_head')")
+    if kv.get("dynamic", False) is not False:
+        raise ValueError(f"{w}: dynamic KV-cache scales are not supported (static k_scale/v_scale tensors are)")
+    if kv.get("symmetric", True) is not True:
+        raise ValueError(f"{w}: asymmetric KV-cache quantization is not supported")
 
 
 def parse_dtype(name: str | torch.dtype, what: str = "dtype") -> torch.dtype:
@@ -103,7 +126,9 @@ class QuantizationConfig:
     * ``ignored_layers`` (vLLM's name) and ``modules_to_not_convert`` (transformers'): module
       names kept in ``torch_dtype``; an entry matches a module equal to it, ending in ``.entry``
       or inside it (``entry.…``), or, written ``re:PATTERN``, one the pattern matches whole;
-    * ``weight_block_size``: must be null — block-wise scales are refused.
+    * ``weight_block_size``: must be null — block-wise scales are refused;
+    * ``kv_cache_scheme``: null, or an FP8 KV cache with static scales (``check_kv_cache_scheme``): the
+      target's config then has ``kv_cache_dtype`` ``"fp8"`` and its layers' ``k_scale``/``v_scale`` are read.
 
     Scales are per tensor or per output channel; what is quantized is fixed (the decoder layers'
     projections; ``quantizable``)."""
@@ -111,6 +136,8 @@ class QuantizationConfig:
     quant_method: str = "fp8"
     activation_scheme: str = "dynamic"
     ignored_layers: tuple[str, ...] = ()
+    # an FP8 KV cache with the checkpoint's static scales (``check_kv_cache_scheme``); None: no KV-cache scheme
+    kv_cache_scheme: dict | None = field(default=None, compare=False, hash=False)
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "config.json") -> "QuantizationConfig":
@@ -134,7 +161,7 @@ class QuantizationConfig:
             raise ValueError(f"{w}: fmt {fmt!r} is not supported (FP8 weights are E4M3, float8_e4m3fn)")
         kv = d.get("kv_cache_scheme")
         if kv is not None:
-            raise ValueError(f"{w}: kv_cache_scheme {kv!r} is not supported (the KV cache is kept in torch_dtype)")
+            check_kv_cache_scheme(kv, where)
         scheme = d.get("activation_scheme", "dynamic")
         if scheme not in ACTIVATION_SCHEMES:
             raise ValueError(f"{w}: activation_scheme must be one of {list(ACTIVATION_SCHEMES)}, got {scheme!r}")
@@ -153,11 +180,14 @@ class QuantizationConfig:
                         raise ValueError(f"{w}: {key} entry {n!r} is not a valid regular expression ({e})") from None
                 if n not in ignored:
                     ignored.append(n)
-        return cls(method, scheme, tuple(ignored))
+        return cls(method, scheme, tuple(ignored), dict(kv) if kv is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"quant_method": self.quant_method, "activation_scheme": self.activation_scheme,
-                "ignored_layers": list(self.ignored_layers), "weight_block_size": None}
+        d = {"quant_method": self.quant_method, "activation_scheme": self.activation_scheme,
+             "ignored_layers": list(self.ignored_layers), "weight_block_size": None}
+        if self.kv_cache_scheme is not None:
+            d["kv_cache_scheme"] = dict(self.kv_cache_scheme)
+        return d
 
     @property
     def static(self) -> bool:
@@ -242,6 +272,10 @@ class MuseSpark1xConfig:
     architectures: tuple[str, ...] = ("MuseSpark1xForCausalLM",)
     # FP8 checkpoints: the parsed ``quantization_config`` (None: every weight in torch_dtype)
     quantization_config: QuantizationConfig | None = None
+    # The target's KV cache (``KV_CACHE_DTYPES``): "auto" keeps it in torch_dtype; "fp8" holds E4M3 codes with
+    # the layers' float32 scales (from the checkpoint's kv_cache_scheme, or ``--kv-cache-dtype fp8``: 1 where
+    # the checkpoint has none). The draft's context K/V always stay in torch_dtype.
+    kv_cache_dtype: str = "auto"
 
     KIND = "target"
 
@@ -306,6 +340,13 @@ class MuseSpark1xConfig:
         quant = d.get("quantization_config")
         if quant is not None:
             out["quantization_config"] = QuantizationConfig.from_dict(quant, where)
+        kv_dtype = _opt(d, "kv_cache_dtype", str, "auto", where)
+        if quant is not None and out["quantization_config"].kv_cache_scheme is not None:
+            if kv_dtype not in ("auto", "fp8"):
+                raise ValueError(f"{where}: kv_cache_dtype {kv_dtype!r} contradicts quantization_config's "
+                                 "kv_cache_scheme (an FP8 KV cache)")
+            kv_dtype = "fp8"
+        out["kv_cache_dtype"] = kv_dtype
         return out
 
     @classmethod
@@ -327,6 +368,8 @@ class MuseSpark1xConfig:
             del d["quantization_config"]
         else:
             d["quantization_config"] = self.quantization_config.to_dict()
+        if self.kv_cache_dtype == "auto":
+            del d["kv_cache_dtype"]
         return d
 
     def save(self, path: str | Path) -> None:
@@ -358,6 +401,9 @@ class MuseSpark1xConfig:
         if self.residual_dtype != "float32":
             raise ValueError(f"{where}: residual_dtype must be 'float32', got {self.residual_dtype!r}")
         parse_dtype(self.torch_dtype, f"{where}: torch_dtype")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{where}: kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.output_soft_cap_temp is not None and not self.output_soft_cap_temp > 0:
             raise ValueError(
                 f"{where}: output_soft_cap_temp must be positive or null, got {self.output_soft_cap_temp}"
@@ -392,10 +438,21 @@ class MuseSpark1xConfig:
     def qkv_out(self) -> int:
         return 2 * self.q_size + 2 * self.kv_size if self.attn_output_gate else self.q_size + 2 * self.kv_size
 
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype == "fp8"
+
+    def cache_dtype(self, compute: torch.dtype | None = None) -> torch.dtype:
+        """The dtype of this model's KV caches: float8_e4m3fn for an FP8 cache, else the compute dtype
+        (``compute``, default torch_dtype)."""
+        return torch.float8_e4m3fn if self.fp8_kv_cache else (compute or self.dtype)
+
     def kv_cache_bytes(self, slots: int, max_seq: int, dtype: torch.dtype | str | None = None) -> int:
         """Bytes of the K and V caches the runtime allocates for this model: per layer,
-        ``[slots, max_seq, num_key_value_heads, head_dim]`` each, in ``dtype`` (default: torch_dtype)."""
-        itemsize = torch.empty((), dtype=parse_dtype(dtype) if dtype is not None else self.dtype).element_size()
+        ``[slots, max_seq, num_key_value_heads, head_dim]`` each, in ``cache_dtype`` of ``dtype`` (the compute
+        dtype, default torch_dtype): one byte an element for an FP8 cache."""
+        compute = parse_dtype(dtype) if dtype is not None else self.dtype
+        itemsize = torch.empty((), dtype=self.cache_dtype(compute)).element_size()
         return 2 * self.num_hidden_layers * slots * max_seq * self.num_key_value_heads * self.head_dim * itemsize
 
     @property
@@ -473,6 +530,9 @@ class MuseSparkDSparkConfig(MuseSpark1xConfig):
 
     def validate(self, where: str = "config") -> None:
         super().validate(where)
+        if self.fp8_kv_cache:
+            raise ValueError(f"{where}: the draft's context K/V stay in torch_dtype (an FP8 KV cache is the "
+                             "target's: kv_cache_dtype 'fp8' in the target's config, or --kv-cache-dtype fp8)")
         if self.draft_vocab_size < 1 or self.draft_vocab_size > self.vocab_size:
             raise ValueError(
                 f"{where}: draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "

@@ -7,7 +7,8 @@ there are at least ``world`` KV heads, else the one its q heads share), ``gate_p
 rows of its FFN slice, and the matching input columns of ``o_proj`` and ``down_proj``; every other
 tensor whole. FP8 projections (docs/fp8.md) split their E4M3 weights so, the per-channel
 ``weight_scale`` going with the rows it scales (the column-parallel projections' rows; all of a
-row-parallel projection's), a static ``input_scale`` whole. An untied ``lm_head`` splits by vocabulary
+row-parallel projection's), a static ``input_scale`` whole; an FP8 KV cache's ``k_scale``/``v_scale`` those of
+the rank's KV heads. An untied ``lm_head`` splits by vocabulary
 rows (``vocab_split``: rank ``r`` computes the logits of ids ``[r·n, (r+1)·n)``, n = ⌈V/world⌉, and the
 ranks gather them); the embedding stays whole, since the replicated draft reads it too.
 """
@@ -110,6 +111,8 @@ def shard_state_dict(sd: dict[str, torch.Tensor], cfg, rank: int, world: int) ->
             if cfg.attn_output_gate:
                 parts.append(t[v_end:][q_rows])
             out[name] = torch.cat(parts)
+        elif name.endswith(("self_attn.k_scale", "self_attn.v_scale")):
+            out[name] = t[kv_heads]  # (an FP8 KV cache's scales: those of the rank's KV heads)
         elif name.endswith("self_attn.o_proj.weight"):
             out[name] = t[:, q_rows]
         elif name.endswith(("feed_forward.gate_up_proj.weight", "feed_forward.gate_up_proj.weight_scale")):

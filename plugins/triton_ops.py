@@ -121,12 +121,13 @@ head_norm_rope_op.register_triton(_runs_kernels, _launch_head_norm_rope, _launch
 linear_op.register_triton(_runs_kernels, _launch_linear, _launch_linear_rope_table)
 
 
-def attention(q, k, v, mask, slots=None):
+def attention(q, k, v, mask, slots=None, scales=None):
     """``models.layers.attend``'s signature; runs ``muse_spark::attention_triton`` (a ``KeyBounds``
-    mask: ``muse_spark::attention_bounds_triton``)."""
+    mask: ``muse_spark::attention_bounds_triton``). ``scales``: an FP8 cache's (k_scale, v_scale)."""
+    ks, vs = scales or (None, None)
     if isinstance(mask, KeyBounds):
-        return torch.ops.muse_spark.attention_bounds_triton(q, k, v, mask.last, mask.width, slots)
-    return torch.ops.muse_spark.attention_triton(q, k, v, mask, slots)
+        return torch.ops.muse_spark.attention_bounds_triton(q, k, v, mask.last, mask.width, slots, ks, vs)
+    return torch.ops.muse_spark.attention_triton(q, k, v, mask, slots, ks, vs)
 
 
 def attention_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots, bounds, rope_cos=None,

@@ -129,13 +129,15 @@ def target_slice(manifest: dict, tcfg, tp_rank: int | None, where) -> tuple:
 
 def build_modules(tcfg, dcfg, target_sd, draft_sd, dtype: torch.dtype, device) -> tuple[MuseSpark1xForCausalLM, MuseSparkDSparkForCausalLM]:
     """Reference modules from canonical state dicts (assigned, no second copy). Floating tensors take
-    ``dtype``, but the residual gates and an FP8 projection's weight and scales, which keep their own."""
+    ``dtype``, but the residual gates, an FP8 projection's weight and scales and an FP8 KV cache's scales,
+    which keep their own."""
     with torch.device("meta"):
         target = MuseSpark1xForCausalLM(tcfg, dcfg.target_layer_ids)
         draft = MuseSparkDSparkForCausalLM(dcfg)
 
     def own_dtype(name: str, t: torch.Tensor) -> bool:
-        return (not t.is_floating_point() or name.endswith(("residual_gate", ".weight_scale", ".input_scale"))
+        return (not t.is_floating_point()
+                or name.endswith(("residual_gate", ".weight_scale", ".input_scale", ".k_scale", ".v_scale"))
                 or t.dtype == FP8)
 
     fit_lm_head(target, target_sd)  # (a tensor-parallel rank's file: its vocabulary slice of the head)
@@ -252,11 +254,13 @@ class EagerEngine:
 
     @classmethod
     def from_checkpoints(cls, target_dir, draft_dir, device="cpu", dtype=None, max_batch=8,
-                         max_seq=None, options: KernelOptions | None = None, **kw) -> "EagerEngine":
+                         max_seq=None, options: KernelOptions | None = None, kv_cache_dtype: str | None = None,
+                         **kw) -> "EagerEngine":
         """An engine straight from a checkpoint pair (no engine directory); ``options``: its kernel
-        options, by default the environment's (``KernelOptions.from_env``)."""
+        options, by default the environment's (``KernelOptions.from_env``); ``kv_cache_dtype``: the target's
+        KV cache ("auto" or "fp8"; None: as the checkpoint says)."""
 
-        target, draft = load_pair(target_dir, draft_dir, dtype, device)
+        target, draft = load_pair(target_dir, draft_dir, dtype, device, kv_cache_dtype)
         tok = Path(target_dir) / "tokenizer.json"
         max_seq = max_seq or min(target.cfg.max_position_embeddings, 2048)
         return cls(target, draft, max_batch=max_batch, max_seq=max_seq, device=device,

@@ -35,7 +35,8 @@ import muse_spark.plugins  # noqa: F401  (registers torch.ops.muse_spark.*)
 from muse_spark.plugins import dispatch
 from muse_spark.config import MuseSpark1xConfig
 from muse_spark.options import KernelOptions, current_options
-from muse_spark.plugins.attention.reference import (CacheKV, KeyBounds, KVProvider, Mask, attend_reference,
+from muse_spark.plugins.attention.reference import (CacheKV, KeyBounds, KVProvider, KVScales, Mask,
+                                                    attend_reference,
                                                     cache_rows, triton_attention_fits)
 from muse_spark.plugins.head_norm_rope.reference import head_norm_rope_reference
 from muse_spark.plugins.linear.reference import linear_reference, silu_mul_halves
@@ -131,7 +132,7 @@ def _triton_ops_available() -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
-           slots: torch.Tensor | None = None) -> torch.Tensor:
+           slots: torch.Tensor | None = None, scales: KVScales = None) -> torch.Tensor:
     """Masked GQA attention. q [B,S,H,Dh], mask [B,S,T] bool or ``KeyBounds`` (the Triton kernel reads
     its bounds; the other paths expand it) → [B,S,H,Dh] (q's dtype); k/v [B,≥T,KV,Dh],
     or with ``slots`` [B] whole caches [N,≥T,KV,Dh] of which request b reads row ``slots[b]``, or with
@@ -143,6 +144,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
     ``attend_reference``. Every path ignores keys and values no query may see (stale garbage in
     a reused cache slot, even NaN, can never leak into a request) and gives zeros for a query
     with no visible key.
+
+    ``scales``: k/v are an FP8 cache's E4M3 codes and these its (k_scale, v_scale) [KV]; every path reads
+    the keys and values ``dequantize_kv`` gives (the Triton kernel as it loads each tile).
     """
     path = attention_path(q.device, q.dtype)
     paged = slots is not None and slots.dim() == 2  # (block tables: the kernel takes bounds only)
@@ -150,10 +154,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
             (not paged or isinstance(mask, KeyBounds)):
         from muse_spark.plugins import triton_ops  # (imported by _triton_ops_available)
 
-        return triton_ops.attention(q, k, v, mask, slots)  # picks the op for the mask's form
+        return triton_ops.attention(q, k, v, mask, slots, scales)  # picks the op for the mask's form
     if isinstance(mask, KeyBounds):
         mask = mask.dense()
-    k, v = cache_rows(k, v, mask, slots)
+    k, v = cache_rows(k, v, mask, slots, scales, q.dtype)
     if path == "reference":
         return attend_reference(q, k, v, mask)
     return _attend_sdpa(q, k, v, mask)
@@ -377,6 +381,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.qkv_out, bias=False)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.pre_qkv_proj_norm = make_norm(cfg)
+        if cfg.fp8_kv_cache:  # the FP8 KV cache's float32 scales per KV head: code = x / scale, x = code · scale
+            self.register_buffer("k_scale", torch.ones(cfg.num_key_value_heads, dtype=torch.float32))
+            self.register_buffer("v_scale", torch.ones(cfg.num_key_value_heads, dtype=torch.float32))
+
+    def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_scale, v_scale) [KV] float32 of an FP8 KV cache; None where the caches hold the compute dtype."""
+        return (self.k_scale, self.v_scale) if self.cfg.fp8_kv_cache else None
 
     def kv_weight(self) -> torch.Tensor:
         """The k and v rows of the stacked projection, [2·KV·Dh, D]."""
@@ -453,7 +464,8 @@ class Attention(nn.Module):
             qk = self.normalize_heads(qk, positions)
             keys, values, mask, slots = kv(qk[:, :, H:], v)
             q = qk[:, :, :H]
-        return self._output(attend(q, keys, values, mask, slots).reshape(B, S, c.q_size), qkv, project)
+        scales = getattr(kv, "scales", None)  # (an FP8 cache's: the layer's k_scale/v_scale)
+        return self._output(attend(q, keys, values, mask, slots, scales).reshape(B, S, c.q_size), qkv, project)
 
     def _output(self, out: torch.Tensor, qkv: torch.Tensor, project: bool) -> torch.Tensor:
         """The attention's output [B, S, q_size] gated (``attn_output_gate``: the gate rows of ``qkv``)

@@ -81,13 +81,13 @@ class LayerStackLM(nn.Module):
         c = self.cfg
         device = device or next(self.parameters()).device
         return KVCache.allocate(c.num_hidden_layers, slots, max_seq, c.num_key_value_heads, c.head_dim,
-                                self.dtype, device)
+                                c.cache_dtype(self.dtype), device)
 
     def allocate_paged_cache(self, blocks: int, block_size: int, max_seq: int, device=None) -> KVCache:
         c = self.cfg
         device = device or next(self.parameters()).device
         return KVCache.allocate_paged(c.num_hidden_layers, blocks, block_size, max_seq, c.num_key_value_heads,
-                                      c.head_dim, self.dtype, device)
+                                      c.head_dim, c.cache_dtype(self.dtype), device)
 
     @staticmethod
     def key_mask(positions: torch.Tensor, kv_len: int) -> KeyBounds:
@@ -98,13 +98,14 @@ class LayerStackLM(nn.Module):
 
     @staticmethod
     def cache_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                 mask: KeyBounds | None) -> CacheKV | PagedKV:
+                 mask: KeyBounds | None, scales=None) -> CacheKV | PagedKV:
         """The layer's ``kv``: write the new K/V at ``positions`` of rows ``slots`` of the caches, and
         let attention read those rows in place over the keys ``mask`` shows (``layers.CacheKV``).
-        ``slots`` [B, n] instead of [B]: the requests' block tables into paged caches (``PagedKV``)."""
+        ``slots`` [B, n] instead of [B]: the requests' block tables into paged caches (``PagedKV``).
+        ``scales``: an FP8 cache's (k_scale, v_scale) (``Attention.kv_scales``)."""
         if slots.dim() == 2:
-            return PagedKV(k_cache, v_cache, slots, positions, mask)
-        return CacheKV(k_cache, v_cache, slots, positions, mask)
+            return PagedKV(k_cache, v_cache, slots, positions, mask, scales)
+        return CacheKV(k_cache, v_cache, slots, positions, mask, scales)
 
     def next_norm(self, i: int) -> nn.Module:
         """The norm that reads layer ``i``'s output: layer ``i + 1``'s input norm, or the final norm."""
@@ -164,8 +165,10 @@ class MuseSpark1xForCausalLM(LayerStackLM):
         normed input (the previous layer's second result; None: computed from the stream)."""
         if mask is None:
             mask = self.key_mask(positions, kv_len)
-        kv = self.cache_kv(k_cache, v_cache, slots, positions, mask)  # keys [0, kv_len): the mask's width
-        return self.model.layers[i](stream, positions, kv, x, self.next_norm(i) if next_norm is None else next_norm)
+        layer = self.model.layers[i]
+        kv = self.cache_kv(k_cache, v_cache, slots, positions, mask,  # keys [0, kv_len): the mask's width
+                           layer.self_attn.kv_scales())
+        return layer(stream, positions, kv, x, self.next_norm(i) if next_norm is None else next_norm)
 
     @staticmethod
     def cat_aux(aux: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,21 @@ from muse_spark.plugins.head_norm_rope.op import _check_cache_write, _check_head
 from muse_spark.plugins.head_norm_rope.reference import head_norm_rope_cache_reference
 
 
+def _check_scales(k: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+    """An FP8 cache (float8_e4m3fn k/v) is read with its scales, float32 [KV] each; a cache of the compute dtype
+    without any → the (k_scale, v_scale) pair, or None."""
+    if k.dtype != torch.float8_e4m3fn:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"attention: KV scales are for an FP8 (float8_e4m3fn) cache, and k/v are {k.dtype}")
+        return None
+    kv = k.shape[2]
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or s.dtype != torch.float32 or tuple(s.shape) != (kv,) or s.device != k.device:
+            shown = None if s is None else f"{s.dtype} {list(s.shape)} on {s.device}"
+            raise ValueError(f"attention: an FP8 cache is read with {name} float32 [{kv}] on {k.device}, got {shown}")
+    return k_scale, v_scale
+
+
 def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None) -> None:
     B, S, H, dh = q.shape
     per_request = slots is None  # k/v [B, T, KV, Dh]; else whole caches (or pools of blocks), any number of rows
@@ -31,7 +46,8 @@ def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: t
                          f"[{'B' if per_request else 'N'}, T, KV, {dh}] with KV dividing {H}")
     if not triton_attention_fits(q, k, v):
         raise ValueError(f"attention: head_dim {dh} (a power of two in [16, 256]) and dtypes q {q.dtype}, "
-                         f"k {k.dtype}, v {v.dtype} (all the same) are what the kernel takes")
+                         f"k {k.dtype}, v {v.dtype} (all the same, or k/v an FP8 cache's float8_e4m3fn) are what "
+                         "the kernel takes")
     if slots is not None and (slots.dtype != torch.int64 or slots.dim() not in (1, 2) or slots.shape[0] != B):
         raise ValueError(f"attention: slots must be int64 [{B}] (cache rows) or [{B}, n] (block tables), got "
                          f"{slots.dtype} {list(slots.shape)}")
@@ -51,10 +67,11 @@ def _check_bounds(op: str, last: torch.Tensor, B: int, S: int, window: int, leng
         raise ValueError(f"{op}: the key window {window} must be in [0, {length}] (the cache's length)")
 
 
-def _attend_bounds_reference(q, k, v, last, window, slots):
-    """The bounds-form attention's reference: its dense mask, the rows of the caches, the fp32 einsums."""
+def _attend_bounds_reference(q, k, v, last, window, slots, scales=None):
+    """The bounds-form attention's reference: its dense mask, the rows of the caches (dequantized with an FP8
+    cache's ``scales``), the fp32 einsums."""
     mask = KeyBounds(last, window).dense()
-    return attend_reference(q, *cache_rows(k, v, mask, slots), mask)
+    return attend_reference(q, *cache_rows(k, v, mask, slots, scales, q.dtype), mask)
 
 
 def register_triton(runs_kernels, launch) -> None:
@@ -65,7 +82,10 @@ def register_triton(runs_kernels, launch) -> None:
 
     @triton_op("muse_spark::attention_triton", mutates_args=())
     def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      slots: torch.Tensor | None = None) -> torch.Tensor:
+                      slots: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Masked GQA attention (``attend_reference``). ``k_scale``/``v_scale`` [KV] float32: k/v are an FP8
+        cache's E4M3 codes, each tile dequantized as it is loaded (``reference.dequantize_kv``)."""
         B, S = q.shape[:2]
         if slots is not None and slots.dim() == 2:
             raise ValueError("attention: block tables take the mask in bounds form (attention_bounds_triton)")
@@ -74,22 +94,25 @@ def register_triton(runs_kernels, launch) -> None:
             raise ValueError(f"attention: mask must be bool [B, S, T] = [{B}, {S}, T ≤ {k.shape[1]}], got "
                              f"{mask.dtype} {list(mask.shape)}")
         _check_attention(q, k, v, slots)
+        scales = _check_scales(k, k_scale, v_scale)
         if not runs_kernels(q):
-            return attend_reference(q, *cache_rows(k, v, mask, slots), mask)
-        return launch(q, k, v, mask, slots)
+            return attend_reference(q, *cache_rows(k, v, mask, slots, scales, q.dtype), mask)
+        return launch(q, k, v, mask, slots, scales=scales)
 
     @triton_op("muse_spark::attention_bounds_triton", mutates_args=())
     def _attention_bounds_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor, window: int,
-                             slots: torch.Tensor | None = None) -> torch.Tensor:
+                             slots: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                             v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``attention_triton`` with the mask in bounds form (``plugins.attention.reference.KeyBounds``): key
         t < ``window`` is visible to query (b, s) iff t ≤ last[b, s]. The same attention as the dense
         mask, within rounding: on the H200 the bits differ at head_dim 128 (docs/log.md,
         2026-12-03); its own bits do not depend on batch, queries or window, as the dense form's."""
         _check_attention(q, k, v, slots)
         _check_bounds("attention", last, *q.shape[:2], window, _keys_held(k, slots))
+        scales = _check_scales(k, k_scale, v_scale)
         if not runs_kernels(q):
-            return _attend_bounds_reference(q, k, v, last, window, slots)
-        return launch(q, k, v, last, slots, window=window)
+            return _attend_bounds_reference(q, k, v, last, window, slots, scales)
+        return launch(q, k, v, last, slots, window=window, scales=scales)
 
     @triton_op("muse_spark::attention_cache_triton", mutates_args=("k_cache", "v_cache"))
     def _attention_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,

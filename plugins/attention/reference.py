@@ -39,6 +39,31 @@ KVProvider = Callable[[torch.Tensor, torch.Tensor],
                       tuple[torch.Tensor, torch.Tensor, Mask, "torch.Tensor | None"]]
 
 
+FP8_MAX = 448.0  # E4M3's largest finite value
+KVScales = "tuple[torch.Tensor, torch.Tensor] | None"  # (k_scale, v_scale) [KV] float32 of an FP8 cache
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """K or V [..., KV, Dh] → the FP8 cache's E4M3 codes: ``x / scale`` per KV head in float32 (``scale`` [KV]),
+    saturated to ±448 and rounded to nearest even (the write every path of an FP8 cache makes)."""
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """E4M3 codes [..., KV, Dh] → ``codes · scale`` in float32, rounded once to ``dtype`` (the compute dtype):
+    the keys and values an FP8 cache holds, as the attention reads them."""
+    return (codes.float() * scale[:, None]).to(dtype)
+
+
+def cache_write(cache: torch.Tensor, at: tuple, x: torch.Tensor, scale: "torch.Tensor | None") -> None:
+    """``cache[at] = x``, quantized where the cache is FP8 (``scale``: its [KV] scales)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        if scale is None:
+            raise ValueError("an FP8 KV cache is written with its scales (k_scale/v_scale), and none were given")
+        x = quantize_kv(x, scale)
+    cache[at] = x
+
+
 class CacheKV(NamedTuple):
     """The ``KVProvider`` of a layer over slot-indexed KV caches: ``kv(k, v)`` writes the new K/V at
     ``positions`` of rows ``slots`` (``k_cache[slots[:, None], positions] = k``) and lets attention
@@ -51,6 +76,7 @@ class CacheKV(NamedTuple):
     slots: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B, S] int64
     mask: Mask  # None where the provider only writes (the references)
+    scales: KVScales = None  # an FP8 cache's (k_scale, v_scale): the writes quantize, the attention dequantizes
 
     @staticmethod
     def at(kv: "KVProvider", positions: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -60,9 +86,10 @@ class CacheKV(NamedTuple):
         return isinstance(kv, (CacheKV, PagedKV)) and kv.positions is positions and kv.k_cache.dtype == dtype
 
     def __call__(self, k_new: torch.Tensor, v_new: torch.Tensor):
-        rows = self.slots[:, None]
-        self.k_cache[rows, self.positions] = k_new
-        self.v_cache[rows, self.positions] = v_new
+        at = (self.slots[:, None], self.positions)
+        ks, vs = self.scales or (None, None)
+        cache_write(self.k_cache, at, k_new, ks)
+        cache_write(self.v_cache, at, v_new, vs)
         return self.attended()
 
     def attended(self):
@@ -83,13 +110,15 @@ class PagedKV(NamedTuple):
     table: torch.Tensor  # [B, blocks per request] int64
     positions: torch.Tensor  # [B, S] int64
     mask: Mask  # None where the provider only writes
+    scales: KVScales = None  # as CacheKV's
 
     def __call__(self, k_new: torch.Tensor, v_new: torch.Tensor):
         P = self.k_cache.shape[1]
         blocks = self.table.gather(1, torch.div(self.positions, P, rounding_mode="floor"))
-        offsets = self.positions % P
-        self.k_cache[blocks, offsets] = k_new
-        self.v_cache[blocks, offsets] = v_new
+        at = (blocks, self.positions % P)
+        ks, vs = self.scales or (None, None)
+        cache_write(self.k_cache, at, k_new, ks)
+        cache_write(self.v_cache, at, v_new, vs)
         return self.attended()
 
     @property
@@ -103,18 +132,23 @@ class PagedKV(NamedTuple):
         return self.k_cache, self.v_cache, self.mask, self.table
 
 
-def cache_rows(k: torch.Tensor, v: torch.Tensor, mask: Mask,
-               slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def cache_rows(k: torch.Tensor, v: torch.Tensor, mask: Mask, slots: torch.Tensor | None,
+               scales: KVScales = None, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values ``attend`` reads, [B, T, KV, Dh] each (T = mask's last dim): rows
     ``slots`` of whole caches (a gathered copy), the blocks of block tables ``slots`` [B, n] of pools
-    [blocks, P, KV, Dh], or the first T positions of per-request k/v."""
+    [blocks, P, KV, Dh], or the first T positions of per-request k/v. ``scales`` (an FP8 cache's): the
+    rows dequantized to ``dtype`` (``dequantize_kv``)."""
     T = mask.shape[-1]
     if slots is None:
-        return k[:, :T], v[:, :T]
-    if slots.dim() == 2:  # block tables into pools of blocks (``PagedKV``)
+        k, v = k[:, :T], v[:, :T]
+    elif slots.dim() == 2:  # block tables into pools of blocks (``PagedKV``)
         ids = slots[:, : -(-T // k.shape[1])]
-        return k[ids].flatten(1, 2)[:, :T], v[ids].flatten(1, 2)[:, :T]
-    return k[slots, :T], v[slots, :T]
+        k, v = k[ids].flatten(1, 2)[:, :T], v[ids].flatten(1, 2)[:, :T]
+    else:
+        k, v = k[slots, :T], v[slots, :T]
+    if scales is not None:
+        k, v = dequantize_kv(k, scales[0], dtype), dequantize_kv(v, scales[1], dtype)
+    return k, v
 
 
 def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -137,8 +171,8 @@ def attend_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def triton_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """What the Triton attention kernel takes: head_dim a power of two in [16, 256], one dtype
-    for q/k/v, KV heads dividing the query heads."""
+    """What the Triton attention kernel takes: head_dim a power of two in [16, 256], k/v in q's dtype (or an
+    FP8 cache's float8_e4m3fn, read with its scales), KV heads dividing the query heads."""
     dh = q.shape[-1]
-    return (16 <= dh <= 256 and dh & (dh - 1) == 0 and k.dtype == q.dtype and v.dtype == q.dtype
-            and q.shape[2] % k.shape[2] == 0)
+    return (16 <= dh <= 256 and dh & (dh - 1) == 0 and k.dtype == v.dtype
+            and k.dtype in (q.dtype, torch.float8_e4m3fn) and q.shape[2] % k.shape[2] == 0)

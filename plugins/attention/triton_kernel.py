@@ -70,7 +70,7 @@ import triton.language as tl
 
 from muse_spark.options import current_options
 from muse_spark.plugins.head_norm_rope.triton_kernel import norm_rotate
-from muse_spark.plugins.triton_math import add_rn, mul_rn, pdl_enter
+from muse_spark.plugins.triton_math import add_rn, mul_rn, pdl_enter, to_rne
 
 BLOCK_T = 64  # keys per tile
 BLOCK_M = 32  # rows (query head × query) per program
@@ -190,10 +190,13 @@ def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok
 
 
 @triton.jit
-def _kv_tile(k_base, v_base, t, tm, d, kmask, vmask, tab_ptr, b, stab, sk_b, sk_t, sv_b, sv_t, PAGE: tl.constexpr):
+def _kv_tile(k_base, v_base, t, tm, d, kmask, vmask, tab_ptr, b, stab, sk_b, sk_t, sv_b, sv_t, PAGE: tl.constexpr,
+             ksc, vsc, KV_FP8: tl.constexpr, DT: tl.constexpr):
     """Keys t's K tile [DH, BLOCK_T] (transposed) and V tile [BLOCK_T, DH]: rows t of the request's cache
     row, or (``PAGE``, paged caches) through its block table: key t at offset t % PAGE of block
-    tab[b, t // PAGE] (``tm``: the keys of the window, whose table entries are read)."""
+    tab[b, t // PAGE] (``tm``: the keys of the window, whose table entries are read). ``KV_FP8``: the caches
+    hold E4M3 codes, dequantized here (code · scale in fp32, rounded once to the compute dtype ``DT``:
+    ``reference.dequantize_kv``) with the KV head's scales ``ksc``/``vsc``."""
     if PAGE > 0:
         blk = tl.load(tab_ptr + b * stab + t // PAGE, mask=tm, other=0).to(tl.int64)
         off = t % PAGE
@@ -202,6 +205,9 @@ def _kv_tile(k_base, v_base, t, tm, d, kmask, vmask, tab_ptr, b, stab, sk_b, sk_
     else:
         kt = tl.load(k_base + (t[None, :] * sk_t + d[:, None]), mask=kmask, other=0.0)
         v = tl.load(v_base + (t[:, None] * sv_t + d[None, :]), mask=vmask, other=0.0)
+    if KV_FP8:
+        kt = to_rne(mul_rn(kt.to(tl.float32), tl.full(kt.shape, 1.0, tl.float32) * ksc), DT)
+        v = to_rne(mul_rn(v.to(tl.float32), tl.full(v.shape, 1.0, tl.float32) * vsc), DT)
     return kt, v
 
 
@@ -210,7 +216,7 @@ def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s
                    split, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE: tl.constexpr, DH: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr, IEEE_DOT: tl.constexpr,
                    HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, BOUNDS: tl.constexpr, GUARD: tl.constexpr,
-                   tab_ptr, stab, sk_b, sv_b, PAGE: tl.constexpr):
+                   tab_ptr, stab, sk_b, sv_b, PAGE: tl.constexpr, ksc, vsc, KV_FP8: tl.constexpr, DT: tl.constexpr):
     """One split of the window for the program's row block: its online softmax over the split's
     tiles, and its partials (accumulator, max, sum) stored for the merge. ``GUARD``: the split may
     lie past the last one (a program running several), and then reads and writes nothing."""
@@ -242,7 +248,7 @@ def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s
         tm = t < t_end
         if EARLY_KV:
             kt, v = _kv_tile(k_base, v_base, t, tm, d, tm[None, :], tm[:, None], tab_ptr, b, stab, sk_b, sk_t, sv_b,
-                             sv_t, PAGE)  # [DH, BLOCK_T], [BLOCK_T, DH]
+                             sv_t, PAGE, ksc, vsc, KV_FP8, DT)  # [DH, BLOCK_T], [BLOCK_T, DH]
         if BOUNDS:
             vis = (t[None, :] <= last[:, None]) & rmask[:, None] & tm[None, :]  # [BLOCK_M, BLOCK_T]
         else:
@@ -260,7 +266,7 @@ def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s
             # round trip less in each tile's chain of dependent accesses. [DH, BLOCK_T], [BLOCK_T, DH];
             # unseen rows are 0, not garbage
             kt, v = _kv_tile(k_base, v_base, t, tm, d, (tm & col_vis)[None, :], (tm & col_vis)[:, None], tab_ptr, b,
-                             stab, sk_b, sk_t, sv_b, sv_t, PAGE)
+                             stab, sk_b, sk_t, sv_b, sv_t, PAGE, ksc, vsc, KV_FP8, DT)
             m_i, l_i, acc = _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE, BLOCK_M, DH, IEEE_DOT)
     base = (bk * NSPLIT + split).to(tl.int64) * M  # this (request, KV head, split)'s first row
     if GUARD:
@@ -299,6 +305,9 @@ def _partial_kernel(
     # PAGE (paged caches): k/v are pools of blocks [blocks, PAGE, KV, Dh] and slot_ptr the requests' block
     # tables [B, n] (row stride STAB): key t of request b is at offset t % PAGE of block table[b, t // PAGE]
     STAB=0, PAGE: tl.constexpr = 0,
+    # KV_FP8: k/v hold an FP8 cache's E4M3 codes, dequantized as each tile is loaded with the KV head's
+    # scales ks_ptr[kvh], vs_ptr[kvh] (float32 [KV]): ``reference.dequantize_kv``
+    ks_ptr=None, vs_ptr=None, KV_FP8: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     split0 = tl.program_id(1) * SPLITS
@@ -352,6 +361,12 @@ def _partial_kernel(
         tl.debug_barrier()
     else:
         q = tl.load(q_base + (s[:, None] * sq_s + head[:, None] * sq_h + d[None, :]), mask=rmask[:, None], other=0.0)
+    if KV_FP8:
+        ksc = tl.load(ks_ptr + kvh)
+        vsc = tl.load(vs_ptr + kvh)
+    else:
+        ksc = 1.0  # (not read)
+        vsc = 1.0
     last = rows  # with BOUNDS and several splits a program: the bounds, loaded once for all of them
     if BOUNDS and SPLITS > 1:
         last = tl.load(mask_ptr + b * sm_b + s * sm_s, mask=rmask, other=-1)  # [BLOCK_M] int64
@@ -360,7 +375,8 @@ def _partial_kernel(
     for i in range(SPLITS):
         _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s, rows, rmask, d, last,
                        row_ok, split0 + i, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE, DH, BLOCK_M, BLOCK_T,
-                       SPLIT_T, IEEE_DOT, HAS_SLOTS, EARLY_KV, BOUNDS, SPLITS > 1, slot_ptr, STAB, sk_b, sv_b, PAGE)
+                       SPLIT_T, IEEE_DOT, HAS_SLOTS, EARLY_KV, BOUNDS, SPLITS > 1, slot_ptr, STAB, sk_b, sv_b, PAGE,
+                       ksc, vsc, KV_FP8, q_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -421,7 +437,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      slots: torch.Tensor | None = None, wrap=lambda f: f, interpret: bool = False,
                      config: dict | None = None, pdl: int = 0, launch_pdl: bool = False,
                      window: int | None = None, new_kv: tuple | None = None,
-                     table: tuple | None = None) -> torch.Tensor:
+                     table: tuple | None = None, scales: tuple | None = None) -> torch.Tensor:
     """q [B, S, H, Dh], mask [B, S, T] bool → [B, S, H, Dh] in q's dtype. Or with ``window`` = T, the
     mask in bounds form: ``mask`` is ``last`` [B, S] int64 and key t < T is visible to query (b, s)
     iff t ≤ last[b, s] (``plugins.attention.reference.KeyBounds``; the same bits as its dense mask). k/v: [B, ≥ T, KV, Dh], or
@@ -443,8 +459,13 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     writes nothing) before it reads them: ``head_norm_rope_cache`` and this attention in one launch of the partial kernel.
     ``table`` (with ``new_kv``): the step's RoPE (cos, sin) [B·S, Dh/2] fp32 of ``positions``
     (``head_norm_rope.launch_rope_table``, or the qkv projection's launch), read instead of
-    computing the angles: the same bits."""
+    computing the angles: the same bits.
+
+    ``scales`` = (k_scale, v_scale), float32 [KV] each: k/v are an FP8 cache's float8_e4m3fn codes, each tile
+    dequantized as it is loaded (``plugins.attention.reference.dequantize_kv``; not with ``new_kv``)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
+    if scales is not None and new_kv is not None:
+        raise ValueError("attention: the fused cache write (new_kv) writes caches of the compute dtype, not FP8 ones")
     if cfg["SPLIT_T"] % cfg["BLOCK_T"]:
         raise ValueError(f"attention config: SPLIT_T {cfg['SPLIT_T']} is not a multiple of BLOCK_T {cfg['BLOCK_T']}")
     B, S, H, dh = q.shape
@@ -463,6 +484,8 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         v_new, positions, eps, theta, use_rope = new_kv
         if v_new.stride(-1) != 1:
             v_new = v_new.contiguous()
+    fp8 = dict(ks_ptr=scales[0], vs_ptr=scales[1], KV_FP8=True) if scales is not None else \
+        dict(ks_ptr=q, vs_ptr=q, KV_FP8=False)
     out = torch.empty((B, S, H, dh), dtype=q.dtype, device=q.device)
     if B == 0 or S == 0:
         return out
@@ -506,6 +529,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         STAB=slots.stride(0) if paged else 0, PAGE=k.shape[1] if paged else 0, num_warps=cfg["num_warps"],
         **launch_opts,
         **fused,
+        **fp8,
         **{opt: cfg[opt] for opt in ("num_stages", "maxnreg") if opt in cfg},  # eager launches only (the sweep)
     )
     wrap(_combine_kernel)[(M, B * KV)](po, pm, pl, out, S, M, KV, nsplit, H, REP=H // KV, DH=dh,

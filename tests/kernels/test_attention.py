@@ -338,6 +338,77 @@ def test_attention_through_block_tables_gives_the_slot_caches_bits(tops, shape, 
         launch_attention(q, kp, vp, kb.last, tables[:, :1], interpret=interpreting(), window=T)
 
 
+def fp8_caches(kc, vc, KV, seed=3):
+    """An FP8 cache's codes of the caches kc/vc (NaN stays the E4M3 NaN code) with per-KV-head scales in
+    [0.02, 0.2) → (k codes, v codes, (k_scale, v_scale), their dequantized bf16 keys and values)."""
+    from muse_spark.plugins.attention.reference import dequantize_kv, quantize_kv
+
+    g = torch.Generator().manual_seed(seed)
+    ks, vs = (0.02 + 0.18 * torch.rand(KV, generator=g)).to(kc.device), (0.02 + 0.18 * torch.rand(KV, generator=g)).to(kc.device)
+    kq, vq = quantize_kv(kc, ks), quantize_kv(vc, vs)
+    assert kq.dtype == torch.float8_e4m3fn and kq.shape == kc.shape
+    return kq, vq, (ks, vs), dequantize_kv(kq, ks, kc.dtype), dequantize_kv(vq, vs, vc.dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", list(ATTN_SHAPES))
+@pytest.mark.parametrize("form", ["mask", "cache", "cache_table"])
+def test_attention_over_an_fp8_cache_reads_its_dequantized_keys(tops, shape, form):
+    """An FP8 KV cache (E4M3 codes, a float32 scale per KV head): the kernel dequantizes each tile as it loads
+    it (code · scale, rounded once to bf16: ``dequantize_kv``), so it attends over the keys and values the
+    reference path reads: within the bf16 tolerance of attend_reference on the dequantized rows, and (on the
+    interpreter) the bits of the kernel on those rows stored in bf16. NaN codes in keys no query sees (the
+    caches' garbage) never leak. The GPU's MMA may take a tile converted in registers in another order than
+    a loaded one, so there the bits are not asserted."""
+    from muse_spark.plugins.attention.reference import attend_reference, cache_rows
+    from muse_spark.plugins.attention.triton_kernel import launch_attention
+    from muse_spark.plugins.triton_math import interpreting
+
+    from test_models import attention_case
+
+    B, S, H, KV, dh, T = ATTN_SHAPES[shape]
+    q, k, v, mask = attention_case(torch.bfloat16, DEV, B=B, S=S, H=H, KV=KV, dh=dh, T=T)
+    kb = bounds_of(mask)
+    if form == "mask":
+        kq, vq, scales, kd, vd = fp8_caches(k, v, KV)
+        got = tops.attention(q, kq, vq, mask, None, scales)
+        want = tops.attention(q, kd, vd, mask)
+        rows = (kd, vd)
+    else:
+        kc, vc, slots = cache_with_slots(k, v, extra_positions=40)  # (NaN past the requests' keys)
+        kq, vq, scales, kd, vd = fp8_caches(kc, vc, KV)
+        assert bool(torch.isnan(kq.float()).any())  # the garbage is NaN codes
+        if form == "cache_table":
+            kq, vq, slots = paged_from_slots(kq, vq, slots, T, 16)  # (NaN codes in the unused blocks)
+        got = tops.attention(q, kq, vq, kb, slots, scales)
+        rows = cache_rows(kq, vq, mask, slots, scales, q.dtype)
+        want = launch_attention(q, *rows, kb.last, None, interpret=interpreting(), window=T)
+    assert got.dtype == q.dtype and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), attend_reference(q.float(), rows[0].float(), rows[1].float(), mask),
+                               **TOL[torch.bfloat16])
+    if INTERPRETED:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.bfloat16])
+
+
+@needs_kernels
+def test_the_attention_op_refuses_fp8_caches_without_their_scales(tops):
+    from test_models import attention_case
+
+    q, k, v, mask = attention_case(torch.bfloat16, DEV)
+    KV = k.shape[2]
+    kq, vq, scales, _, _ = fp8_caches(k, v, KV)
+    with pytest.raises(ValueError, match=r"an FP8 cache is read with k_scale float32"):
+        tops.attention(q, kq, vq, mask)
+    with pytest.raises(ValueError, match=r"v_scale float32 \[%d\]" % KV):
+        tops.attention(q, kq, vq, mask, None, (scales[0], scales[1][:1]))
+    with pytest.raises(ValueError, match="KV scales are for an FP8"):
+        tops.attention(q, k, v, mask, None, scales)
+    with pytest.raises(ValueError, match="all the same, or k/v an FP8 cache's"):
+        tops.attention(q, kq, v, mask, None, scales)
+
+
 @needs_kernels
 @pytest.mark.parametrize("shape", list(ATTN_SHAPES))
 @pytest.mark.parametrize("early", [True, False], ids=["early_kv", "per_tile"])
