@@ -144,3 +144,26 @@ def test_cuda_fp8_pair_is_lossless_on_the_w8a16_kernel(tmp_path):
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     for r in Generator(engine).generate(prompts, params):
         assert r.output == generate_target_only(engine, r.prompt, params)
+
+
+def test_cuda_fp8_kv_cache_is_lossless_and_paged_pools_give_its_tokens(random_pair):
+    """The target's KV cache in E4M3 on CUDA: the split-KV Triton attention dequantizes each tile as it loads it
+    (its slot rows and, paged, through block tables); greedy speculative output equals the engine's greedy
+    target-only output, and a pool too small for all requests (preempting, freed blocks poisoned) gives the
+    slot caches' tokens, greedy and sampled."""
+    from test_paged_kv import _workload, poison_freed_blocks
+
+    engine = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128,
+                                          kv_cache_dtype="fp8")
+    assert engine.target_cache.k[0].dtype == torch.float8_e4m3fn
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    for r in Generator(engine).generate(PROMPTS, params):
+        assert r.output == generate_target_only(engine, r.prompt, params)
+    prompts, mixed = _workload(8, seed=0)
+    want = [r.output for r in Generator(engine).generate(prompts, mixed)]
+    paged = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128, kv_tokens=160,
+                                         kv_cache_dtype="fp8")
+    poison_freed_blocks(paged)
+    gen = Generator(paged)
+    assert [r.output for r in gen.generate(prompts, mixed)] == want and gen.preemptions > 0
+    paged.kv.check()
