@@ -129,19 +129,20 @@ def graph_plan(device: str, max_batch: int, max_seq: int, buckets: list[int] | N
 def inductor_configs(device: str, fast_compile: bool) -> dict:
     """Inductor options for a graph compile.
 
-    CUDA: the engine must reproduce the eager engine token for token, so keep
-    eager's bf16 rounding between fused ops (``emulate_precision_casts``; by
-    default Inductor elides those downcast-upcast pairs) and eager's
-    correctly-rounded division where this torch has the knob. CPU: see
+    The engine must reproduce the eager engine token for token, so keep eager's
+    bf16 rounding between fused ops (``emulate_precision_casts``; by default
+    Inductor elides those downcast-upcast pairs: on the CPU too, where an FP8 KV
+    cache's write then quantized the norm's unrounded keys) and, on CUDA, eager's
+    correctly-rounded division where this torch has the knob. CPU: see also
     ``fast_compile`` in the module docstring.
     """
     import torch._inductor.config as c
 
-    if torch.device(device).type == "cpu":
-        return {"cpp.vec_isa_ok": False} if fast_compile else {}
     out = {}
     if hasattr(c, "emulate_precision_casts"):
         out["emulate_precision_casts"] = True
+    if torch.device(device).type == "cpu":
+        return {**out, "cpp.vec_isa_ok": False} if fast_compile else out
     if hasattr(getattr(c, "eager_numerics", None), "division_rounding"):
         out["eager_numerics.division_rounding"] = True
     return out
