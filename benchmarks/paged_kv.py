@@ -7,6 +7,7 @@ prompt; or (``--backend aoti``) the compiled engine's speculative step, paged ag
         [--device cuda|cpu] [--out-dir benchmarks/results]
     python benchmarks/paged_kv.py --backend aoti --pair DIR [--step-batches 1,8,32] [--context 1024] \
         [--steps 32] [--block-size 16] [--work-dir D] [--reuse-engine] [--device cuda|cpu] [--out-dir …]
+    python benchmarks/paged_kv.py --render [--plot docs/bench-paged.png] [--device NAME]
 
 Both sides are eager engines (the engine that runs a pool) with the same weights and window (max_seq):
 *contiguous*, with as many slots as N positions hold when each slot owns a window (N // max_seq);
@@ -274,7 +275,81 @@ def aoti_steps(a, p) -> int:
     return 0 if doc["results"]["outputs_identical"] else 1
 
 
+def plot(step: dict | None, work: dict | None, png: Path) -> Path:
+    """The committed figures as one picture: the compiled step's time by batch, slot caches against the pool,
+    unchained and chained (left, from a ``paged_kv_step`` result), and requests running at once in one memory
+    budget with the later requests' TTFT behind a shared prompt (right, from a ``paged_kv`` result)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    if step:
+        rows = step["results"]["batches"]
+        xs = [r["batch"] for r in rows]
+        for side, color in (("slot", "tab:blue"), ("paged", "tab:orange")):
+            left.plot(xs, [r[side]["median_ms"] for r in rows], marker="o", color=color, label=f"{side}, each step synced")
+            left.plot(xs, [r[f"{side}_chained"]["mean_ms"] for r in rows], marker="s", ls="--", color=color,
+                      label=f"{side}, chained steps")
+        for r in rows:
+            left.annotate(f"×{r['paged_over_slot_chained']:.3f}", (r["batch"], r["paged_chained"]["mean_ms"]),
+                          textcoords="offset points", xytext=(4, -12), fontsize=8)
+        left.set_xscale("log", base=2)
+        left.set_xticks(xs, [str(x) for x in xs])
+        left.set_xlabel("batch")
+        left.set_ylabel("ms per speculative step")
+        left.set_title(f"aoti step, {step['config']['context']} tokens of context ({step['device']}, {step['commit']})",
+                       fontsize=9)
+        left.legend(fontsize=8)
+    if work:
+        res = work["results"]
+        names = ["contiguous", "paged"]
+        peak = [res[n]["workload"]["peak_running"] for n in names]
+        mean = [res[n]["workload"]["mean_running"] for n in names]
+        ttft = [res[n]["shared_prompt"]["mean_later_ttft_ms"] for n in names]
+        at = range(len(names))
+        right.bar([i - 0.2 for i in at], peak, width=0.4, label="requests running, peak")
+        right.bar([i + 0.2 for i in at], mean, width=0.4, label="requests running, mean")
+        for i in at:
+            right.annotate(f"TTFT behind the shared prompt: {ttft[i]:.0f} ms", (i, peak[i]), ha="center",
+                           textcoords="offset points", xytext=(0, 4), fontsize=8)
+        right.set_xticks(list(at), names)
+        right.set_ylim(0, max(peak) * 1.25)
+        c = work["config"]
+        right.set_title(f"{c['requests']} requests in {c['memory_tokens']} positions of KV "
+                        f"({work['device']}, {work['commit']})", fontsize=9)
+        right.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+def render(png: Path, device: str | None) -> int:
+    """``--render``: the latest committed ``paged_kv_step`` and ``paged_kv`` results (of ``device`` where given)
+    drawn into ``png``."""
+    def latest(name):
+        docs = [d for d in results.load(benchmark=name) if device is None or d["device"] == device]
+        return docs[-1] if docs else None
+
+    step, work = latest("paged_kv_step"), latest("paged_kv")
+    if step is None and work is None:
+        print("no paged_kv or paged_kv_step results to draw", file=sys.stderr)
+        return 1
+    print(plot(step, work, png))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--render" in argv:
+        r = argparse.ArgumentParser(description="draw the committed paged-KV results")
+        r.add_argument("--render", action="store_true")
+        r.add_argument("--plot", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "bench-paged.png")
+        r.add_argument("--device", default=None, help="the results of this device only (e.g. 'NVIDIA H100 80GB HBM3')")
+        a = r.parse_args(argv)
+        return render(a.plot, a.device)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--pair", help="a folder of `muse-spark make-pair` (its target/ and draft/)")

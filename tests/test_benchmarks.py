@@ -132,6 +132,19 @@ def test_the_paged_kv_benchmark_fits_more_requests_in_the_same_memory_with_the_s
     assert res["contiguous"]["shared_prompt"]["cached_prefill_tokens"] == 0
 
 
+def test_the_paged_kv_plot_draws_the_committed_results(tmp_path):
+    """``paged_kv.py --render`` draws the latest committed step and workload results: a PNG, and refuses
+    a device with none."""
+    png = tmp_path / "paged.png"
+    run = lambda *extra: subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paged_kv.py"), "--render",  # noqa: E731
+                                         "--plot", str(png), *extra], capture_output=True, text=True, timeout=300)
+    r = run()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    r = run("--device", "no such GPU")
+    assert r.returncode == 1 and "no paged_kv or paged_kv_step results" in r.stderr
+
+
 def test_the_paged_kv_benchmark_times_the_compiled_step_paged_against_slot_caches(tmp_path):
     """`--backend aoti` on the CPU with a tiny pair: two aoti engines built from it (slot caches, and a pool of
     the same positions; one copy of the weights on the disk), the step timed at batch 1 and 2 on each; one
