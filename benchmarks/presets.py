@@ -65,6 +65,8 @@ def random_pair(tcfg, dcfg, device, seed: int = 0):
                 sd[name] = ids - torch.arange(cfg.draft_vocab_size, device=device)
             elif name.endswith("residual_gate"):
                 sd[name] = 0.5 + torch.rand(shape, device=device, generator=g)
+            elif name.endswith((".k_scale", ".v_scale")):  # (an FP8 KV cache's scales: vLLM's default, 1)
+                sd[name] = torch.ones(shape, device=device)
             elif name.endswith("norm.weight"):
                 sd[name] = 1 + 0.1 * torch.randn(shape, device=device, generator=g, dtype=torch.bfloat16)
             else:

@@ -132,10 +132,13 @@ class Bench(AotiSections):
             from muse_spark.checkpoint import load_pair
 
             self.log(f"loading the pair {a.pair} on {dev}")
-            target, draft = load_pair(Path(a.pair) / "target", Path(a.pair) / "draft", device=dev)
+            target, draft = load_pair(Path(a.pair) / "target", Path(a.pair) / "draft", device=dev,
+                                      kv_cache_dtype=a.kv_cache_dtype)
             tcfg, dcfg = target.cfg, draft.cfg
         else:
             tcfg, dcfg = preset_configs(a.preset, a.layers, a.draft_layers)
+            if a.kv_cache_dtype is not None:
+                tcfg = dataclasses.replace(tcfg, kv_cache_dtype=a.kv_cache_dtype)
         g = dcfg.block_size
         max_seq = a.max_seq or (a.context + 128)
         slots = max(batches) + 1  # + the scratch slot the aoti engine pads with
@@ -156,7 +159,10 @@ class Bench(AotiSections):
         eng = EagerEngine(target, draft, max_batch=slots, max_seq=max_seq, device=dev, options=self.options)
         fill = torch.Generator(device=dev).manual_seed(1)  # seeded: every run checks the same step
         for t in eng.target_cache.k + eng.target_cache.v + eng.draft_cache.k + eng.draft_cache.v:
-            t.normal_(generator=fill)
+            if t.dtype == torch.float8_e4m3fn:  # (an FP8 cache: E4M3 codes of normal values, scales 1)
+                t.copy_(torch.empty(t.shape, device=dev, dtype=torch.bfloat16).normal_(generator=fill))
+            else:
+                t.normal_(generator=fill)
         caches = (eng.target_cache.k, eng.target_cache.v, eng.draft_cache.k, eng.draft_cache.v)
         wspecs = weight_specs(SpecPair(target, draft))
 
@@ -483,6 +489,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time this checkpoint pair (a `muse-spark make-pair` folder: target/, draft/) instead of "
                         "the preset's random weights; benchmarks/generation.py --pair measures its tokens/s at its "
                         "real acceptance")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                   help="the target's KV cache: auto (the compute dtype) or fp8 (E4M3; docs/fp8.md). Default: the "
+                        "pair's checkpoint's, else auto")
     p.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     p.add_argument("--batches", type=batch_list, default=[1, 8, 32], help="comma-separated, e.g. 1,8,32")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per request")

@@ -177,7 +177,8 @@ def step_bytes(tcfg, dcfg, batch: int, context: int) -> dict:
     """The fewest bytes one speculative step reads: every weight matrix once (embedding and W1 rows
     only where gathered), valid KV once. bf16 weights/KV; the decoder projections of an FP8 checkpoint
     (a config with ``quantization_config``: docs/fp8.md) one byte an element plus their float32 scale per
-    output row; fp32 residual gates ignored (tiny)."""
+    output row, and an FP8 KV cache's target K/V one byte an element; fp32 residual gates and KV scales
+    ignored (tiny)."""
     g, D, e = dcfg.block_size, tcfg.hidden_size, 2
 
     def layer_bytes(c) -> int:
@@ -192,7 +193,8 @@ def step_bytes(tcfg, dcfg, batch: int, context: int) -> dict:
                + dcfg.draft_vocab_size * dcfg.markov_rank * e + batch * g * dcfg.markov_rank * e  # W2, W1 rows
                + batch * g * D * e)  # embedding rows of the block
     kv_row = 2 * tcfg.num_key_value_heads * tcfg.head_dim * e  # K and V of one position, one layer
-    target_kv = tcfg.num_hidden_layers * batch * (context + g + 1) * kv_row
+    fp8_kv = getattr(tcfg, "fp8_kv_cache", False)  # (an FP8 KV cache: one byte an element)
+    target_kv = tcfg.num_hidden_layers * batch * (context + g + 1) * (kv_row // e if fp8_kv else kv_row)
     draft_kv = dcfg.num_hidden_layers * batch * context * kv_row
     return {"weights": target_w + draft_w, "kv": target_kv + draft_kv,
             "total": target_w + draft_w + target_kv + draft_kv}

@@ -26,6 +26,8 @@
 #                                # batch 1/8/32 (the two engines stay in /tmp/w8b for a second call)
 #   scripts/gpu_check.sh fp8-error # the FP8 target's logits against the bf16 target's on the 8B-shaped pair (64
 #                                # prompts of 64 tokens; benchmarks/fp8_error.py)
+#   scripts/gpu_check.sh fp8-step # the step of the 8B-shaped pair in bf16 and of its FP8 quantization with an FP8 KV
+#                                # cache (PRECISION=bf16,fp8: both, one after the other; the pairs stay in /tmp/w8b)
 #   scripts/gpu_check.sh tp      # tensor parallelism over the machine's GPUs (2, 4, 8 as it has them)
 #   scripts/gpu_check.sh tp-bench # its benchmark on the 8B-shaped pair at each size the GPUs allow (BACKEND=aoti:
 #                                # compiled ranks; on one GPU, tp 1 through the ranks' leader)
@@ -187,6 +189,30 @@ fp8-error)
     timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/fp8_error.py --pair "$here/pair" --work-dir "$here" \
         --prompts 64 --prompt-len 64 --out-dir "$OUT" 2>&1 | tee "$OUT/fp8-error.log"
     ;;
+fp8-step)
+    # the speculative step (benchmarks/step.py: the aoti engine's, batch 1/8/32, against each one's roofline of the
+    # bytes it reads) of the 8B-shaped pair (acceptance 0.8) in bf16, then of the same pair quantized (muse-spark
+    # quantize: FP8 E4M3 projections, per-channel scales) with the target's KV cache in FP8; JSON in $OUT, one
+    # file each. PRECISION picks them (default bf16,fp8); a call cut short leaves the pairs for the next.
+    here=/tmp/w8b/fp8
+    free_disk "$here"
+    pair_at "$here/pair" 0.8 "$OUT/make-pair.log" || exit 1
+    if [ ! -f "$here/pair-fp8/draft/config.json" ]; then
+        python3 -m muse_spark.cli quantize --target "$here/pair/target" --out "$here/pair-fp8/target" \
+            --draft "$here/pair/draft" --draft-out "$here/pair-fp8/draft" --overwrite >"$OUT/quantize.log" 2>&1 ||
+            { tail "$OUT/quantize.log"; exit 1; }
+    fi
+    for prec in $(echo "${PRECISION:-bf16,fp8}" | tr , ' '); do
+        case $prec in
+        bf16) args=(--pair "$here/pair") ;;
+        fp8) args=(--pair "$here/pair-fp8" --kv-cache-dtype fp8) ;;
+        *) echo "PRECISION: bf16 and/or fp8, got $prec" >&2; exit 2 ;;
+        esac
+        timeout "${BENCH_TIMEOUT:-270}" python3 benchmarks/step.py "${args[@]}" --batches 1,8,32 --skip eager,compile \
+            --deadline-s "${BENCH_DEADLINE:-240}" --out-dir "$OUT" --markdown "$OUT/step-$prec.md" 2>&1 |
+            tee "$OUT/step-$prec.log" | grep -v "^\[build\]" | tail -15
+    done
+    ;;
 paged)
     # paged KV caches (benchmarks/paged_kv.py): the 8B-shaped pair (acceptance 0.8), a budget of 8 windows of
     # 1,152 positions, 64 requests of 16-512 prompt and 16-128 output tokens, 4 behind a 1,024-token system
@@ -232,7 +258,7 @@ tp-bench)
         --backend "${BACKEND:-eager}" --work-dir "$here/engines" --reuse-engine --out-dir "$OUT" 2>&1 | tee "$OUT/tp-bench.log"
     ;;
 *)
-    echo "usage: $0 tests|engines|engine-switches|paged|paged-step|linear|bench|cxx|cxx-bench|serving|workload|serving-sweep|tp|tp-bench" >&2
+    echo "usage: $0 tests|engines|engine-switches|paged|paged-step|linear|bench|cxx|cxx-bench|serving|workload|serving-sweep|fp8-error|fp8-step|tp|tp-bench" >&2
     exit 2
     ;;
 esac

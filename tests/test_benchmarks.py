@@ -209,6 +209,26 @@ def test_a_step_of_fp8_projections_reads_their_bytes_once():
     rows = sum(c.num_hidden_layers * (c.qkv_out + 2 * D + 2 * c.intermediate_size) for c in (t, d))
     assert bf16["weights"] - fp8["weights"] == proj(t) + proj(d) - 4 * rows
     assert bf16["kv"] == fp8["kv"] and 0.5 < fp8["total"] / bf16["total"] < 0.65
+    # an FP8 KV cache: the target's K/V one byte an element, the draft's context K/V and the weights as they were
+    kv8 = step_bytes(dataclasses.replace(tq, kv_cache_dtype="fp8"), dq, 8, 1024)
+    g = d.block_size
+    target_kv = t.num_hidden_layers * 8 * (1024 + g + 1) * 2 * t.num_key_value_heads * t.head_dim
+    b8 = step_bytes(tq, dq, 8, 1024)
+    assert b8["kv"] - kv8["kv"] == target_kv and kv8["weights"] == b8["weights"]
+
+
+def test_the_step_benchmark_times_a_step_with_an_fp8_kv_cache(tmp_path):
+    """``benchmarks/step.py --kv-cache-dtype fp8`` (CPU, a two-layer preset, aoti skipped): the eager step runs
+    over E4M3 target caches and the roofline counts their bytes at one an element."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step.py"), "--preset", "tiny", "--device", "cpu",
+                        "--batches", "1", "--context", "32", "--iters", "2", "--skip", "compile,aoti",
+                        "--kv-cache-dtype", "fp8", "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (path,) = tmp_path.glob("*_step.json")
+    doc = json.loads(path.read_text())
+    assert doc["results"]["config"]["target"]["kv_cache_dtype"] == "fp8"
+    assert doc["results"]["sections"]["eager"]
 
 
 def test_the_fp8_error_benchmark_reports_the_logit_error(tmp_path):
