@@ -81,6 +81,15 @@ if interpreting():
             b = x.to(tl.uint32, bitcast=True)
             b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
             x = b.to(tl.float32, bitcast=True)
+        if dtype == tl.float8e4nv:  # E4M3 (|x| ≤ 448): the interpreter's cast does not carry a rounding into the
+            # exponent (126 became 64), so round here and cast an exact value: 3 mantissa bits from 2^-6 up, and
+            # below it steps of 2^-9 (the subnormals), by adding and taking away 1.5·2^23 (ties to even)
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFFF + ((b >> 20) & 1)) & 0xFFF00000
+            a = tl.abs(x)
+            sub = ((a * 512.0 + 12582912.0) - 12582912.0) / 512.0
+            x = tl.where(a >= 0.015625, b.to(tl.float32, bitcast=True), tl.where(x < 0, -sub, sub))  # (its cast
+            # makes −0 +0: a sign the dequantized zero does not carry into any product)
         return x.to(dtype)
 
 else:
@@ -120,7 +129,7 @@ else:
 
     @triton.jit
     def to_rne(x, dtype: tl.constexpr):
-        return x.to(dtype)  # cvt.rn: round to nearest even
+        return x.to(dtype)  # cvt.rn (E4M3: cvt.rn.satfinite): round to nearest even
 
 
 # Programmatic dependent launch (docs/pdl-research.md; an option the engines do not use yet).

@@ -100,9 +100,9 @@ def _launch_head_norm_rope(*args):
     return head_norm_rope_kernel.launch_head_norm_rope(*args, wrap=wrap_triton, pdl=_pdl(small=True))
 
 
-def _launch_head_norm_rope_cache(*args, table):
+def _launch_head_norm_rope_cache(*args, table, scales=None):
     return head_norm_rope_kernel.launch_head_norm_rope_cache(*args, wrap=wrap_triton, pdl=_pdl(small=True),
-                                                            table=table)
+                                                            table=table, scales=scales)
 
 
 def _launch_linear(*args, scale=None):
@@ -131,11 +131,12 @@ def attention(q, k, v, mask, slots=None, scales=None):
 
 
 def attention_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots, bounds, rope_cos=None,
-                    rope_sin=None):
+                    rope_sin=None, scales=None):
     """``muse_spark::attention_cache_triton`` with the mask a ``KeyBounds`` (and the step's RoPE
-    table, where the qkv projection wrote it)."""
+    table, where the qkv projection wrote it; ``scales``: an FP8 cache's (k_scale, v_scale))."""
+    ks, vs = scales or (None, None)
     return torch.ops.muse_spark.attention_cache_triton(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots,
-                                                       bounds.last, bounds.width, rope_cos, rope_sin)
+                                                       bounds.last, bounds.width, rope_cos, rope_sin, ks, vs)
 
 
 def head_norm_rope(x, positions, eps, theta, use_rope):

@@ -84,6 +84,19 @@ def python_generate(engine, prompts, **kw) -> list:
     return Generator(engine).generate(prompts, SamplingParams(**kw))
 
 
+def gives_the_eager_tokens(cxx_build, engine_dir, engine, direct, prompts, max_tokens: int = 24) -> None:
+    """An aoti engine (loaded from ``engine_dir`` as ``engine``) gives the eager engine ``direct``'s tokens,
+    greedy and sampled, from the Python runtime and from the C++ library."""
+    from muse_spark.runtime import Generator, SamplingParams
+
+    for temperature, seed in ((0.0, 0), (0.9, 3)):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+        want = Generator(direct).generate(prompts, params)
+        assert [r.output for r in Generator(engine).generate(prompts, params)] == [r.output for r in want]
+        same_as_python(cxx_generate(cxx_build, engine_dir, prompts, max_tokens=max_tokens, temperature=temperature,
+                                    seed=seed), want)
+
+
 def same_as_python(lines: list[dict], reqs: list) -> None:
     out = finals(lines)
     assert [x["output_ids"] for x in out] == [r.output for r in reqs]

@@ -428,7 +428,7 @@ def test_an_aoti_engine_of_fp8_checkpoints_gives_the_eager_engines_tokens(pair, 
     exported modules hold Fp8Linear projections, so every graph dequantizes as the eager engine does (the W8A16
     reference here, the Triton W8A16 kernel on CUDA). Its tokens are the eager FP8 engine's, greedy and
     sampled, from the Python runtime and from the C++ library."""
-    from cxx_utils import cxx_generate, same_as_python
+    from cxx_utils import gives_the_eager_tokens
 
     out = tmp_path / "aoti"
     r = run_cli("build", "--target", pair / "fp8" / "target", "--draft", pair / "fp8" / "draft", "--out", out,
@@ -441,11 +441,7 @@ def test_an_aoti_engine_of_fp8_checkpoints_gives_the_eager_engines_tokens(pair, 
     engine = load_engine(out)
     direct = EagerEngine.from_checkpoints(pair / "fp8" / "target", pair / "fp8" / "draft", max_batch=2, max_seq=128)
     prompts = random_prompts(draft_token_ids(pair / "bf16"), 2, 7, seed=5)
-    for temperature, seed in ((0.0, 0), (0.9, 3)):
-        params = SamplingParams(max_tokens=24, temperature=temperature, seed=seed, ignore_eos=True)
-        want = Generator(direct).generate(prompts, params)
-        assert [r.output for r in Generator(engine).generate(prompts, params)] == [r.output for r in want]
-        same_as_python(cxx_generate(cxx_build, out, prompts, max_tokens=24, temperature=temperature, seed=seed), want)
+    gives_the_eager_tokens(cxx_build, out, engine, direct, prompts)
 
 
 def test_quantization_config_round_trip(pair):

@@ -242,7 +242,7 @@ def test_generate_from_checkpoints_with_an_fp8_cache(random_pair):
 def test_an_aoti_engine_with_an_fp8_cache_gives_the_eager_tokens(scaled_pair, tmp_path, cxx_build):
     """The compiled packages take the target's caches as E4M3 graph inputs and the layers' scales as weights:
     greedy and sampled, the tokens of the eager FP8-cache engine, from the Python runtime and the C++ library."""
-    from cxx_utils import cxx_generate, same_as_python
+    from cxx_utils import gives_the_eager_tokens
 
     out = tmp_path / "aoti"
     r = run_cli("build", "--target", scaled_pair[0], "--draft", scaled_pair[1], "--out", out, "--backend", "aoti",
@@ -256,11 +256,7 @@ def test_an_aoti_engine_with_an_fp8_cache_gives_the_eager_tokens(scaled_pair, tm
     assert engine.target_cache.k[0].dtype == torch.float8_e4m3fn
     direct = _engine(scaled_pair, None, max_batch=2)
     prompts = [[5, 9, 14], [7, 7, 2, 30, 41]]
-    for temperature, seed in ((0.0, 0), (0.9, 3)):
-        params = SamplingParams(max_tokens=24, temperature=temperature, seed=seed, ignore_eos=True)
-        want = Generator(direct).generate(prompts, params)
-        assert [r.output for r in Generator(engine).generate(prompts, params)] == [r.output for r in want]
-        same_as_python(cxx_generate(cxx_build, out, prompts, max_tokens=24, temperature=temperature, seed=seed), want)
+    gives_the_eager_tokens(cxx_build, out, engine, direct, prompts)
 
 
 def test_tensor_parallel_ranks_split_the_scales_with_their_kv_heads(random_pair):

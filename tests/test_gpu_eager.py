@@ -146,11 +146,18 @@ def test_cuda_fp8_pair_is_lossless_on_the_w8a16_kernel(tmp_path):
         assert r.output == generate_target_only(engine, r.prompt, params)
 
 
-def test_cuda_fp8_kv_cache_is_lossless_and_paged_pools_give_its_tokens(random_pair):
-    """The target's KV cache in E4M3 on CUDA: the split-KV Triton attention dequantizes each tile as it loads it
-    (its slot rows and, paged, through block tables); greedy speculative output equals the engine's greedy
-    target-only output, and a pool too small for all requests (preempting, freed blocks poisoned) gives the
-    slot caches' tokens, greedy and sampled."""
+@pytest.mark.parametrize("attention_cache", [False, True], ids=["norm_kernel", "fused_attention"])
+def test_cuda_fp8_kv_cache_is_lossless_and_paged_pools_give_its_tokens(random_pair, attention_cache):
+    """The target's KV cache in E4M3 on CUDA: the norm kernel (or the fused attention) quantizes the new keys and
+    values as it writes them, the split-KV Triton attention dequantizes each tile as it loads it (slot rows
+    and, paged, block tables); greedy speculative output equals the engine's greedy target-only output, and a
+    pool too small for all requests (preempting, freed blocks poisoned) gives the slot caches' tokens, greedy
+    and sampled."""
+    with use_options(KernelOptions(attention_cache=attention_cache)):
+        _fp8_kv_cache_case(random_pair)
+
+
+def _fp8_kv_cache_case(random_pair):
     from test_paged_kv import _workload, poison_freed_blocks
 
     engine = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128,

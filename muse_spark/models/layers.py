@@ -453,12 +453,13 @@ class Attention(nn.Module):
             from muse_spark.plugins import triton_ops  # (imported by _triton_ops_available)
 
             out = triton_ops.attention_cache(qk, v, positions, c.rms_norm_eps, c.rope_theta, c.use_rope,
-                                             kv.k_cache, kv.v_cache, kv.slots, kv.mask, **table)
+                                             kv.k_cache, kv.v_cache, kv.slots, kv.mask, **table, scales=kv.scales)
             return self._output(out.reshape(B, S, c.q_size), qkv, project)
         if self.writes_cache(qk, kv, positions):  # the norm kernel stores k and v into the caches
+            ks, vs = kv.scales or (None, None)  # (an FP8 cache's: the kernel quantizes as it writes)
             q = torch.ops.muse_spark.head_norm_rope_cache_triton(qk, v, positions, c.rms_norm_eps, c.rope_theta,
                                                                  c.use_rope, kv.k_cache, kv.v_cache, kv.slots,
-                                                                 **table)
+                                                                 **table, k_scale=ks, v_scale=vs)
             keys, values, mask, slots = kv.attended()
         else:
             qk = self.normalize_heads(qk, positions)

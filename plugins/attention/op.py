@@ -118,23 +118,28 @@ def register_triton(runs_kernels, launch) -> None:
     def _attention_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                             use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                             last: torch.Tensor, window: int, rope_cos: torch.Tensor | None = None,
-                            rope_sin: torch.Tensor | None = None) -> torch.Tensor:
+                            rope_sin: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """A layer's attention from its raw q and k heads x [B, S, H + KV, Dh] and v [B, S, KV, Dh]:
         ``head_norm_rope_cache_triton`` (q and k normed and rotated, k and v written into the caches
         [N, T, KV, Dh] at rows ``slots``, positions ``positions``), then ``attention_bounds_triton``
         of the normed q over the caches, in one launch of the attention's partial kernel (and its
         merge) → [B, S, H, Dh]. Its reference is those two references in that order.
-        ``rope_cos``/``rope_sin``: the step's RoPE table, as ``head_norm_rope_cache_triton`` takes it."""
+        ``rope_cos``/``rope_sin``: the step's RoPE table, as ``head_norm_rope_cache_triton`` takes it.
+        ``k_scale``/``v_scale`` float32 [KV]: the caches are an FP8 cache's, written quantized and read
+        dequantized."""
         _check_heads("attention_cache", x)
         _check_new_v("attention_cache", x, v, q_heads=True)
         B, S, NH, dh = x.shape
         kv = v.shape[2]
-        _check_cache_write("attention_cache", B, S, kv, dh, x.dtype, positions, k_cache, v_cache, slots)
+        scales = _check_cache_write("attention_cache", B, S, kv, dh, x.dtype, positions, k_cache, v_cache, slots,
+                                    k_scale, v_scale)
         _check_attention(x[:, :, : NH - kv], k_cache, v_cache, slots)  # (the q heads)
         _check_bounds("attention_cache", last, B, S, window, _keys_held(k_cache, slots))
         table = _check_rope_table("attention_cache", rope_cos, rope_sin, B * S, dh, x.device)
         if not runs_kernels(x):
-            q = head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
-            return _attend_bounds_reference(q, k_cache, v_cache, last, window, slots)
+            q = head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots,
+                                               scales)
+            return _attend_bounds_reference(q, k_cache, v_cache, last, window, slots, scales)
         return launch(x, k_cache, v_cache, last, slots, window=window, new_kv=(v, positions, eps, theta, use_rope),
-                      table=table)
+                      table=table, scales=scales)

@@ -81,9 +81,10 @@ class CacheKV(NamedTuple):
     @staticmethod
     def at(kv: "KVProvider", positions: torch.Tensor, dtype: torch.dtype) -> bool:
         """Whether ``kv`` is a ``CacheKV`` (or a ``PagedKV``: its ``slots`` are block tables) at
-        ``positions`` (the layer's own) with caches of ``dtype``: then a kernel may write the layer's K/V
-        into them itself."""
-        return isinstance(kv, (CacheKV, PagedKV)) and kv.positions is positions and kv.k_cache.dtype == dtype
+        ``positions`` (the layer's own) with caches of ``dtype`` (or an FP8 cache with its scales): then a
+        kernel may write the layer's K/V into them itself."""
+        return isinstance(kv, (CacheKV, PagedKV)) and kv.positions is positions and (
+            kv.k_cache.dtype == dtype or (kv.k_cache.dtype == torch.float8_e4m3fn and kv.scales is not None))
 
     def __call__(self, k_new: torch.Tensor, v_new: torch.Tensor):
         at = (self.slots[:, None], self.positions)

@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from muse_spark.options import current_options
-from muse_spark.plugins.head_norm_rope.triton_kernel import norm_rotate
+from muse_spark.plugins.head_norm_rope.triton_kernel import fp8_codes, norm_rotate
 from muse_spark.plugins.triton_math import add_rn, mul_rn, pdl_enter, to_rne
 
 BLOCK_T = 64  # keys per tile
@@ -154,13 +154,16 @@ def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok
                   sq_b, sq_s, sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                   EPS: tl.constexpr, THETA: tl.constexpr, DH: tl.constexpr, ROPE: tl.constexpr, KB: tl.constexpr,
                   TABLE: tl.constexpr = False, cos_ptr=None, sin_ptr=None, tab_ptr=None, stab=0,
-                  PAGE: tl.constexpr = 0):
+                  PAGE: tl.constexpr = 0, ksc=1.0, vsc=1.0, KV_FP8: tl.constexpr = False,
+                  DT: tl.constexpr = tl.bfloat16):
     """The layer's new keys and values of KV head ``kvh`` whose positions fall in [lo, hi) into the
     caches at row ``kv_row``: key head H + kvh of x [B, S, H + KV, Dh] normed and rotated at its
     position (``norm_rotate``, as ``head_norm_rope``'s cache kernel does it), v [B, S, KV, Dh] as
     it is. ``KB`` new rows a pass; a pass with none in range loads nothing but their positions.
     ``TABLE``: the angles' cos and sin are rows b·S + s of the step's RoPE table [B·S, Dh/2].
-    ``PAGE`` (paged caches): position p goes to offset p % PAGE of block tab[b, p // PAGE]."""
+    ``PAGE`` (paged caches): position p goes to offset p % PAGE of block tab[b, p // PAGE]. ``DT``: the compute
+    dtype the normed keys are rounded to; ``KV_FP8``: the caches hold E4M3 codes, the keys and values written
+    quantized with the KV head's scales ``ksc``/``vsc`` (``fp8_codes``)."""
     HALF: tl.constexpr = DH // 2
     dh2 = tl.arange(0, HALF)
     dd = tl.arange(0, DH)
@@ -173,7 +176,10 @@ def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok
             k1 = tl.load(src, mask=w[:, None], other=0.0).to(tl.float32)
             k2 = tl.load(src + HALF, mask=w[:, None], other=0.0).to(tl.float32)
             y1, y2 = _norm_rotate_rows(k1, k2, pos.to(tl.float32)[:, None], b * S + sr, w, cos_ptr, sin_ptr, EPS,
-                                       THETA, DH, ROPE, kc_ptr.dtype.element_ty, TABLE)
+                                       THETA, DH, ROPE, DT, TABLE)
+            if KV_FP8:
+                y1 = fp8_codes(y1, ksc, kc_ptr.dtype.element_ty)
+                y2 = fp8_codes(y2, ksc, kc_ptr.dtype.element_ty)
             if PAGE > 0:
                 blk = tl.load(tab_ptr + b * stab + tl.where(w, pos, 0) // PAGE, mask=w, other=0).to(tl.int64)
                 kat = blk[:, None] * sk_b + (pos % PAGE)[:, None] * sk_t
@@ -186,6 +192,8 @@ def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok
             tl.store(kd + HALF, y2, mask=w[:, None])
             val = tl.load(vn_ptr + b * svn_b + sr[:, None] * svn_s + kvh * svn_h + dd[None, :], mask=w[:, None],
                           other=0.0)
+            if KV_FP8:
+                val = fp8_codes(val, vsc, vc_ptr.dtype.element_ty)
             tl.store(vc_ptr + vat + kvh * sv_h + dd[None, :], val, mask=w[:, None])
 
 
@@ -334,6 +342,12 @@ def _partial_kernel(
     k_base = k_ptr + kv_row * sk_b + kvh * sk_h
     v_base = v_ptr + kv_row * sv_b + kvh * sv_h
     q_base = q_ptr + b.to(tl.int64) * sq_b
+    if KV_FP8:  # the KV head's scales: the new keys and values quantized with them, the tiles dequantized
+        ksc = tl.load(ks_ptr + kvh)
+        vsc = tl.load(vs_ptr + kvh)
+    else:
+        ksc = 1.0  # (not read)
+        vsc = 1.0
     if NORM_QK:
         HALF: tl.constexpr = DH // 2
         dh2 = tl.arange(0, HALF)
@@ -357,16 +371,10 @@ def _partial_kernel(
             hi = tl.where(split0 + SPLITS >= NSPLIT, T_CACHE, lo + SPLITS * SPLIT_T)
         _store_new_kv(q_ptr, vn_ptr, pos_ptr, k_ptr, v_ptr, b, kvh, kv_row, row_ok, lo, hi, S, REP * KV, sq_b, sq_s,
                       sq_h, svn_b, svn_s, svn_h, sp_b, sp_s, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, EPS, THETA, DH, ROPE,
-                      KB, TABLE, cos_ptr, sin_ptr, slot_ptr, STAB, PAGE)
+                      KB, TABLE, cos_ptr, sin_ptr, slot_ptr, STAB, PAGE, ksc, vsc, KV_FP8, q_ptr.dtype.element_ty)
         tl.debug_barrier()
     else:
         q = tl.load(q_base + (s[:, None] * sq_s + head[:, None] * sq_h + d[None, :]), mask=rmask[:, None], other=0.0)
-    if KV_FP8:
-        ksc = tl.load(ks_ptr + kvh)
-        vsc = tl.load(vs_ptr + kvh)
-    else:
-        ksc = 1.0  # (not read)
-        vsc = 1.0
     last = rows  # with BOUNDS and several splits a program: the bounds, loaded once for all of them
     if BOUNDS and SPLITS > 1:
         last = tl.load(mask_ptr + b * sm_b + s * sm_s, mask=rmask, other=-1)  # [BLOCK_M] int64
@@ -462,10 +470,9 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     computing the angles: the same bits.
 
     ``scales`` = (k_scale, v_scale), float32 [KV] each: k/v are an FP8 cache's float8_e4m3fn codes, each tile
-    dequantized as it is loaded (``plugins.attention.reference.dequantize_kv``; not with ``new_kv``)."""
+    dequantized as it is loaded (``plugins.attention.reference.dequantize_kv``), and with ``new_kv`` the new keys
+    and values written quantized (``quantize_kv``)."""
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
-    if scales is not None and new_kv is not None:
-        raise ValueError("attention: the fused cache write (new_kv) writes caches of the compute dtype, not FP8 ones")
     if cfg["SPLIT_T"] % cfg["BLOCK_T"]:
         raise ValueError(f"attention config: SPLIT_T {cfg['SPLIT_T']} is not a multiple of BLOCK_T {cfg['BLOCK_T']}")
     B, S, H, dh = q.shape

@@ -40,10 +40,20 @@ def _check_new_v(op: str, x: torch.Tensor, v: torch.Tensor, q_heads: bool) -> No
 
 
 def _check_cache_write(op: str, B: int, S: int, kv: int, dh: int, dtype: torch.dtype, positions: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
     """The contract of an op that writes K/V of ``kv`` heads of ``dh`` into the caches [N, T, kv, dh]
-    (``dtype``, last dim contiguous) at rows ``slots`` [B] int64 (or through block tables [B, n] into
-    pools of blocks [blocks, P, kv, dh]) and positions [B, S] int64."""
+    (``dtype``, last dim contiguous; an FP8 cache's float8_e4m3fn with its scales ``k_scale``/``v_scale``,
+    float32 [kv]) at rows ``slots`` [B] int64 (or through block tables [B, n] into pools of blocks
+    [blocks, P, kv, dh]) and positions [B, S] int64 → the scales' pair, or None."""
+    scales = None
+    if k_scale is not None or v_scale is not None or k_cache.dtype == torch.float8_e4m3fn:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is None or t.dtype != torch.float32 or tuple(t.shape) != (kv,) or t.device != k_cache.device:
+                shown = None if t is None else f"{t.dtype} {list(t.shape)} on {t.device}"
+                raise ValueError(f"{op}: an FP8 cache is written with {name} float32 [{kv}] on {k_cache.device}, "
+                                 f"got {shown}")
+        scales, dtype = (k_scale, v_scale), torch.float8_e4m3fn
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 4 or tuple(c.shape[2:]) != (kv, dh) or c.dtype != dtype or c.stride(-1) != 1:
             raise ValueError(f"{op}: {name} must be {dtype} [N, T, {kv}, {dh}] with a contiguous last dim, got "
@@ -55,6 +65,7 @@ def _check_cache_write(op: str, B: int, S: int, kv: int, dh: int, dtype: torch.d
                          f"{slots.dtype} {list(slots.shape)}")
     if positions.dtype != torch.int64 or tuple(positions.shape) != (B, S):
         raise ValueError(f"{op}: positions must be int64 {[B, S]}, got {positions.dtype} {list(positions.shape)}")
+    return scales
 
 
 def _check_rope_table(op: str, cos, sin, rows: int, dh: int, device) -> tuple | None:
@@ -92,20 +103,24 @@ def register_triton(runs_kernels, launch_head_norm_rope, launch_head_norm_rope_c
     def _head_norm_rope_cache_op(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float,
                                  theta: float, use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slots: torch.Tensor, rope_cos: torch.Tensor | None = None,
-                                 rope_sin: torch.Tensor | None = None) -> torch.Tensor:
+                                 rope_sin: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``head_norm_rope_triton`` of x [B, S, H + KV, Dh] (q and k heads) whose k heads, and v [B, S,
         KV, Dh], go straight into the caches [N, T, KV, Dh] at rows ``slots`` [B], positions
         ``positions`` [B, S] (the layers' ``k_cache[slots[:, None], positions] = k``): one kernel
         instead of the norm and two index_put kernels. → the normed q [B, S, H, Dh]. Its reference is
         ``plugins.head_norm_rope.reference.head_norm_rope_cache_reference``. ``rope_cos``/``rope_sin``: the
         step's RoPE table of ``positions`` ([B·S, Dh/2] fp32, ``linear_rope_table_triton``), read
-        instead of computing the angles (the same bits)."""
+        instead of computing the angles (the same bits). ``k_scale``/``v_scale`` float32 [KV]: the caches are
+        an FP8 cache's (float8_e4m3fn), the keys and values written quantized (``reference.quantize_kv``)."""
         _check_heads("head_norm_rope", x)
         _check_new_v("head_norm_rope", x, v, q_heads=False)
         B, S, _, dh = x.shape
-        _check_cache_write("head_norm_rope", B, S, v.shape[2], dh, x.dtype, positions, k_cache, v_cache, slots)
+        scales = _check_cache_write("head_norm_rope", B, S, v.shape[2], dh, x.dtype, positions, k_cache, v_cache,
+                                    slots, k_scale, v_scale)
         table = _check_rope_table("head_norm_rope", rope_cos, rope_sin, B * S, dh, x.device)
         if not runs_kernels(x):
-            return head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots)
+            return head_norm_rope_cache_reference(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots,
+                                                  scales)
         return launch_head_norm_rope_cache(x, v, positions, eps, theta, use_rope, k_cache, v_cache, slots,
-                                           table=table)
+                                           table=table, scales=scales)

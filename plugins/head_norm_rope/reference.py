@@ -46,12 +46,13 @@ def head_norm_rope_reference(x: torch.Tensor, positions: torch.Tensor, eps: floa
 
 def head_norm_rope_cache_reference(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float,
                                    theta: float, use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                   slots: torch.Tensor) -> torch.Tensor:
+                                   slots: torch.Tensor, scales=None) -> torch.Tensor:
     """``head_norm_rope_reference`` of x [B, S, H + KV, Dh] (q and k heads), its k heads and v [B, S,
     KV, Dh] written into the caches at rows ``slots`` [B], positions ``positions`` [B, S] →
-    the normed q [B, S, H, Dh]: the spec of ``muse_spark::head_norm_rope_cache_triton``."""
+    the normed q [B, S, H, Dh]: the spec of ``muse_spark::head_norm_rope_cache_triton``. ``scales``: an FP8
+    cache's (k_scale, v_scale), the writes quantized."""
     n = head_norm_rope_reference(x, positions, eps, theta, use_rope)
     H = x.shape[2] - v.shape[2]
     kind = PagedKV if slots.dim() == 2 else CacheKV  # (block tables into pools of blocks, or slot rows)
-    kind(k_cache, v_cache, slots, positions, None)(n[:, :, H:], v)  # the layers' cache write
+    kind(k_cache, v_cache, slots, positions, None, scales)(n[:, :, H:], v)  # the layers' cache write
     return n[:, :, :H].contiguous()

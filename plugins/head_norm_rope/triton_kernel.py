@@ -158,6 +158,15 @@ def _head_norm_rope_kernel(
 
 
 @triton.jit
+def fp8_codes(x, scale, dtype: tl.constexpr):
+    """An FP8 KV cache's codes of ``x`` (the compute dtype's values) with ``scale`` (broadcast against x): x / scale
+    in fp32 (correctly rounded), saturated to ±448, rounded to nearest even into ``dtype`` (float8e4nv):
+    ``plugins.attention.reference.quantize_kv``."""
+    y = div_rn(x.to(tl.float32), scale)
+    return to_rne(tl.minimum(tl.maximum(y, -448.0), 448.0), dtype)
+
+
+@triton.jit
 def _head_norm_rope_cache_kernel(
     x_ptr,  # [B, S, H + KV, Dh], last dim contiguous: q and k heads
     v_ptr,  # [B, S, KV, Dh], last dim contiguous
@@ -174,10 +183,14 @@ def _head_norm_rope_cache_kernel(
     # requests' block tables [B, T / PAGE] (row stride STAB): position p goes to offset p % PAGE of block
     # table[b, p // PAGE]
     STAB=0, PAGE: tl.constexpr = 0,
+    # KV_FP8: the caches hold an FP8 cache's E4M3 codes, written with the KV heads' scales ks_ptr/vs_ptr
+    # (float32 [KV]: ``fp8_codes``)
+    ks_ptr=None, vs_ptr=None, KV_FP8: tl.constexpr = False,
 ):
     """``_head_norm_rope_kernel`` whose heads from H on are keys, stored into the K cache at row
     slots[b], position pos[b, s] instead of the output; the last column of programs copies v's
-    heads into the V cache there. A row or position outside the caches writes nothing."""
+    heads into the V cache there (``KV_FP8``: both quantized). A row or position outside the caches
+    writes nothing."""
     HALF: tl.constexpr = DH // 2
     row = tl.program_id(0) + pdl_enter(PDL)  # every load and store is addressed after the PDL wait
     b = row // S
@@ -198,6 +211,8 @@ def _head_norm_rope_cache_kernel(
         dd = tl.arange(0, DH)
         val = tl.load(v_ptr + b.to(tl.int64) * sv_b + s.to(tl.int64) * sv_s + kvh[:, None].to(tl.int64) * sv_h
                       + dd[None, :], mask=vm, other=0.0)
+        if KV_FP8:
+            val = fp8_codes(val, tl.load(vs_ptr + kvh, mask=kvh < KVH, other=1.0)[:, None], vc_ptr.dtype.element_ty)
         tl.store(vc_ptr + slot * svc_n + cpos * svc_t + kvh[:, None].to(tl.int64) * svc_h + dd[None, :], val, mask=vm)
     else:
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -211,6 +226,10 @@ def _head_norm_rope_cache_kernel(
         tl.store(dst + HALF, y2, mask=qm)
         km = hm & (heads >= H)[:, None] & in_cache
         kdst = kc_ptr + slot * skc_n + cpos * skc_t + (heads - H)[:, None].to(tl.int64) * skc_h + d
+        if KV_FP8:  # (the normed keys, rounded to the compute dtype as the reference's are, then quantized)
+            ksc = tl.load(ks_ptr + (heads - H), mask=(heads >= H) & (heads < NH), other=1.0)[:, None]
+            y1 = fp8_codes(y1, ksc, kc_ptr.dtype.element_ty)
+            y2 = fp8_codes(y2, ksc, kc_ptr.dtype.element_ty)
         tl.store(kdst, y1, mask=km)
         tl.store(kdst + HALF, y2, mask=km)
 
@@ -267,7 +286,8 @@ def launch_rope_table(positions: torch.Tensor, theta: float, dh: int, wrap=lambd
 def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, eps: float, theta: float,
                                 use_rope: bool, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                                 wrap=lambda f: f, pdl: int = 0,
-                                table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                                table: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``launch_head_norm_rope`` of x [B, S, H + KV, Dh] (q and k side by side) with the key heads and
     v [B, S, KV, Dh] written into the caches [N, T, KV, Dh] (last dim contiguous) at row
     ``slots[b]``, position ``positions[b, s]`` (as ``k_cache[slots[:, None], positions] = k``) →
@@ -278,7 +298,9 @@ def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: tor
     ``launch_rope_table(positions)`` writes them, read instead of computing the angles (the same
     bits; the engines by default, from the qkv projection's launch; off with the kernel option
     ``rope_table`` false). ``slots`` [B, n] (paged caches): pools of blocks [blocks, P, KV, Dh] and the
-    requests' block tables; position p goes to offset p % P of block slots[b, p // P]."""
+    requests' block tables; position p goes to offset p % P of block slots[b, p // P]. ``scales`` =
+    (k_scale, v_scale) float32 [KV]: the caches are an FP8 cache's (float8_e4m3fn), written quantized
+    (``plugins.attention.reference.quantize_kv``)."""
     B, S, NH, dh = x.shape
     paged = slots.dim() == 2
     if paged and slots.stride(-1) != 1:
@@ -304,5 +326,7 @@ def launch_head_norm_rope_cache(x: torch.Tensor, v: torch.Tensor, positions: tor
         cos_ptr=x if table is None else table[0], sin_ptr=x if table is None else table[1],
         TABLE=table is not None and bool(use_rope), STAB=slots.stride(0) if paged else 0,
         PAGE=k_cache.shape[1] if paged else 0,
+        ks_ptr=x if scales is None else scales[0], vs_ptr=x if scales is None else scales[1],
+        KV_FP8=scales is not None,
     )
     return out

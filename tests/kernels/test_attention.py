@@ -763,3 +763,45 @@ def test_attention_cache_op_rejects_bad_inputs(tops):
         op(*args, half, None)
     with pytest.raises(ValueError, match=r"attention_cache: rope_cos must be a contiguous float32"):
         op(*args, half[:-1], half)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", ["straddle", "past_window", "head128"])
+def test_the_fused_attention_writes_and_reads_an_fp8_cache(tops, shape):
+    """An FP8 KV cache in the fused kernel (``attention_cache_triton`` with the KV heads' scales): it quantizes
+    the new keys and values as it writes them (the codes of the norm kernel's quantized write, bit for bit on
+    the interpreter; within one E4M3 step of it on the GPU, where the keys' norm may round otherwise), then
+    attends over the dequantized tiles: as the norm kernel's write followed by the attention over the same
+    FP8 cache (bits on the interpreter, bf16 tolerance on the GPU), and within bf16 tolerance of the fp32 spec
+    (the references' write, dequantized rows)."""
+    from muse_spark.plugins.attention.reference import KeyBounds, attend_reference, cache_rows, quantize_kv
+    from muse_spark.plugins.head_norm_rope.reference import head_norm_rope_cache_reference
+
+    from tolerances import TOL as ATTN_TOL
+
+    B, S, H, KV, dh, n, T, window, firsts = ATTN_CACHE_SHAPES[shape]
+    x, v, positions, slots, (kc, vc), last = attention_cache_operands(B, S, H, KV, dh, n, T, firsts)
+    scales = (torch.linspace(0.02, 0.2, KV, device=kc.device), torch.linspace(0.3, 0.03, KV, device=kc.device))
+    kq, vq = quantize_kv(kc, scales[0]), quantize_kv(vc, scales[1])
+    k2, v2 = kq.clone(), vq.clone()
+    q = torch.ops.muse_spark.head_norm_rope_cache_triton(x, v, positions, 1e-6, 5e5, True, k2, v2, slots,
+                                                         k_scale=scales[0], v_scale=scales[1])
+    bounds = KeyBounds(last, window)
+    want = tops.attention(q, k2, v2, bounds, slots, scales)
+    got = tops.attention_cache(x, v, positions, 1e-6, 5e5, True, kq, vq, slots, bounds, scales=scales)
+    assert got.shape == (B, S, H, dh) and torch.isfinite(got).all()
+    assert torch.equal(vq.view(torch.uint8), v2.view(torch.uint8))
+    if INTERPRETED:
+        assert torch.equal(kq.view(torch.uint8), k2.view(torch.uint8)) and torch.equal(got, want)
+    else:
+        assert ((kq.float() - k2.float()).abs() <= 2.0**-3 * k2.float().abs() + 2.0**-9).all()
+        torch.testing.assert_close(got, want, **ATTN_TOL[torch.bfloat16])
+    rk, rv = (quantize_kv(c.cpu(), s.cpu()) for c, s in zip(attention_cache_operands(B, S, H, KV, dh, n, T, firsts)[4],
+                                                             scales))
+    cpu_scales = tuple(s.cpu() for s in scales)
+    rq = head_norm_rope_cache_reference(x.cpu(), v.cpu(), positions.cpu(), 1e-6, 5e5, True, rk, rv, slots.cpu(),
+                                        cpu_scales)
+    mask = KeyBounds(last.cpu(), window).dense()
+    rows = cache_rows(rk, rv, mask, slots.cpu(), cpu_scales, torch.bfloat16)
+    ref = attend_reference(rq.float(), rows[0].float(), rows[1].float(), mask)
+    torch.testing.assert_close(got.float().cpu(), ref, **ATTN_TOL[torch.bfloat16])

@@ -276,3 +276,40 @@ def test_the_rope_table_ops_refuse_what_they_cannot_take(tops):
         lrt(x, w, torch.zeros(1, 3, dtype=torch.int64, device=DEV), 5e5, 16)
     with pytest.raises(ValueError, match="head_dim 12 must be a power of two"):
         lrt(x, w, torch.zeros(1, 4, dtype=torch.int64, device=DEV), 5e5, 12)
+
+
+@needs_kernels
+@pytest.mark.parametrize("paged", [False, True], ids=["slot_rows", "block_tables"])
+def test_head_norm_rope_cache_kernel_quantizes_into_an_fp8_cache(tops, paged):
+    """An FP8 KV cache (E4M3 codes, a float32 scale per KV head): the fused write stores the codes the layers'
+    quantized write (``quantize_kv`` of the plain kernel's k heads and of v) stores, bit for bit, and nothing
+    else; q is the plain kernel's. Through block tables too."""
+    from muse_spark.plugins.attention.reference import quantize_kv
+
+    x, v, positions, slots, (kc, vc) = cache_write_operands()
+    KV = v.shape[2]
+    H = x.shape[2] - KV
+    ks = torch.linspace(0.05, 0.3, KV, device=kc.device)
+    vs = torch.linspace(0.4, 0.02, KV, device=kc.device)
+    kq, vq = quantize_kv(kc, ks), quantize_kv(vc, vs)
+    rows = slots
+    if paged:  # the same positions as pools of 8-position blocks (block 0 owned by nobody): slot s's position p
+        n = kq.shape[1] // 8  # in block 1 + s·n + p // 8
+        kq, vq = (torch.cat([c[:1, :8], c.reshape(-1, 8, *c.shape[2:])]) for c in (kq, vq))
+        rows = 1 + slots[:, None] * n + torch.arange(n, device=slots.device)[None, :]
+    want_k, want_v = kq.clone(), vq.clone()
+    normed = tops.head_norm_rope(x, positions, 1e-6, 5e5, True)
+    from muse_spark.plugins.attention.reference import CacheKV, PagedKV
+
+    kind = PagedKV if paged else CacheKV
+    kind(want_k, want_v, rows, positions, None, (ks, vs))(normed[:, :, H:], v)
+    q = torch.ops.muse_spark.head_norm_rope_cache_triton(x, v, positions, 1e-6, 5e5, True, kq, vq, rows,
+                                                         k_scale=ks, v_scale=vs)
+    assert torch.equal(q, normed[:, :, :H])
+    assert torch.equal(kq.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(vq.view(torch.uint8), want_v.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"an FP8 cache is written with k_scale float32 \[%d\]" % KV):
+        torch.ops.muse_spark.head_norm_rope_cache_triton(x, v, positions, 1e-6, 5e5, True, kq, vq, rows)
+    with pytest.raises(ValueError, match="k_cache must be"):  # scales for a cache of the compute dtype
+        torch.ops.muse_spark.head_norm_rope_cache_triton(x, v, positions, 1e-6, 5e5, True, kc, vc, slots,
+                                                         k_scale=ks, v_scale=vs)
