@@ -41,7 +41,6 @@ ACTIVATION_SCHEMES = ("dynamic", "static")
 # The target's KV cache: "auto" (the compute dtype) or "fp8" (E4M3 codes with a float32 scale per layer and KV
 # head, ``models.layers.Attention.k_scale``/``v_scale``; docs/fp8.md)
 KV_CACHE_DTYPES = ("auto", "fp8")
-FP8_MAX = 448.0  # E4M3's largest finite value
 
 
 def check_kv_cache_scheme(kv: Any, where: str) -> None:

@@ -35,9 +35,8 @@ import muse_spark.plugins  # noqa: F401  (registers torch.ops.muse_spark.*)
 from muse_spark.plugins import dispatch
 from muse_spark.config import MuseSpark1xConfig
 from muse_spark.options import KernelOptions, current_options
-from muse_spark.plugins.attention.reference import (CacheKV, KeyBounds, KVProvider, KVScales, Mask,
-                                                    attend_reference,
-                                                    cache_rows, triton_attention_fits)
+from muse_spark.plugins.attention.reference import (FP8_MAX, CacheKV, KeyBounds, KVProvider, KVScales,
+                                                    Mask, attend_reference, cache_rows, triton_attention_fits)
 from muse_spark.plugins.head_norm_rope.reference import head_norm_rope_reference
 from muse_spark.plugins.linear.reference import linear_reference, silu_mul_halves
 from muse_spark.plugins.norm import rms_norm
@@ -204,7 +203,6 @@ def _triton_linear_fits(x: torch.Tensor, w) -> bool:
 
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite E4M3 (float8_e4m3fn) value
 
 
 class Fp8Weight:
