@@ -589,6 +589,21 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
     for k in grouped:
         assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
     assert "fma.rn.f32" not in grouped[0].asm["ptx"]
+    # an FP8 cache (KV_FP8: E4M3 k/v, the KV head's float32 scales): the plain form, through block tables, and the
+    # fused write (quantizing as it stores): each compiles and fits; the plain one stays free of contracted
+    # multiply-adds (the tiles' dequantization is explicitly rounded)
+    fp8 = {n: ("*fp8e4nv" if n in ("k_ptr", "v_ptr") else t) for n, t in zip(names, types)}
+    plain = {n: fp8[n] for n in names[:25]}
+    scales = {"ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+    base = dict(SCALE=128 ** -0.5, REP=4, DH=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_T=cfg["BLOCK_T"],
+                SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=False, EARLY_KV=True, BOUNDS=True, KV_FP8=True)
+    forms = [(dict(plain, **scales), dict(base, HAS_SLOTS=True)),
+             (dict(plain, STAB="i32", **scales), dict(base, HAS_SLOTS=False, PAGE=16, SPLITS=3)),
+             (dict(fp8, **scales), dict(base, HAS_SLOTS=True, NORM_QK=True, EPS=1e-6, THETA=5e5, ROPE=True))]
+    quantized = [compile_for_hopper(ak._partial_kernel, sig, c, cfg["num_warps"]) for sig, c in forms]
+    for k in quantized:
+        assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
+    assert "fma.rn.f32" not in quantized[0].asm["ptx"] and "e4m3" in quantized[2].asm["ptx"]
 
 
 # (B, S, H, KV, dh, cache rows, cache length, window, first position of request 0 and 1): one row

@@ -198,8 +198,9 @@ def test_head_norm_rope_kernel_compiles_for_hopper_with_the_exact_math():
     names = [n for n, prm in inspect.signature(hk._head_norm_rope_cache_kernel.fn).parameters.items()
              if "constexpr" not in str(prm.annotation)]
     sig = dict(zip(names, ["*bf16", "*bf16", "*i64", "*i64", "*bf16", "*bf16", "*bf16"] + ["i32"] * 20
-                   + ["*fp32", "*fp32", "i32"]))  # (cos_ptr, sin_ptr: the table, read with TABLE; STAB)
-    assert len(sig) == len(names) == 30
+                   + ["*fp32", "*fp32", "i32", "*fp32", "*fp32"]))  # (cos_ptr, sin_ptr: the table, read with
+    # TABLE; STAB; ks_ptr, vs_ptr: an FP8 cache's scales, read with KV_FP8)
+    assert len(sig) == len(names) == 32
     consts = dict(EPS=1e-6, THETA=5e5, DH=128, BLOCK_H=hk.BLOCK_H, ROPE=True, BLOCK_KV=8)
     k = compile_for_hopper(hk._head_norm_rope_cache_kernel, sig, consts, 4)
     assert k.asm["cubin"] and "cos.approx" not in k.asm["ptx"]
@@ -209,6 +210,12 @@ def test_head_norm_rope_kernel_compiles_for_hopper_with_the_exact_math():
     # trigonometry (its large-argument reduction keeps an array in local memory)
     t = compile_for_hopper(hk._head_norm_rope_cache_kernel, sig, dict(consts, TABLE=True), 4).asm["ptx"]
     assert "ld.local" in k.asm["ptx"] and "ld.local" not in t and len(t.splitlines()) < len(ptx.splitlines()) / 2
+    # writing an FP8 cache (KV_FP8: E4M3 caches, the codes by a saturating round-to-nearest conversion), slot rows
+    # and block tables
+    fp8 = dict(sig, kc_ptr="*fp8e4nv", vc_ptr="*fp8e4nv")
+    for extra in ({}, {"PAGE": 16}):
+        f = compile_for_hopper(hk._head_norm_rope_cache_kernel, fp8, dict(consts, KV_FP8=True, **extra), 4)
+        assert f.asm["cubin"] and "e4m3" in f.asm["ptx"]
 
 
 @needs_kernels
