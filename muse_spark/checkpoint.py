@@ -234,11 +234,16 @@ def _kv_scale(directory, ck: str, t: torch.Tensor, cfg: MuseSpark1xConfig) -> to
     else:
         raise CheckpointError(f"{directory}: tensor {ck!r} has shape {list(t.shape)}, expected a scale per layer "
                               f"([] or [1]) or per KV head ([{kv}])")
+    _check_positive(directory, ck, t)
+    return t.contiguous()
+
+
+def _check_positive(directory, ck: str, t: torch.Tensor) -> None:
+    """Scales (FP8 weights' or an FP8 KV cache's) must be positive finite numbers."""
     bad = ~(torch.isfinite(t) & (t > 0))
     if bool(bad.any()):
         raise CheckpointError(f"{directory}: tensor {ck!r} has {int(bad.sum())} scale(s) that are not positive "
                               f"finite numbers (e.g. {float(t[bad][0])})")
-    return t.contiguous()
 
 
 # ---- FP8 ----------------------------------------------------------------------------------
@@ -471,11 +476,11 @@ def load_state_dict(directory: str | Path, cfg: MuseSpark1xConfig, dtype: torch.
     for name, shape in expect.items():
         if name.endswith("residual_gate") and name not in sd:
             sd[name] = torch.ones(shape, dtype=torch.float32)  # absent gates mean 1
-        elif _KV_SCALE_RE.match(name) and name not in sd and not declared:
-            sd[name] = torch.ones(shape, dtype=torch.float32)  # an FP8 cache asked for without scales: 1
         elif _KV_SCALE_RE.match(name) and name not in sd:
-            raise CheckpointError(f"{directory}: missing tensor {name!r} (the FP8 KV cache's scale that "
-                                  "quantization_config's kv_cache_scheme declares)")
+            if declared:
+                raise CheckpointError(f"{directory}: missing tensor {name!r} (the FP8 KV cache's scale that "
+                                      "quantization_config's kv_cache_scheme declares)")
+            sd[name] = torch.ones(shape, dtype=torch.float32)  # an FP8 cache asked for without scales: 1
         elif name not in sd:
             shown = {"draft_id_to_target_id": "d2t"}.get(name, name)
             if is_draft and shown.startswith("model."):
@@ -522,10 +527,7 @@ def _load_scales(directory, source: TensorSource, module: str, kind: str, layout
                     f"([{rows}, 1] or [{rows}]); block-wise scales are not supported") if kind == "weight_scale" \
                 else "a per-tensor scale ([] or [1])"
             raise CheckpointError(f"{directory}: tensor {ck!r} has shape {list(shape)}, expected {want}")
-        bad = ~(torch.isfinite(t) & (t > 0))
-        if bool(bad.any()):
-            raise CheckpointError(f"{directory}: tensor {ck!r} has {int(bad.sum())} scale(s) that are not positive "
-                                  f"finite numbers (e.g. {float(t[bad][0])})")
+        _check_positive(directory, ck, t)
         pieces.append(t)
     if kind == "input_scale":
         return torch.stack(pieces).max().contiguous()
