@@ -3,6 +3,7 @@ attention + cache write spends its time.
 
     python benchmarks/attention.py [--batches 1,8,32] [--context 1024] [--window 1152] [--sweep]
     python benchmarks/attention.py --cache [--batches 1] [--layers 32] [--splits 1,3,9] [--ncu]
+    python benchmarks/attention.py --paged [--batches 1,8,32] [--pages 16,64] [--layers 32]
 
 Kernels (the default mode): the inputs are as the step's layer package passes them: whole KV caches
 (one spare row) and each request's slot. For each batch: the split-KV Triton kernel (the default,
@@ -30,6 +31,11 @@ differences place its time (timing only: ``no_rope`` changes the result):
 * ``fused_no_store``: positions past the caches, so no program stores new keys (the barrier stays);
 * ``fused_table SPLITS=g`` (``--splits``): ``fused_table`` with g splits of the window a program
   (the default lets the launcher choose: ``splits_per_program``); checked bit for bit against it.
+
+``--paged``: paged against slot caches at each batch (``--pages`` block sizes, 16 and 64 by default): the
+attention and the fused attention + cache write over ``--layers`` layers, reading the same keys in place or
+through shuffled block tables, the table loaded per tile, a tile ahead, and as int32 offsets
+(``TABLE_LOADS``); each paged output checked bit for bit against the slot caches'.
 
 ``--ncu`` (with ``--cache``): each kernel once, between cudaProfilerStart/Stop, for Nsight Compute
 (``ncu --clock-control none --profile-from-start off ... python benchmarks/attention.py --cache --ncu``).
@@ -255,6 +261,77 @@ def fused_cache(a, B: int) -> dict:
                 splits_equal_default={str(k): v for k, v in splits_same.items()}, us_per_layer=us_per_layer)
 
 
+# --paged: the block-table loads as the kernel may issue them (launch_attention config keys)
+TABLE_LOADS = {"per tile": {}, "a tile ahead": dict(TAB_AHEAD=True), "int32": dict(TAB_I32=True),
+               "a tile ahead, int32": dict(TAB_AHEAD=True, TAB_I32=True)}
+
+
+def paged(a, B: int) -> dict:
+    """Paged against slot caches at batch ``B``, ``a.layers`` layers each with its own caches (µs a layer): the
+    attention (bounds form) and the fused attention + cache write, reading the same keys from slot caches in
+    place or through block tables of ``a.pages``-position blocks (shuffled over a pool), under each way of
+    loading the table (``TABLE_LOADS``); every paged output checked bit for bit against the slot caches'."""
+    from muse_spark.plugins.attention.triton_kernel import launch_attention
+
+    dev = torch.device("cuda")
+    T = a.window
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(B, S, H + KV, DH, device=dev, generator=g).bfloat16()  # the layer's raw q and k heads
+    q = torch.randn(B, S, H, DH, device=dev, generator=g).bfloat16()
+    v = torch.randn(B, S, KV, DH, device=dev, generator=g).bfloat16()
+    slots = torch.arange(B, device=dev)
+    pos = (a.context + torch.arange(S, device=dev)).expand(B, S).contiguous()
+    caches = [(torch.randn(B + 1, T, KV, DH, device=dev, generator=g).bfloat16(),
+               torch.randn(B + 1, T, KV, DH, device=dev, generator=g).bfloat16()) for _ in range(a.layers)]
+    forms = {"slot": (caches, slots)}
+    for P in a.pages:
+        n = -(-T // P)
+        perm = torch.randperm(B * n, device=dev, generator=g)  # request b's block j is pool block perm[b·n + j]
+        tables = perm.view(B, n)
+        pools = []
+        for kc, vc in caches:
+            pair = []
+            for c in (kc, vc):
+                rows = torch.nn.functional.pad(c[:B], (0, 0, 0, 0, 0, n * P - T)).view(B * n, P, KV, DH)
+                pool = torch.empty_like(rows)
+                pool[perm] = rows
+                pair.append(pool)
+            pools.append(tuple(pair))
+        forms[f"paged P={P}"] = (pools, tables)
+
+    def attention(kc, vc, rows, cfg):
+        return launch_attention(q, kc, vc, pos, rows, window=T, config=cfg)
+
+    def fused(kc, vc, rows, cfg):
+        return launch_attention(x, kc, vc, pos, rows, window=T, new_kv=(v, pos, EPS, THETA, True), config=cfg)
+
+    want = {"attention": attention(*caches[0], slots, {}),
+            "fused": fused(*(c.clone() for c in caches[0]), slots, {})}
+    us, bits = {}, {}
+    for form, (cs, rows) in forms.items():
+        for loads, cfg in (TABLE_LOADS.items() if form != "slot" else [("", {})]):
+            for kind, fn in (("attention", attention), ("fused", fused)):
+                name = f"{kind} {form}" + (f" ({loads})" if loads else "")
+                got = fn(*(c.clone() for c in cs[0]), rows, cfg)
+                bits[name] = bool(torch.equal(got, want[kind]))
+
+                def run(fn=fn, cs=cs, rows=rows, cfg=cfg):
+                    for kc, vc in cs:
+                        fn(kc, vc, rows, cfg)
+
+                run()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                us[name] = time_fn(graph.replay, dev, a.iters)["median_ms"] * 1e3 / a.layers
+                del graph
+                base = us[f"{kind} slot"]
+                print(f"B={B} {name:44} {us[name]:8.2f} us a layer  {us[name] / base:6.3f}× slot  "
+                      f"bits = slot: {bits[name]}", flush=True)
+    return dict(us_per_layer=us, bits_equal_slot=bits, pages=a.pages)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=batch_list, default=None,
@@ -269,14 +346,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--splits", default="1,3,9",
                    help="--cache: SPLITS values timed beside the default (fused_table), comma-separated")
     p.add_argument("--ncu", action="store_true", help="--cache: run each kernel once inside a profiler range (ncu)")
+    p.add_argument("--paged", action="store_true",
+                   help="paged against slot caches (attention and the fused cache write) instead")
+    p.add_argument("--pages", default="16,64", help="--paged: block sizes, comma-separated")
     p.add_argument("--out-dir", default=str(results.RESULTS), help="where the result goes (the common schema)")
     a = p.parse_args(argv)
     a.batches = a.batches or ([1] if a.cache else [1, 8, 32])
-    a.iters = a.iters or (30 if a.cache else 20)
+    a.iters = a.iters or (30 if a.cache or a.paged else 20)
+    a.pages = [int(P) for P in a.pages.split(",") if P]
     a.splits = [int(g) for g in a.splits.split(",") if g]
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA device")
-    if a.cache:
+    if a.paged:
+        res, name = {"batches": {str(B): paged(a, B) for B in a.batches}}, "attention_paged"
+    elif a.cache:
         res = {"batches": {str(B): fused_cache(a, B) for B in a.batches}}
         if a.ncu:
             return 0

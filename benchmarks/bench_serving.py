@@ -101,7 +101,7 @@ from muse_spark.serving.scheduler import Scheduler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
 from pairs import (add_engine_arguments, build_from_pair, check_pair, default_backend,  # noqa: E402
-                   default_device, pair_gamma, pair_summary, window)
+                   default_device, pair_gamma, pair_summary, parse_engine_arguments, window)
 from server_process import check_tritonserver, triton_server  # noqa: E402
 
 MODES = ("inprocess", "inprocess-target-only", "triton-http", "triton-grpc")
@@ -790,7 +790,7 @@ def main(argv: list[str] | None = None, prog: str = "python benchmarks/bench_ser
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     argv = sys.argv[1:] if argv is None else list(argv)
-    a = p.parse_args(argv)
+    a = parse_engine_arguments(p, argv)
     a.command = " ".join([prog, *argv]).strip()
     for name in ("num_requests", "prompt_len", "output_len"):
         if getattr(a, name) < 1:
@@ -819,7 +819,7 @@ def main(argv: list[str] | None = None, prog: str = "python benchmarks/bench_ser
                           pair_gamma(pair))
             a.engine = str(build_from_pair(pair, a.work_dir or tmp, backend=a.backend or default_backend(a.device),
                                            device=a.device, max_batch=max(a.concurrency), max_seq=need, log=log,
-                                           reuse=a.reuse_engine))
+                                           reuse=a.reuse_engine, kv_cache_dtype=a.kv_cache_dtype))
         return run(a, lengths, log, prog)
 
 

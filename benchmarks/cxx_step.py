@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import results  # noqa: E402
-from pairs import add_engine_arguments, build_from_pair, check_pair, default_device, pair_gamma, pair_summary, \
-    window  # noqa: E402
+from pairs import (add_engine_arguments, build_from_pair, check_pair, default_device, pair_gamma,  # noqa: E402
+                   pair_summary, parse_engine_arguments, window)
 
 RUNNERS = ("cxx", "cxx_no_graphs", "python")
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch's intra-op threads of the C++ runs")
     p.add_argument("--out-dir", default=str(results.RESULTS), help="folder for the result JSON")
     argv = sys.argv[1:] if argv is None else list(argv)
-    a = p.parse_args(argv)
+    a = parse_engine_arguments(p, argv)
     batches = sorted({int(b) for b in a.batches.split(",") if b})
     if not batches or batches[0] < 1 or a.max_tokens < 1 or a.prompt_len < 1 or a.warmup < 0:
         p.error("--batches, --max-tokens and --prompt-len must be >= 1, --warmup >= 0")
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             device = default_device(a.device)
             engine_dir = build_from_pair(pair, a.work_dir or tmp, backend="aoti", device=device,
                                          max_batch=max(batches), log=log, buckets=batches, reuse=a.reuse_engine,
+                                         kv_cache_dtype=a.kv_cache_dtype,
                                          max_seq=window(a.prompt_len, a.max_tokens, pair_gamma(pair)))
         else:
             engine_dir = Path(a.engine)

@@ -40,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
 from pairs import (add_engine_arguments, build_from_pair, check_pair, default_backend,  # noqa: E402
-                   default_device, pair_gamma, pair_summary, window)
+                   default_device, pair_gamma, pair_summary, parse_engine_arguments, window)
 from timing import batch_list, host_description  # noqa: E402
 
 COLUMNS = [("schedule", "schedule", "{}"), ("batch", "batch", "{}"),
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=str(results.RESULTS),
                    help="where the result goes, in the common schema (default: benchmarks/results)")
     p.add_argument("--markdown", default=None, help="also write the table here (Markdown)")
-    a = p.parse_args(argv)
+    a = parse_engine_arguments(p, argv)
     if a.max_tokens < 1 or a.prompt_len < 1:
         p.error("--max-tokens and --prompt-len must be positive")
     t_start = time.perf_counter()
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from muse_spark.builder.pair import draft_token_ids, random_prompts
+    from muse_spark.checkpoint import fp8_projections
     from muse_spark.runtime import load_engine
     from muse_spark.runtime.target_only import TargetOnlyDecoder
     from muse_spark.schedule import Schedule
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_dir = build_from_pair(pair, a.work_dir, backend=a.backend, device=a.device, max_batch=batches[-1],
                                      max_seq=max_seq, log=log, buckets=batches,
                                      verify_widths="default" if "confidence" in a.schedule else None,
-                                     reuse=a.reuse_engine)
+                                     reuse=a.reuse_engine, kv_cache_dtype=a.kv_cache_dtype)
         config["pair"] = pair_summary(pair)
     else:
         if a.backend:
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     config["engine"] = {"backend": engine.backend, "device": str(engine.device), "gamma": engine.gamma,
                         "max_batch": engine.max_batch, "max_seq": engine.max_seq,
                         "dtype": str(engine.target.dtype).removeprefix("torch."),
+                        "kv_cache_dtype": engine.target.cfg.kv_cache_dtype,
+                        "fp8_projections": fp8_projections(engine.target.cfg),
                         "options": engine.options.to_dict(),
                         "cuda_graphs": bool(getattr(engine, "cuda_graphs", False))}
     config["host"] = host_description(engine.device.type)

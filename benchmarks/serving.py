@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
 from pairs import (add_engine_arguments, build_from_pair, check_pair, default_backend,  # noqa: E402
-                   default_device, pair_gamma, pair_summary, window)
+                   default_device, pair_gamma, pair_summary, parse_engine_arguments, window)
 from server_process import post, triton_server  # noqa: E402
 
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--stub-numpy", default=None, help="passed to muse-spark serve")
     p.add_argument("--out", default=str(results.RESULTS), help="folder for the result JSON")
-    a = p.parse_args(argv)
+    a = parse_engine_arguments(p, argv)
 
     def log(msg: str) -> None:
         print(f"[serving-bench] {msg}", file=sys.stderr, flush=True)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             a.engine = str(build_from_pair(pair, a.work_dir or tmp, backend=a.backend or default_backend(a.device),
                                            device=a.device, max_batch=a.concurrency,
                                            max_seq=window(a.prompt_len, a.max_tokens, pair_gamma(pair)), log=log,
-                                           reuse=a.reuse_engine))
+                                           reuse=a.reuse_engine, kv_cache_dtype=a.kv_cache_dtype))
         return run(a, log)
 
 

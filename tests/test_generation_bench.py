@@ -64,3 +64,29 @@ def test_schedules_off_and_confidence_side_by_side(tmp_path):
     conf = rows["confidence"]["speculative"]["confidence"]
     assert conf["auroc"] > 0.9 and conf["mean_when_accepted"] > conf["mean_when_rejected"]
     assert "sampled_acceptance" not in doc["results"]
+
+
+def test_an_fp8_pair_with_an_fp8_kv_cache(tmp_path):
+    """A quantized pair (``muse-spark quantize``) built with ``--kv-cache-dtype fp8``: the record names the FP8
+    projections and cache, and speculative decoding gives the FP8 target's own greedy tokens. ``--kv-cache-dtype``
+    with a built ``--engine`` is refused (its cache was chosen at its build)."""
+    from muse_spark.builder.quantize import quantize_checkpoint
+
+    make_pair(tmp_path / "pair", "tiny", acceptance=0.8, seed=0)
+    for part in ("target", "draft"):
+        quantize_checkpoint(tmp_path / "pair" / part, tmp_path / "fp8" / part)
+    out = tmp_path / "results"
+    script = [sys.executable, str(ROOT / "benchmarks" / "generation.py")]
+    r = subprocess.run(script + ["--pair", str(tmp_path / "fp8"), "--backend", "eager", "--device", "cpu",
+                                 "--kv-cache-dtype", "fp8", "--batches", "2", "--max-tokens", "12", "--prompt-len", "8",
+                                 "--work-dir", str(tmp_path / "work"), "--out-dir", str(out),
+                                 "--sampled-acceptance", "0"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    (doc,) = [json.loads(p.read_text()) for p in out.glob("*_generation.json")]
+    engine = doc["config"]["engine"]
+    assert engine["kv_cache_dtype"] == "fp8" and "o_proj" in " ".join(engine["fp8_projections"])
+    assert doc["results"]["outputs_identical"]
+    (built,) = (tmp_path / "work").glob("engine-*-kvfp8")
+    r = subprocess.run(script + ["--engine", str(built), "--kv-cache-dtype", "fp8"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--kv-cache-dtype is for --pair" in r.stderr

@@ -86,7 +86,7 @@ NEW_ROWS = 16  # new K/V rows per pass of the fused cache write (NORM_QK)
 # ``maxnreg`` (eager launches only; capping the partial kernel's ~227 registers at 96 or 64 was
 # slower at every batch on the H200).
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
-                      merge_warps=1, EARLY_KV=True, SPLITS=0)  # num_stages: Triton's default unless a sweep sets it
+                      merge_warps=1, EARLY_KV=True, SPLITS=0, TAB_AHEAD=False, TAB_I32=False)  # num_stages: Triton's default unless a sweep sets it
 # SPLITS: splits of the window one program of the partial kernel runs in turn; 0 = the kernel options'
 # ``attention_splits``, and where that is 0 too, ``splits_per_program``'s choice. Any value gives the
 # same bits (each split's partials are computed as by a program of its own).
@@ -198,15 +198,24 @@ def _store_new_kv(x_ptr, vn_ptr, pos_ptr, kc_ptr, vc_ptr, b, kvh, kv_row, row_ok
 
 
 @triton.jit
-def _kv_tile(k_base, v_base, t, tm, d, kmask, vmask, tab_ptr, b, stab, sk_b, sk_t, sv_b, sv_t, PAGE: tl.constexpr,
+def _tile_blocks(tab_ptr, b, stab, t, tm, PAGE: tl.constexpr, TAB_I32: tl.constexpr):
+    """Keys t's blocks tab[b, t // PAGE] (``tm``: the keys whose entries are read; 0 elsewhere), as int64
+    or (``TAB_I32``: the pool's elements fit in int32) int32."""
+    blk = tl.load(tab_ptr + b * stab + t // PAGE, mask=tm, other=0)
+    if TAB_I32:
+        return blk.to(tl.int32)
+    return blk.to(tl.int64)
+
+
+@triton.jit
+def _kv_tile(k_base, v_base, t, tm, d, kmask, vmask, blk, sk_b, sk_t, sv_b, sv_t, PAGE: tl.constexpr,
              ksc, vsc, KV_FP8: tl.constexpr, DT: tl.constexpr):
     """Keys t's K tile [DH, BLOCK_T] (transposed) and V tile [BLOCK_T, DH]: rows t of the request's cache
     row, or (``PAGE``, paged caches) through its block table: key t at offset t % PAGE of block
-    tab[b, t // PAGE] (``tm``: the keys of the window, whose table entries are read). ``KV_FP8``: the caches
+    ``blk`` (``_tile_blocks``). ``KV_FP8``: the caches
     hold E4M3 codes, dequantized here (code · scale in fp32, rounded once to the compute dtype ``DT``:
     ``reference.dequantize_kv``) with the KV head's scales ``ksc``/``vsc``."""
     if PAGE > 0:
-        blk = tl.load(tab_ptr + b * stab + t // PAGE, mask=tm, other=0).to(tl.int64)
         off = t % PAGE
         kt = tl.load(k_base + (blk[None, :] * sk_b + off[None, :] * sk_t + d[:, None]), mask=kmask, other=0.0)
         v = tl.load(v_base + (blk[:, None] * sv_b + off[:, None] * sv_t + d[None, :]), mask=vmask, other=0.0)
@@ -224,15 +233,23 @@ def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s
                    split, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE: tl.constexpr, DH: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr, IEEE_DOT: tl.constexpr,
                    HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, BOUNDS: tl.constexpr, GUARD: tl.constexpr,
-                   tab_ptr, stab, sk_b, sv_b, PAGE: tl.constexpr, ksc, vsc, KV_FP8: tl.constexpr, DT: tl.constexpr):
+                   tab_ptr, stab, sk_b, sv_b, PAGE: tl.constexpr, ksc, vsc, KV_FP8: tl.constexpr, DT: tl.constexpr,
+                   TAB_AHEAD: tl.constexpr, TAB_I32: tl.constexpr):
     """One split of the window for the program's row block: its online softmax over the split's
     tiles, and its partials (accumulator, max, sum) stored for the merge. ``GUARD``: the split may
-    lie past the last one (a program running several), and then reads and writes nothing."""
+    lie past the last one (a program running several), and then reads and writes nothing.
+    ``TAB_AHEAD`` (paged caches): a tile's block ids are loaded one tile ahead (the first tile's
+    before the split's bounds), so its K/V loads wait on no table load."""
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DH), tl.float32)
     t_begin = split * SPLIT_T
     t_end = tl.minimum(t_begin + SPLIT_T, T)
+    if PAGE > 0 and TAB_AHEAD:
+        t = t_begin + tl.arange(0, BLOCK_T)
+        blk_next = _tile_blocks(tab_ptr, b, stab, t, t < t_end, PAGE, TAB_I32)
+    else:
+        blk_next = tl.zeros((BLOCK_T,), tl.int32)  # (not read)
     if GUARD:  # a program's last splits may lie past the window
         t_end = tl.where(split < NSPLIT, t_end, t_begin)
     if BOUNDS:  # key t is visible to row r iff t ≤ last[b, s(r)]: no mask tensor to read
@@ -254,8 +271,15 @@ def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s
     for t0 in range(t_begin, t_end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < t_end
+        if PAGE > 0 and TAB_AHEAD:
+            blk = blk_next
+            blk_next = _tile_blocks(tab_ptr, b, stab, t + BLOCK_T, t + BLOCK_T < t_end, PAGE, TAB_I32)
+        elif PAGE > 0:
+            blk = _tile_blocks(tab_ptr, b, stab, t, tm, PAGE, TAB_I32)
+        else:
+            blk = blk_next  # (not read)
         if EARLY_KV:
-            kt, v = _kv_tile(k_base, v_base, t, tm, d, tm[None, :], tm[:, None], tab_ptr, b, stab, sk_b, sk_t, sv_b,
+            kt, v = _kv_tile(k_base, v_base, t, tm, d, tm[None, :], tm[:, None], blk, sk_b, sk_t, sv_b,
                              sv_t, PAGE, ksc, vsc, KV_FP8, DT)  # [DH, BLOCK_T], [BLOCK_T, DH]
         if BOUNDS:
             vis = (t[None, :] <= last[:, None]) & rmask[:, None] & tm[None, :]  # [BLOCK_M, BLOCK_T]
@@ -273,8 +297,8 @@ def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s
             # V issued with K (both wait on the mask only), not after the scores: one memory
             # round trip less in each tile's chain of dependent accesses. [DH, BLOCK_T], [BLOCK_T, DH];
             # unseen rows are 0, not garbage
-            kt, v = _kv_tile(k_base, v_base, t, tm, d, (tm & col_vis)[None, :], (tm & col_vis)[:, None], tab_ptr, b,
-                             stab, sk_b, sk_t, sv_b, sv_t, PAGE, ksc, vsc, KV_FP8, DT)
+            kt, v = _kv_tile(k_base, v_base, t, tm, d, (tm & col_vis)[None, :], (tm & col_vis)[:, None], blk,
+                             sk_b, sk_t, sv_b, sv_t, PAGE, ksc, vsc, KV_FP8, DT)
             m_i, l_i, acc = _tile_update(q, kt, v, vis, m_i, l_i, acc, SCALE, BLOCK_M, DH, IEEE_DOT)
     base = (bk * NSPLIT + split).to(tl.int64) * M  # this (request, KV head, split)'s first row
     if GUARD:
@@ -313,6 +337,9 @@ def _partial_kernel(
     # PAGE (paged caches): k/v are pools of blocks [blocks, PAGE, KV, Dh] and slot_ptr the requests' block
     # tables [B, n] (row stride STAB): key t of request b is at offset t % PAGE of block table[b, t // PAGE]
     STAB=0, PAGE: tl.constexpr = 0,
+    # TAB_AHEAD: block ids loaded a tile ahead (``_split_partial``); TAB_I32: the block offsets in int32
+    # (the launcher sets it where the pools' elements fit)
+    TAB_AHEAD: tl.constexpr = False, TAB_I32: tl.constexpr = False,
     # KV_FP8: k/v hold an FP8 cache's E4M3 codes, dequantized as each tile is loaded with the KV head's
     # scales ks_ptr[kvh], vs_ptr[kvh] (float32 [KV]): ``reference.dequantize_kv``
     ks_ptr=None, vs_ptr=None, KV_FP8: tl.constexpr = False,
@@ -384,7 +411,7 @@ def _partial_kernel(
         _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s, rows, rmask, d, last,
                        row_ok, split0 + i, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE, DH, BLOCK_M, BLOCK_T,
                        SPLIT_T, IEEE_DOT, HAS_SLOTS, EARLY_KV, BOUNDS, SPLITS > 1, slot_ptr, STAB, sk_b, sv_b, PAGE,
-                       ksc, vsc, KV_FP8, q_ptr.dtype.element_ty)
+                       ksc, vsc, KV_FP8, q_ptr.dtype.element_ty, TAB_AHEAD, TAB_I32)
 
 
 @triton.jit
@@ -534,6 +561,8 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None and not paged,
         EARLY_KV=cfg["EARLY_KV"], PDL=0 if interpret else int(pdl), BOUNDS=window is not None, SPLITS=splits,
         STAB=slots.stride(0) if paged else 0, PAGE=k.shape[1] if paged else 0, num_warps=cfg["num_warps"],
+        TAB_AHEAD=paged and bool(cfg["TAB_AHEAD"]),
+        TAB_I32=paged and bool(cfg["TAB_I32"]) and max(k.numel(), v.numel()) < 2 ** 31,
         **launch_opts,
         **fused,
         **fp8,

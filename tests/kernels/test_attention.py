@@ -324,11 +324,13 @@ def test_attention_through_block_tables_gives_the_slot_caches_bits(tops, shape, 
     kc, vc, slots = cache_with_slots(k, v, extra_positions=40)
     kb = bounds_of(mask)
     kp, vp, tables = paged_from_slots(kc, vc, slots, T, page)
-    for early in (True, False):
-        cfg = dict(EARLY_KV=early)
+    for early, ahead, i32 in ((True, False, False), (False, False, False), (True, True, False), (True, False, True),
+                              (False, True, True)):
+        # (block ids loaded a tile ahead, or as int32 offsets: the same keys, so the same bits)
+        cfg = dict(EARLY_KV=early, TAB_AHEAD=ahead, TAB_I32=i32)
         want = launch_attention(q, kc, vc, kb.last, slots, config=cfg, interpret=interpreting(), window=T)
         got = launch_attention(q, kp, vp, kb.last, tables, config=cfg, interpret=interpreting(), window=T)
-        assert torch.equal(got, want), early
+        assert torch.equal(got, want), cfg
     assert torch.equal(tops.attention(q, kp, vp, kb, tables), got)  # the op the models call
     torch.testing.assert_close(got.float(), attend_reference(q.float(), k.float(), v.float(), mask),
                                **TOL[torch.bfloat16])
