@@ -203,8 +203,10 @@ def _tile_blocks(tab_ptr, b, stab, t, tm, PAGE: tl.constexpr, TAB_I32: tl.conste
     or (``TAB_I32``: the pool's elements fit in int32) int32."""
     blk = tl.load(tab_ptr + b * stab + t // PAGE, mask=tm, other=0)
     if TAB_I32:
-        return blk.to(tl.int32)
-    return blk.to(tl.int64)
+        blk = blk.to(tl.int32)
+    else:
+        blk = blk.to(tl.int64)
+    return blk
 
 
 @triton.jit

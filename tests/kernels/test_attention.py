@@ -606,6 +606,12 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
     for k in quantized:
         assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
     assert "fma.rn.f32" not in quantized[0].asm["ptx"] and "e4m3" in quantized[2].asm["ptx"]
+    # through block tables, the table loaded per tile or a tile ahead, as int64 or int32 offsets: each compiles
+    paged = dict({n: t for n, t in zip(names[:25], types[:25])}, STAB="i32")
+    for ahead, i32 in ((False, False), (True, False), (False, True), (True, True)):
+        k = compile_for_hopper(ak._partial_kernel, paged, dict(base, KV_FP8=False, HAS_SLOTS=False, PAGE=16,
+                                                               TAB_AHEAD=ahead, TAB_I32=i32), cfg["num_warps"])
+        assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
 
 
 # (B, S, H, KV, dh, cache rows, cache length, window, first position of request 0 and 1): one row
