@@ -34,8 +34,8 @@ differences place its time (timing only: ``no_rope`` changes the result):
 
 ``--paged``: paged against slot caches at each batch (``--pages`` block sizes, 16 and 64 by default): the
 attention and the fused attention + cache write over ``--layers`` layers, reading the same keys in place or
-through shuffled block tables, the table loaded per tile, a tile ahead, and as int32 offsets
-(``TABLE_LOADS``); each paged output checked bit for bit against the slot caches'.
+through shuffled block tables with int32 and int64 block offsets (``TABLE_LOADS``); each paged output checked
+bit for bit against the slot caches'.
 
 ``--ncu`` (with ``--cache``): each kernel once, between cudaProfilerStart/Stop, for Nsight Compute
 (``ncu --clock-control none --profile-from-start off ... python benchmarks/attention.py --cache --ncu``).
@@ -261,16 +261,15 @@ def fused_cache(a, B: int) -> dict:
                 splits_equal_default={str(k): v for k, v in splits_same.items()}, us_per_layer=us_per_layer)
 
 
-# --paged: the block-table loads as the kernel may issue them (launch_attention config keys)
-TABLE_LOADS = {"per tile": {}, "a tile ahead": dict(TAB_AHEAD=True), "int32": dict(TAB_I32=True),
-               "a tile ahead, int32": dict(TAB_AHEAD=True, TAB_I32=True)}
+# --paged: the block offsets as int32 (the launcher's choice where the pools fit) and int64
+TABLE_LOADS = {"int32": {}, "int64": dict(TAB_I32=False)}
 
 
 def paged(a, B: int) -> dict:
     """Paged against slot caches at batch ``B``, ``a.layers`` layers each with its own caches (µs a layer): the
     attention (bounds form) and the fused attention + cache write, reading the same keys from slot caches in
-    place or through block tables of ``a.pages``-position blocks (shuffled over a pool), under each way of
-    loading the table (``TABLE_LOADS``); every paged output checked bit for bit against the slot caches'."""
+    place or through block tables of ``a.pages``-position blocks (shuffled over a pool), with int32 and int64
+    block offsets (``TABLE_LOADS``); every paged output checked bit for bit against the slot caches'."""
     from muse_spark.plugins.attention.triton_kernel import launch_attention
 
     dev = torch.device("cuda")
@@ -284,6 +283,7 @@ def paged(a, B: int) -> dict:
     caches = [(torch.randn(B + 1, T, KV, DH, device=dev, generator=g).bfloat16(),
                torch.randn(B + 1, T, KV, DH, device=dev, generator=g).bfloat16()) for _ in range(a.layers)]
     forms = {"slot": (caches, slots)}
+    first = {}  # each form's first layer before any timing (the fused runs write the new keys)
     for P in a.pages:
         n = -(-T // P)
         perm = torch.randperm(B * n, device=dev, generator=g)  # request b's block j is pool block perm[b·n + j]
@@ -298,6 +298,8 @@ def paged(a, B: int) -> dict:
                 pair.append(pool)
             pools.append(tuple(pair))
         forms[f"paged P={P}"] = (pools, tables)
+    for form, (cs, _) in forms.items():
+        first[form] = tuple(c.clone() for c in cs[0])
 
     def attention(kc, vc, rows, cfg):
         return launch_attention(q, kc, vc, pos, rows, window=T, config=cfg)
@@ -312,7 +314,7 @@ def paged(a, B: int) -> dict:
         for loads, cfg in (TABLE_LOADS.items() if form != "slot" else [("", {})]):
             for kind, fn in (("attention", attention), ("fused", fused)):
                 name = f"{kind} {form}" + (f" ({loads})" if loads else "")
-                got = fn(*(c.clone() for c in cs[0]), rows, cfg)
+                got = fn(*(c.clone() for c in first[form]), rows, cfg)
                 bits[name] = bool(torch.equal(got, want[kind]))
 
                 def run(fn=fn, cs=cs, rows=rows, cfg=cfg):

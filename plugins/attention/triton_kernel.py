@@ -86,7 +86,7 @@ NEW_ROWS = 16  # new K/V rows per pass of the fused cache write (NORM_QK)
 # ``maxnreg`` (eager launches only; capping the partial kernel's ~227 registers at 96 or 64 was
 # slower at every batch on the H200).
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
-                      merge_warps=1, EARLY_KV=True, SPLITS=0, TAB_AHEAD=False, TAB_I32=False)  # num_stages: Triton's default unless a sweep sets it
+                      merge_warps=1, EARLY_KV=True, SPLITS=0, TAB_I32=None)  # num_stages: Triton's default unless a sweep sets it
 # SPLITS: splits of the window one program of the partial kernel runs in turn; 0 = the kernel options'
 # ``attention_splits``, and where that is 0 too, ``splits_per_program``'s choice. Any value gives the
 # same bits (each split's partials are computed as by a program of its own).
@@ -236,18 +236,19 @@ def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s
                    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_T: tl.constexpr, IEEE_DOT: tl.constexpr,
                    HAS_SLOTS: tl.constexpr, EARLY_KV: tl.constexpr, BOUNDS: tl.constexpr, GUARD: tl.constexpr,
                    tab_ptr, stab, sk_b, sv_b, PAGE: tl.constexpr, ksc, vsc, KV_FP8: tl.constexpr, DT: tl.constexpr,
-                   TAB_AHEAD: tl.constexpr, TAB_I32: tl.constexpr):
+                   TAB_I32: tl.constexpr):
     """One split of the window for the program's row block: its online softmax over the split's
     tiles, and its partials (accumulator, max, sum) stored for the merge. ``GUARD``: the split may
     lie past the last one (a program running several), and then reads and writes nothing.
-    ``TAB_AHEAD`` (paged caches): a tile's block ids are loaded one tile ahead (the first tile's
-    before the split's bounds), so its K/V loads wait on no table load."""
+    Paged caches: a tile's block ids are loaded one tile ahead (the first tile's before the split's
+    bounds), so its K/V loads wait on no table load (each tile's own ids before its loads were
+    1.3× the slot caches' time on an H100: docs/log.md)."""
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DH), tl.float32)
     t_begin = split * SPLIT_T
     t_end = tl.minimum(t_begin + SPLIT_T, T)
-    if PAGE > 0 and TAB_AHEAD:
+    if PAGE > 0:
         t = t_begin + tl.arange(0, BLOCK_T)
         blk_next = _tile_blocks(tab_ptr, b, stab, t, t < t_end, PAGE, TAB_I32)
     else:
@@ -273,11 +274,9 @@ def _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s
     for t0 in range(t_begin, t_end, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         tm = t < t_end
-        if PAGE > 0 and TAB_AHEAD:
+        if PAGE > 0:
             blk = blk_next
             blk_next = _tile_blocks(tab_ptr, b, stab, t + BLOCK_T, t + BLOCK_T < t_end, PAGE, TAB_I32)
-        elif PAGE > 0:
-            blk = _tile_blocks(tab_ptr, b, stab, t, tm, PAGE, TAB_I32)
         else:
             blk = blk_next  # (not read)
         if EARLY_KV:
@@ -339,9 +338,8 @@ def _partial_kernel(
     # PAGE (paged caches): k/v are pools of blocks [blocks, PAGE, KV, Dh] and slot_ptr the requests' block
     # tables [B, n] (row stride STAB): key t of request b is at offset t % PAGE of block table[b, t // PAGE]
     STAB=0, PAGE: tl.constexpr = 0,
-    # TAB_AHEAD: block ids loaded a tile ahead (``_split_partial``); TAB_I32: the block offsets in int32
-    # (the launcher sets it where the pools' elements fit)
-    TAB_AHEAD: tl.constexpr = False, TAB_I32: tl.constexpr = False,
+    # TAB_I32: the block offsets in int32 (the launcher sets it where the pools' elements fit)
+    TAB_I32: tl.constexpr = False,
     # KV_FP8: k/v hold an FP8 cache's E4M3 codes, dequantized as each tile is loaded with the KV head's
     # scales ks_ptr[kvh], vs_ptr[kvh] (float32 [KV]): ``reference.dequantize_kv``
     ks_ptr=None, vs_ptr=None, KV_FP8: tl.constexpr = False,
@@ -413,7 +411,7 @@ def _partial_kernel(
         _split_partial(q, k_base, v_base, mask_ptr, po_ptr, pm_ptr, pl_ptr, b, bk, s, rows, rmask, d, last,
                        row_ok, split0 + i, T, M, NSPLIT, sk_t, sv_t, sm_b, sm_s, SCALE, DH, BLOCK_M, BLOCK_T,
                        SPLIT_T, IEEE_DOT, HAS_SLOTS, EARLY_KV, BOUNDS, SPLITS > 1, slot_ptr, STAB, sk_b, sv_b, PAGE,
-                       ksc, vsc, KV_FP8, q_ptr.dtype.element_ty, TAB_AHEAD, TAB_I32)
+                       ksc, vsc, KV_FP8, q_ptr.dtype.element_ty, TAB_I32)
 
 
 @triton.jit
@@ -563,8 +561,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         SPLIT_T=cfg["SPLIT_T"], IEEE_DOT=interpret, HAS_SLOTS=slots is not None and not paged,
         EARLY_KV=cfg["EARLY_KV"], PDL=0 if interpret else int(pdl), BOUNDS=window is not None, SPLITS=splits,
         STAB=slots.stride(0) if paged else 0, PAGE=k.shape[1] if paged else 0, num_warps=cfg["num_warps"],
-        TAB_AHEAD=paged and bool(cfg["TAB_AHEAD"]),
-        TAB_I32=paged and bool(cfg["TAB_I32"]) and max(k.numel(), v.numel()) < 2 ** 31,
+        TAB_I32=paged and max(k.numel(), v.numel()) < 2 ** 31 and cfg["TAB_I32"] is not False,
         **launch_opts,
         **fused,
         **fp8,

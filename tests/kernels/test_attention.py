@@ -324,10 +324,9 @@ def test_attention_through_block_tables_gives_the_slot_caches_bits(tops, shape, 
     kc, vc, slots = cache_with_slots(k, v, extra_positions=40)
     kb = bounds_of(mask)
     kp, vp, tables = paged_from_slots(kc, vc, slots, T, page)
-    for early, ahead, i32 in ((True, False, False), (False, False, False), (True, True, False), (True, False, True),
-                              (False, True, True)):
-        # (block ids loaded a tile ahead, or as int32 offsets: the same keys, so the same bits)
-        cfg = dict(EARLY_KV=early, TAB_AHEAD=ahead, TAB_I32=i32)
+    for early, i32 in ((True, None), (False, None), (True, False)):
+        # (block offsets in int32, the launcher's choice for pools that fit, or int64: the same keys, the same bits)
+        cfg = dict(EARLY_KV=early, TAB_I32=i32)
         want = launch_attention(q, kc, vc, kb.last, slots, config=cfg, interpret=interpreting(), window=T)
         got = launch_attention(q, kp, vp, kb.last, tables, config=cfg, interpret=interpreting(), window=T)
         assert torch.equal(got, want), cfg
@@ -606,11 +605,11 @@ def test_attention_kernels_compile_for_hopper_without_fused_multiply_adds():
     for k in quantized:
         assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
     assert "fma.rn.f32" not in quantized[0].asm["ptx"] and "e4m3" in quantized[2].asm["ptx"]
-    # through block tables, the table loaded per tile or a tile ahead, as int64 or int32 offsets: each compiles
+    # through block tables, with int64 or int32 block offsets: each compiles
     paged = dict({n: t for n, t in zip(names[:25], types[:25])}, STAB="i32")
-    for ahead, i32 in ((False, False), (True, False), (False, True), (True, True)):
+    for i32 in (False, True):
         k = compile_for_hopper(ak._partial_kernel, paged, dict(base, KV_FP8=False, HAS_SLOTS=False, PAGE=16,
-                                                               TAB_AHEAD=ahead, TAB_I32=i32), cfg["num_warps"])
+                                                               TAB_I32=i32), cfg["num_warps"])
         assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
 
 
