@@ -9,7 +9,9 @@ weight is read once. Prints, per shape, µs per call for cuBLAS (``plugins.linea
 ``F.linear``, then silu·mul for the fused gate/up) and the kernel, and the weight stream's GB/s;
 then the step's whole GEMM sequence (``presets.gemm_floor``): cuBLAS, and the engine's
 GEMMs under the kernel option ``linear="triton"`` (the kernel with its default configurations, silu·mul
-fused). ``--sweep`` times the launch configurations per shape and reports each shape's fastest.
+fused). ``--sweep`` times the launch configurations per shape and reports each shape's fastest;
+``--sweep-fp8`` the W8A16 form's (``fp8_configs``), each checked against its default's bits. ``--shapes``
+picks shapes by name.
 Each shape also times the W8A16 form (``--fp8``, the default: the same kernel streaming an FP8 E4M3
 copy of the weight with per-row scales, ``launch_linear(scale=)``, half the bytes) in its default
 configuration, beside the bf16 kernel and cuBLAS, with its error against the dequantized weight's
@@ -57,6 +59,12 @@ def configs():
     return out
 
 
+def fp8_configs():
+    """--sweep-fp8: the W8A16 form's candidates (an FP8 weight tile is half the bytes of a bf16 one: longer chunks)."""
+    return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+            for bn, w in ((16, 2), (32, 4), (64, 4)) for bk in (256, 512, 1024) for st in (3, 4)]
+
+
 def operands(M, N, K, dev):
     copies = max(1, min(16, math.ceil(L2_BYTES / (N * K * 2))))
     ws = [torch.randn(N, K, device=dev).to(torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -70,11 +78,13 @@ def time_calls(fn, x, ws) -> float:
     return us
 
 
-def fp8_figures(x, ws, silu: bool) -> dict:
+def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.inf) -> dict:
     """The FP8 forms on FP8 copies of ``ws`` (per-row absmax scales): the W8A16 kernel where it takes the rows
     (µs a call, the FP8 weight stream's GB/s, relative error against cuBLAS on the dequantized weight), W8A8
     (``fp8_linear_w8a8``: the rows quantized per token, ``torch._scaled_mm``; its error against its spec) and
-    the W8A16 reference (the weight dequantized per call, then cuBLAS: what runs without either)."""
+    the W8A16 reference (the weight dequantized per call, then cuBLAS: what runs without either). ``sweep``: the
+    W8A16 kernel under each of ``fp8_configs()`` too (until ``deadline``, a ``time.time()``), its fastest in
+    ``fp8_best``."""
     from muse_spark.models.layers import (FP8, FP8_MAX, Fp8Weight, fp8_linear_reference, fp8_linear_w8a8,
                                           fp8_w8a8_reference)
     from muse_spark.plugins.linear.triton_kernel import MAX_ROWS
@@ -90,6 +100,23 @@ def fp8_figures(x, ws, silu: bool) -> dict:
         ref = linear_reference(x, (w8s[0].float() * scales[0][:, None]).to(x.dtype), silu).float()
         err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
         r.update(fp8_us=us, fp8_GBps=w8s[0].numel() / us / 1e3, fp8_rel_err=err)
+        if sweep:
+            r["fp8_configs"] = []
+            for cfg in fp8_configs():
+                if time.time() > deadline:
+                    break
+                try:
+                    us = time_calls(lambda x, ws_, cfg=cfg: launch_linear(x, ws_[0], silu, scale=ws_[1], config=cfg),
+                                    x, pairs)
+                    same = torch.equal(launch_linear(x, w8s[0], silu, scale=scales[0], config=cfg).float(), out)
+                except Exception as e:  # noqa: BLE001 — a configuration that does not compile
+                    r["fp8_configs"].append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:100]}"))
+                    continue
+                r["fp8_configs"].append(dict(cfg, us=us, bits_equal_default=same))
+            ok = [c for c in r["fp8_configs"] if "us" in c]
+            if ok:
+                r["fp8_best"] = min(ok, key=lambda c: c["us"])
+                print(f"W8A16 sweep: default {r['fp8_us']:.1f} µs, fastest {r['fp8_best']}", flush=True)
     if torch.cuda.get_device_capability(x.device) >= (8, 9):
         r["w8a8_us"] = time_calls(lambda x, fw: fp8_linear_w8a8(x, fw, silu), x, fws)
         out, ref = fp8_linear_w8a8(x, fws[0], silu).float(), fp8_w8a8_reference(x, fws[0], silu).float()
@@ -106,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline-s", type=float, default=420.0)
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the W8A16 kernel on an FP8 copy of each weight (default on)")
+    p.add_argument("--sweep-fp8", action="store_true", help="time the W8A16 kernel's launch configurations per shape")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated names of shapes() to run (default: all), e.g. qkv,o,gate_up+silu,down")
     p.add_argument("--out-dir", type=Path, default=results.RESULTS, help="where the result goes (the common schema)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -115,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     res = {"shapes": {}, "sequence": {}}
     doc = results.record("linear", {"batches": a.batches, "sweep": a.sweep, "deadline_s": a.deadline_s,
-                                    "fp8": a.fp8}, res)
+                                    "fp8": a.fp8, "sweep_fp8": a.sweep_fp8, "shapes": a.shapes}, res)
+    picked = a.shapes.split(",") if a.shapes else None
 
     def save():
         return results.write(doc, a.out_dir)
@@ -130,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for b in a.batches:
             for name, m, N, K, silu in shapes():
+                if picked and name not in picked:
+                    continue
                 M = m * b
                 key = f"{name}@M{M}"
                 x, ws = operands(M, N, K, dev)
@@ -161,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{key:>22}: cuBLAS {r['cublas_us']:8.1f} µs ({r['cublas_GBps']:5.0f} GB/s)  triton "
                           f"{best['us']:8.1f} µs ({r['triton_GBps']:5.0f} GB/s) {r['best']}", flush=True)
                 if a.fp8 and time.time() - t0 < a.deadline_s:
-                    r.update(fp8_figures(x, ws, silu))
+                    r.update(fp8_figures(x, ws, silu, a.sweep_fp8, t0 + a.deadline_s))
                     if "fp8_us" in r:
                         print(f"{key:>22}: W8A16 {r['fp8_us']:8.1f} µs ({r['fp8_GBps']:5.0f} GB/s of FP8 weights), "
                               f"{r.get('triton_us', float('nan')) / r['fp8_us']:.2f}× the bf16 kernel's speed, "
@@ -181,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         from muse_spark.options import KernelOptions, use_options
 
         tcfg, dcfg = preset_configs("muse-spark-8b")
-        target, draft = random_pair(tcfg, dcfg, dev)
-        for b in a.batches:
+        target, draft = random_pair(tcfg, dcfg, dev) if not picked else (None, None)
+        for b in a.batches if not picked else []:  # (a pick of shapes: no whole sequence)
             seq = res["sequence"][b] = {}
             for label, engine in (("cublas", False), ("engine", True)):
                 with use_options(KernelOptions(linear="triton")):
