@@ -3,7 +3,8 @@ time against the roofline by batch size.
 
     python benchmarks/render.py [--results benchmarks/results] [--png docs/performance.png]
 
-One device's figures (``--device``; by default the GPU whose results cover the most batch sizes): for
+One device's figures (``--device``; by default the GPU whose results cover the most batch sizes) of one
+precision (``--precision``: bf16 pairs, the default, or FP8 ones): for
 each batch size the latest step result (``benchmarks/step.py``) on it that timed the aoti step at that
 batch gives its row: the roofline of that run (its bytes a step must read over the copy bandwidth it
 measured), the GEMM floor, the aoti step as the runtime runs it (the CUDA-graph runner), the step
@@ -37,6 +38,13 @@ def _get(d: dict, b: int):
 def _ms(sec: dict, name: str, b: int) -> float | None:
     v = _get(sec.get(name, {}), b)
     return v["median_ms"] if isinstance(v, dict) and "median_ms" in v else None
+
+
+def precision(doc: dict) -> str:
+    """A step result's precision: "fp8" where its target had FP8 projections or an FP8 KV cache, else "bf16"
+    (the checkpoints' compute dtype)."""
+    target = doc["results"].get("config", {}).get("target", {})
+    return "fp8" if target.get("quantization_config") or target.get("kv_cache_dtype") == "fp8" else "bf16"
 
 
 def step_rows(docs: list[dict]) -> list[dict]:
@@ -178,11 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=results.RESULTS, help="the result files' folder")
     p.add_argument("--png", default=str(PNG), help="where the plot goes ('' for none)")
+    p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
+                   help="the steps of bf16 pairs (default) or of FP8 ones (FP8 projections or KV cache)")
     p.add_argument("--device", default=None,
                    help="the GPU whose figures to show (a part of its name, e.g. H100); default: the one whose "
                         "results cover the most batch sizes")
     a = p.parse_args(argv)
-    docs = results.load(a.results, "step")
+    docs = [d for d in results.load(a.results, "step") if precision(d) == a.precision]
     by_device = {dev: step_rows([d for d in docs if d["device"] == dev]) for dev in sorted({d["device"] for d in docs})}
     by_device = {dev: rows for dev, rows in by_device.items() if rows}
     if a.device:

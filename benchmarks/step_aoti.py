@@ -207,6 +207,7 @@ class AotiSections:
                                              sec["aoti_runner_profile"][b]["beyond_replay"].items()))
                     sec.setdefault("aoti_profile", {})[b] = prof  # with every kernel ("all") on CUDA: a
                     # kernel below the top's cutoff must not look absent when two runs are compared
+                self.save()  # each batch as it is done: a run cut short keeps the batches it timed
         self.save()
 
     def interleaved_replays(self, sec: dict, rounds: int = 7, copy_gib: float = 2.0) -> None:

@@ -56,6 +56,20 @@ def test_render_prints_the_current_figures_and_writes_the_plot(tmp_path):
     assert width > 1.5 * height  # (the step panel and, beside it, the generation results' panel)
 
 
+def test_render_keeps_fp8_steps_apart_from_the_bf16_figures():
+    """A step of an FP8 pair (FP8 projections, FP8 KV cache) is not a current bf16 figure: ``--precision fp8``
+    shows it, the default table does not."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render.py"), "--png", "", "--precision", "fp8"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
+    assert all(c in rows["1"] for c in (" 3.48 ", " **6.57** ", " 1.89× ", "dc1e9e0"))
+    assert " **13.09** " in rows["32"] and "--kv-cache-dtype fp8" in r.stdout
+    bf16 = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render.py"), "--png", ""],
+                          capture_output=True, text=True, timeout=300)
+    assert "dc1e9e0" not in bf16.stdout
+
+
 def test_the_generation_plot_has_a_line_per_acceptance_and_schedule_and_the_target_only_one():
     import render
 

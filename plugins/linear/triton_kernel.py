@@ -45,16 +45,22 @@ DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
 SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may take (227 KB per SM)
 
 
-def default_config(M: int, N: int, K: int, silu_mul: bool, budget: int = SHARED_BUDGET) -> dict:
+def default_config(M: int, N: int, K: int, silu_mul: bool, budget: int = SHARED_BUDGET, fp8: bool = False) -> dict:
     """Launch configuration, chosen by benchmarks/linear.py --sweep on the H200 (8 rows, each
     shape's weight streamed from HBM), then timed (``--batches 1,8``): 64-row tiles over 256-column
     chunks, 4 stages (qkv 15.4 µs, o 12.1, lm_head 245.3, against cuBLAS's 16.2 / 13.3 / 255.6);
     with silu·mul (two weight tiles per step) 128-column chunks and 3 stages (59.0 µs against 64.9
     for cuBLAS + silu); a long K (the down projection, the draft's fc) 16-row tiles over 512
     columns, 2 warps (down 31.9 µs against 32.8).
+    ``fp8`` (the W8A16 form: an FP8 weight, one byte an element), from ``benchmarks/linear.py --sweep-fp8`` on an
+    H100 (8 rows): an output of at most 4,096 columns in 32-row tiles over 256-column chunks, 4 stages (o 11.9 µs
+    against 14.7 in the bf16 form's configuration, down 33.7 against 37.0: twice the programs on the SMs); the
+    others as bf16 (qkv 15.3 µs, gate_up + silu 46.8; no other candidate was faster).
     More rows of x take more shared memory per stage: the chunk, then the stages, shrink
     until the stages fit ``budget`` bytes (``SHARED_BUDGET``)."""
-    if silu_mul:
+    if fp8 and not silu_mul and N <= 4096:
+        cfg = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+    elif silu_mul:
         cfg = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     elif K >= 8192:
         cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=2, num_stages=4)
@@ -63,7 +69,7 @@ def default_config(M: int, N: int, K: int, silu_mul: bool, budget: int = SHARED_
     block_m = max(16, triton.next_power_of_2(M))
 
     def stage_bytes():
-        return ((2 if silu_mul else 1) * cfg["BLOCK_N"] + block_m) * cfg["BLOCK_K"] * 2
+        return ((2 if silu_mul else 1) * cfg["BLOCK_N"] * (1 if fp8 else 2) + block_m * 2) * cfg["BLOCK_K"]
 
     while cfg["num_stages"] * stage_bytes() > budget:
         if cfg["BLOCK_K"] > 128:
@@ -231,7 +237,7 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
     dh): one more program writes the RoPE table (``ROPE_TABLE``). Every kernel argument is passed, the
     table's as dummies without it (Inductor's mutation analysis fills in no defaults)."""
     (M, K), N = x2.shape, y.shape[1]
-    cfg = dict(default_config(M, N, K, silu_mul), **(config or {}))
+    cfg = dict(default_config(M, N, K, silu_mul, fp8=scale is not None), **(config or {}))
     block_m = max(16, triton.next_power_of_2(M))
     grid = (triton.cdiv(N, cfg["BLOCK_N"]) + (table is not None), triton.cdiv(M, block_m))  # (the last: the table)
     pos, cos, sin, theta, dh = table if table is not None else (x2, x2, x2, 0.0, 2)

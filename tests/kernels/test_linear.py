@@ -212,17 +212,22 @@ def test_models_call_the_linear_kernel_where_it_fits(tops):
 @pytest.mark.parametrize("shape", [(8, 6144, 4096, False), (8, 14336, 4096, True), (8, 4096, 14336, False),
                                    (16, 4096, 4096, False), (16, 14336, 4096, True), (16, 4096, 14336, False)],
                          ids=str)
-def test_linear_kernel_compiles_for_hopper(shape):
-    """The linear kernel under its default launch configurations at the production shapes,
-    compiled ahead of time for sm_90 without a GPU: it fits an SM's shared memory."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_linear_kernel_compiles_for_hopper(shape, fp8):
+    """The linear kernel under its default launch configurations at the production shapes, bf16 and W8A16
+    (an FP8 weight and its rows' scales), compiled ahead of time for sm_90 without a GPU: it fits an SM's
+    shared memory."""
     from muse_spark.plugins.linear import triton_kernel as lk
 
     M, N, K, silu_mul = shape
-    cfg = lk.default_config(M, N, K, silu_mul)
+    cfg = lk.default_config(M, N, K, silu_mul, fp8=fp8)
     names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
-    sig = dict(zip(names, ["*bf16", "*bf16", "*bf16"] + ["i32"] * 5))
+    sig = dict(zip(names, ["*bf16", "*fp8e4nv" if fp8 else "*bf16", "*bf16"] + ["i32"] * 5))
     consts = dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                   EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=False)
+    if fp8:
+        sig["s_ptr"] = "*fp32"
+        consts["SCALED"] = True
     k = compile_for_hopper(lk._linear_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"],
                            multiples_of_16=("N", "K", "stride_xm", "stride_ym"))
     assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
