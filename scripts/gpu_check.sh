@@ -28,6 +28,8 @@
 #                                # prompts of 64 tokens; benchmarks/fp8_error.py)
 #   scripts/gpu_check.sh fp8-step # the step of the 8B-shaped pair in bf16 and of its FP8 quantization with an FP8 KV
 #                                # cache (PRECISION=bf16,fp8: both, one after the other; the pairs stay in /tmp/w8b)
+#   scripts/gpu_check.sh fp8-gen # end-to-end tokens/s of the same two pairs' aoti engines at batch 1/8/32
+#                                # (benchmarks/generation.py; PRECISION as for fp8-step)
 #   scripts/gpu_check.sh tp      # tensor parallelism over the machine's GPUs (2, 4, 8 as it has them)
 #   scripts/gpu_check.sh tp-bench # its benchmark on the 8B-shaped pair at each size the GPUs allow (BACKEND=aoti:
 #                                # compiled ranks; on one GPU, tp 1 through the ranks' leader)
@@ -67,6 +69,17 @@ server_wheels() {
     [ -n "$w" ] || return 0
     python3 -m pip install -q --no-deps --no-compile --target /tmp/site $w &&
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+}
+
+# fp8_pairs DIR: the 8B-shaped pair (acceptance 0.8) in DIR/pair and its quantization (muse-spark quantize: FP8 E4M3
+# projections, per-channel scales) in DIR/pair-fp8, each made unless there already
+fp8_pairs() {
+    free_disk "$1"
+    pair_at "$1/pair" 0.8 "$OUT/make-pair.log" || return 1
+    [ -f "$1/pair-fp8/draft/config.json" ] && return 0
+    python3 -m muse_spark.cli quantize --target "$1/pair/target" --out "$1/pair-fp8/target" \
+        --draft "$1/pair/draft" --draft-out "$1/pair-fp8/draft" --overwrite >"$OUT/quantize.log" 2>&1 ||
+        { tail "$OUT/quantize.log"; return 1; }
 }
 
 case "${1:-tests}" in
@@ -195,13 +208,7 @@ fp8-step)
     # quantize: FP8 E4M3 projections, per-channel scales) with the target's KV cache in FP8; JSON in $OUT, one
     # file each. PRECISION picks them (default bf16,fp8); a call cut short leaves the pairs for the next.
     here=/tmp/w8b/fp8
-    free_disk "$here"
-    pair_at "$here/pair" 0.8 "$OUT/make-pair.log" || exit 1
-    if [ ! -f "$here/pair-fp8/draft/config.json" ]; then
-        python3 -m muse_spark.cli quantize --target "$here/pair/target" --out "$here/pair-fp8/target" \
-            --draft "$here/pair/draft" --draft-out "$here/pair-fp8/draft" --overwrite >"$OUT/quantize.log" 2>&1 ||
-            { tail "$OUT/quantize.log"; exit 1; }
-    fi
+    fp8_pairs "$here" || exit 1
     for prec in $(echo "${PRECISION:-bf16,fp8}" | tr , ' '); do
         case $prec in
         bf16) args=(--pair "$here/pair") ;;
@@ -211,6 +218,25 @@ fp8-step)
         timeout "${BENCH_TIMEOUT:-270}" python3 benchmarks/step.py "${args[@]}" --batches 1,8,32 --skip eager,compile \
             --deadline-s "${BENCH_DEADLINE:-240}" --out-dir "$OUT" --markdown "$OUT/step-$prec.md" 2>&1 |
             tee "$OUT/step-$prec.log" | grep -v "^\[build\]" | tail -15
+    done
+    ;;
+fp8-gen)
+    # end-to-end tokens/s of the FP8 pair (FP8 projections, the target's KV cache in FP8) beside the bf16 pair it was
+    # quantized from (acceptance 0.8): benchmarks/generation.py on each one's aoti engine, 256-token generations at
+    # batch 1/8/32 against the same engine's target-only decoding; JSON and table in $OUT. PRECISION picks them
+    # (default bf16,fp8); the pairs and engines stay in /tmp/w8b/fp8 for a second call (each 8B build takes minutes).
+    here=/tmp/w8b/fp8
+    fp8_pairs "$here" || exit 1
+    for prec in $(echo "${PRECISION:-bf16,fp8}" | tr , ' '); do
+        case $prec in
+        bf16) args=(--pair "$here/pair") ;;
+        fp8) args=(--pair "$here/pair-fp8" --kv-cache-dtype fp8) ;;
+        *) echo "PRECISION: bf16 and/or fp8, got $prec" >&2; exit 2 ;;
+        esac
+        timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/generation.py "${args[@]}" --reuse-engine --backend aoti \
+            --batches "${BATCHES:-1,8,32}" --max-tokens 256 --prompt-len 32 --work-dir "$here/engine-$prec" \
+            --out-dir "$OUT" --markdown "$OUT/generation-$prec.md" 2>&1 | grep -v "^\[build\]" |
+            tee "$OUT/generation-$prec.log" | tail -8
     done
     ;;
 paged)
