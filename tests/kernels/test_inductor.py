@@ -139,13 +139,14 @@ def inductor_writes(kernel, kwargs) -> set[str]:
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-@pytest.mark.parametrize("form", ["fused_table", "fused_angles", "bounds", "accept"])
+@pytest.mark.parametrize("form", ["fused_table", "fused_angles", "bounds", "accept", "paged_bounds", "paged_fused"])
 def test_inductor_finds_exactly_the_outputs_the_kernels_write(form, hopper_target):
     """As the launchers call them at the Muse-Spark step's shape (batch 1), Inductor's mutation
     analysis of each kernel names exactly the buffers it writes. A false positive is not harmless:
     a variant of the fused attention (``HOIST``, reverted) once made the analysis name q, v, the
     positions and the RoPE table too, and the engines then copied them before every layer's
-    attention and failed to load (docs/aoti.md, "Known problems")."""
+    attention and failed to load (docs/aoti.md, "Known problems"). ``paged_*``: through block tables (pools of
+    16-position blocks), whose ids the kernel carries a tile ahead through its loop: the tables are only read."""
     from muse_spark.plugins.acceptance.triton_kernel import launch_accept
     from muse_spark.plugins.attention.triton_kernel import launch_attention
 
@@ -163,6 +164,10 @@ def test_inductor_finds_exactly_the_outputs_the_kernels_write(form, hopper_targe
     else:
         kc, vc = torch.empty(2, T, KV, DH, dtype=bf), torch.empty(2, T, KV, DH, dtype=bf)
         last, slots = torch.zeros(B, S, dtype=i64), torch.zeros(B, dtype=i64)
+        if form.startswith("paged"):
+            kc, vc = torch.empty(2 * T // 16, 16, KV, DH, dtype=bf), torch.empty(2 * T // 16, 16, KV, DH, dtype=bf)
+            slots = torch.zeros(B, T // 16, dtype=i64)  # (the block tables)
+            form = form.removeprefix("paged_")
         if form == "bounds":
             launch_attention(torch.empty(B, S, H, DH, dtype=bf), kc, vc, last, slots, wrap=rec, window=T, pdl=1)
             partial = {"po_ptr", "pm_ptr", "pl_ptr"}
