@@ -60,9 +60,12 @@ def configs():
 
 
 def fp8_configs():
-    """--sweep-fp8: the W8A16 form's candidates (an FP8 weight tile is half the bytes of a bf16 one: longer chunks)."""
-    return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-            for bn, w in ((16, 2), (32, 4), (64, 4)) for bk in (256, 512, 1024) for st in (3, 4)]
+    """--sweep-fp8: the W8A16 form's candidates. An FP8 weight tile is half the bytes of a bf16 one (longer chunks), and
+    each element is converted in registers before the MMA (more warps a program: more of that work at once)."""
+    return ([dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+             for bn, w in ((16, 2), (32, 4), (64, 4)) for bk in (256, 512, 1024) for st in (3, 4)]
+            + [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=8, num_stages=st)
+               for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4)])
 
 
 def operands(M, N, K, dev):

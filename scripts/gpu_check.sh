@@ -10,6 +10,8 @@
 #   scripts/gpu_check.sh bench   # the step benchmark (benchmarks/step.py; docs/performance.md); BENCH_ARGS=--profile adds kernel tables
 #   scripts/gpu_check.sh linear  # the skinny GEMM against cuBLAS, its W8A16 (FP8 weight) form and W8A8 on the
 #                                # step's shapes at batch 1, 2, 8, 32 (benchmarks/linear.py), after the FP8 kernel tests
+#   scripts/gpu_check.sh linear-fp8 # the W8A16 kernel's launch configurations swept on the step's projections
+#                                # (benchmarks/linear.py --sweep-fp8), batch 1 and 2
 #   scripts/gpu_check.sh cxx     # the C++ embedding's CUDA tests: its CUDA graphs and chained steps against the
 #                                # Python runtime (carry .whl/ for its JSON header: the nlohmann-json wheel)
 #   scripts/gpu_check.sh cxx-bench # the C++ library's step and tokens/s beside the Python runtime's, 8B-shaped
@@ -114,6 +116,13 @@ bench)
     # the result in the common schema lands in $OUT (copy it into benchmarks/results/)
     timeout "${BENCH_TIMEOUT:-560}" python3 benchmarks/step.py --deadline-s "${BENCH_DEADLINE:-480}" ${BENCH_ARGS:-} \
         --out-dir "$OUT" --markdown "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
+    ;;
+linear-fp8)
+    # the W8A16 kernel's launch configurations (benchmarks/linear.py --sweep-fp8) on the decoder's and the draft's
+    # projections at batch 1 and 2, beside the bf16 kernel in its default configuration; JSON in $OUT
+    timeout "${BENCH_TIMEOUT:-500}" python3 benchmarks/linear.py --batches ${LINEAR_BATCHES:-1,2} --sweep-fp8 \
+        --shapes qkv,o,gate_up+silu,down,draft_fc --deadline-s 420 --out-dir "$OUT" 2>&1 | tee "$OUT/linear-fp8.log" |
+        grep -E "W8A16|cuBLAS"
     ;;
 linear)
     timeout 200 python3 -m pytest -q tests/kernels/test_linear.py -k "fp8 or w8a8" 2>&1 | tail -2
