@@ -36,6 +36,11 @@ at batch 1 / 8 / 32 (docs/log.md). Here:
   tail is read and made harmless); without it, each tile's mask decides for that tile;
 * with ``slots`` the kernel reads each request's row of the KV cache in place: the step does not
   gather a copy of the window first (at batch 32 that copy alone moved 300 MB per layer);
+* with block tables (paged caches: ``slots`` [B, n]) each tile's block ids are loaded one tile
+  ahead, so its K/V loads wait on no table load, and the pool is addressed with int32 offsets
+  where it has fewer than 2³¹ elements: one layer at batch 1 / 8 / 32 took 1.01 / 1.03 / 1.05× the
+  slot caches' time (the fused form 1.09 / 1.05 / 1.06×) against 1.44 / 1.33 / 1.30× with each
+  tile's ids loaded before its K/V (H100; docs/performance.md);
 * with ``BOUNDS`` (``launch_attention(window=...)``) the mask is ``last`` [B, S] int64: key t is
   visible to query (b, s) iff t ≤ last[b, s] (``plugins.attention.reference.KeyBounds``, the form of every mask
   the models build). No [B, S, T] mask is built or loaded: one layer at batch 1 / 8 / 32 took
