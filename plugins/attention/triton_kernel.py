@@ -90,8 +90,10 @@ NEW_ROWS = 16  # new K/V rows per pass of the fused cache write (NORM_QK)
 # benchmarks/attention.py, which may also set ``num_stages`` (passed through wrap_triton) and
 # ``maxnreg`` (eager launches only; capping the partial kernel's ~227 registers at 96 or 64 was
 # slower at every batch on the H200).
+# (num_stages: Triton's default unless a sweep sets it. TAB_I32: None, int32 block offsets where the pools fit;
+# False, int64 always: the tests' and the benchmark's other form.)
 DEFAULT_CONFIG = dict(BLOCK_T=BLOCK_T, BLOCK_M=BLOCK_M, SPLIT_T=SPLIT_T, MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
-                      merge_warps=1, EARLY_KV=True, SPLITS=0, TAB_I32=None)  # num_stages: Triton's default unless a sweep sets it
+                      merge_warps=1, EARLY_KV=True, SPLITS=0, TAB_I32=None)
 # SPLITS: splits of the window one program of the partial kernel runs in turn; 0 = the kernel options'
 # ``attention_splits``, and where that is 0 too, ``splits_per_program``'s choice. Any value gives the
 # same bits (each split's partials are computed as by a program of its own).
