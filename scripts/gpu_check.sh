@@ -84,6 +84,16 @@ fp8_pairs() {
         { tail "$OUT/quantize.log"; return 1; }
 }
 
+# fp8_args DIR PREC: into args, a benchmark's arguments for fp8_pairs' bf16 pair (PREC bf16) or its FP8 quantization
+# with the target's KV cache in FP8 (fp8)
+fp8_args() {
+    case $2 in
+    bf16) args=(--pair "$1/pair") ;;
+    fp8) args=(--pair "$1/pair-fp8" --kv-cache-dtype fp8) ;;
+    *) echo "PRECISION: bf16 and/or fp8, got $2" >&2; return 2 ;;
+    esac
+}
+
 case "${1:-tests}" in
 tests)
     xdist=()
@@ -219,11 +229,7 @@ fp8-step)
     here=/tmp/w8b/fp8
     fp8_pairs "$here" || exit 1
     for prec in $(echo "${PRECISION:-bf16,fp8}" | tr , ' '); do
-        case $prec in
-        bf16) args=(--pair "$here/pair") ;;
-        fp8) args=(--pair "$here/pair-fp8" --kv-cache-dtype fp8) ;;
-        *) echo "PRECISION: bf16 and/or fp8, got $prec" >&2; exit 2 ;;
-        esac
+        fp8_args "$here" "$prec" || exit 2
         # (batch 1 first, and each batch saved as it is timed: a run the time limit cuts keeps batch 1, the FP8 target's)
         timeout "${BENCH_TIMEOUT:-290}" python3 benchmarks/step.py "${args[@]}" --batches 1,8,32 --skip eager,compile \
             --aoti-ascending --deadline-s "${BENCH_DEADLINE:-240}" --out-dir "$OUT" --markdown "$OUT/step-$prec.md" 2>&1 |
@@ -238,11 +244,7 @@ fp8-gen)
     here=/tmp/w8b/fp8
     fp8_pairs "$here" || exit 1
     for prec in $(echo "${PRECISION:-bf16,fp8}" | tr , ' '); do
-        case $prec in
-        bf16) args=(--pair "$here/pair") ;;
-        fp8) args=(--pair "$here/pair-fp8" --kv-cache-dtype fp8) ;;
-        *) echo "PRECISION: bf16 and/or fp8, got $prec" >&2; exit 2 ;;
-        esac
+        fp8_args "$here" "$prec" || exit 2
         timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/generation.py "${args[@]}" --reuse-engine --backend aoti \
             --batches "${BATCHES:-1,8,32}" --max-tokens 256 --prompt-len 32 --work-dir "$here/engine-$prec" \
             --out-dir "$OUT" --markdown "$OUT/generation-$prec.md" 2>&1 | grep -v "^\[build\]" |
