@@ -129,10 +129,13 @@ bench)
     ;;
 linear-fp8)
     # the W8A16 kernel's launch configurations (benchmarks/linear.py --sweep-fp8) on the decoder's and the draft's
-    # projections at batch 1 and 2, beside the bf16 kernel in its default configuration; JSON in $OUT
-    timeout "${BENCH_TIMEOUT:-500}" python3 benchmarks/linear.py --batches ${LINEAR_BATCHES:-1,2} --sweep-fp8 \
-        --shapes qkv,o,gate_up+silu,down,draft_fc --deadline-s 420 --out-dir "$OUT" 2>&1 | tee "$OUT/linear-fp8.log" |
-        grep -E "W8A16|cuBLAS"
+    # projections at batch 1 and 2, beside the bf16 kernel in its default configuration; then, at batch 8 and 32,
+    # the W8A16 kernel in its default configuration beside W8A8 (what the engines run there); JSON in $OUT
+    shapes=qkv,o,gate_up+silu,down,draft_fc
+    timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/linear.py --batches ${LINEAR_BATCHES:-1,2} --sweep-fp8 \
+        --shapes $shapes --deadline-s 360 --out-dir "$OUT" 2>&1 | tee "$OUT/linear-fp8.log" | grep -E "W8A16|cuBLAS"
+    timeout 150 python3 benchmarks/linear.py --batches 8,32 --shapes $shapes --deadline-s 120 --out-dir "$OUT" 2>&1 |
+        tee "$OUT/linear-fp8-rows.log" | grep -E "W8A"
     ;;
 linear)
     timeout 200 python3 -m pytest -q tests/kernels/test_linear.py -k "fp8 or w8a8" 2>&1 | tail -2
