@@ -356,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     a.batches = a.batches or ([1] if a.cache else [1, 8, 32])
     a.iters = a.iters or (30 if a.cache or a.paged else 20)
     a.pages = [int(P) for P in a.pages.split(",") if P]
+    if not a.pages or min(a.pages) < 1:
+        p.error(f"--pages: block sizes of at least 1 position, got {a.pages}")
     a.splits = [int(g) for g in a.splits.split(",") if g]
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA device")

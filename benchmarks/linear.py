@@ -146,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated names of shapes() to run (default: all), e.g. qkv,o,gate_up+silu,down")
     p.add_argument("--out-dir", type=Path, default=results.RESULTS, help="where the result goes (the common schema)")
     a = p.parse_args(argv)
+    picked = a.shapes.split(",") if a.shapes else None
+    unknown = sorted(set(picked or []) - {name for name, *_ in shapes()})
+    if unknown:
+        p.error(f"--shapes: no shape named {', '.join(unknown)} (the shapes: "
+                f"{', '.join(name for name, *_ in shapes())})")
     if not torch.cuda.is_available():
         print("benchmarks/linear.py: needs a CUDA device")
         return 1
@@ -154,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     res = {"shapes": {}, "sequence": {}}
     doc = results.record("linear", {"batches": a.batches, "sweep": a.sweep, "deadline_s": a.deadline_s,
                                     "fp8": a.fp8, "sweep_fp8": a.sweep_fp8, "shapes": a.shapes}, res)
-    picked = a.shapes.split(",") if a.shapes else None
 
     def save():
         return results.write(doc, a.out_dir)
@@ -217,23 +221,25 @@ def main(argv: list[str] | None = None) -> int:
                 save()
                 del ws
 
-        # The whole GEMM sequence of a step (151 GEMMs), cuBLAS and the engine's through the kernel, each
-        # in one graph.
-        from presets import gemm_floor, preset_configs, random_pair
+        if not picked:  # (a pick of shapes: no whole sequence)
+            # The whole GEMM sequence of a step (151 GEMMs), cuBLAS and the engine's through the kernel, each
+            # in one graph.
+            from presets import gemm_floor, preset_configs, random_pair
 
-        from muse_spark.options import KernelOptions, use_options
+            from muse_spark.options import KernelOptions, use_options
 
-        tcfg, dcfg = preset_configs("muse-spark-8b")
-        target, draft = random_pair(tcfg, dcfg, dev) if not picked else (None, None)
-        for b in a.batches if not picked else []:  # (a pick of shapes: no whole sequence)
-            seq = res["sequence"][b] = {}
-            for label, engine in (("cublas", False), ("engine", True)):
-                with use_options(KernelOptions(linear="triton")):
-                    r = gemm_floor(target, draft, b, dcfg.block_size, dev, iters=10, engine=engine)
-                seq[label] = r["median_ms"]
-                print(f"sequence B={b} ({r['gemms']} GEMMs, {r['how']}) {label}: {r['median_ms']:.3f} ms", flush=True)
-            seq["weight_GB"] = r["weight_bytes"] / 1e9
-            save()
+            tcfg, dcfg = preset_configs("muse-spark-8b")
+            target, draft = random_pair(tcfg, dcfg, dev)
+            for b in a.batches:
+                seq = res["sequence"][b] = {}
+                for label, engine in (("cublas", False), ("engine", True)):
+                    with use_options(KernelOptions(linear="triton")):
+                        r = gemm_floor(target, draft, b, dcfg.block_size, dev, iters=10, engine=engine)
+                    seq[label] = r["median_ms"]
+                    print(f"sequence B={b} ({r['gemms']} GEMMs, {r['how']}) {label}: {r['median_ms']:.3f} ms",
+                          flush=True)
+                seq["weight_GB"] = r["weight_bytes"] / 1e9
+                save()
     res["seconds"] = time.time() - t0
     print(f"result: {save()}")
     return 0

@@ -291,7 +291,7 @@ def test_head_norm_rope_cache_kernel_quantizes_into_an_fp8_cache(tops, paged):
     """An FP8 KV cache (E4M3 codes, a float32 scale per KV head): the fused write stores the codes the layers'
     quantized write (``quantize_kv`` of the plain kernel's k heads and of v) stores, bit for bit, and nothing
     else; q is the plain kernel's. Through block tables too."""
-    from muse_spark.plugins.attention.reference import quantize_kv
+    from muse_spark.plugins.attention.reference import CacheKV, PagedKV, quantize_kv
 
     x, v, positions, slots, (kc, vc) = cache_write_operands()
     KV = v.shape[2]
@@ -306,8 +306,6 @@ def test_head_norm_rope_cache_kernel_quantizes_into_an_fp8_cache(tops, paged):
         rows = 1 + slots[:, None] * n + torch.arange(n, device=slots.device)[None, :]
     want_k, want_v = kq.clone(), vq.clone()
     normed = tops.head_norm_rope(x, positions, 1e-6, 5e5, True)
-    from muse_spark.plugins.attention.reference import CacheKV, PagedKV
-
     kind = PagedKV if paged else CacheKV
     kind(want_k, want_v, rows, positions, None, (ks, vs))(normed[:, :, H:], v)
     q = torch.ops.muse_spark.head_norm_rope_cache_triton(x, v, positions, 1e-6, 5e5, True, kq, vq, rows,
