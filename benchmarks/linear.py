@@ -83,7 +83,7 @@ def time_calls(fn, x, ws) -> float:
 
 def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.inf) -> dict:
     """The FP8 forms on FP8 copies of ``ws`` (per-row absmax scales): the W8A16 kernel (µs a call, the FP8 weight
-    stream's GB/s, relative error against cuBLAS on the dequantized weight; at any row count: past ``MAX_ROWS_FP8``,
+    stream's GB/s, relative error against cuBLAS on the dequantized weight; at any row count: past ``MAX_ROWS``,
     where the engines run W8A8, ``fp8_in_op_range`` is false), W8A8
     (``fp8_linear_w8a8``: the rows quantized per token, ``torch._scaled_mm``; its error against its spec) and
     the W8A16 reference (the weight dequantized per call, then cuBLAS: what runs without either). ``sweep``: the
@@ -91,14 +91,14 @@ def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.i
     ``fp8_best``."""
     from muse_spark.models.layers import (FP8, FP8_MAX, Fp8Weight, fp8_linear_reference, fp8_linear_w8a8,
                                           fp8_w8a8_reference)
-    from muse_spark.plugins.linear.triton_kernel import MAX_ROWS_FP8
+    from muse_spark.plugins.linear.triton_kernel import MAX_ROWS
 
     scales = [(w.float().abs().amax(1) / FP8_MAX).clamp_min(1e-12) for w in ws]
     w8s = [(w.float() / s[:, None]).to(FP8) for w, s in zip(ws, scales)]
     fws = [Fp8Weight(w8, s[:, None], None, x.dtype) for w8, s in zip(w8s, scales)]
     r = {}
     pairs = list(zip(w8s, scales))
-    try:  # (past MAX_ROWS_FP8 the engines run W8A8; the kernel is timed there too, for the choice between them)
+    try:  # (past MAX_ROWS the engines run W8A8; the kernel is timed there too, for the choice between them)
         us = time_calls(lambda x, ws_: launch_linear(x, ws_[0], silu, scale=ws_[1]), x, pairs)
         out = launch_linear(x, w8s[0], silu, scale=scales[0]).float()
     except Exception as e:  # noqa: BLE001 — rows whose tiles do not fit
@@ -107,8 +107,8 @@ def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.i
         ref = linear_reference(x, (w8s[0].float() * scales[0][:, None]).to(x.dtype), silu).float()
         err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
         r.update(fp8_us=us, fp8_GBps=w8s[0].numel() / us / 1e3, fp8_rel_err=err,
-                 fp8_in_op_range=x.shape[0] <= MAX_ROWS_FP8)
-        if sweep and x.shape[0] <= MAX_ROWS_FP8:
+                 fp8_in_op_range=x.shape[0] <= MAX_ROWS)
+        if sweep and x.shape[0] <= MAX_ROWS:
             r["fp8_configs"] = []
             for cfg in fp8_configs():
                 if time.time() > deadline:

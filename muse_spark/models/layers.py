@@ -317,7 +317,7 @@ def fp8_linear_w8a8(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) -> to
     """W8A8: x's rows quantized to E4M3 (``quantize_rows``) and one ``torch._scaled_mm`` with row-wise scales
     (the activations' per row, the weight's per output channel), accumulated in float32, out in x's dtype.
     What ``linear`` runs for an ``Fp8Weight`` on Hopper/Ada when the skinny W8A16 kernel does not take the rows
-    (prefill, verification at batch > 8); its spec is ``fp8_w8a8_reference``."""
+    (prefill, verification at batch > 2); its spec is ``fp8_w8a8_reference``."""
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_rows(x2, w.input_scale)
     y = torch._scaled_mm(xq, w.weight.T, scale_a=xs, scale_b=w.scale.reshape(1, -1), out_dtype=x.dtype)
@@ -352,7 +352,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     on CUDA, unless ``KernelOptions.linear`` is ``cublas``: the skinny Triton kernel, in the eager engine and the
     compiled packages alike; otherwise cuBLAS (or the CPU's GEMM). An ``Fp8Weight``: the same skinny kernel
     dequantizing its tiles as they stream in (``linear_fp8_triton``, bit for bit the kernel on the dequantized
-    weight) where it fits (≤ 64 rows: a step at batch 1–8); more rows in bf16 on FP8 hardware W8A8 (``fp8_linear_w8a8``); else the W8A16
+    weight) where it fits; more rows in bf16 on FP8 hardware W8A8 (``fp8_linear_w8a8``); else the W8A16
     reference (``fp8_linear_reference``)."""
     if isinstance(w, Fp8Weight):
         return _fp8_linear(x, w, False)

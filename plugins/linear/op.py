@@ -32,11 +32,11 @@ def _check_linear(x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def _check_linear_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
-    from muse_spark.plugins.linear.triton_kernel import MAX_ROWS_FP8, fits
+    from muse_spark.plugins.linear.triton_kernel import MAX_ROWS, fits
 
     if not fits(x, w, scale):
         raise ValueError(f"linear_fp8: x {list(x.shape)} {x.dtype}, weight {list(w.shape)} {w.dtype} and scale "
-                         f"{list(scale.shape)} {scale.dtype}: the kernel takes at most {MAX_ROWS_FP8} rows of bf16/fp16 x "
+                         f"{list(scale.shape)} {scale.dtype}: the kernel takes at most {MAX_ROWS} rows of bf16/fp16 x "
                          f"[..., K], a contiguous float8_e4m3fn weight [N, K] and float32 scales [N] or [N, 1]")
 
 

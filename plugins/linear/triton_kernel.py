@@ -41,11 +41,6 @@ from muse_spark.plugins.triton_math import add_rn, div_rn, exp_exact, mul_rn, pd
 # each program's share of the weight shrinks: at 64 rows (batch 8) the H200 sweep has the down
 # projection at 118.6 µs against cuBLAS's 36.6 (benchmarks/linear.py --batches 1,8).
 MAX_ROWS = 16
-# An FP8 weight (W8A16) streams half the bytes, and at 64 rows (batch 8 of a γ = 7 step) the kernel still beats W8A8
-# (the rows quantized, then ``torch._scaled_mm``) on the decoder's projections (H100, benchmarks/linear.py
-# --batches 8: qkv 20.5 µs against 42.0, o 19.1 against 37.7, gate_up + silu 65.6 against 86.6, down 58.6 against
-# 66.0); at 128 rows W8A8 wins (gate_up 91.4 against 118.2, down 75.6 against 108.2).
-MAX_ROWS_FP8 = 64
 DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
 SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may take (227 KB per SM)
 
@@ -258,19 +253,13 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
     )
 
 
-def max_rows(fp8: bool) -> int:
-    """The most rows of x the kernel takes: ``MAX_ROWS_FP8`` for an FP8 weight, else ``MAX_ROWS``."""
-    return MAX_ROWS_FP8 if fp8 else MAX_ROWS
-
-
 def fits(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
     """What the kernel takes: x [..., K] with at most ``MAX_ROWS`` rows, W [N, K] contiguous, both
-    bf16 or both fp16; or (``scale``) W FP8 E4M3 with one fp32 scale per row ([N] or [N, 1], contiguous) and at
-    most ``MAX_ROWS_FP8`` rows of x."""
+    bf16 or both fp16; or (``scale``) W FP8 E4M3 with one fp32 scale per row ([N] or [N, 1], contiguous)."""
     rows = x.numel() // max(x.shape[-1], 1)
     wdtype = torch.float8_e4m3fn if scale is not None else x.dtype
     return (x.dtype in (torch.bfloat16, torch.float16) and w.dtype == wdtype and w.dim() == 2
-            and x.shape[-1] == w.shape[1] and 0 < rows <= max_rows(scale is not None) and w.is_contiguous()
+            and x.shape[-1] == w.shape[1] and 0 < rows <= MAX_ROWS and w.is_contiguous()
             and (scale is None or (scale.dtype == torch.float32 and scale.numel() == w.shape[0]
                                    and scale.is_contiguous())))
 
