@@ -15,7 +15,9 @@ picks shapes by name.
 Each shape also times the W8A16 form (``--fp8``, the default: the same kernel streaming an FP8 E4M3
 copy of the weight with per-row scales, ``launch_linear(scale=)``, half the bytes) in its default
 configuration, beside the bf16 kernel and cuBLAS, with its error against the dequantized weight's
-cuBLAS product; W8A8 (``models.layers.fp8_linear_w8a8``, on FP8 hardware), and the W8A16 reference
+cuBLAS product; W8A8 (``models.layers.fp8_linear_w8a8``, on FP8 hardware: eager, and under ``torch.compile`` as
+the compiled engines run it, its activations' quantization fused), the W8A8 candidate in the skinny kernel
+(``launch_linear_w8a8``: FP8 operands on both sides of the MMA), and the W8A16 reference
 (dequantize per call, then cuBLAS) at every row count (``--batches 8,32``: the verification GEMMs W8A8
 takes).
 The figures go to ``benchmarks/results/`` in the common schema (``benchmarks/results.py``), rewritten
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 
 from muse_spark.plugins.linear.reference import linear_reference
-from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear
+from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear, launch_linear_w8a8
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
@@ -85,7 +87,8 @@ def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.i
     """The FP8 forms on FP8 copies of ``ws`` (per-row absmax scales): the W8A16 kernel (µs a call, the FP8 weight
     stream's GB/s, relative error against cuBLAS on the dequantized weight; at any row count: past ``MAX_ROWS``,
     where the engines run W8A8, ``fp8_in_op_range`` is false), W8A8
-    (``fp8_linear_w8a8``: the rows quantized per token, ``torch._scaled_mm``; its error against its spec) and
+    (``fp8_linear_w8a8``: the rows quantized per token, ``torch._scaled_mm``; eager and compiled, each one's error
+    against its spec; and ``launch_linear_w8a8``, the skinny kernel's W8A8 candidate) and
     the W8A16 reference (the weight dequantized per call, then cuBLAS: what runs without either). ``sweep``: the
     W8A16 kernel under each of ``fp8_configs()`` too (until ``deadline``, a ``time.time()``), its fastest in
     ``fp8_best``."""
@@ -127,8 +130,22 @@ def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.i
                 print(f"W8A16 sweep: default {r['fp8_us']:.1f} µs, fastest {r['fp8_best']}", flush=True)
     if torch.cuda.get_device_capability(x.device) >= (8, 9):
         r["w8a8_us"] = time_calls(lambda x, fw: fp8_linear_w8a8(x, fw, silu), x, fws)
-        out, ref = fp8_linear_w8a8(x, fws[0], silu).float(), fp8_w8a8_reference(x, fws[0], silu).float()
-        r["w8a8_rel_err"] = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+        ref = fp8_w8a8_reference(x, fws[0], silu).float()
+
+        def rel_err(out):
+            return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+        r["w8a8_rel_err"] = rel_err(fp8_linear_w8a8(x, fws[0], silu))
+        # as the compiled engines run it: the activations' quantization compiled with the product (its own Inductor
+        # kernels, not the eager ops timed above)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, w8, s: fp8_linear_w8a8(x, Fp8Weight(w8, s, None, x.dtype), silu))
+        r["w8a8_compiled_us"] = time_calls(lambda x, p: compiled(x, p[0], p[1][:, None]), x, pairs)
+        r["w8a8_compiled_rel_err"] = rel_err(compiled(x, w8s[0], scales[0][:, None]))
+        # the W8A8 candidate in the skinny kernel: the rows quantized by a kernel, FP8 operands on both sides of the
+        # MMA (launch_linear_w8a8)
+        r["w8a8_skinny_us"] = time_calls(lambda x, p: launch_linear_w8a8(x, p[0], p[1], silu), x, pairs)
+        r["w8a8_skinny_rel_err"] = rel_err(launch_linear_w8a8(x, w8s[0], scales[0], silu))
     r["dequant_us"] = time_calls(lambda x, fw: fp8_linear_reference(x, fw, silu), x, fws)
     return r
 
@@ -214,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
                               f"{r.get('triton_us', float('nan')) / r['fp8_us']:.2f}× the bf16 kernel's speed, "
                               f"rel. error {r['fp8_rel_err']:.2e}", flush=True)
                     if "w8a8_us" in r:
-                        print(f"{key:>22}: W8A8 {r['w8a8_us']:8.1f} µs ({r['cublas_us'] / r['w8a8_us']:.2f}× bf16 "
-                              f"cuBLAS's speed; rel. error {r['w8a8_rel_err']:.2e}), dequantize + cuBLAS "
+                        print(f"{key:>22}: W8A8 {r['w8a8_us']:8.1f} µs eager, {r['w8a8_compiled_us']:8.1f} compiled "
+                              f"({r['cublas_us'] / r['w8a8_compiled_us']:.2f}× bf16 cuBLAS's speed; rel. error "
+                              f"{r['w8a8_compiled_rel_err']:.2e}), in the skinny kernel {r['w8a8_skinny_us']:8.1f} µs "
+                              f"(rel. error {r['w8a8_skinny_rel_err']:.2e}); dequantize + cuBLAS "
                               f"{r['dequant_us']:8.1f} µs", flush=True)
                 res["shapes"][key] = r
                 save()

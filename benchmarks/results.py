@@ -1,7 +1,9 @@
 """One schema for every benchmark result: ``benchmarks/results/<date>_<gpu>_<commit>_<benchmark>.json``.
 
 Each file records what it takes to trust and repeat the figures: the date, the device, the commit
-(and whether the tree had uncommitted changes), the versions, and the exact command.
+(and whether the tree had uncommitted changes), the versions, and the exact command. A result of code that was
+tried and then removed carries ``"dropped"`` (why, and where docs/log.md tells it): it stays for the record,
+and ``load`` leaves it out of the current figures.
 """
 
 from __future__ import annotations
@@ -107,13 +109,15 @@ def write(doc: dict, out_dir: Path = RESULTS) -> Path:
     return path
 
 
-def load(out_dir: Path = RESULTS, benchmark: str | None = None) -> list[dict]:
+def load(out_dir: Path = RESULTS, benchmark: str | None = None, dropped: bool = False) -> list[dict]:
     """The result documents under ``out_dir`` (of ``benchmark`` only, if given), oldest first, each
-    with its file name as ``_file``."""
+    with its file name as ``_file``; those of dropped code (``"dropped"``) only with ``dropped``."""
     docs = []
     for path in sorted(Path(out_dir).glob("*.json")):
         doc = json.loads(path.read_text())
-        if isinstance(doc, dict) and doc.get("schema") and (benchmark is None or doc.get("benchmark") == benchmark):
+        if not (isinstance(doc, dict) and doc.get("schema")) or (doc.get("dropped") and not dropped):
+            continue
+        if benchmark is None or doc.get("benchmark") == benchmark:
             docs.append(dict(doc, _file=path.name))
 
     def order(d: dict) -> tuple:  # by date, then name, a run's -2, -3, ... after its first

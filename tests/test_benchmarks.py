@@ -63,7 +63,8 @@ def test_render_keeps_fp8_steps_apart_from_the_bf16_figures():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
-    assert all(c in rows["1"] for c in (" 3.48 ", " **6.57** ", " 1.89× ", "dc1e9e0"))
+    assert all(c in rows["1"] for c in (" 3.42 ", " **6.55** ", " 1.91× ", "f050cc9"))
+    assert " **8.16** " in rows["8"] and "dc1e9e0" in rows["8"]  # (not the dropped 64-row W8A16 run's 9.15)
     assert " **13.09** " in rows["32"] and "--kv-cache-dtype fp8" in r.stdout
     bf16 = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render.py"), "--png", ""],
                           capture_output=True, text=True, timeout=300)
@@ -99,6 +100,17 @@ def test_write_rewrites_its_own_run_and_numbers_another(tmp_path):
     assert second.name == first.name.replace("_step.json", "_step-2.json")
     assert [d["_file"] for d in results.load(tmp_path, "step")] == [first.name, second.name]
     assert results.load(tmp_path, "markov") == []
+
+
+def test_results_of_dropped_code_stay_out_of_the_current_figures(tmp_path):
+    """A result marked ``dropped`` (its code tried and removed) is kept on disk but load() leaves it out unless
+    asked; the FP8 step render shows the step the engines run now, not the dropped one's."""
+    doc = results.record("step", {"batches": [8]}, {"sections": {}}, command=["python", "benchmarks/step.py"])
+    kept = results.write(doc, tmp_path)
+    gone = results.write(dict(doc, command="python benchmarks/step.py --batches 8", dropped="reverted"), tmp_path)
+    assert [d["_file"] for d in results.load(tmp_path, "step")] == [kept.name]
+    assert [d["_file"] for d in results.load(tmp_path, "step", dropped=True)] == [kept.name, gone.name]
+    assert any(d.get("dropped") for d in results.load(RESULTS, "step", dropped=True))
 
 
 def test_the_cli_runs_the_step_benchmark_from_the_repository():

@@ -92,11 +92,14 @@ def _silu_mul(g, u, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _mma(w, xt, acc, IEEE_DOT: tl.constexpr):
+def _mma(w, xt, acc, IEEE_DOT: tl.constexpr, FP8_MMA: tl.constexpr = False):
     """acc + w·xt, fp32 accumulation; IEEE_DOT (the CPU interpreter, whose bf16 dot is broken): exact
-    fp32 products."""
+    fp32 products. FP8_MMA (both operands E4M3: W8A8): Hopper's FP8 MMA keeps its running sum in less than fp32,
+    so the sum is carried into the fp32 accumulator after every MMA instruction's 32 columns."""
     if IEEE_DOT:
         acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    elif FP8_MMA:
+        acc = tl.dot(w, xt, acc, max_num_imprecise_acc=32)
     else:
         acc = tl.dot(w, xt, acc)
     return acc
@@ -114,11 +117,12 @@ def _dequant(w, sc, SCALED: tl.constexpr, DTYPE: tl.constexpr):
 @triton.jit
 def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TWO: tl.constexpr,
-                  IEEE_DOT: tl.constexpr, s_ptr=None, SCALED: tl.constexpr = False):
+                  IEEE_DOT: tl.constexpr, s_ptr=None, SCALED: tl.constexpr = False, FP8_MMA: tl.constexpr = False):
     """The weight stream: fp32 sums W[rn]·xᵀ over the whole of K, [BLOCK_N, BLOCK_M]; with TWO also
     W[ru]·xᵀ (the second tile: the up half), else zeros. SCALED: W is FP8 with per-row scales at
     s_ptr, each tile dequantized as it is loaded (``_dequant``): the bf16 stream's sums of the spec's
-    weight, bit for bit, from half the bytes."""
+    weight, bit for bit, from half the bytes. FP8_MMA: x and W both E4M3 codes, multiplied as they are (W8A8;
+    the scales are the caller's)."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     sc = 0.0
     sc_u = 0.0
@@ -143,7 +147,7 @@ def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M:
             kmask = (k0 + rk) < K
             xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc = _mma(_dequant(w, sc, SCALED, DT), xt, acc, IEEE_DOT)
+        acc = _mma(_dequant(w, sc, SCALED, DT), xt, acc, IEEE_DOT, FP8_MMA)
         if TWO:
             if EVEN_K:
                 if EVEN_N:
@@ -152,7 +156,7 @@ def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M:
                     wu = tl.load(u_ptrs, mask=nmask[:, None], other=0.0)
             else:
                 wu = tl.load(u_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc_u = _mma(_dequant(wu, sc_u, SCALED, DT), xt, acc_u, IEEE_DOT)
+            acc_u = _mma(_dequant(wu, sc_u, SCALED, DT), xt, acc_u, IEEE_DOT, FP8_MMA)
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -175,6 +179,9 @@ def _linear_kernel(
     THETA: tl.constexpr = 0.0, DH_ROPE: tl.constexpr = 2, BLOCK_POS: tl.constexpr = 16,
     # SCALED: w is FP8 (E4M3) with one fp32 scale per weight row at s_ptr [N_w] (W8A16)
     s_ptr=None, SCALED: tl.constexpr = False,
+    # W8A8: x holds E4M3 codes with one fp32 scale per row at xs_ptr [M] (``_quantize_rows_kernel``), w E4M3 codes
+    # with its rows' scales at s_ptr; FP8 MMA, then each sum times its row's and its column's scale
+    xs_ptr=None, W8A8: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     if ROPE_TABLE:
@@ -188,7 +195,12 @@ def _linear_kernel(
     nmask = rn < N
     mmask = rm < M
     acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + N, rm, nmask, mmask, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
-                               EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT, s_ptr, SCALED)  # u: the up half
+                               EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT, s_ptr, SCALED, W8A8)  # u: the up half
+    if W8A8:
+        xs = tl.load(xs_ptr + rm, mask=mmask, other=0.0)
+        acc = mul_rn(mul_rn(acc, xs[None, :]), tl.load(s_ptr + rn, mask=nmask, other=0.0)[:, None])
+        if SILU_MUL:
+            acc_u = mul_rn(mul_rn(acc_u, xs[None, :]), tl.load(s_ptr + rn + N, mask=nmask, other=0.0)[:, None])
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]  # [BLOCK_N, BLOCK_M]: yᵀ
     ymask = nmask[:, None] & mmask[None, :]
     if PDL == 3:  # the weight stream is done: the next kernel may launch while this program finishes
@@ -198,6 +210,48 @@ def _linear_kernel(
     else:
         out = to_rne(acc, y_ptr.dtype.element_ty)
     tl.store(y_ptrs, out, mask=ymask)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+    """One row of x [M, K] per program into E4M3 codes q [M, K] and its scale s [M] fp32, as
+    ``models.layers.quantize_rows`` (dynamic) computes them: scale = max(absmax / 448, the smallest normal fp32),
+    codes = x / scale clamped to ±448, rounded to nearest even."""
+    row = tl.program_id(0)
+    rk = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(div_rn(tl.max(amax, 0), 448.0), 1.1754943508222875e-38)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(div_rn(v, scale), -448.0), 448.0)
+        tl.store(q_ptr + row.to(tl.int64) * K + k0 + rk, to_rne(q, tl.float8e4nv), mask=k0 + rk < K)
+
+
+def launch_linear_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool = False,
+                       wrap=lambda f: f, interpret: bool = False, config: dict | None = None) -> torch.Tensor:
+    """W8A8 in the skinny kernel: x [..., K] (bf16/fp16) quantized per row by ``_quantize_rows_kernel`` (one launch),
+    then the weight stream of ``launch_linear`` with FP8 operands on both sides of the MMA (no conversion of the
+    weight in registers) and the two scales applied to each fp32 sum: ``models.layers.fp8_w8a8_reference``'s
+    product within a rounding of the sum's order. W [N_w, K] E4M3, ``scale`` [N_w] fp32 its rows' scales.
+    A candidate timed by ``benchmarks/linear.py`` beside the W8A16 kernel and ``torch._scaled_mm``; the engines
+    do not call it."""
+    x2 = _rows(x, w)
+    M, K = x2.shape
+    n_w = w.shape[0]
+    if silu_mul and n_w % 2:
+        raise ValueError(f"linear: silu_mul needs an even number of weight rows (gate | up), got {n_w}")
+    N = n_w // 2 if silu_mul else n_w
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M > 0 and N > 0:
+        q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+        xs = torch.empty((M,), dtype=torch.float32, device=x.device)
+        wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), BLOCK_K=1024, num_warps=4)
+        _launch(q, w, y, silu_mul, wrap, interpret, config, 0, False, scale=scale.reshape(-1), row_scales=xs)
+    return y.reshape(*x.shape[:-1], N)
 
 
 def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, theta: float, dh: int,
@@ -232,9 +286,11 @@ def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None, pdl: int, launch_pdl: bool,
-            table: tuple | None = None, scale: torch.Tensor | None = None) -> None:
+            table: tuple | None = None, scale: torch.Tensor | None = None,
+            row_scales: torch.Tensor | None = None) -> None:
     """``_linear_kernel`` over rows x2 [M, K] into y [M, N]; ``table`` = (positions, cos, sin, theta,
-    dh): one more program writes the RoPE table (``ROPE_TABLE``). Every kernel argument is passed, the
+    dh): one more program writes the RoPE table (``ROPE_TABLE``); ``row_scales`` (with ``scale``): x2 and w are
+    E4M3 codes, x2's rows scaled by ``row_scales`` (``W8A8``). Every kernel argument is passed, the
     table's as dummies without it (Inductor's mutation analysis fills in no defaults)."""
     (M, K), N = x2.shape, y.shape[1]
     cfg = dict(default_config(M, N, K, silu_mul, fp8=scale is not None), **(config or {}))
@@ -248,7 +304,8 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
         PDL=0 if interpret else int(pdl),
         pos_ptr=pos, cos_ptr=cos, sin_ptr=sin, N_POS=M if table is not None else 0, ROPE_TABLE=table is not None,
         THETA=float(theta), DH_ROPE=dh, BLOCK_POS=block_m if table is not None else 16,
-        s_ptr=scale if scale is not None else x2, SCALED=scale is not None,
+        s_ptr=scale if scale is not None else x2, SCALED=scale is not None and row_scales is None,
+        xs_ptr=row_scales if row_scales is not None else x2, W8A8=row_scales is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
     )
 

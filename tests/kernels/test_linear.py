@@ -173,6 +173,39 @@ def test_many_rows_of_fp8_projections_run_w8a8(tops, rows, silu_mul):
 
 
 @needs_kernels
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
+    """``launch_linear_w8a8`` (the benchmarks' W8A8 candidate for few rows: the rows quantized by a kernel, FP8
+    operands on both sides of the MMA): its codes and row scales are ``quantize_rows``' bits, its product within
+    one bf16 rounding of ``fp8_w8a8_reference`` (two under silu·mul: g and u each rounded); a planted error (the
+    largest output's weight scale 5 % off) is caught by the same comparison. K not a multiple of the chunk."""
+    from muse_spark.models import layers
+    from muse_spark.plugins.linear import triton_kernel as lk
+    from muse_spark.plugins.triton_math import interpreting
+
+    N, K = (2 * 96 if silu_mul else 96), 1100
+    x, w8, scale = fp8_operands(rows, N, K)
+    x[0, 5] = 0.0
+    q = torch.empty((rows, K), dtype=layers.FP8, device=x.device)
+    xs = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    lk._quantize_rows_kernel[(rows,)](x, q, xs, K, x.stride(0), BLOCK_K=256)
+    want_q, want_s = layers.quantize_rows(x)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(xs, want_s.reshape(-1))
+
+    fw = layers.Fp8Weight(w8, scale, None, torch.bfloat16)
+    spec = layers.fp8_w8a8_reference(x, fw, silu_mul).float()
+    got = lk.launch_linear_w8a8(x, w8, scale, silu_mul, interpret=interpreting()).float()
+    tol = dict(rtol=2**-6 if silu_mul else 2**-7, atol=2**-13 * spec.abs().max().item())
+    torch.testing.assert_close(got, spec, **tol)
+    bad = scale.clone()
+    bad[(N // 2 if silu_mul else 0) + int(spec.abs().amax(0).argmax())] *= 1.05
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(lk.launch_linear_w8a8(x, w8, bad, silu_mul, interpret=interpreting()).float(),
+                                   spec, **tol)
+
+
+@needs_kernels
 def test_linear_op_rejects_bad_inputs(tops):
     x, w = linear_operands(8, 64, 128, torch.bfloat16, exact=True)
     with pytest.raises(ValueError, match="at most 16 rows"):
@@ -212,7 +245,7 @@ def test_models_call_the_linear_kernel_where_it_fits(tops):
 @pytest.mark.parametrize("shape", [(8, 6144, 4096, False), (8, 14336, 4096, True), (8, 4096, 14336, False),
                                    (16, 4096, 4096, False), (16, 14336, 4096, True), (16, 4096, 14336, False)],
                          ids=str)
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fp8", [False, True, "w8a8"], ids=["bf16", "fp8", "w8a8"])
 def test_linear_kernel_compiles_for_hopper(shape, fp8):
     """The linear kernel under its default launch configurations at the production shapes, bf16 and W8A16
     (an FP8 weight and its rows' scales), compiled ahead of time for sm_90 without a GPU: it fits an SM's
@@ -220,12 +253,16 @@ def test_linear_kernel_compiles_for_hopper(shape, fp8):
     from muse_spark.plugins.linear import triton_kernel as lk
 
     M, N, K, silu_mul = shape
-    cfg = lk.default_config(M, N, K, silu_mul, fp8=fp8)
+    cfg = lk.default_config(M, N, K, silu_mul, fp8=bool(fp8))
     names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
-    sig = dict(zip(names, ["*bf16", "*fp8e4nv" if fp8 else "*bf16", "*bf16"] + ["i32"] * 5))
+    sig = dict(zip(names, ["*fp8e4nv" if fp8 == "w8a8" else "*bf16", "*fp8e4nv" if fp8 else "*bf16", "*bf16"]
+                   + ["i32"] * 5))
     consts = dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                   EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=False)
-    if fp8:
+    if fp8 == "w8a8":  # (launch_linear_w8a8's: FP8 codes on both sides, the row scales)
+        sig.update(s_ptr="*fp32", xs_ptr="*fp32")
+        consts["W8A8"] = True
+    elif fp8:
         sig["s_ptr"] = "*fp32"
         consts["SCALED"] = True
     k = compile_for_hopper(lk._linear_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"],
