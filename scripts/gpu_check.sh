@@ -228,14 +228,15 @@ fp8-step)
     # the speculative step (benchmarks/step.py: the aoti engine's, batch 1/8/32, against each one's roofline of the
     # bytes it reads) of the 8B-shaped pair (acceptance 0.8) in bf16, then of the same pair quantized (muse-spark
     # quantize: FP8 E4M3 projections, per-channel scales) with the target's KV cache in FP8; JSON in $OUT, one
-    # file each. PRECISION picks them (default bf16,fp8), BATCHES the batches (default 1,8,32); a call cut short
-    # leaves the pairs for the next.
+    # file each. PRECISION picks them (default bf16,fp8), BATCHES the batches (default 1,8,32), STEP_ARGS adds
+    # arguments (PRECISION=fp8 STEP_ARGS="--fp8-linear both": the skinny GEMMs' W8A8 form beside W8A16); a call cut
+    # short leaves the pairs for the next.
     here=/tmp/w8b/fp8
     fp8_pairs "$here" || exit 1
     for prec in $(echo "${PRECISION:-bf16,fp8}" | tr , ' '); do
         fp8_args "$here" "$prec" || exit 2
         # (batch 1 first, and each batch saved as it is timed: a run the time limit cuts keeps batch 1, the FP8 target's)
-        timeout "${BENCH_TIMEOUT:-290}" python3 benchmarks/step.py "${args[@]}" --batches "${BATCHES:-1,8,32}" --skip eager,compile \
+        timeout "${BENCH_TIMEOUT:-290}" python3 benchmarks/step.py "${args[@]}" --batches "${BATCHES:-1,8,32}" ${STEP_ARGS:-} --skip eager,compile \
             --aoti-ascending --deadline-s "${BENCH_DEADLINE:-240}" --out-dir "$OUT" --markdown "$OUT/step-$prec.md" 2>&1 |
             tee "$OUT/step-$prec.log" | grep -v "^\[build\]" | tail -15
     done

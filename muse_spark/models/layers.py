@@ -38,7 +38,7 @@ from muse_spark.options import KernelOptions, current_options
 from muse_spark.plugins.attention.reference import (FP8_MAX, CacheKV, KeyBounds, KVProvider, KVScales,
                                                     Mask, attend_reference, cache_rows, triton_attention_fits)
 from muse_spark.plugins.head_norm_rope.reference import head_norm_rope_reference
-from muse_spark.plugins.linear.reference import linear_reference, silu_mul_halves
+from muse_spark.plugins.linear.reference import linear_reference, quantize_rows, silu_mul_halves, w8a8_reference
 from muse_spark.plugins.norm import rms_norm
 
 
@@ -290,27 +290,11 @@ def fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) 
     return linear_reference(x, w.dequantize(x.dtype), silu_mul)
 
 
-def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activations of a W8A8 product in FP8: ``x`` [M, K] → (E4M3 codes [M, K], float32 scales [M, 1]) with
-    ``x ≈ codes · scale``. Dynamic (no ``input_scale``): one scale per row (per token), its absmax / 448, so a
-    row's codes never depend on the other rows; an all-zero row gets the smallest normal float32 scale. Static:
-    the checkpoint's ``input_scale`` for every row, the codes saturated at ±448."""
-    xf = x.float()
-    if input_scale is None:
-        scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    else:
-        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()  # (_scaled_mm: [M, 1] dense)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
 def fp8_w8a8_reference(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) -> torch.Tensor:
-    """The W8A8 spec: x's rows quantized as ``quantize_rows`` does, the product of the dequantized codes (exact
-    in float32) accumulated in float32 and rounded once to x's dtype; with ``silu_mul``, ``silu(g) · u`` of its
-    halves in x's dtype. ``fp8_linear_w8a8`` is checked against it."""
-    x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_rows(x2, w.input_scale)
-    y = ((xq.float() * xs) @ w.dequantize().T).to(x.dtype).reshape(*x.shape[:-1], -1)
-    return silu_mul_halves(y) if silu_mul else y
+    """The W8A8 spec (``plugins.linear.reference.w8a8_reference``: x's rows quantized by ``quantize_rows``, the
+    product of the dequantized codes accumulated in float32, rounded once) of an ``Fp8Weight``;
+    ``fp8_linear_w8a8`` and the skinny kernel's W8A8 form are checked against it."""
+    return w8a8_reference(x, w.weight, w.scale, w.input_scale, silu_mul)
 
 
 def fp8_linear_w8a8(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) -> torch.Tensor:
@@ -338,9 +322,12 @@ def _w8a8_fits(x: torch.Tensor, w: Fp8Weight) -> bool:
 
 
 def _fp8_linear(x: torch.Tensor, w: Fp8Weight, silu_mul: bool) -> torch.Tensor:
-    """An ``Fp8Weight``'s product: the skinny W8A16 kernel for few rows, W8A8 for more on FP8 hardware, else the
-    W8A16 reference."""
+    """An ``Fp8Weight``'s product: the skinny W8A16 kernel for few rows (its W8A8 form under the kernel option
+    ``fp8_linear="w8a8"``, dynamic activation scales only), W8A8 for more on FP8 hardware, else the W8A16
+    reference."""
     if _triton_linear_fits(x, w):
+        if current_options().fp8_linear == "w8a8" and w.input_scale is None:
+            return torch.ops.muse_spark.linear_w8a8_triton(x, w.weight, w.scale, silu_mul)
         return torch.ops.muse_spark.linear_fp8_triton(x, w.weight, w.scale, silu_mul)
     if _w8a8_fits(x, w):
         return fp8_linear_w8a8(x, w, silu_mul)

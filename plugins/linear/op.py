@@ -6,6 +6,9 @@
 * ``muse_spark::linear_fp8_triton`` — the same kernel on an FP8 (E4M3) weight with per-row fp32 scales
   (W8A16): each weight tile dequantized as it streams in, the result bit for bit the bf16/fp16
   kernel's on the dequantized weight. Its reference is ``models.layers.fp8_linear_reference``'s math;
+* ``muse_spark::linear_w8a8_triton`` — the same kernel in W8A8 form (the kernel option ``fp8_linear="w8a8"``): x's
+  rows quantized to E4M3 per token by a small kernel, FP8 operands on both sides of the MMA, both scales applied
+  to each fp32 sum; its reference is ``reference.w8a8_reference``;
 * ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program of
   the same launch, the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; off with
   the kernel option ``rope_table`` false).
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from muse_spark.plugins.head_norm_rope.reference import rope_table_reference
-from muse_spark.plugins.linear.reference import linear_reference
+from muse_spark.plugins.linear.reference import linear_reference, w8a8_reference
 
 
 def _check_linear(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -45,9 +48,10 @@ def fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mu
     return linear_reference(x, (w.float() * scale.reshape(-1, 1)).to(x.dtype), silu_mul)
 
 
-def register_triton(runs_kernels, launch_linear, launch_linear_rope_table) -> None:
-    """Registers ``muse_spark::linear_rope_table_triton`` and ``muse_spark::linear_triton``: their
-    kernel launches (``plugins.triton_ops``) where ``runs_kernels(x)``, else their references."""
+def register_triton(runs_kernels, launch_linear, launch_linear_rope_table, launch_linear_w8a8) -> None:
+    """Registers ``muse_spark::linear_rope_table_triton``, ``muse_spark::linear_triton``, ``linear_fp8_triton`` and
+    ``linear_w8a8_triton``: their kernel launches (``plugins.triton_ops``) where ``runs_kernels(x)``, else their
+    references."""
     from torch.library import triton_op
 
     @triton_op("muse_spark::linear_rope_table_triton", mutates_args=())
@@ -70,14 +74,22 @@ def register_triton(runs_kernels, launch_linear, launch_linear_rope_table) -> No
             return linear_reference(x, w), cos, sin
         return launch_linear_rope_table(x, w, positions, theta, head_dim)
 
-    @triton_op("muse_spark::linear_fp8_triton", mutates_args=())
-    def _linear_fp8_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+    def fp8_product(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool, reference, launch):
+        """An FP8-weight op's body: the checks, then ``launch()`` where the kernels run, else ``reference()``."""
         _check_linear_fp8(x, w, scale)
         if silu_mul and w.shape[0] % 2:
             raise ValueError(f"linear_fp8: silu_mul needs an even number of weight rows (gate | up), got {w.shape[0]}")
-        if not runs_kernels(x):
-            return fp8_reference(x, w, scale, silu_mul)
-        return launch_linear(x, w, silu_mul, scale=scale)
+        return launch() if runs_kernels(x) else reference()
+
+    @triton_op("muse_spark::linear_fp8_triton", mutates_args=())
+    def _linear_fp8_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+        return fp8_product(x, w, scale, silu_mul, lambda: fp8_reference(x, w, scale, silu_mul),
+                           lambda: launch_linear(x, w, silu_mul, scale=scale))
+
+    @triton_op("muse_spark::linear_w8a8_triton", mutates_args=())
+    def _linear_w8a8_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool) -> torch.Tensor:
+        return fp8_product(x, w, scale, silu_mul, lambda: w8a8_reference(x, w, scale, None, silu_mul),
+                           lambda: launch_linear_w8a8(x, w, scale, silu_mul))
 
     @triton_op("muse_spark::linear_triton", mutates_args=())
     def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:

@@ -18,3 +18,29 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False) -
     ``muse_spark::linear_triton``, and what ``linear`` runs off its Triton path."""
     y = F.linear(x, w)
     return silu_mul_halves(y) if silu_mul else y
+
+
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activations of a W8A8 product in FP8: ``x`` [M, K] → (E4M3 codes [M, K], float32 scales [M, 1]) with
+    ``x ≈ codes · scale``. Dynamic (no ``input_scale``): one scale per row (per token), its absmax / 448, so a
+    row's codes never depend on the other rows; an all-zero row gets the smallest normal float32 scale. Static:
+    the checkpoint's ``input_scale`` for every row, the codes saturated at ±448."""
+    from muse_spark.plugins.attention.reference import FP8_MAX
+
+    xf = x.float()
+    if input_scale is None:
+        scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    else:
+        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()  # (_scaled_mm: [M, 1] dense)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None = None,
+                   silu_mul: bool = False) -> torch.Tensor:
+    """The W8A8 spec: x's rows quantized as ``quantize_rows`` does, the product of the dequantized codes (exact
+    in float32) with the dequantized weight (E4M3 ``w`` [N, K] times its rows' ``scale``) accumulated in float32
+    and rounded once to x's dtype; with ``silu_mul``, ``silu(g) · u`` of its halves in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_rows(x2, input_scale)
+    y = ((xq.float() * xs) @ (w.float() * scale.reshape(-1, 1)).T).to(x.dtype).reshape(*x.shape[:-1], -1)
+    return silu_mul_halves(y) if silu_mul else y

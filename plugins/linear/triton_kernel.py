@@ -232,13 +232,15 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constex
 
 
 def launch_linear_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool = False,
-                       wrap=lambda f: f, interpret: bool = False, config: dict | None = None) -> torch.Tensor:
+                       wrap=lambda f: f, interpret: bool = False, config: dict | None = None,
+                       pdl: int = 0) -> torch.Tensor:
     """W8A8 in the skinny kernel: x [..., K] (bf16/fp16) quantized per row by ``_quantize_rows_kernel`` (one launch),
     then the weight stream of ``launch_linear`` with FP8 operands on both sides of the MMA (no conversion of the
     weight in registers) and the two scales applied to each fp32 sum: ``models.layers.fp8_w8a8_reference``'s
     product within a rounding of the sum's order. W [N_w, K] E4M3, ``scale`` [N_w] fp32 its rows' scales.
-    A candidate timed by ``benchmarks/linear.py`` beside the W8A16 kernel and ``torch._scaled_mm``; the engines
-    do not call it."""
+    ``muse_spark::linear_w8a8_triton`` (the kernel option ``fp8_linear="w8a8"``); ``benchmarks/linear.py`` times it
+    beside the W8A16 kernel and ``torch._scaled_mm``. ``pdl``: the GEMM's PDL mode (``launch_linear``'s); the
+    quantizing kernel is not a PDL kernel, so the GEMM after it waits for it in full."""
     x2 = _rows(x, w)
     M, K = x2.shape
     n_w = w.shape[0]
@@ -250,7 +252,7 @@ def launch_linear_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, si
         q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
         xs = torch.empty((M,), dtype=torch.float32, device=x.device)
         wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), BLOCK_K=1024, num_warps=4)
-        _launch(q, w, y, silu_mul, wrap, interpret, config, 0, False, scale=scale.reshape(-1), row_scales=xs)
+        _launch(q, w, y, silu_mul, wrap, interpret, config, pdl, False, scale=scale.reshape(-1), row_scales=xs)
     return y.reshape(*x.shape[:-1], N)
 
 

@@ -11,8 +11,8 @@ from kernels.kernel_utils import DEV, HAS_TRITON, INTERPRETED, cache_write_opera
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' modules import it)")
-@pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "norm_cache", "norm_cache_table",
-                                  "norm", "rope_table", "gated_residual"])
+@pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "linear_w8a8", "norm_cache",
+                                  "norm_cache_table", "norm", "rope_table", "gated_residual"])
 def test_the_other_launchers_pass_every_kernel_argument(form):
     """``test_the_attention_launcher_passes_every_kernel_argument`` for the launchers the engines'
     ops call: each passes every parameter of its kernel, the arguments a form does not use included
@@ -29,6 +29,8 @@ def test_the_other_launchers_pass_every_kernel_argument(form):
         "linear": lambda wrap: lk.launch_linear(x, w, wrap=wrap),
         "linear_silu_mul": lambda wrap: lk.launch_linear(x, w, True, wrap=wrap),
         "linear_rope_table": lambda wrap: lk.launch_linear_rope_table(x, w, positions, 5e5, 32, wrap=wrap),
+        "linear_w8a8": lambda wrap: lk.launch_linear_w8a8(x, w.to(torch.float8_e4m3fn), torch.ones(128, device=DEV),
+                                                          wrap=wrap),
         "norm_cache": lambda wrap: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc,
                                                                   slots, wrap=wrap),
         "norm_cache_table": lambda wrap: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc,
@@ -41,9 +43,9 @@ def test_the_other_launchers_pass_every_kernel_argument(form):
             torch.bfloat16, wrap=wrap),
     }
     calls = launches(run[form])
-    assert len(calls) == 1
-    fn, passed = calls[0]
-    assert passed == set(fn.arg_names), (fn.__name__, set(fn.arg_names) - passed)
+    assert len(calls) == (2 if form == "linear_w8a8" else 1)  # (W8A8: the rows' quantization, then the GEMM)
+    for fn, passed in calls:
+        assert passed == set(fn.arg_names), (fn.__name__, set(fn.arg_names) - passed)
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED,
@@ -65,7 +67,7 @@ def test_plugin_kernels_survive_inductors_source_re_emission(tmp_path):
 
     kernels = [attention._partial_kernel, attention._combine_kernel, gated_residual._gated_residual_norm_kernel,
                head_norm_rope._head_norm_rope_kernel, head_norm_rope._head_norm_rope_cache_kernel,
-               linear._linear_kernel, markov._markov_kernel]
+               linear._linear_kernel, linear._quantize_rows_kernel, markov._markov_kernel]
     import importlib.util
 
     for kernel in kernels:

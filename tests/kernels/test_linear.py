@@ -206,6 +206,36 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
 
 
 @needs_kernels
+def test_the_w8a8_op_is_the_kernels_w8a8_form_and_the_models_take_it_under_its_option(tops):
+    """``muse_spark::linear_w8a8_triton`` gives ``launch_linear_w8a8``'s bits (silu·mul too), refuses what the
+    kernel cannot take, and ``models.layers.linear`` of an ``Fp8Weight`` takes it for few rows on CUDA under
+    ``fp8_linear="w8a8"`` (W8A16 by default; a static activation scale keeps W8A16)."""
+    from muse_spark.models import layers
+    from muse_spark.options import KernelOptions, use_options
+    from muse_spark.plugins.linear import triton_kernel as lk
+    from muse_spark.plugins.triton_math import interpreting
+
+    x, w8, scale = fp8_operands(8, 128, 256)
+    for silu_mul in (False, True):
+        got = torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, silu_mul)
+        assert torch.equal(got, lk.launch_linear_w8a8(x, w8, scale, silu_mul, interpret=interpreting()))
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        torch.ops.muse_spark.linear_w8a8_triton(torch.cat([x] * 3), w8, scale, False)
+    with pytest.raises(ValueError, match="even number of weight rows"):
+        torch.ops.muse_spark.linear_w8a8_triton(x, w8[:127], scale[:127], True)
+    fw = layers.Fp8Weight(w8, scale, None, torch.bfloat16)
+    w8a16 = layers.linear(x, fw)
+    with use_options(KernelOptions(fp8_linear="w8a8")):
+        w8a8 = layers.linear(x, fw)
+        static = layers.linear(x, layers.Fp8Weight(w8, scale, torch.tensor(0.01), torch.bfloat16))
+    if ON_GPU:
+        assert torch.equal(w8a8, torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, False))
+        assert not torch.equal(w8a8, w8a16) and torch.equal(static, w8a16)
+    else:  # (off CUDA the models run the references, whatever the option)
+        assert torch.equal(w8a8, w8a16)
+
+
+@needs_kernels
 def test_linear_op_rejects_bad_inputs(tops):
     x, w = linear_operands(8, 64, 128, torch.bfloat16, exact=True)
     with pytest.raises(ValueError, match="at most 16 rows"):
@@ -268,3 +298,14 @@ def test_linear_kernel_compiles_for_hopper(shape, fp8):
     k = compile_for_hopper(lk._linear_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"],
                            multiples_of_16=("N", "K", "stride_xm", "stride_ym"))
     assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+def test_the_row_quantizing_kernel_compiles_for_hopper():
+    """The W8A8 form's ``_quantize_rows_kernel`` (bf16 rows to E4M3 codes and fp32 scales), compiled ahead of time
+    for sm_90 without a GPU, as ``launch_linear_w8a8`` launches it."""
+    from muse_spark.plugins.linear import triton_kernel as lk
+
+    sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_xm="i32")
+    k = compile_for_hopper(lk._quantize_rows_kernel, sig, dict(BLOCK_K=1024), 4, multiples_of_16=("K", "stride_xm"))
+    assert k.asm["cubin"]
