@@ -113,11 +113,12 @@ def test_cuda_paged_caches_give_the_slot_caches_tokens_through_the_same_kernels(
     from test_paged_kv import _workload, poison_freed_blocks
 
     prompts, params = _workload(8, seed=0)
-    with use_options(KernelOptions(attention_cache=attention_cache)):
-        slot = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128)
+    options = KernelOptions(attention_cache=attention_cache)  # (an engine runs its own options, not the caller's)
+    with use_options(options):
+        slot = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128, options=options)
         want = [r.output for r in Generator(slot).generate(prompts, params)]
         paged = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128, kv_tokens=160,
-                                             swap_space=swap_space)
+                                             swap_space=swap_space, options=options)
         poison_freed_blocks(paged)
         gen = Generator(paged)
         assert [r.output for r in gen.generate(prompts, params)] == want
@@ -125,9 +126,15 @@ def test_cuda_paged_caches_give_the_slot_caches_tokens_through_the_same_kernels(
     paged.kv.check()
 
 
-def test_cuda_fp8_pair_is_lossless_on_the_w8a16_kernel(tmp_path):
-    """The FP8 (per-channel E4M3) tiny pair on CUDA: its projections run the W8A16 skinny kernel at these row
-    counts, and greedy speculative output equals the same engine's greedy target-only output."""
+@pytest.mark.parametrize("form", ["w8a16", "w8a8"])
+def test_cuda_fp8_pair_is_lossless_on_the_skinny_kernel(tmp_path, form):
+    """The FP8 (per-channel E4M3) tiny pair on CUDA: its projections run the skinny kernel at these row counts
+    (W8A16 by default; its W8A8 form under ``fp8_linear="w8a8"``), and greedy speculative output equals the same
+    engine's greedy target-only output."""
+    _fp8_pair_case(tmp_path, KernelOptions(fp8_linear=form))
+
+
+def _fp8_pair_case(tmp_path, options):
     from muse_spark.builder.pair import draft_token_ids, make_pair, random_prompts
     from muse_spark.builder.quantize import quantize_pair
     from muse_spark.models import layers
@@ -136,10 +143,14 @@ def test_cuda_fp8_pair_is_lossless_on_the_w8a16_kernel(tmp_path):
     quantize_pair(tmp_path / "bf16" / "target", tmp_path / "fp8" / "target", draft=tmp_path / "bf16" / "draft",
                   draft_out=tmp_path / "fp8" / "draft", log=lambda s: None)
     engine = EagerEngine.from_checkpoints(tmp_path / "fp8" / "target", tmp_path / "fp8" / "draft", device="cuda",
-                                          max_batch=2, max_seq=128)
+                                          max_batch=2, max_seq=128, options=options)
     w = layers.proj_weight(engine.target.model.layers[0].self_attn.o_proj)
-    assert isinstance(w, layers.Fp8Weight) and layers._triton_linear_fits(torch.zeros(8, w.shape[1], device="cuda",
-                                                                                       dtype=torch.bfloat16), w)
+    x = torch.randn(8, w.shape[1], device="cuda").to(torch.bfloat16)
+    assert isinstance(w, layers.Fp8Weight) and layers._triton_linear_fits(x, w)
+    ops = torch.ops.muse_spark
+    op = ops.linear_w8a8_triton if options.fp8_linear == "w8a8" else ops.linear_fp8_triton
+    with use_options(engine.options):  # (what the engine's layers run at a step's 8 rows)
+        assert torch.equal(layers.linear(x, w), op(x, w.weight, w.scale, False))
     prompts = random_prompts(draft_token_ids(tmp_path / "bf16"), 2, 7, seed=2)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     for r in Generator(engine).generate(prompts, params):
@@ -153,15 +164,14 @@ def test_cuda_fp8_kv_cache_is_lossless_and_paged_pools_give_its_tokens(random_pa
     and, paged, block tables); greedy speculative output equals the engine's greedy target-only output, and a
     pool too small for all requests (preempting, freed blocks poisoned) gives the slot caches' tokens, greedy
     and sampled."""
-    with use_options(KernelOptions(attention_cache=attention_cache)):
-        _fp8_kv_cache_case(random_pair)
+    _fp8_kv_cache_case(random_pair, KernelOptions(attention_cache=attention_cache))
 
 
-def _fp8_kv_cache_case(random_pair):
+def _fp8_kv_cache_case(random_pair, options):
     from test_paged_kv import _workload, poison_freed_blocks
 
     engine = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128,
-                                          kv_cache_dtype="fp8")
+                                          kv_cache_dtype="fp8", options=options)
     assert engine.target_cache.k[0].dtype == torch.float8_e4m3fn
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     for r in Generator(engine).generate(PROMPTS, params):
@@ -169,7 +179,7 @@ def _fp8_kv_cache_case(random_pair):
     prompts, mixed = _workload(8, seed=0)
     want = [r.output for r in Generator(engine).generate(prompts, mixed)]
     paged = EagerEngine.from_checkpoints(*random_pair, device="cuda", max_batch=4, max_seq=128, kv_tokens=160,
-                                         kv_cache_dtype="fp8")
+                                         kv_cache_dtype="fp8", options=options)
     poison_freed_blocks(paged)
     gen = Generator(paged)
     assert [r.output for r in gen.generate(prompts, mixed)] == want and gen.preemptions > 0
