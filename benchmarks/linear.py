@@ -83,12 +83,38 @@ def time_calls(fn, x, ws) -> float:
     return us
 
 
+def sweep_configs(launch, x, pairs, deadline: float, check) -> list[dict]:
+    """Each of ``fp8_configs()`` (until ``deadline``, a ``time.time()``): ``launch(x, w8, scale, config)`` timed
+    over the FP8 copies ``pairs`` (µs), with ``check``'s figures of its output on the first; a configuration that
+    does not compile gets its error."""
+    out = []
+    for cfg in fp8_configs():
+        if time.time() > deadline:
+            break
+        try:
+            us = time_calls(lambda x, p, cfg=cfg: launch(x, p[0], p[1], cfg), x, pairs)
+            extra = check(launch(x, pairs[0][0], pairs[0][1], cfg))
+        except Exception as e:  # noqa: BLE001 — a configuration that does not compile
+            out.append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:100]}"))
+            continue
+        out.append(dict(cfg, us=us, **extra))
+    return out
+
+
+def best(r: dict, key: str, label: str) -> None:
+    """``r[key + "_best"]``: the fastest of ``r[key + "_configs"]``, printed beside the default (``r[key + "_us"]``)."""
+    ok = [c for c in r[f"{key}_configs"] if "us" in c]
+    if ok:
+        r[f"{key}_best"] = min(ok, key=lambda c: c["us"])
+        print(f"{label} sweep: default {r[f'{key}_us']:.1f} µs, fastest {r[f'{key}_best']}", flush=True)
+
+
 def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.inf) -> dict:
     """The FP8 forms on FP8 copies of ``ws`` (per-row absmax scales): the W8A16 kernel (µs a call, the FP8 weight
     stream's GB/s, relative error against cuBLAS on the dequantized weight; at any row count: past ``MAX_ROWS``,
     where the engines run W8A8, ``fp8_in_op_range`` is false), W8A8
     (``fp8_linear_w8a8``: the rows quantized per token, ``torch._scaled_mm``; eager and compiled, each one's error
-    against its spec; and ``launch_linear_w8a8``, the skinny kernel's W8A8 candidate) and
+    against its spec; and ``launch_linear_w8a8``, the skinny kernel's W8A8 form, swept as the W8A16 kernel is) and
     the W8A16 reference (the weight dequantized per call, then cuBLAS: what runs without either). ``sweep``: the
     W8A16 kernel under each of ``fp8_configs()`` too (until ``deadline``, a ``time.time()``), its fastest in
     ``fp8_best``."""
@@ -112,22 +138,10 @@ def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.i
         r.update(fp8_us=us, fp8_GBps=w8s[0].numel() / us / 1e3, fp8_rel_err=err,
                  fp8_in_op_range=x.shape[0] <= MAX_ROWS)
         if sweep and x.shape[0] <= MAX_ROWS:
-            r["fp8_configs"] = []
-            for cfg in fp8_configs():
-                if time.time() > deadline:
-                    break
-                try:
-                    us = time_calls(lambda x, ws_, cfg=cfg: launch_linear(x, ws_[0], silu, scale=ws_[1], config=cfg),
-                                    x, pairs)
-                    same = torch.equal(launch_linear(x, w8s[0], silu, scale=scales[0], config=cfg).float(), out)
-                except Exception as e:  # noqa: BLE001 — a configuration that does not compile
-                    r["fp8_configs"].append(dict(cfg, error=f"{type(e).__name__}: {str(e)[:100]}"))
-                    continue
-                r["fp8_configs"].append(dict(cfg, us=us, bits_equal_default=same))
-            ok = [c for c in r["fp8_configs"] if "us" in c]
-            if ok:
-                r["fp8_best"] = min(ok, key=lambda c: c["us"])
-                print(f"W8A16 sweep: default {r['fp8_us']:.1f} µs, fastest {r['fp8_best']}", flush=True)
+            r["fp8_configs"] = sweep_configs(
+                lambda x, w8, s, cfg: launch_linear(x, w8, silu, scale=s, config=cfg), x, pairs, deadline,
+                lambda y: {"bits_equal_default": torch.equal(y.float(), out)})
+            best(r, "fp8", "W8A16")
     if torch.cuda.get_device_capability(x.device) >= (8, 9):
         r["w8a8_us"] = time_calls(lambda x, fw: fp8_linear_w8a8(x, fw, silu), x, fws)
         ref = fp8_w8a8_reference(x, fws[0], silu).float()
@@ -146,6 +160,11 @@ def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.i
         # MMA (launch_linear_w8a8)
         r["w8a8_skinny_us"] = time_calls(lambda x, p: launch_linear_w8a8(x, p[0], p[1], silu), x, pairs)
         r["w8a8_skinny_rel_err"] = rel_err(launch_linear_w8a8(x, w8s[0], scales[0], silu))
+        if sweep and x.shape[0] <= MAX_ROWS:
+            r["w8a8_skinny_configs"] = sweep_configs(
+                lambda x, w8, s, cfg: launch_linear_w8a8(x, w8, s, silu, config=cfg), x, pairs, deadline,
+                lambda y: {"rel_err": rel_err(y)})
+            best(r, "w8a8_skinny", "W8A8 (skinny kernel)")
     r["dequant_us"] = time_calls(lambda x, fw: fp8_linear_reference(x, fw, silu), x, fws)
     return r
 

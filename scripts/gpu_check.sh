@@ -10,8 +10,8 @@
 #   scripts/gpu_check.sh bench   # the step benchmark (benchmarks/step.py; docs/performance.md); BENCH_ARGS=--profile adds kernel tables
 #   scripts/gpu_check.sh linear  # the skinny GEMM against cuBLAS, its W8A16 (FP8 weight) form and W8A8 on the
 #                                # step's shapes at batch 1, 2, 8, 32 (benchmarks/linear.py), after the FP8 kernel tests
-#   scripts/gpu_check.sh linear-fp8 # the W8A16 kernel's launch configurations swept on the step's projections
-#                                # (benchmarks/linear.py --sweep-fp8), batch 1 and 2
+#   scripts/gpu_check.sh linear-fp8 # the W8A16 kernel's launch configurations and its W8A8 form's swept on the
+#                                # step's projections (benchmarks/linear.py --sweep-fp8), batch 1 and 2
 #   scripts/gpu_check.sh cxx     # the C++ embedding's CUDA tests: its CUDA graphs and chained steps against the
 #                                # Python runtime (carry .whl/ for its JSON header: the nlohmann-json wheel)
 #   scripts/gpu_check.sh cxx-bench # the C++ library's step and tokens/s beside the Python runtime's, 8B-shaped
@@ -133,7 +133,7 @@ linear-fp8)
     # the W8A16 kernel in its default configuration beside W8A8 (what the engines run there); JSON in $OUT
     shapes=qkv,o,gate_up+silu,down,draft_fc
     timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/linear.py --batches ${LINEAR_BATCHES:-1,2} --sweep-fp8 \
-        --shapes $shapes --deadline-s 360 --out-dir "$OUT" 2>&1 | tee "$OUT/linear-fp8.log" | grep -E "W8A16|cuBLAS"
+        --shapes $shapes --deadline-s 360 --out-dir "$OUT" 2>&1 | tee "$OUT/linear-fp8.log" | grep -E "W8A|cuBLAS"
     timeout 150 python3 benchmarks/linear.py --batches 8,32 --shapes $shapes --deadline-s 120 --out-dir "$OUT" 2>&1 |
         tee "$OUT/linear-fp8-rows.log" | grep -E "W8A"
     ;;
