@@ -128,8 +128,9 @@ bench)
         --out-dir "$OUT" --markdown "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
     ;;
 linear-fp8)
-    # the W8A16 kernel's launch configurations (benchmarks/linear.py --sweep-fp8) on the decoder's and the draft's
-    # projections at batch 1 and 2, beside the bf16 kernel in its default configuration; then, at batch 8 and 32,
+    # the W8A16 kernel's launch configurations and its W8A8 form's (benchmarks/linear.py --sweep-fp8) on the
+    # decoder's and the draft's projections at batch 1 and 2, beside the bf16 kernel in its default configuration,
+    # and W8A8 by torch._scaled_mm (eager and compiled); then, at batch 8 and 32,
     # the W8A16 kernel in its default configuration beside W8A8 (what the engines run there); JSON in $OUT
     shapes=qkv,o,gate_up+silu,down,draft_fc
     timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/linear.py --batches ${LINEAR_BATCHES:-1,2} --sweep-fp8 \
