@@ -114,8 +114,9 @@ def _launch_linear_w8a8(*args):
     return launch_linear_w8a8(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl())
 
 
-def _launch_linear_rope_table(*args):
-    return launch_linear_rope_table(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl())
+def _launch_linear_rope_table(*args, scale=None, w8a8=False):
+    return launch_linear_rope_table(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl(), scale=scale,
+                                    w8a8=w8a8)
 
 
 gated_residual_op.register_triton(_runs_kernels, _launch_gated_residual_add)

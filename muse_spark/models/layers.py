@@ -321,12 +321,18 @@ def _w8a8_fits(x: torch.Tensor, w: Fp8Weight) -> bool:
     return n % 16 == 0 and k % 16 == 0 and x.numel() > 0 and w.weight.is_contiguous()
 
 
+def _fp8_w8a8_form(w: Fp8Weight) -> bool:
+    """Whether the skinny kernel runs ``w`` in its W8A8 form: the kernel option ``fp8_linear="w8a8"`` and dynamic
+    activation scales (a checkpoint's static ``input_scale`` keeps W8A16)."""
+    return current_options().fp8_linear == "w8a8" and w.input_scale is None
+
+
 def _fp8_linear(x: torch.Tensor, w: Fp8Weight, silu_mul: bool) -> torch.Tensor:
     """An ``Fp8Weight``'s product: the skinny W8A16 kernel for few rows (its W8A8 form under the kernel option
     ``fp8_linear="w8a8"``, dynamic activation scales only), W8A8 for more on FP8 hardware, else the W8A16
     reference."""
     if _triton_linear_fits(x, w):
-        if current_options().fp8_linear == "w8a8" and w.input_scale is None:
+        if _fp8_w8a8_form(w):
             return torch.ops.muse_spark.linear_w8a8_triton(x, w.weight, w.scale, silu_mul)
         return torch.ops.muse_spark.linear_fp8_triton(x, w.weight, w.scale, silu_mul)
     if _w8a8_fits(x, w):
@@ -407,14 +413,14 @@ class Attention(nn.Module):
 
     def takes_rope_table(self, x: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether the qkv projection also writes the step's RoPE table for the q/k norm kernel
-        (``muse_spark::linear_rope_table_triton``): with ``KernelOptions.rope_table`` and RoPE,
+        (``muse_spark::linear_rope_table_triton``; an FP8 weight's ``linear_fp8_rope_table_triton`` in the form
+        ``linear`` takes): with ``KernelOptions.rope_table`` and RoPE,
         where ``linear`` takes the Triton kernel and the norm kernel will write the caches (a
         ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim). Where the
         fused attention kernel takes the layer (the default, ``attends_from_cache_write``) it reads it instead."""
         c = self.cfg
         return (current_options().rope_table and c.use_rope and x.dim() == 3
                 and positions.numel() == x.shape[0] * x.shape[1] and CacheKV.at(kv, positions, x.dtype)
-                and not isinstance(proj_weight(self.qkv_proj), Fp8Weight)  # (the table's launch: bf16/fp16 weights)
                 and _triton_linear_fits(x, proj_weight(self.qkv_proj))
                 and _head_norm_rope_fits_heads(x.dtype, c.head_dim))
 
@@ -425,11 +431,15 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         H = c.num_attention_heads
         table = {}
-        if self.takes_rope_table(x, kv, positions):  # the projection's launch also writes the RoPE table
+        w = proj_weight(self.qkv_proj)
+        if not self.takes_rope_table(x, kv, positions):
+            qkv = linear(x, w)
+        elif isinstance(w, Fp8Weight):  # (in the form linear() takes: W8A16, or W8A8 under fp8_linear="w8a8")
+            qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_fp8_rope_table_triton(
+                x, w.weight, w.scale, positions, c.rope_theta, c.head_dim, _fp8_w8a8_form(w))
+        else:  # the projection's launch also writes the RoPE table
             qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_rope_table_triton(
-                x, self.qkv_proj.weight, positions, c.rope_theta, c.head_dim)
-        else:
-            qkv = linear(x, proj_weight(self.qkv_proj))
+                x, w, positions, c.rope_theta, c.head_dim)
         qs, kvs = c.q_size, c.kv_size
         # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
         qk = qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim)

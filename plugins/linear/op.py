@@ -11,7 +11,8 @@
   to each fp32 sum; its reference is ``reference.w8a8_reference``;
 * ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program of
   the same launch, the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; off with
-  the kernel option ``rope_table`` false).
+  the kernel option ``rope_table`` false); ``muse_spark::linear_fp8_rope_table_triton`` the same on an FP8 weight
+  (W8A16, or W8A8 by its ``w8a8`` argument).
 
 ``register_triton`` registers them; only ``plugins.triton_ops`` calls it, so importing this module
 never imports Triton.
@@ -49,10 +50,18 @@ def fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mu
 
 
 def register_triton(runs_kernels, launch_linear, launch_linear_rope_table, launch_linear_w8a8) -> None:
-    """Registers ``muse_spark::linear_rope_table_triton``, ``muse_spark::linear_triton``, ``linear_fp8_triton`` and
-    ``linear_w8a8_triton``: their kernel launches (``plugins.triton_ops``) where ``runs_kernels(x)``, else their
-    references."""
+    """Registers ``muse_spark::linear_rope_table_triton``, ``linear_fp8_rope_table_triton``, ``linear_triton``,
+    ``linear_fp8_triton`` and ``linear_w8a8_triton``: their kernel launches (``plugins.triton_ops``) where
+    ``runs_kernels(x)``, else their references."""
     from torch.library import triton_op
+
+    def check_table(x: torch.Tensor, positions: torch.Tensor, head_dim: int) -> None:
+        rows = x.numel() // x.shape[-1]
+        if positions.dtype != torch.int64 or positions.numel() != rows:
+            raise ValueError(f"linear_rope_table: positions must be int64, one per row of x ({rows}), got "
+                             f"{positions.dtype} {list(positions.shape)}")
+        if head_dim < 2 or head_dim & (head_dim - 1):
+            raise ValueError(f"linear_rope_table: head_dim {head_dim} must be a power of two")
 
     @triton_op("muse_spark::linear_rope_table_triton", mutates_args=())
     def _linear_rope_table_op(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, theta: float,
@@ -63,16 +72,25 @@ def register_triton(runs_kernels, launch_linear, launch_linear_rope_table, launc
         ``head_norm_rope_cache_triton(rope_cos=, rope_sin=)``. Its reference: ``F.linear`` and
         ``plugins.head_norm_rope.reference.rope_table_reference``."""
         _check_linear(x, w)
-        rows = x.numel() // x.shape[-1]
-        if positions.dtype != torch.int64 or positions.numel() != rows:
-            raise ValueError(f"linear_rope_table: positions must be int64, one per row of x ({rows}), got "
-                             f"{positions.dtype} {list(positions.shape)}")
-        if head_dim < 2 or head_dim & (head_dim - 1):
-            raise ValueError(f"linear_rope_table: head_dim {head_dim} must be a power of two")
+        check_table(x, positions, head_dim)
         if not runs_kernels(x):
             cos, sin = rope_table_reference(positions, theta, head_dim)
             return linear_reference(x, w), cos, sin
         return launch_linear_rope_table(x, w, positions, theta, head_dim)
+
+    @triton_op("muse_spark::linear_fp8_rope_table_triton", mutates_args=())
+    def _linear_fp8_rope_table_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, positions: torch.Tensor,
+                                  theta: float, head_dim: int,
+                                  w8a8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``linear_rope_table_triton`` on an FP8 weight with its rows' ``scale``: y is ``linear_fp8_triton``'s
+        (W8A16) or, with ``w8a8``, ``linear_w8a8_triton``'s, the table the same bits."""
+        _check_linear_fp8(x, w, scale)
+        check_table(x, positions, head_dim)
+        if not runs_kernels(x):
+            cos, sin = rope_table_reference(positions, theta, head_dim)
+            y = w8a8_reference(x, w, scale, None, False) if w8a8 else fp8_reference(x, w, scale, False)
+            return y, cos, sin
+        return launch_linear_rope_table(x, w, positions, theta, head_dim, scale=scale, w8a8=w8a8)
 
     def fp8_product(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool, reference, launch):
         """An FP8-weight op's body: the checks, then ``launch()`` where the kernels run, else ``reference()``."""

@@ -249,20 +249,30 @@ def launch_linear_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, si
     N = n_w // 2 if silu_mul else n_w
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M > 0 and N > 0:
-        q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
-        xs = torch.empty((M,), dtype=torch.float32, device=x.device)
-        wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), BLOCK_K=1024, num_warps=4)
+        q, xs = _quantize_rows(x2, wrap)
         _launch(q, w, y, silu_mul, wrap, interpret, config, pdl, False, scale=scale.reshape(-1), row_scales=xs)
     return y.reshape(*x.shape[:-1], N)
 
 
+def _quantize_rows(x2: torch.Tensor, wrap) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] → (E4M3 codes [M, K], fp32 row scales [M]) by ``_quantize_rows_kernel``, one program a row."""
+    M, K = x2.shape
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
+    xs = torch.empty((M,), dtype=torch.float32, device=x2.device)
+    wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), BLOCK_K=1024, num_warps=4)
+    return q, xs
+
+
 def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, theta: float, dh: int,
-                             wrap=lambda f: f, interpret: bool = False,
-                             pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             wrap=lambda f: f, interpret: bool = False, pdl: int = 0,
+                             scale: torch.Tensor | None = None,
+                             w8a8: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``launch_linear(x, w)`` and, from one more program of the same launch, the RoPE table of
     ``positions`` (``head_norm_rope.launch_rope_table``'s (cos, sin), the same bits): → (y, cos, sin).
     For the attention's qkv projection, whose norm + cache kernel then reads the table (the
-    default, off with the kernel option ``rope_table`` false; docs/log.md, 2026-12-03)."""
+    default, off with the kernel option ``rope_table`` false; docs/log.md, 2026-12-03). ``scale``: W is FP8 with
+    these row scales, y ``launch_linear(x, w, scale=scale)``'s (W8A16) or, with ``w8a8``,
+    ``launch_linear_w8a8(x, w, scale)``'s (the rows quantized first, by their own launch)."""
     x2 = _rows(x, w)
     M, N = x2.shape[0], w.shape[0]
     pos = positions.reshape(-1)
@@ -274,7 +284,15 @@ def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.
     cos = torch.empty((M, dh // 2), dtype=torch.float32, device=x.device)
     sin = torch.empty_like(cos)
     if M > 0:  # (with no weight rows the launch is the table's program alone)
-        _launch(x2, w, y, False, wrap, interpret, None, pdl, False, table=(pos, cos, sin, theta, dh))
+        table = (pos, cos, sin, theta, dh)
+        if scale is None:
+            _launch(x2, w, y, False, wrap, interpret, None, pdl, False, table=table)
+        elif w8a8:
+            q, xs = _quantize_rows(x2, wrap)
+            _launch(q, w, y, False, wrap, interpret, None, pdl, False, table=table, scale=scale.reshape(-1),
+                    row_scales=xs)
+        else:
+            _launch(x2, w, y, False, wrap, interpret, None, pdl, False, table=table, scale=scale.reshape(-1))
     return y.reshape(*x.shape[:-1], N), cos, sin
 
 

@@ -268,6 +268,33 @@ def test_the_qkv_projection_writes_the_rope_table_the_norm_kernel_reads(tops, ro
 
 
 @needs_kernels
+@pytest.mark.parametrize("w8a8", [False, True], ids=["w8a16", "w8a8"])
+def test_an_fp8_qkv_projection_writes_the_rope_table_too(tops, w8a8):
+    """``linear_fp8_rope_table_triton`` (an FP8 layer's qkv projection): y is the FP8 projection's own op's bits
+    (``linear_fp8_triton``, or ``linear_w8a8_triton`` in the W8A8 form), the table ``launch_rope_table``'s; it
+    refuses positions that are not one per row."""
+    from muse_spark.models.layers import FP8, FP8_MAX
+    from muse_spark.plugins.head_norm_rope.triton_kernel import launch_rope_table
+
+    g = torch.Generator().manual_seed(5)
+    dh, K, N, rows = 32, 256, 3 * 64 + 32, 8
+    x = torch.randn(1, rows, K, generator=g).to(torch.bfloat16).to(DEV)
+    w = torch.randn(N, K, generator=g)
+    scale = (w.abs().amax(1) / FP8_MAX).float()
+    w8, scale = (w / scale[:, None]).to(FP8).to(DEV), scale.to(DEV)
+    positions = (1000 + torch.arange(rows)).view(1, rows).to(DEV)
+    ops = torch.ops.muse_spark
+    y, cos, sin = ops.linear_fp8_rope_table_triton(x, w8, scale, positions, 5e5, dh, w8a8)
+    plain = (ops.linear_w8a8_triton if w8a8 else ops.linear_fp8_triton)(x, w8, scale, False)
+    assert torch.equal(y, plain) and not torch.equal(y, (ops.linear_fp8_triton if w8a8 else ops.linear_w8a8_triton)(
+        x, w8, scale, False))
+    want = launch_rope_table(positions, 5e5, dh)
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    with pytest.raises(ValueError, match="one per row of x"):
+        ops.linear_fp8_rope_table_triton(x, w8, scale, positions[:, :3], 5e5, dh, w8a8)
+
+
+@needs_kernels
 def test_the_rope_table_ops_refuse_what_they_cannot_take(tops):
     x4, v, pos, slots, (kc, vc) = cache_write_operands(B=2, S=3)
     cos, sin = torch.zeros(6, x4.shape[3] // 2, device=DEV), torch.zeros(6, x4.shape[3] // 2, device=DEV)

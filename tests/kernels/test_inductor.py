@@ -11,7 +11,8 @@ from kernels.kernel_utils import DEV, HAS_TRITON, INTERPRETED, cache_write_opera
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' modules import it)")
-@pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "linear_w8a8", "norm_cache",
+@pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "linear_w8a8",
+                                  "linear_fp8_rope_table", "linear_w8a8_rope_table", "norm_cache",
                                   "norm_cache_table", "norm", "rope_table", "gated_residual"])
 def test_the_other_launchers_pass_every_kernel_argument(form):
     """``test_the_attention_launcher_passes_every_kernel_argument`` for the launchers the engines'
@@ -25,12 +26,16 @@ def test_the_other_launchers_pass_every_kernel_argument(form):
     x = torch.zeros(1, 6, 64, dtype=torch.bfloat16, device=DEV)
     w = torch.zeros(128, 64, dtype=torch.bfloat16, device=DEV)
     table = (torch.zeros(6, x4.shape[3] // 2, device=DEV), torch.zeros(6, x4.shape[3] // 2, device=DEV))
+    w8, ones = w.to(torch.float8_e4m3fn), torch.ones(128, device=DEV)
     run = {
         "linear": lambda wrap: lk.launch_linear(x, w, wrap=wrap),
         "linear_silu_mul": lambda wrap: lk.launch_linear(x, w, True, wrap=wrap),
         "linear_rope_table": lambda wrap: lk.launch_linear_rope_table(x, w, positions, 5e5, 32, wrap=wrap),
-        "linear_w8a8": lambda wrap: lk.launch_linear_w8a8(x, w.to(torch.float8_e4m3fn), torch.ones(128, device=DEV),
-                                                          wrap=wrap),
+        "linear_w8a8": lambda wrap: lk.launch_linear_w8a8(x, w8, ones, wrap=wrap),
+        "linear_fp8_rope_table": lambda wrap: lk.launch_linear_rope_table(x, w8, positions, 5e5, 32, wrap=wrap,
+                                                                          scale=ones),
+        "linear_w8a8_rope_table": lambda wrap: lk.launch_linear_rope_table(x, w8, positions, 5e5, 32, wrap=wrap,
+                                                                           scale=ones, w8a8=True),
         "norm_cache": lambda wrap: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc,
                                                                   slots, wrap=wrap),
         "norm_cache_table": lambda wrap: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc,
@@ -43,7 +48,7 @@ def test_the_other_launchers_pass_every_kernel_argument(form):
             torch.bfloat16, wrap=wrap),
     }
     calls = launches(run[form])
-    assert len(calls) == (2 if form == "linear_w8a8" else 1)  # (W8A8: the rows' quantization, then the GEMM)
+    assert len(calls) == (2 if "w8a8" in form else 1)  # (W8A8: the rows' quantization, then the GEMM)
     for fn, passed in calls:
         assert passed == set(fn.arg_names), (fn.__name__, set(fn.arg_names) - passed)
 
