@@ -30,7 +30,8 @@ through except hop-by-hop ones, status and body relayed as they come (chunk by
 chunk, so Server-Sent Events are not buffered). A client that goes away closes
 its upstream request, so Triton sees the cancellation. If the upstream cannot be
 reached or breaks off, the client gets a 503/502 JSON error (or a final error
-event), never a hang.
+event), never a hang; an inference request broken off as the model process dies gets
+the launcher's reason (``BROKEN_OFF_WAIT_S``).
 
 The front runs its own asyncio loop in a background thread, so the synchronous
 launcher drives it with :meth:`start` (binds the public port at once, before
@@ -57,6 +58,10 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
 _NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length", "expect"}
 _READY_PATH = re.compile(r"^/v2/health/ready$|^/v2/models/[^/]+(/versions/[^/]+)?/ready$")
 _INFER_PATH = re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?/(infer|generate|generate_stream)$")
+# An inference request the upstream broke off waits this long for the launcher's word on why
+# (``fail_inflight``: the model process died), which it then gives the client instead of the bare break:
+# the stream breaks as the process dies, the launcher sees the death on its next poll.
+BROKEN_OFF_WAIT_S = 2.0
 
 
 class FrontError(RuntimeError):
@@ -332,8 +337,24 @@ class HttpFront:
             return await self._end(request, resp, ex, 503, message)
         except (aiohttp.ClientError, OSError) as e:
             message = f"the model server broke off the request ({type(e).__name__}: {e})"
+            if _INFER_PATH.match(request.path) and await self._reason_given(ex) is not None:
+                return await self._end(request, resp, ex, 503, ex.failure)
             self._log(f"http front: {request.method} {request.path}: {message}")
             return await self._end(request, resp, ex, 502, message)
+
+    @staticmethod
+    async def _reason_given(ex: _Exchange) -> str | None:
+        """The reason ``fail_inflight`` gives ``ex`` within ``BROKEN_OFF_WAIT_S``, else None."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BROKEN_OFF_WAIT_S
+        try:
+            while ex.failure is None and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+        except asyncio.CancelledError:  # (fail_inflight sets the reason, then cancels the exchange's task)
+            if ex.failure is None:
+                raise
+            asyncio.current_task().uncancel()
+        return ex.failure
 
     @staticmethod
     async def _write(request, resp, data: bytes = b"", eof: bool = False) -> None:

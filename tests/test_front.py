@@ -484,6 +484,28 @@ def test_upstream_gone_gives_json_errors(front, upstream):
     wait_for(lambda: front.inflight == 0, what="no request in flight")
 
 
+def test_a_request_broken_off_as_the_model_process_dies_gets_the_launchers_reason(front, upstream):
+    """The upstream breaks the stream off when the model process dies, a poll before the launcher sees the death
+    and calls ``fail_inflight``: the client gets that reason (a final error event, a 503), not the bare break."""
+    t, result = run_in_thread(post_json, front, "/v2/models/m/generate", {"hang": True}, timeout=60)
+    conn, resp = open_stream(front, n=200, delay=0.05)
+    try:
+        got = events(resp)
+        assert next(got)[1] == {"i": 0}
+        wait_for(lambda: front.inflight == 2, what="two requests in flight")
+        upstream.stop()
+        time.sleep(0.3)  # (the launcher's poll)
+        assert front.fail_inflight("the model process (pid 7) died while serving this request; retry it") == 2
+        rest = list(got)
+    finally:
+        conn.close()
+    assert rest[-1][1] == {"error": "the model process (pid 7) died while serving this request; retry it"}
+    t.join(30)
+    assert result["value"] == (503, {"error": "the model process (pid 7) died while serving this request; retry it"})
+    wait_for(lambda: front.inflight == 0, what="no request in flight")
+    assert not any("broke off" in line for line in front.logs), front.logs
+
+
 # ---- starting and stopping ----
 
 def test_occupied_port_raises_at_start(upstream):
