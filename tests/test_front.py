@@ -460,17 +460,26 @@ def test_client_disconnect_reaches_the_upstream(front, upstream, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
 
 
-def test_upstream_gone_gives_json_errors(front, upstream):
+def break_off_two_requests(front, upstream, then=lambda: None):
+    """A request waiting for its response and a stream relaying events when the upstream goes away (its
+    connections close mid-request), ``then()`` after it → (the waiting request's thread, its result, the stream's
+    events after the first)."""
     t, result = run_in_thread(post_json, front, "/v2/models/m/generate", {"hang": True}, timeout=60)
     conn, resp = open_stream(front, n=200, delay=0.05)
     try:
         got = events(resp)
         assert next(got)[1] == {"i": 0}
         wait_for(lambda: front.inflight == 2, what="two requests in flight")
-        upstream.stop()  # tritonserver gone: its connections close mid-request
+        upstream.stop()
+        then()
         rest = list(got)
     finally:
         conn.close()
+    return t, result, rest
+
+
+def test_upstream_gone_gives_json_errors(front, upstream):
+    t, result, rest = break_off_two_requests(front, upstream)  # tritonserver gone
     assert "broke off" in rest[-1][1]["error"]
     t.join(30)
     assert not t.is_alive() and "error" not in result, result
@@ -487,18 +496,11 @@ def test_upstream_gone_gives_json_errors(front, upstream):
 def test_a_request_broken_off_as_the_model_process_dies_gets_the_launchers_reason(front, upstream):
     """The upstream breaks the stream off when the model process dies, a poll before the launcher sees the death
     and calls ``fail_inflight``: the client gets that reason (a final error event, a 503), not the bare break."""
-    t, result = run_in_thread(post_json, front, "/v2/models/m/generate", {"hang": True}, timeout=60)
-    conn, resp = open_stream(front, n=200, delay=0.05)
-    try:
-        got = events(resp)
-        assert next(got)[1] == {"i": 0}
-        wait_for(lambda: front.inflight == 2, what="two requests in flight")
-        upstream.stop()
+    def launcher_sees_it():
         time.sleep(0.3)  # (the launcher's poll)
         assert front.fail_inflight("the model process (pid 7) died while serving this request; retry it") == 2
-        rest = list(got)
-    finally:
-        conn.close()
+
+    t, result, rest = break_off_two_requests(front, upstream, launcher_sees_it)
     assert rest[-1][1] == {"error": "the model process (pid 7) died while serving this request; retry it"}
     t.join(30)
     assert result["value"] == (503, {"error": "the model process (pid 7) died while serving this request; retry it"})
