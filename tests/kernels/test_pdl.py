@@ -77,6 +77,11 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
         "linear_w8a8": (lk._linear_kernel, dict(zip(lin_names + ["s_ptr", "xs_ptr"],
                                                     ["*fp8e4nv", "*fp8e4nv", "*bf16"] + ["i32"] * 5 + ["*fp32"] * 2)),
                         dict(lin, W8A8=True), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
+        "linear_fp8_rope_table": (lk._linear_kernel, dict(zip(
+            lin_names + ["pos_ptr", "cos_ptr", "sin_ptr", "N_POS", "s_ptr"],
+            ["*bf16", "*fp8e4nv", "*bf16"] + ["i32"] * 5 + ["*i64", "*fp32", "*fp32", "i32", "*fp32"])),
+            dict(lin, ROPE_TABLE=True, THETA=5e5, DH_ROPE=128, BLOCK_POS=16, SCALED=True), 4, 4,
+            ("N", "K", "stride_xm", "stride_ym")),
         "attention_cache_table": (ak._partial_kernel, dict(zip(
             names + ["vn_ptr", "pos_ptr", "svn_b", "svn_s", "svn_h", "sp_b", "sp_s", "T_CACHE", "cos_ptr", "sin_ptr"],
             types + ["*bf16", "*i64"] + ["i32"] * 6 + ["*fp32", "*fp32"])),
