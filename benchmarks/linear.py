@@ -17,7 +17,7 @@ copy of the weight with per-row scales, ``launch_linear(scale=)``, half the byte
 configuration, beside the bf16 kernel and cuBLAS, with its error against the dequantized weight's
 cuBLAS product; W8A8 (``models.layers.fp8_linear_w8a8``, on FP8 hardware: eager, and under ``torch.compile`` as
 the compiled engines run it, its activations' quantization fused), the W8A8 candidate in the skinny kernel
-(``launch_linear_w8a8``: FP8 operands on both sides of the MMA), and the W8A16 reference
+(``launch_linear(w8a8=True)``: FP8 operands on both sides of the MMA), and the W8A16 reference
 (dequantize per call, then cuBLAS) at every row count (``--batches 8,32``: the verification GEMMs W8A8
 takes).
 The figures go to ``benchmarks/results/`` in the common schema (``benchmarks/results.py``), rewritten
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from muse_spark.plugins.linear.reference import linear_reference
-from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear, launch_linear_w8a8
+from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
@@ -102,7 +102,8 @@ def sweep_configs(launch, x, pairs, deadline: float, check) -> list[dict]:
 
 
 def best(r: dict, key: str, label: str) -> None:
-    """``r[key + "_best"]``: the fastest of ``r[key + "_configs"]``, printed beside the default (``r[key + "_us"]``)."""
+    """``r[key + "_best"]``: the fastest of ``r[key + "_configs"]``, printed beside the default
+    (``r[key + "_us"]``)."""
     ok = [c for c in r[f"{key}_configs"] if "us" in c]
     if ok:
         r[f"{key}_best"] = min(ok, key=lambda c: c["us"])
@@ -114,7 +115,8 @@ def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.i
     stream's GB/s, relative error against cuBLAS on the dequantized weight; at any row count: past ``MAX_ROWS``,
     where the engines run W8A8, ``fp8_in_op_range`` is false), W8A8
     (``fp8_linear_w8a8``: the rows quantized per token, ``torch._scaled_mm``; eager and compiled, each one's error
-    against its spec; and ``launch_linear_w8a8``, the skinny kernel's W8A8 form, swept as the W8A16 kernel is) and
+    against its spec; and ``launch_linear(w8a8=True)``, the skinny kernel's W8A8 form, swept as the W8A16 kernel
+    is) and
     the W8A16 reference (the weight dequantized per call, then cuBLAS: what runs without either). ``sweep``: the
     W8A16 kernel under each of ``fp8_configs()`` too (until ``deadline``, a ``time.time()``), its fastest in
     ``fp8_best``."""
@@ -157,12 +159,12 @@ def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.i
         r["w8a8_compiled_us"] = time_calls(lambda x, p: compiled(x, p[0], p[1][:, None]), x, pairs)
         r["w8a8_compiled_rel_err"] = rel_err(compiled(x, w8s[0], scales[0][:, None]))
         # the W8A8 candidate in the skinny kernel: the rows quantized by a kernel, FP8 operands on both sides of the
-        # MMA (launch_linear_w8a8)
-        r["w8a8_skinny_us"] = time_calls(lambda x, p: launch_linear_w8a8(x, p[0], p[1], silu), x, pairs)
-        r["w8a8_skinny_rel_err"] = rel_err(launch_linear_w8a8(x, w8s[0], scales[0], silu))
+        # MMA
+        r["w8a8_skinny_us"] = time_calls(lambda x, p: launch_linear(x, p[0], silu, scale=p[1], w8a8=True), x, pairs)
+        r["w8a8_skinny_rel_err"] = rel_err(launch_linear(x, w8s[0], silu, scale=scales[0], w8a8=True))
         if sweep and x.shape[0] <= MAX_ROWS:
             r["w8a8_skinny_configs"] = sweep_configs(
-                lambda x, w8, s, cfg: launch_linear_w8a8(x, w8, s, silu, config=cfg), x, pairs, deadline,
+                lambda x, w8, s, cfg: launch_linear(x, w8, silu, scale=s, config=cfg, w8a8=True), x, pairs, deadline,
                 lambda y: {"rel_err": rel_err(y)})
             best(r, "w8a8_skinny", "W8A8 (skinny kernel)")
     r["dequant_us"] = time_calls(lambda x, fw: fp8_linear_reference(x, fw, silu), x, fws)

@@ -13,8 +13,8 @@ reference op, where it has one):
 * ``plugins/head_norm_rope/op.py`` — ``muse_spark::head_norm_rope_triton`` and
   ``muse_spark::head_norm_rope_cache_triton``;
 * ``plugins/linear/op.py`` — ``muse_spark::linear_triton``, ``muse_spark::linear_fp8_triton``,
-  ``muse_spark::linear_w8a8_triton`` and
-  ``muse_spark::linear_rope_table_triton``.
+  ``muse_spark::linear_w8a8_triton``, ``muse_spark::linear_rope_table_triton`` and
+  ``muse_spark::linear_fp8_rope_table_triton``.
 
 Each gets the launch of its kernels from here, which binds ``wrap_triton``, the interpreter and
 the PDL mode (``_pdl``): every launch of a ``plugins.pdl.PDL_KERNELS`` kernel is in this module.
@@ -51,7 +51,7 @@ from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residua
 from muse_spark.plugins.head_norm_rope import op as head_norm_rope_op
 from muse_spark.plugins.head_norm_rope import triton_kernel as head_norm_rope_kernel
 from muse_spark.plugins.linear import op as linear_op
-from muse_spark.plugins.linear.triton_kernel import launch_linear, launch_linear_rope_table, launch_linear_w8a8
+from muse_spark.plugins.linear.triton_kernel import launch_linear, launch_linear_rope_table
 from muse_spark.plugins.markov import op as markov_op
 from muse_spark.plugins.markov.op import TOPK_ERROR, markov_workspace_words  # noqa: F401
 from muse_spark.plugins.markov.triton_kernel import launch_markov_sample
@@ -106,12 +106,8 @@ def _launch_head_norm_rope_cache(*args, table, scales=None):
                                                             table=table, scales=scales)
 
 
-def _launch_linear(*args, scale=None):
-    return launch_linear(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl(), scale=scale)
-
-
-def _launch_linear_w8a8(*args):
-    return launch_linear_w8a8(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl())
+def _launch_linear(*args, scale=None, w8a8=False):
+    return launch_linear(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl(), scale=scale, w8a8=w8a8)
 
 
 def _launch_linear_rope_table(*args, scale=None, w8a8=False):
@@ -124,7 +120,7 @@ markov_op.register_triton(_runs_kernels, _launch_markov_sample)
 acceptance_op.register_triton(_runs_kernels, _launch_accept)
 attention_op.register_triton(_runs_kernels, _launch_attention)
 head_norm_rope_op.register_triton(_runs_kernels, _launch_head_norm_rope, _launch_head_norm_rope_cache)
-linear_op.register_triton(_runs_kernels, _launch_linear, _launch_linear_rope_table, _launch_linear_w8a8)
+linear_op.register_triton(_runs_kernels, _launch_linear, _launch_linear_rope_table)
 
 
 def attention(q, k, v, mask, slots=None, scales=None):

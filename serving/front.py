@@ -345,12 +345,9 @@ class HttpFront:
     @staticmethod
     async def _reason_given(ex: _Exchange) -> str | None:
         """The reason ``fail_inflight`` gives ``ex`` within ``BROKEN_OFF_WAIT_S``, else None."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + BROKEN_OFF_WAIT_S
-        try:
-            while ex.failure is None and loop.time() < deadline:
-                await asyncio.sleep(0.02)
-        except asyncio.CancelledError:  # (fail_inflight sets the reason, then cancels the exchange's task)
+        try:  # (fail_inflight sets the reason, then cancels the exchange's task: the sleep ends with it)
+            await asyncio.sleep(BROKEN_OFF_WAIT_S)
+        except asyncio.CancelledError:
             if ex.failure is None:
                 raise
             asyncio.current_task().uncancel()

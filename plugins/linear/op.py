@@ -49,7 +49,7 @@ def fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mu
     return linear_reference(x, (w.float() * scale.reshape(-1, 1)).to(x.dtype), silu_mul)
 
 
-def register_triton(runs_kernels, launch_linear, launch_linear_rope_table, launch_linear_w8a8) -> None:
+def register_triton(runs_kernels, launch_linear, launch_linear_rope_table) -> None:
     """Registers ``muse_spark::linear_rope_table_triton``, ``linear_fp8_rope_table_triton``, ``linear_triton``,
     ``linear_fp8_triton`` and ``linear_w8a8_triton``: their kernel launches (``plugins.triton_ops``) where
     ``runs_kernels(x)``, else their references."""
@@ -107,7 +107,7 @@ def register_triton(runs_kernels, launch_linear, launch_linear_rope_table, launc
     @triton_op("muse_spark::linear_w8a8_triton", mutates_args=())
     def _linear_w8a8_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool) -> torch.Tensor:
         return fp8_product(x, w, scale, silu_mul, lambda: w8a8_reference(x, w, scale, None, silu_mul),
-                           lambda: launch_linear_w8a8(x, w, scale, silu_mul))
+                           lambda: launch_linear(x, w, silu_mul, scale=scale, w8a8=True))
 
     @triton_op("muse_spark::linear_triton", mutates_args=())
     def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:

@@ -231,29 +231,6 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constex
         tl.store(q_ptr + row.to(tl.int64) * K + k0 + rk, to_rne(q, tl.float8e4nv), mask=k0 + rk < K)
 
 
-def launch_linear_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool = False,
-                       wrap=lambda f: f, interpret: bool = False, config: dict | None = None,
-                       pdl: int = 0) -> torch.Tensor:
-    """W8A8 in the skinny kernel: x [..., K] (bf16/fp16) quantized per row by ``_quantize_rows_kernel`` (one launch),
-    then the weight stream of ``launch_linear`` with FP8 operands on both sides of the MMA (no conversion of the
-    weight in registers) and the two scales applied to each fp32 sum: ``models.layers.fp8_w8a8_reference``'s
-    product within a rounding of the sum's order. W [N_w, K] E4M3, ``scale`` [N_w] fp32 its rows' scales.
-    ``muse_spark::linear_w8a8_triton`` (the kernel option ``fp8_linear="w8a8"``); ``benchmarks/linear.py`` times it
-    beside the W8A16 kernel and ``torch._scaled_mm``. ``pdl``: the GEMM's PDL mode (``launch_linear``'s); the
-    quantizing kernel is not a PDL kernel, so the GEMM after it waits for it in full."""
-    x2 = _rows(x, w)
-    M, K = x2.shape
-    n_w = w.shape[0]
-    if silu_mul and n_w % 2:
-        raise ValueError(f"linear: silu_mul needs an even number of weight rows (gate | up), got {n_w}")
-    N = n_w // 2 if silu_mul else n_w
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M > 0 and N > 0:
-        q, xs = _quantize_rows(x2, wrap)
-        _launch(q, w, y, silu_mul, wrap, interpret, config, pdl, False, scale=scale.reshape(-1), row_scales=xs)
-    return y.reshape(*x.shape[:-1], N)
-
-
 def _quantize_rows(x2: torch.Tensor, wrap) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 [M, K] → (E4M3 codes [M, K], fp32 row scales [M]) by ``_quantize_rows_kernel``, one program a row."""
     M, K = x2.shape
@@ -270,9 +247,8 @@ def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.
     """``launch_linear(x, w)`` and, from one more program of the same launch, the RoPE table of
     ``positions`` (``head_norm_rope.launch_rope_table``'s (cos, sin), the same bits): → (y, cos, sin).
     For the attention's qkv projection, whose norm + cache kernel then reads the table (the
-    default, off with the kernel option ``rope_table`` false; docs/log.md, 2026-12-03). ``scale``: W is FP8 with
-    these row scales, y ``launch_linear(x, w, scale=scale)``'s (W8A16) or, with ``w8a8``,
-    ``launch_linear_w8a8(x, w, scale)``'s (the rows quantized first, by their own launch)."""
+    default, off with the kernel option ``rope_table`` false; docs/log.md, 2026-12-03). ``scale`` and ``w8a8``:
+    y is ``launch_linear(x, w, scale=scale, w8a8=w8a8)``'s."""
     x2 = _rows(x, w)
     M, N = x2.shape[0], w.shape[0]
     pos = positions.reshape(-1)
@@ -284,15 +260,8 @@ def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.
     cos = torch.empty((M, dh // 2), dtype=torch.float32, device=x.device)
     sin = torch.empty_like(cos)
     if M > 0:  # (with no weight rows the launch is the table's program alone)
-        table = (pos, cos, sin, theta, dh)
-        if scale is None:
-            _launch(x2, w, y, False, wrap, interpret, None, pdl, False, table=table)
-        elif w8a8:
-            q, xs = _quantize_rows(x2, wrap)
-            _launch(q, w, y, False, wrap, interpret, None, pdl, False, table=table, scale=scale.reshape(-1),
-                    row_scales=xs)
-        else:
-            _launch(x2, w, y, False, wrap, interpret, None, pdl, False, table=table, scale=scale.reshape(-1))
+        _launch(x2, w, y, False, wrap, interpret, None, pdl, False, table=(pos, cos, sin, theta, dh),
+                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8)
     return y.reshape(*x.shape[:-1], N), cos, sin
 
 
@@ -306,12 +275,16 @@ def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None, pdl: int, launch_pdl: bool,
-            table: tuple | None = None, scale: torch.Tensor | None = None,
-            row_scales: torch.Tensor | None = None) -> None:
+            table: tuple | None = None, scale: torch.Tensor | None = None, w8a8: bool = False) -> None:
     """``_linear_kernel`` over rows x2 [M, K] into y [M, N]; ``table`` = (positions, cos, sin, theta,
-    dh): one more program writes the RoPE table (``ROPE_TABLE``); ``row_scales`` (with ``scale``): x2 and w are
-    E4M3 codes, x2's rows scaled by ``row_scales`` (``W8A8``). Every kernel argument is passed, the
-    table's as dummies without it (Inductor's mutation analysis fills in no defaults)."""
+    dh): one more program writes the RoPE table (``ROPE_TABLE``); ``w8a8`` (with ``scale``): x2's rows quantized
+    to E4M3 codes first (``_quantize_rows``, a launch of its own), then the kernel's ``W8A8`` form. Every kernel
+    argument is passed, the table's as dummies without it (Inductor's mutation analysis fills in no defaults)."""
+    row_scales = None
+    if w8a8:
+        if scale is None:
+            raise ValueError("linear: the W8A8 form needs the FP8 weight's row scales")
+        x2, row_scales = _quantize_rows(x2, wrap)
     (M, K), N = x2.shape, y.shape[1]
     cfg = dict(default_config(M, N, K, silu_mul, fp8=scale is not None), **(config or {}))
     block_m = max(16, triton.next_power_of_2(M))
@@ -343,14 +316,19 @@ def fits(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
 
 def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap=lambda f: f,
                   interpret: bool = False, config: dict | None = None, pdl: int = 0,
-                  launch_pdl: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+                  launch_pdl: bool = False, scale: torch.Tensor | None = None, w8a8: bool = False) -> torch.Tensor:
     """x [..., K] @ W[N_w, K]ᵀ → [..., N_w] in x's dtype; with ``silu_mul`` (N_w = 2·I) → [..., I]:
     silu(x @ W[:I]ᵀ) · (x @ W[I:]ᵀ). ``wrap`` is ``torch.library.wrap_triton`` inside the op;
     ``config`` overrides the launch configuration (the sweep). ``pdl``: compile the PDL wait in
     (``triton_math.pdl_enter``; the mode); ``launch_pdl``: launch with the PDL attribute (eager
     launches only; docs/pdl.md). ``scale`` (W8A16): W is FP8 E4M3 and ``scale`` [N_w] fp32 its rows'
     scales; the result is, bit for bit, the bf16/fp16 kernel's on ``(W.float() · scale)`` rounded to
-    x's dtype (``models.layers.fp8_linear_reference``'s weight)."""
+    x's dtype (``models.layers.fp8_linear_reference``'s weight). ``w8a8`` (with ``scale``): W8A8 instead, x's rows
+    quantized per token by ``_quantize_rows_kernel`` (a launch of its own), then the weight stream with FP8 operands
+    on both sides of the MMA (no conversion of the weight in registers) and both scales applied to each fp32 sum:
+    ``plugins.linear.reference.w8a8_reference``'s product within a rounding of the sum's order
+    (``muse_spark::linear_w8a8_triton``, the kernel option ``fp8_linear="w8a8"``). The quantizing kernel is not a
+    PDL kernel, so the GEMM after it waits for it in full."""
     x2 = _rows(x, w)
     n_w = w.shape[0]
     if silu_mul and n_w % 2:
@@ -360,6 +338,6 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M > 0 and N > 0:
         _launch(x2, w, y, silu_mul, wrap, interpret, config, pdl, launch_pdl,
-                scale=None if scale is None else scale.reshape(-1))
+                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8)
     return y.reshape(*x.shape[:-1], N)
 

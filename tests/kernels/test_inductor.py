@@ -31,7 +31,7 @@ def test_the_other_launchers_pass_every_kernel_argument(form):
         "linear": lambda wrap: lk.launch_linear(x, w, wrap=wrap),
         "linear_silu_mul": lambda wrap: lk.launch_linear(x, w, True, wrap=wrap),
         "linear_rope_table": lambda wrap: lk.launch_linear_rope_table(x, w, positions, 5e5, 32, wrap=wrap),
-        "linear_w8a8": lambda wrap: lk.launch_linear_w8a8(x, w8, ones, wrap=wrap),
+        "linear_w8a8": lambda wrap: lk.launch_linear(x, w8, wrap=wrap, scale=ones, w8a8=True),
         "linear_fp8_rope_table": lambda wrap: lk.launch_linear_rope_table(x, w8, positions, 5e5, 32, wrap=wrap,
                                                                           scale=ones),
         "linear_w8a8_rope_table": lambda wrap: lk.launch_linear_rope_table(x, w8, positions, 5e5, 32, wrap=wrap,

@@ -176,7 +176,7 @@ def test_many_rows_of_fp8_projections_run_w8a8(tops, rows, silu_mul):
 @pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
 @pytest.mark.parametrize("rows", [1, 8, 16])
 def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
-    """``launch_linear_w8a8`` (the benchmarks' W8A8 candidate for few rows: the rows quantized by a kernel, FP8
+    """``launch_linear(w8a8=True)`` (the skinny kernel's W8A8 form for few rows: the rows quantized by a kernel, FP8
     operands on both sides of the MMA): its codes and row scales are ``quantize_rows``' bits, its product within
     one bf16 rounding of ``fp8_w8a8_reference`` (two under silu·mul: g and u each rounded); a planted error (the
     largest output's weight scale 5 % off) is caught by the same comparison. K not a multiple of the chunk."""
@@ -195,19 +195,19 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
 
     fw = layers.Fp8Weight(w8, scale, None, torch.bfloat16)
     spec = layers.fp8_w8a8_reference(x, fw, silu_mul).float()
-    got = lk.launch_linear_w8a8(x, w8, scale, silu_mul, interpret=interpreting()).float()
+    got = lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True).float()
     tol = dict(rtol=2**-6 if silu_mul else 2**-7, atol=2**-13 * spec.abs().max().item())
     torch.testing.assert_close(got, spec, **tol)
     bad = scale.clone()
     bad[(N // 2 if silu_mul else 0) + int(spec.abs().amax(0).argmax())] *= 1.05
     with pytest.raises(AssertionError):
-        torch.testing.assert_close(lk.launch_linear_w8a8(x, w8, bad, silu_mul, interpret=interpreting()).float(),
-                                   spec, **tol)
+        wrong = lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=bad, w8a8=True)
+        torch.testing.assert_close(wrong.float(), spec, **tol)
 
 
 @needs_kernels
 def test_the_w8a8_op_is_the_kernels_w8a8_form_and_the_models_take_it_under_its_option(tops):
-    """``muse_spark::linear_w8a8_triton`` gives ``launch_linear_w8a8``'s bits (silu·mul too), refuses what the
+    """``muse_spark::linear_w8a8_triton`` gives ``launch_linear(w8a8=True)``'s bits (silu·mul too), refuses what the
     kernel cannot take, and ``models.layers.linear`` of an ``Fp8Weight`` takes it for few rows on CUDA under
     ``fp8_linear="w8a8"`` (W8A16 by default; a static activation scale keeps W8A16)."""
     from muse_spark.models import layers
@@ -218,7 +218,7 @@ def test_the_w8a8_op_is_the_kernels_w8a8_form_and_the_models_take_it_under_its_o
     x, w8, scale = fp8_operands(8, 128, 256)
     for silu_mul in (False, True):
         got = torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, silu_mul)
-        assert torch.equal(got, lk.launch_linear_w8a8(x, w8, scale, silu_mul, interpret=interpreting()))
+        assert torch.equal(got, lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True))
     with pytest.raises(ValueError, match="at most 16 rows"):
         torch.ops.muse_spark.linear_w8a8_triton(torch.cat([x] * 3), w8, scale, False)
     with pytest.raises(ValueError, match="even number of weight rows"):
@@ -289,7 +289,7 @@ def test_linear_kernel_compiles_for_hopper(shape, fp8):
                    + ["i32"] * 5))
     consts = dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                   EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=False)
-    if fp8 == "w8a8":  # (launch_linear_w8a8's: FP8 codes on both sides, the row scales)
+    if fp8 == "w8a8":  # (launch_linear(w8a8=True)'s: FP8 codes on both sides, the row scales)
         sig.update(s_ptr="*fp32", xs_ptr="*fp32")
         consts["W8A8"] = True
     elif fp8:
@@ -303,7 +303,7 @@ def test_linear_kernel_compiles_for_hopper(shape, fp8):
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
 def test_the_row_quantizing_kernel_compiles_for_hopper():
     """The W8A8 form's ``_quantize_rows_kernel`` (bf16 rows to E4M3 codes and fp32 scales), compiled ahead of time
-    for sm_90 without a GPU, as ``launch_linear_w8a8`` launches it."""
+    for sm_90 without a GPU, as ``launch_linear(w8a8=True)`` launches it."""
     from muse_spark.plugins.linear import triton_kernel as lk
 
     sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_xm="i32")
