@@ -29,7 +29,10 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> t
 
     xf = x.float()
     if input_scale is None:
-        scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        # (absmax / 448 rounded once: a tensor divisor, since CUDA divides by a Python scalar as a product with
+        # its rounded reciprocal, which is not the quotient the kernels compute)
+        amax = xf.abs().amax(-1, keepdim=True)
+        scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(torch.finfo(torch.float32).tiny)
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()  # (_scaled_mm: [M, 1] dense)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
