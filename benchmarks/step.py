@@ -56,20 +56,17 @@ from timing import batch_list, copy_bandwidth, host_description, step_bytes, tim
 # sm_90+) gets its graphs' programmatic edges (runtime.cuda_graph.make_programmatic), as the engine does. The RoPE
 # table, the fused attention, PDL with the small kernels' trigger, the acceptance kernels and the GEMMs' late
 # trigger are the defaults: their variants are the step without them; likewise several splits of the window an
-# attention program (the variant: one split a program). `--fp8-linear both` (an FP8 pair): the skinny GEMMs' W8A8
-# form beside the default W8A16.
+# attention program (the variant: one split a program).
 VARIANTS = {"no_attention_cache": {"attention_cache": False}, "no_pdl": {"pdl": False},
             "pdl_wait_only": {"pdl_trigger": False},
             "no_rope_table": {"rope_table": False},
             "no_accept_kernels": {"accept_kernels": False},
             "pdl_gemm_wait_only": {"pdl_gemm_trigger": False},
-            "attention_one_split": {"attention_splits": 1},
-            "fp8_w8a8": {"fp8_linear": "w8a8"}}
+            "attention_one_split": {"attention_splits": 1}}
 # the variant's --option, where its name is not the option's
 VARIANT_OPTION = {"no_rope_table": "rope_table", "no_attention_cache": "attention_cache", "no_pdl": "pdl",
                   "pdl_wait_only": "pdl_trigger", "no_accept_kernels": "accept_kernels",
-                  "pdl_gemm_wait_only": "pdl_gemm_trigger", "attention_one_split": "attention_splits",
-                  "fp8_w8a8": "fp8_linear"}
+                  "pdl_gemm_wait_only": "pdl_gemm_trigger", "attention_one_split": "attention_splits"}
 
 
 def variant_options(name: str, base=None):
@@ -142,9 +139,6 @@ class Bench(AotiSections):
             tcfg, dcfg = preset_configs(a.preset, a.layers, a.draft_layers)
             if a.kv_cache_dtype is not None:
                 tcfg = dataclasses.replace(tcfg, kv_cache_dtype=a.kv_cache_dtype)
-        if a.fp8_linear == "both" and not tcfg.quantization_config:
-            raise SystemExit("--fp8-linear both times the FP8 projections' W8A8 form: it needs a --pair with FP8 "
-                             "projections (muse-spark quantize)")
         g = dcfg.block_size
         max_seq = a.max_seq or (a.context + 128)
         slots = max(batches) + 1  # + the scratch slot the aoti engine pads with
@@ -544,10 +538,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="both: also compile and time the aoti step with one split of the window an attention "
                         "program (attention_splits=1), beside the default (the launcher's choice: "
                         "several from batch 4)")
-    p.add_argument("--fp8-linear", choices=["off", "both"], default="off",
-                   help="both (a pair with FP8 projections): also compile and time the aoti step with the skinny "
-                        "GEMMs in W8A8 form (fp8_linear=w8a8: the rows quantized per token, FP8 MMA operands), "
-                        "beside the default (W8A16)")
     p.add_argument("--work-dir", default="/tmp/muse-spark-bench", help="where the aoti packages are compiled")
     p.add_argument("--out-dir", default=str(results.RESULTS),
                    help="where the result goes, in the common schema (default: benchmarks/results)")

@@ -61,7 +61,6 @@ def serve_tp_port(environ: Mapping[str, str] = os.environ) -> int | None:
 
 ATTENTION_KERNELS = ("triton", "sdpa")
 LINEAR_KERNELS = ("triton", "cublas")
-FP8_LINEAR_FORMS = ("w8a16", "w8a8")
 SCOPES = ("build", "run")
 
 
@@ -87,13 +86,6 @@ class KernelOptions:
         "The GEMM of linear layers with at most 16 rows in bf16/fp16 on CUDA: `triton` (the skinny kernel, silu·mul "
         "fused into the gate/up projection) or `cublas`. Triton: the batch-1 step 5.95 against 6.10 ms "
         "(H200, 2026-12-03).", choices=LINEAR_KERNELS)
-    fp8_linear: str = _option(
-        "w8a16", "FP8_LINEAR",
-        "An FP8 projection's few rows (at most 16) in the skinny kernel on CUDA: `w8a16` (each FP8 weight tile "
-        "dequantized to bf16 as it streams in; bit for bit the bf16 kernel on the dequantized weight) or `w8a8` (the "
-        "rows quantized per token by a small kernel, FP8 operands on both sides of the MMA: W8A8's spec, as more "
-        "rows run it). W8A16 streams 1.1–2.5 TB/s of FP8 weights at 8 rows (H100, 2026-12-06); `w8a8` is the "
-        "candidate `benchmarks/step.py --fp8-linear both` times beside it.", choices=FP8_LINEAR_FORMS)
     attention_cache: bool = _option(
         True, "ATTENTION_CACHE",
         "One kernel norms and rotates q/k, writes the K/V caches and attends (`muse_spark::attention_cache_triton`), "

@@ -126,15 +126,10 @@ def test_cuda_paged_caches_give_the_slot_caches_tokens_through_the_same_kernels(
     paged.kv.check()
 
 
-@pytest.mark.parametrize("form", ["w8a16", "w8a8"])
-def test_cuda_fp8_pair_is_lossless_on_the_skinny_kernel(tmp_path, form):
+def test_cuda_fp8_pair_is_lossless_on_the_skinny_kernel(tmp_path):
     """The FP8 (per-channel E4M3) tiny pair on CUDA: its projections run the skinny kernel at these row counts
-    (W8A16 by default; its W8A8 form under ``fp8_linear="w8a8"``), and greedy speculative output equals the same
-    engine's greedy target-only output."""
-    _fp8_pair_case(tmp_path, KernelOptions(fp8_linear=form))
-
-
-def _fp8_pair_case(tmp_path, options):
+    (W8A8 on FP8 tensor cores, else W8A16), and greedy speculative output equals the same engine's greedy
+    target-only output."""
     from muse_spark.builder.pair import draft_token_ids, make_pair, random_prompts
     from muse_spark.builder.quantize import quantize_pair
     from muse_spark.models import layers
@@ -143,12 +138,12 @@ def _fp8_pair_case(tmp_path, options):
     quantize_pair(tmp_path / "bf16" / "target", tmp_path / "fp8" / "target", draft=tmp_path / "bf16" / "draft",
                   draft_out=tmp_path / "fp8" / "draft", log=lambda s: None)
     engine = EagerEngine.from_checkpoints(tmp_path / "fp8" / "target", tmp_path / "fp8" / "draft", device="cuda",
-                                          max_batch=2, max_seq=128, options=options)
+                                          max_batch=2, max_seq=128)
     w = layers.proj_weight(engine.target.model.layers[0].self_attn.o_proj)
     x = torch.randn(8, w.shape[1], device="cuda").to(torch.bfloat16)
     assert isinstance(w, layers.Fp8Weight) and layers._triton_linear_fits(x, w)
     ops = torch.ops.muse_spark
-    op = ops.linear_w8a8_triton if options.fp8_linear == "w8a8" else ops.linear_fp8_triton
+    op = ops.linear_w8a8_triton if layers.fp8_tensor_cores(x.device) else ops.linear_fp8_triton
     with use_options(engine.options):  # (what the engine's layers run at a step's 8 rows)
         assert torch.equal(layers.linear(x, w), op(x, w.weight, w.scale, False))
     prompts = random_prompts(draft_token_ids(tmp_path / "bf16"), 2, 7, seed=2)

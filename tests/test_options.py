@@ -31,7 +31,7 @@ def env_of(name: str) -> str:
 # ---- the fields ----------------------------------------------------------------------------------
 def test_every_option_has_a_type_a_default_a_variable_a_scope_and_a_doc():
     rows = KernelOptions.describe()
-    assert [r["name"] for r in rows] == ["attention", "linear", "fp8_linear", "attention_cache", "rope_table",
+    assert [r["name"] for r in rows] == ["attention", "linear", "attention_cache", "rope_table",
                                          "attention_splits",
                                          "accept_kernels", "pdl", "pdl_trigger", "pdl_gemm_trigger",
                                          "context_stream", "chained_steps"]
@@ -43,7 +43,6 @@ def test_every_option_has_a_type_a_default_a_variable_a_scope_and_a_doc():
     assert {r["name"] for r in rows if r["scope"] == "run"} == {"context_stream", "chained_steps"}
     defaults = KernelOptions()
     assert (defaults.attention, defaults.linear, defaults.attention_splits) == ("triton", "triton", 0)
-    assert defaults.fp8_linear == "w8a16"
     assert all(getattr(defaults, name) is True for name in SWITCHES)  # every switch on by default
     assert SERVE_DRAIN_FILE_ENV == "MUSE_SPARK_SERVE_DRAIN_FILE"
 

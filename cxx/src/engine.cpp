@@ -161,7 +161,6 @@ struct OptionSpec {
 const std::vector<OptionSpec> kKernelOptions = {
     {"attention", OptionSpec::kChoice, {"triton", "sdpa"}},
     {"linear", OptionSpec::kChoice, {"triton", "cublas"}},
-    {"fp8_linear", OptionSpec::kChoice, {"w8a16", "w8a8"}},
     {"attention_cache", OptionSpec::kSwitch, {}},
     {"rope_table", OptionSpec::kSwitch, {}},
     {"attention_splits", OptionSpec::kCount, {}},

@@ -300,7 +300,7 @@ def fp8_w8a8_reference(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) ->
 def fp8_linear_w8a8(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) -> torch.Tensor:
     """W8A8: x's rows quantized to E4M3 (``quantize_rows``) and one ``torch._scaled_mm`` with row-wise scales
     (the activations' per row, the weight's per output channel), accumulated in float32, out in x's dtype.
-    What ``linear`` runs for an ``Fp8Weight`` on Hopper/Ada when the skinny W8A16 kernel does not take the rows
+    What ``linear`` runs for an ``Fp8Weight`` on Hopper/Ada when the skinny kernel does not take the rows
     (prefill, verification at batch > 2); its spec is ``fp8_w8a8_reference``."""
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_rows(x2, w.input_scale)
@@ -309,30 +309,33 @@ def fp8_linear_w8a8(x: torch.Tensor, w: Fp8Weight, silu_mul: bool = False) -> to
     return silu_mul_halves(y) if silu_mul else y
 
 
+def fp8_tensor_cores(device) -> bool:
+    """Whether ``device`` multiplies FP8 operands on its tensor cores: an NVIDIA GPU of compute capability ≥ 8.9
+    (Ada, Hopper and later)."""
+    return nvidia(device) and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _w8a8_fits(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Whether ``linear`` runs ``fp8_linear_w8a8`` on ``w``: bf16 activations on an NVIDIA GPU with FP8 tensor
-    cores (compute capability ≥ 8.9: Ada, Hopper and later), dims that ``torch._scaled_mm`` takes (multiples
-    of 16) and at least one row."""
-    if not (nvidia(x.device) and x.dtype == torch.bfloat16 and w.dtype == x.dtype):
-        return False
-    if torch.cuda.get_device_capability(x.device) < (8, 9):
+    """Whether ``linear`` runs ``fp8_linear_w8a8`` on ``w``: bf16 activations on a GPU with FP8 tensor cores,
+    dims that ``torch._scaled_mm`` takes (multiples of 16) and at least one row."""
+    if not (x.dtype == torch.bfloat16 and w.dtype == x.dtype and fp8_tensor_cores(x.device)):
         return False
     n, k = w.weight.shape
     return n % 16 == 0 and k % 16 == 0 and x.numel() > 0 and w.weight.is_contiguous()
 
 
-def _fp8_w8a8_form(w: Fp8Weight) -> bool:
-    """Whether the skinny kernel runs ``w`` in its W8A8 form: the kernel option ``fp8_linear="w8a8"`` and dynamic
-    activation scales (a checkpoint's static ``input_scale`` keeps W8A16)."""
-    return current_options().fp8_linear == "w8a8" and w.input_scale is None
+def _fp8_w8a8_form(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether the skinny kernel runs ``w`` in its W8A8 form: on FP8 tensor cores with dynamic activation scales.
+    The compiled 8B FP8 step at batch 1 took 5.95 ms in this form against 6.55 in W8A16 (H100, 2026-12-06); W8A16
+    stays for GPUs without FP8 tensor cores and a checkpoint's static ``input_scale``."""
+    return w.input_scale is None and fp8_tensor_cores(x.device)
 
 
 def _fp8_linear(x: torch.Tensor, w: Fp8Weight, silu_mul: bool) -> torch.Tensor:
-    """An ``Fp8Weight``'s product: the skinny W8A16 kernel for few rows (its W8A8 form under the kernel option
-    ``fp8_linear="w8a8"``, dynamic activation scales only), W8A8 for more on FP8 hardware, else the W8A16
-    reference."""
+    """An ``Fp8Weight``'s product: the skinny kernel for few rows (W8A8 on FP8 tensor cores with dynamic activation
+    scales, else W8A16), W8A8 ``torch._scaled_mm`` for more on FP8 hardware, else the W8A16 reference."""
     if _triton_linear_fits(x, w):
-        if _fp8_w8a8_form(w):
+        if _fp8_w8a8_form(x, w):
             return torch.ops.muse_spark.linear_w8a8_triton(x, w.weight, w.scale, silu_mul)
         return torch.ops.muse_spark.linear_fp8_triton(x, w.weight, w.scale, silu_mul)
     if _w8a8_fits(x, w):
@@ -343,9 +346,10 @@ def _fp8_linear(x: torch.Tensor, w: Fp8Weight, silu_mul: bool) -> torch.Tensor:
 def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """``F.linear(x, w)`` (no bias). With few rows (≤ 16: a speculative step at batch 1–2) in bf16/fp16
     on CUDA, unless ``KernelOptions.linear`` is ``cublas``: the skinny Triton kernel, in the eager engine and the
-    compiled packages alike; otherwise cuBLAS (or the CPU's GEMM). An ``Fp8Weight``: the same skinny kernel
-    dequantizing its tiles as they stream in (``linear_fp8_triton``, bit for bit the kernel on the dequantized
-    weight) where it fits; more rows in bf16 on FP8 hardware W8A8 (``fp8_linear_w8a8``); else the W8A16
+    compiled packages alike; otherwise cuBLAS (or the CPU's GEMM). An ``Fp8Weight``: the same skinny kernel where
+    it fits, in W8A8 form on FP8 tensor cores (``linear_w8a8_triton``: the rows quantized per token, FP8 MMA
+    operands), else dequantizing its tiles as they stream in (``linear_fp8_triton``, W8A16, bit for bit the kernel
+    on the dequantized weight); more rows in bf16 on FP8 hardware W8A8 (``fp8_linear_w8a8``); else the W8A16
     reference (``fp8_linear_reference``)."""
     if isinstance(w, Fp8Weight):
         return _fp8_linear(x, w, False)
@@ -357,7 +361,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
 def linear_silu_mul(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """``silu(g) · u`` of ``[g | u] = F.linear(x, w)``, each rounded to x's dtype as the plain modules
     round them; one kernel (the gate/up output never stored) where ``linear`` takes the Triton path.
-    An ``Fp8Weight``: ``linear_fp8_triton``, ``fp8_linear_w8a8`` or ``fp8_linear_reference``, as ``linear``."""
+    An ``Fp8Weight``: the skinny kernel's W8A8 or W8A16 form, ``fp8_linear_w8a8`` or ``fp8_linear_reference``, as
+    ``linear``."""
     if isinstance(w, Fp8Weight):
         return _fp8_linear(x, w, True)
     if _triton_linear_fits(x, w):
@@ -413,15 +418,17 @@ class Attention(nn.Module):
 
     def takes_rope_table(self, x: torch.Tensor, kv: KVProvider, positions: torch.Tensor) -> bool:
         """Whether the qkv projection also writes the step's RoPE table for the q/k norm kernel
-        (``muse_spark::linear_rope_table_triton``; an FP8 weight's ``linear_fp8_rope_table_triton`` in the form
-        ``linear`` takes): with ``KernelOptions.rope_table`` and RoPE,
+        (``muse_spark::linear_rope_table_triton``; an FP8 weight's ``linear_fp8_rope_table_triton`` where ``linear``
+        takes its W8A8 form: a W8A16 qkv projection with the table broke AOTInductor's C++ wrapper on an H100,
+        2026-12-06): with ``KernelOptions.rope_table`` and RoPE,
         where ``linear`` takes the Triton kernel and the norm kernel will write the caches (a
         ``CacheKV`` at the layer's positions, bf16/fp16 on CUDA, a power-of-two head_dim). Where the
         fused attention kernel takes the layer (the default, ``attends_from_cache_write``) it reads it instead."""
         c = self.cfg
+        w = proj_weight(self.qkv_proj)
         return (current_options().rope_table and c.use_rope and x.dim() == 3
                 and positions.numel() == x.shape[0] * x.shape[1] and CacheKV.at(kv, positions, x.dtype)
-                and _triton_linear_fits(x, proj_weight(self.qkv_proj))
+                and _triton_linear_fits(x, w) and (not isinstance(w, Fp8Weight) or _fp8_w8a8_form(x, w))
                 and _head_norm_rope_fits_heads(x.dtype, c.head_dim))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider, project: bool = True) -> torch.Tensor:
@@ -434,9 +441,9 @@ class Attention(nn.Module):
         w = proj_weight(self.qkv_proj)
         if not self.takes_rope_table(x, kv, positions):
             qkv = linear(x, w)
-        elif isinstance(w, Fp8Weight):  # (in the form linear() takes: W8A16, or W8A8 under fp8_linear="w8a8")
+        elif isinstance(w, Fp8Weight):  # (W8A8, the form linear() takes here: takes_rope_table)
             qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_fp8_rope_table_triton(
-                x, w.weight, w.scale, positions, c.rope_theta, c.head_dim, _fp8_w8a8_form(w))
+                x, w.weight, w.scale, positions, c.rope_theta, c.head_dim, True)
         else:  # the projection's launch also writes the RoPE table
             qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_rope_table_triton(
                 x, w, positions, c.rope_theta, c.head_dim)

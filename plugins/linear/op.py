@@ -6,13 +6,13 @@
 * ``muse_spark::linear_fp8_triton`` — the same kernel on an FP8 (E4M3) weight with per-row fp32 scales
   (W8A16): each weight tile dequantized as it streams in, the result bit for bit the bf16/fp16
   kernel's on the dequantized weight. Its reference is ``models.layers.fp8_linear_reference``'s math;
-* ``muse_spark::linear_w8a8_triton`` — the same kernel in W8A8 form (the kernel option ``fp8_linear="w8a8"``): x's
+* ``muse_spark::linear_w8a8_triton`` — the same kernel in W8A8 form (the models' on FP8 tensor cores): x's
   rows quantized to E4M3 per token by a small kernel, FP8 operands on both sides of the MMA, both scales applied
   to each fp32 sum; its reference is ``reference.w8a8_reference``;
 * ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program of
   the same launch, the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; off with
   the kernel option ``rope_table`` false); ``muse_spark::linear_fp8_rope_table_triton`` the same on an FP8 weight
-  (W8A16, or W8A8 by its ``w8a8`` argument).
+  (W8A16, or W8A8 by its ``w8a8`` argument; the models take the table with W8A8 only).
 
 ``register_triton`` registers them; only ``plugins.triton_ops`` calls it, so importing this module
 never imports Triton.

@@ -327,7 +327,7 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     quantized per token by ``_quantize_rows_kernel`` (a launch of its own), then the weight stream with FP8 operands
     on both sides of the MMA (no conversion of the weight in registers) and both scales applied to each fp32 sum:
     ``plugins.linear.reference.w8a8_reference``'s product within a rounding of the sum's order
-    (``muse_spark::linear_w8a8_triton``, the kernel option ``fp8_linear="w8a8"``). The quantizing kernel is not a
+    (``muse_spark::linear_w8a8_triton``, what the models run on FP8 tensor cores). The quantizing kernel is not a
     PDL kernel, so the GEMM after it waits for it in full."""
     x2 = _rows(x, w)
     n_w = w.shape[0]

@@ -206,12 +206,11 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
 
 
 @needs_kernels
-def test_the_w8a8_op_is_the_kernels_w8a8_form_and_the_models_take_it_under_its_option(tops):
+def test_the_w8a8_op_is_the_kernels_w8a8_form_and_the_models_take_it_on_fp8_tensor_cores(tops):
     """``muse_spark::linear_w8a8_triton`` gives ``launch_linear(w8a8=True)``'s bits (silu·mul too), refuses what the
-    kernel cannot take, and ``models.layers.linear`` of an ``Fp8Weight`` takes it for few rows on CUDA under
-    ``fp8_linear="w8a8"`` (W8A16 by default; a static activation scale keeps W8A16)."""
+    kernel cannot take, and ``models.layers.linear`` of an ``Fp8Weight`` takes it for few rows on a GPU with FP8
+    tensor cores (W8A16 without them, and for a static activation scale)."""
     from muse_spark.models import layers
-    from muse_spark.options import KernelOptions, use_options
     from muse_spark.plugins.linear import triton_kernel as lk
     from muse_spark.plugins.triton_math import interpreting
 
@@ -223,16 +222,20 @@ def test_the_w8a8_op_is_the_kernels_w8a8_form_and_the_models_take_it_under_its_o
         torch.ops.muse_spark.linear_w8a8_triton(torch.cat([x] * 3), w8, scale, False)
     with pytest.raises(ValueError, match="even number of weight rows"):
         torch.ops.muse_spark.linear_w8a8_triton(x, w8[:127], scale[:127], True)
-    fw = layers.Fp8Weight(w8, scale, None, torch.bfloat16)
-    w8a16 = layers.linear(x, fw)
-    with use_options(KernelOptions(fp8_linear="w8a8")):
-        w8a8 = layers.linear(x, fw)
-        static = layers.linear(x, layers.Fp8Weight(w8, scale, torch.tensor(0.01), torch.bfloat16))
+    dynamic = layers.linear(x, layers.Fp8Weight(w8, scale, None, torch.bfloat16))
+    static = layers.linear(x, layers.Fp8Weight(w8, scale, torch.tensor(0.01, device=x.device), torch.bfloat16))
+    w8a16 = torch.ops.muse_spark.linear_fp8_triton(x, w8, scale, False)
     if ON_GPU:
-        assert torch.equal(w8a8, torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, False))
-        assert not torch.equal(w8a8, w8a16) and torch.equal(static, w8a16)
-    else:  # (off CUDA the models run the references, whatever the option)
-        assert torch.equal(w8a8, w8a16)
+        assert torch.equal(static, w8a16)
+        if layers.fp8_tensor_cores(x.device):
+            assert torch.equal(dynamic, torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, False))
+            assert not torch.equal(dynamic, w8a16)
+        else:
+            assert torch.equal(dynamic, w8a16)
+    else:  # (off CUDA the models run the W8A16 reference)
+        assert not layers.fp8_tensor_cores(x.device)
+        ref = layers.fp8_linear_reference(x, layers.Fp8Weight(w8, scale, None, torch.bfloat16))
+        assert torch.equal(dynamic, ref) and torch.equal(static, ref)
 
 
 @needs_kernels
