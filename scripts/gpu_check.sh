@@ -230,7 +230,7 @@ fp8-step)
     # bytes it reads) of the 8B-shaped pair (acceptance 0.8) in bf16, then of the same pair quantized (muse-spark
     # quantize: FP8 E4M3 projections, per-channel scales) with the target's KV cache in FP8; JSON in $OUT, one
     # file each. PRECISION picks them (default bf16,fp8), BATCHES the batches (default 1,8,32), STEP_ARGS adds
-    # arguments (PRECISION=fp8 STEP_ARGS="--fp8-linear both": the skinny GEMMs' W8A8 form beside W8A16); a call cut
+    # arguments (STEP_ARGS="--profile": kernel tables); a call cut
     # short leaves the pairs for the next.
     here=/tmp/w8b/fp8
     fp8_pairs "$here" || exit 1
