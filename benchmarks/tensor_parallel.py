@@ -93,6 +93,7 @@ def _lead(leader, batches: list[int], context: int, iters: int, max_tokens: int,
             "tokens_per_s": round(sum(len(r.output) for r in reqs) / secs, 2),
             "mean_accepted_per_step": round(sum(s.accepted for r in reqs for s in r.steps)
                                             / max(1, sum(len(r.steps) for r in reqs)), 3),
+            "chained_steps": bool(leader.chains),
         }
     return out
 

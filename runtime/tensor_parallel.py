@@ -175,6 +175,7 @@ class LeaderEngine:
         import threading
 
         self._engine, self._group = engine, group
+        self._world = dist.get_world_size(group) if dist.is_initialized() else 1
         self._lock, self._last, self._closed = threading.RLock(), 0.0, threading.Event()
 
     def __getattr__(self, name):
@@ -206,9 +207,12 @@ class LeaderEngine:
 
         threading.Thread(target=beat, name="muse-spark-tp-keepalive", daemon=True).start()
 
-    # The Generator waits for each step here: a chained step (``AOTIEngine.step_launch``) would run on rank 0
-    # alone, its collectives never met.
-    chains = False
+    @property
+    def chains(self) -> bool:
+        """Whether the Generator chains steps (``AOTIEngine.step_launch``, not broadcast): only with no other rank
+        (``--tp 1``: the engine's own chaining, so one rank's figures are the plain engine's); over ranks a chained
+        step would run on rank 0 alone, its collectives never met, so the Generator waits for each step."""
+        return self._world == 1 and self._engine.chains
 
     def prefill_chunks(self, chunks):
         return self._run("prefill_chunks", chunks)

@@ -332,6 +332,7 @@ def test_the_tensor_parallel_benchmark_writes_its_figures(agreeing_pair, tmp_pat
         for row in run["batches"].values():
             assert row["step_ms"] > 0 and row["tokens_per_s"] > 0 and row["roofline_ms"] > 0
             assert (row["allreduce_ms"] > 0) == (world == "2")
+            assert row["chained_steps"] is False  # (the eager engine waits for each step)
     # a rank reads less at tp 2: its half of the split matrices
     assert runs["2"]["batches"]["1"]["rank_bytes"] < runs["1"]["batches"]["1"]["rank_bytes"]
 
@@ -475,4 +476,5 @@ def test_the_benchmark_runs_compiled_ranks_and_one_rank_through_the_leader(agree
         for row in run["batches"].values():
             assert row["step_ms"] > 0 and row["tokens_per_s"] > 0 and row["mean_accepted_per_step"] > 0
             assert (row["allreduce_ms"] > 0) == (world == "2")
+            assert row["chained_steps"] == (world == "1")  # (one rank chains as the plain engine does)
     assert runs["2"]["batches"]["1"]["rank_bytes"] < runs["1"]["batches"]["1"]["rank_bytes"]
