@@ -40,6 +40,33 @@ def test_filters_keep_what_they_promise():
     assert kept(top_k=1, top_p=0.01) == [True, False, False, False, False]
 
 
+@pytest.mark.parametrize("V", [5, 1024, 1025, 3000, 131072])
+def test_the_chunked_prefix_sum_is_the_prefix_sum(V):
+    """``cumsum_last`` (top-p's prefix sum in chunks Inductor does not split) against float64's ``cumsum``, within
+    a few float32 roundings of the total; a chunk's carry left out is caught."""
+    p = torch.rand(2, 3, V, generator=torch.Generator().manual_seed(V)).softmax(-1)
+    want = torch.cumsum(p.double(), -1)
+    got = processing_mod.cumsum_last(p)
+    assert got.shape == p.shape and got.dtype == p.dtype
+    assert (got.double() - want).abs().max().item() < 1e-6
+    if V > processing_mod.SCAN_CHUNK:  # the last element of the second chunk without the first chunk's mass
+        assert abs(got[0, 0, -1].item() - 1.0) < 1e-5 and got[0, 0, processing_mod.SCAN_CHUNK].item() > \
+            p[0, 0, : processing_mod.SCAN_CHUNK].sum().item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_filters_compile_for_cuda_at_a_full_vocabulary():
+    """``filter_logits`` under Inductor on CUDA over a 131,072-token vocabulary (an 8B target's; a single prefix sum
+    this long became a split scan whose code generation failed) keeps what the eager filters keep."""
+    z = torch.randn(2, 8, 131072, device="cuda")
+    args = (torch.tensor([0, 50], device="cuda"), torch.tensor([0.9, 1.0], device="cuda"),
+            torch.tensor([0.0, 0.05], device="cuda"), torch.tensor([1.0, 0.7], device="cuda"))
+    got = torch.compile(filter_logits)(z, *args)
+    kept, want = torch.isfinite(got), torch.isfinite(filter_logits(z, *args))
+    # (a token whose mass before it is top-p within a rounding may fall either side of the cut)
+    assert 0 < want.sum() < want.numel() and (kept != want).sum().item() <= 2
+
+
 def test_penalties_see_the_drafts_before_each_position():
     V = 6
     z = torch.full((1, 3, V), 2.0)
