@@ -10,8 +10,8 @@
 #   scripts/gpu_check.sh bench   # the step benchmark (benchmarks/step.py; docs/performance.md); BENCH_ARGS=--profile adds kernel tables
 #   scripts/gpu_check.sh linear  # the skinny GEMM against cuBLAS, its W8A16 (FP8 weight) form and W8A8 on the
 #                                # step's shapes at batch 1, 2, 8, 32 (benchmarks/linear.py), after the FP8 kernel tests
-#   scripts/gpu_check.sh linear-fp8 # the W8A16 kernel's launch configurations and its W8A8 form's swept on the
-#                                # step's projections (benchmarks/linear.py --sweep-fp8), batch 1 and 2
+#   scripts/gpu_check.sh linear-fp8 # the skinny kernel's W8A8 form's launch configurations, then its W8A16 form's,
+#                                # swept on the step's projections (benchmarks/linear.py --sweep-fp8), batch 1 and 2
 #   scripts/gpu_check.sh cxx     # the C++ embedding's CUDA tests: its CUDA graphs and chained steps against the
 #                                # Python runtime (carry .whl/ for its JSON header: the nlohmann-json wheel)
 #   scripts/gpu_check.sh cxx-bench # the C++ library's step and tokens/s beside the Python runtime's, 8B-shaped
@@ -128,7 +128,7 @@ bench)
         --out-dir "$OUT" --markdown "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
     ;;
 linear-fp8)
-    # the W8A16 kernel's launch configurations and its W8A8 form's (benchmarks/linear.py --sweep-fp8) on the
+    # the skinny kernel's W8A8 form's launch configurations, then its W8A16 form's (benchmarks/linear.py --sweep-fp8) on the
     # decoder's and the draft's projections at batch 1 and 2, beside the bf16 kernel in its default configuration,
     # and W8A8 by torch._scaled_mm (eager and compiled); then, at batch 8 and 32,
     # the W8A16 kernel in its default configuration beside W8A8 (what the engines run there); JSON in $OUT
