@@ -98,10 +98,57 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def calibrate(target: str | Path, draft: str | Path, prompts: list[list[int]], max_tokens: int = 32,
+              device: str = "cpu", log: Callable[[str], None] = print) -> dict[str, dict[str, float]]:
+    """Static activation scales' measurements: the bf16 pair's speculative decoding (greedy, ``max_tokens`` tokens of
+    each of ``prompts``: the target's prefill and verification rows, the draft's blocks and context) with every
+    quantizable projection's input observed → {"target": …, "draft": …}, each {checkpoint module name: the largest
+    |x| its projection saw}, under both the stacked name (``self_attn.qkv_proj``) and its parts' (``q_proj`` …)."""
+    from muse_spark.checkpoint import checkpoint_parts
+    from muse_spark.models.layers import observe_linear_inputs
+    from muse_spark.runtime import EagerEngine, Generator, SamplingParams
+
+    if not prompts or not all(prompts):
+        raise QuantizeError("calibration needs at least one non-empty prompt")
+    longest = max(len(p) for p in prompts)
+    engine = EagerEngine.from_checkpoints(target, draft, device=device, max_batch=min(8, len(prompts)),
+                                          max_seq=longest + max_tokens + 64)
+    owners: dict[int, tuple[str, str]] = {}  # a weight's storage → (target|draft, canonical module)
+    for what, model in (("target", engine.target), ("draft", engine.draft)):
+        for name, module in model.named_modules():
+            if quantizable(name) and isinstance(module, torch.nn.Linear):
+                owners[module.weight.untyped_storage().data_ptr()] = (what, name)
+    amax: dict[tuple[str, str], float] = {}
+
+    def observe(w, x):
+        key = owners.get(w.untyped_storage().data_ptr()) if isinstance(w, torch.Tensor) else None
+        if key is not None and x.numel():
+            amax[key] = max(amax.get(key, 0.0), x.detach().abs().amax().float().item())
+
+    t0 = time.perf_counter()
+    with observe_linear_inputs(observe):
+        reqs = Generator(engine).generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    missing = sorted(name for key, name in owners.values() if (key, name) not in amax)
+    if missing:
+        raise QuantizeError(f"calibration saw no input for {', '.join(missing[:4])}"
+                            f"{' …' if len(missing) > 4 else ''}")
+    out: dict[str, dict[str, float]] = {"target": {}, "draft": {}}
+    for (what, name), value in amax.items():
+        cfg = engine.tcfg if what == "target" else engine.dcfg
+        for ck in [name.removeprefix("model.") if what == "draft" else name] + checkpoint_parts(cfg, name):
+            out[what][ck] = value
+    log(f"[quantize] calibrated {len(amax)} projections' activation scales on {len(prompts)} prompts "
+        f"({sum(len(r.output) for r in reqs)} tokens generated) in {time.perf_counter() - t0:.1f}s")
+    return out
+
+
 def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "per-channel", overwrite: bool = False,
-                        what: str = "target", log: Callable[[str], None] = print) -> dict:
+                        what: str = "target", log: Callable[[str], None] = print,
+                        input_amax: dict[str, float] | None = None) -> dict:
     """Write the FP8 checkpoint of ``src`` into ``out`` → a summary (tensors quantized and copied, bytes).
-    ``what``: the option naming the input in messages (``target``/``draft``)."""
+    ``what``: the option naming the input in messages (``target``/``draft``). ``input_amax`` (``calibrate``'s, per
+    checkpoint module): static activation scales, each projection's ``input_scale`` = its largest input |x| / 448
+    (float32 []), and ``activation_scheme`` ``static``; without it, dynamic (per-token scales at run time)."""
     if scheme not in SCHEMES:
         raise QuantizeError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     src, out = Path(src), Path(out)
@@ -135,6 +182,11 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "per-
                         raise QuantizeError(f"--{what} {src}: tensor {name!r} is {dtype_name(t.dtype)} of shape "
                                             f"{list(t.shape)}, expected a 2-D floating weight")
                     tensors[name], tensors[f"{module}.weight_scale"] = quantize_weight(t, scheme)
+                    if input_amax is not None:
+                        if module not in input_amax:
+                            raise QuantizeError(f"--{what} {src}: calibration has no activation scale for {module}")
+                        tensors[f"{module}.input_scale"] = torch.tensor(
+                            max(input_amax[module] / FP8_MAX, torch.finfo(torch.float32).tiny), dtype=torch.float32)
                     n_quantized += 1
                 else:
                     if kind == "weight" and t.dim() == 2 and module not in ignored:
@@ -148,8 +200,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "per-
         written.append((tmp, out / path.name))
         weight_map.update({n: path.name for n in tensors})
         n_q = sum(n.endswith(".weight_scale") for n in tensors)
+        n_s = sum(n.endswith(".input_scale") for n in tensors)
         log(f"[quantize] {what}: {path.name} ({i + 1} of {len(shards)}): {n_q} projections → FP8, "
-            f"{len(tensors) - 2 * n_q} tensors copied; {_mib(path.stat().st_size)} → {_mib(tmp.stat().st_size)}")
+            f"{len(tensors) - 2 * n_q - n_s} tensors copied; {_mib(path.stat().st_size)} → {_mib(tmp.stat().st_size)}")
         del tensors
     source.close()
     if n_quantized == 0:
@@ -173,11 +226,13 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "per-
         elif entry.is_file():
             shutil.copy2(entry, out / entry.name)
     raw = dict(raw)
-    raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ignored,
+    scheme_a = "dynamic" if input_amax is None else "static"
+    raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme_a, "ignored_layers": ignored,
                                   "weight_block_size": None}
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")  # (last: a partial output does not load)
     seconds = time.perf_counter() - t0
-    log(f"[quantize] {what} written to {out}: {n_quantized} projections in FP8 E4M3 ({scheme} scales), "
+    log(f"[quantize] {what} written to {out}: {n_quantized} projections in FP8 E4M3 ({scheme} scales), {scheme_a} "
+        f"activation scales, "
         f"{n_copied} tensors copied; {_mib(bytes_in)} → {_mib(bytes_out)} of tensors in {seconds:.1f}s")
     return {"out": str(out), "scheme": scheme, "quantized": n_quantized, "copied": n_copied, "bytes_in": bytes_in,
             "bytes_out": bytes_out, "shards": len(shards), "seconds": seconds}
@@ -185,11 +240,17 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "per-
 
 def quantize_pair(target: str | Path, out: str | Path, *, draft: str | Path | None = None,
                   draft_out: str | Path | None = None, scheme: str = "per-channel", overwrite: bool = False,
-                  log: Callable[[str], None] = print) -> dict:
+                  log: Callable[[str], None] = print, calibration: list[list[int]] | None = None,
+                  calibration_tokens: int = 32, device: str = "cpu") -> dict:
     """``muse-spark quantize``: the target (and the draft, when given) → FP8. Every input and output is
-    checked before anything is written. → {"target": summary, "draft": summary or None}."""
+    checked before anything is written. ``calibration`` (prompts, token ids): static activation scales measured
+    by ``calibrate`` on the bf16 pair (it runs the draft too, so ``draft`` is needed); else dynamic.
+    → {"target": summary, "draft": summary or None}."""
     if (draft is None) != (draft_out is None):
         raise QuantizeError("--draft and --draft-out must be given together")
+    if calibration is not None and draft is None:
+        raise QuantizeError("--calibrate runs the pair's speculative decoding to measure activation scales: it "
+                            "needs --draft and --draft-out")
     if scheme not in SCHEMES:
         raise QuantizeError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     jobs = [("target", Path(target), Path(out))]
@@ -201,7 +262,10 @@ def quantize_pair(target: str | Path, out: str | Path, *, draft: str | Path | No
         _check_input(src, what)
         _check_output(dst, src, "out" if what == "target" else "draft-out", overwrite)
     try:
-        return {what: quantize_checkpoint(src, dst, scheme=scheme, overwrite=overwrite, what=what, log=log)
+        amax = (calibrate(target, draft, calibration, calibration_tokens, device, log) if calibration is not None
+                else {})
+        return {what: quantize_checkpoint(src, dst, scheme=scheme, overwrite=overwrite, what=what, log=log,
+                                          input_amax=amax.get(what))
                 for what, src, dst in jobs} | ({} if draft is not None else {"draft": None})
     except CheckpointError as e:
         raise QuantizeError(str(e)) from None

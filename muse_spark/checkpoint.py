@@ -260,6 +260,12 @@ def _stacked_parts(cfg: MuseSpark1xConfig, module: str) -> list[str]:
     return [_checkpoint_name(cfg, f"{prefix}.{p}") for p in parts]
 
 
+def checkpoint_parts(cfg: MuseSpark1xConfig, module: str) -> list[str]:
+    """The checkpoint's module names (unstacked: ``q_proj`` …, the draft's without ``model.``) of the canonical
+    projection ``module`` (``model.layers.N.self_attn.qkv_proj`` …)."""
+    return _stacked_parts(cfg, module)
+
+
 def fp8_projections(cfg: MuseSpark1xConfig) -> list[str]:
     """The canonical projections (``model.layers.N.self_attn.qkv_proj`` …) an FP8 checkpoint of ``cfg``
     holds in FP8: every decoder layer's ``qkv_proj``, ``o_proj``, ``gate_up_proj`` and ``down_proj``

@@ -5,6 +5,7 @@
     muse-spark build --target DIR --draft DIR --out DIR [--backend eager] [--device cpu|cuda]
     muse-spark export-onnx --target DIR --draft DIR --out DIR [--max-batch 8] [--max-seq 1024]
     muse-spark quantize --target DIR --out DIR [--draft DIR --draft-out DIR] [--scheme per-channel|per-tensor]
+        [--calibrate N | --calibration-prompts FILE]
     muse-spark generate (--engine DIR | --target DIR --draft DIR) (--prompt TEXT | --prompt-ids 1,2,3)
     muse-spark triton-repo --engine DIR --out REPO [--model-name muse_spark] [--instances N]
     muse-spark serve --repo REPO [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002] [--host 127.0.0.1]
@@ -139,11 +140,42 @@ def cmd_build(a) -> int:
 
 
 # ---- quantize -------------------------------------------------------------------------------
+def calibration_prompts(a) -> list[list[int]] | None:
+    """``quantize``'s calibration prompts (token ids): the lines of ``--calibration-prompts`` through the target's
+    tokenizer.json, or ``--calibrate N`` prompts of ``--calibration-len`` tokens drawn from the target's vocabulary;
+    None: no calibration (dynamic activation scales)."""
+    from muse_spark.builder.quantize import QuantizeError
+
+    if a.calibration_prompts:
+        from muse_spark.runtime import load_tokenizer
+
+        tok = load_tokenizer(Path(a.target) / "tokenizer.json")
+        if tok is None:
+            raise QuantizeError(f"--calibration-prompts: {a.target} has no tokenizer.json to encode them with; use "
+                                "--calibrate N (random prompts) instead")
+        try:
+            lines = [line for line in Path(a.calibration_prompts).read_text().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise QuantizeError(f"--calibration-prompts {a.calibration_prompts}: cannot read it ({e})") from None
+        if not lines:
+            raise QuantizeError(f"--calibration-prompts {a.calibration_prompts} has no prompt (one a line)")
+        return [tok.encode(line).ids for line in lines[: a.calibrate or None]]
+    if not a.calibrate:
+        return None
+    if a.calibrate < 0 or a.calibration_len < 1:
+        raise QuantizeError("--calibrate and --calibration-len take positive counts")
+    from muse_spark.builder.pair import random_prompts
+    from muse_spark.config import load_config
+
+    return random_prompts(list(range(load_config(a.target).vocab_size)), a.calibrate, a.calibration_len, seed=0)
+
+
 def cmd_quantize(a) -> int:
     from muse_spark.builder.quantize import quantize_pair
 
     quantize_pair(a.target, a.out, draft=a.draft, draft_out=a.draft_out, scheme=a.scheme, overwrite=a.overwrite,
-                  log=lambda s: print(s, flush=True))
+                  log=lambda s: print(s, flush=True), calibration=calibration_prompts(a),
+                  calibration_tokens=a.calibration_tokens, device=a.device)
     return 0
 
 
@@ -490,6 +522,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--scheme", choices=["per-channel", "per-tensor"], default="per-channel",
                    help="one scale per output channel (default) or per weight tensor")
     q.add_argument("--overwrite", action="store_true", help="write into --out/--draft-out even if they exist")
+    q.add_argument("--calibrate", type=int, default=0, metavar="N",
+                   help="static activation scales (input_scale) measured on N prompts run through the bf16 pair "
+                        "(needs --draft): random token prompts, or the first N lines of --calibration-prompts; "
+                        "default 0: dynamic per-token scales at run time")
+    q.add_argument("--calibration-prompts", default=None, metavar="FILE",
+                   help="calibration prompts, one a line, encoded with the target's tokenizer.json (all lines "
+                        "without --calibrate)")
+    q.add_argument("--calibration-len", type=int, default=64, help="tokens in a random calibration prompt")
+    q.add_argument("--calibration-tokens", type=int, default=32, help="tokens generated from each calibration prompt")
+    q.add_argument("--device", default="cpu", help="where the calibration runs (cpu, cuda)")
     q.set_defaults(fn=cmd_quantize)
 
     x = sub.add_parser("export-onnx", help="the engine's parts as ONNX graphs with muse_spark plugin nodes "

@@ -509,3 +509,65 @@ def test_quantize_command(pair, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert load_file(str(out / "target" / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight_scale"].shape \
         == (64, 1)  # (per-channel again: the default)
+
+
+def test_calibration_writes_static_activation_scales_that_cover_what_the_pair_sees(pair, tmp_path):
+    """`quantize --calibrate N`: every quantized projection of the target and the draft gets a float32 scalar
+    ``input_scale`` (its parts one value: they share the input), the config says ``static``, the scales are the
+    largest |x| the bf16 pair's projections saw / 448 (so the calibration prompts' activations never saturate),
+    and the static pair loads and decodes losslessly. Bad calibration arguments are one-line errors."""
+    from muse_spark.builder.quantize import calibrate
+    from muse_spark.models.layers import observe_linear_inputs
+
+    out = tmp_path / "static"
+    r = run_cli("quantize", "--target", pair / "bf16" / "target", "--out", out / "target", "--draft",
+                pair / "bf16" / "draft", "--draft-out", out / "draft", "--calibrate", 3, "--calibration-len", 12,
+                "--calibration-tokens", 8)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "calibrated 24 projections' activation scales on 3 prompts" in r.stdout
+    assert "static activation scales" in r.stdout
+    for what, prefix in (("target", "model.layers.0."), ("draft", "layers.0.")):
+        raw = load_file(str(out / what / "model.safetensors"))
+        assert json.loads((out / what / "config.json").read_text())["quantization_config"]["activation_scheme"] \
+            == "static"
+        scales = {k: v for k, v in raw.items() if k.endswith(".input_scale")}
+        assert len(scales) == sum(k.endswith(".weight_scale") for k in raw)
+        assert all(v.dtype == torch.float32 and v.shape == () and v.item() > 0 for v in scales.values())
+        qkv = {raw[f"{prefix}self_attn.{p}.input_scale"].item() for p in ("q_proj", "k_proj", "v_proj")}
+        assert len(qkv) == 1
+
+    # the same prompts measured again, by hand: the scale is the largest input / 448
+    prompts = random_prompts(list(range(load_config(pair / "bf16" / "target").vocab_size)), 3, 12, seed=0)
+    amax = calibrate(pair / "bf16" / "target", pair / "bf16" / "draft", prompts, 8, log=lambda s: None)
+    raw = load_file(str(out / "target" / "model.safetensors"))
+    name = "model.layers.1.feed_forward.down_proj"
+    assert raw[f"{name}.input_scale"].item() == pytest.approx(amax["target"][name] / FP8_MAX, rel=1e-6)
+    engine = EagerEngine.from_checkpoints(pair / "bf16" / "target", pair / "bf16" / "draft", max_batch=3,
+                                          max_seq=96)
+    down = engine.target.model.layers[1].feed_forward.down_proj.weight
+    seen = []
+    with observe_linear_inputs(lambda w, x: seen.append(x.abs().amax().item()) if w is down else None):
+        Generator(engine).generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert seen and max(seen) / raw[f"{name}.input_scale"].item() == pytest.approx(FP8_MAX, rel=1e-6)
+
+    target, draft = load_pair(out / "target", out / "draft")
+    assert target.model.layers[0].self_attn.qkv_proj.input_scale is not None
+    engine = EagerEngine(target, draft, max_batch=1, max_seq=64, device="cpu")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert Generator(engine).generate([[7, 8, 9]], params)[0].output == generate_target_only(engine, [7, 8, 9], params)
+
+    def fails(*args, match):
+        r = run_cli("quantize", "--target", pair / "bf16" / "target", "--out", tmp_path / "bad", *args)
+        assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+    fails("--calibrate", 2, match="it needs --draft and --draft-out")
+    fails("--draft", pair / "bf16" / "draft", "--draft-out", tmp_path / "bad-d", "--calibration-prompts",
+          tmp_path / "none.txt", match="none.txt: cannot read it")
+    assert not (tmp_path / "bad").exists()
+
+    # text prompts, one a line, through the target's tokenizer
+    (tmp_path / "prompts.txt").write_text("Hello there\n\nThe quick brown fox\n")
+    r = run_cli("quantize", "--target", pair / "bf16" / "target", "--out", tmp_path / "text" / "target", "--draft",
+                pair / "bf16" / "draft", "--draft-out", tmp_path / "text" / "draft", "--calibration-prompts",
+                tmp_path / "prompts.txt", "--calibration-tokens", 4)
+    assert r.returncode == 0 and "activation scales on 2 prompts" in r.stdout, r.stderr[-3000:]

@@ -24,6 +24,8 @@ dequantized per call, computed in the activations' dtype).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 
@@ -343,6 +345,27 @@ def _fp8_linear(x: torch.Tensor, w: Fp8Weight, silu_mul: bool) -> torch.Tensor:
     return fp8_linear_reference(x, w, silu_mul)
 
 
+_INPUT_OBSERVER: contextvars.ContextVar = contextvars.ContextVar("muse_spark_linear_inputs", default=None)
+
+
+@contextlib.contextmanager
+def observe_linear_inputs(observer):
+    """Within: every projection's product (``linear``, ``linear_silu_mul``, the qkv projection that writes the RoPE
+    table) first calls ``observer(weight, x)`` with the weight as passed (a view of a module's weight for a part of
+    it) and its input: what ``muse-spark quantize --calibrate`` measures its activation scales from."""
+    token = _INPUT_OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _INPUT_OBSERVER.reset(token)
+
+
+def _observe(x: torch.Tensor, w) -> None:
+    observer = _INPUT_OBSERVER.get()
+    if observer is not None:
+        observer(w, x)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """``F.linear(x, w)`` (no bias). With few rows (≤ 16: a speculative step at batch 1–2) in bf16/fp16
     on CUDA, unless ``KernelOptions.linear`` is ``cublas``: the skinny Triton kernel, in the eager engine and the
@@ -351,6 +374,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     operands), else dequantizing its tiles as they stream in (``linear_fp8_triton``, W8A16, bit for bit the kernel
     on the dequantized weight); more rows in bf16 on FP8 hardware W8A8 (``fp8_linear_w8a8``); else the W8A16
     reference (``fp8_linear_reference``)."""
+    _observe(x, w)
     if isinstance(w, Fp8Weight):
         return _fp8_linear(x, w, False)
     if _triton_linear_fits(x, w):
@@ -363,6 +387,7 @@ def linear_silu_mul(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tenso
     round them; one kernel (the gate/up output never stored) where ``linear`` takes the Triton path.
     An ``Fp8Weight``: the skinny kernel's W8A8 or W8A16 form, ``fp8_linear_w8a8`` or ``fp8_linear_reference``, as
     ``linear``."""
+    _observe(x, w)
     if isinstance(w, Fp8Weight):
         return _fp8_linear(x, w, True)
     if _triton_linear_fits(x, w):
@@ -441,12 +466,14 @@ class Attention(nn.Module):
         w = proj_weight(self.qkv_proj)
         if not self.takes_rope_table(x, kv, positions):
             qkv = linear(x, w)
-        elif isinstance(w, Fp8Weight):  # (W8A8, the form linear() takes here: takes_rope_table)
-            qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_fp8_rope_table_triton(
-                x, w.weight, w.scale, positions, c.rope_theta, c.head_dim, True)
         else:  # the projection's launch also writes the RoPE table
-            qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_rope_table_triton(
-                x, w, positions, c.rope_theta, c.head_dim)
+            _observe(x, w)
+            if isinstance(w, Fp8Weight):  # (W8A8, the form linear() takes here: takes_rope_table)
+                qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_fp8_rope_table_triton(
+                    x, w.weight, w.scale, positions, c.rope_theta, c.head_dim, True)
+            else:
+                qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_rope_table_triton(
+                    x, w, positions, c.rope_theta, c.head_dim)
         qs, kvs = c.q_size, c.kv_size
         # q and k side by side, [B, S, H + KV, Dh]: one normalization for both
         qk = qkv[..., : qs + kvs].reshape(B, S, H + c.num_key_value_heads, c.head_dim)
