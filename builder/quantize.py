@@ -1,6 +1,7 @@
 """``muse-spark quantize``: a bf16/fp16/fp32 checkpoint → its FP8 (E4M3) checkpoint (docs/fp8.md).
 
     muse-spark quantize --target DIR --out DIR [--draft DIR --draft-out DIR] [--scheme per-channel|per-tensor]
+        [--calibrate N | --calibration-prompts FILE]
 
 What is quantized is what the loader reads as FP8 (``muse_spark.config.quantizable``): the decoder
 layers' projections of the target and the draft, as the checkpoint names them (vLLM's unstacked
@@ -13,7 +14,9 @@ d2t), the tokenizer files and any other file; ``config.json`` gains ``quantizati
 (quant_method ``fp8``, activation_scheme ``dynamic``, the other 2-D weights' modules in
 ``ignored_layers``, weight_block_size null). The output is sharded as the input (the same file
 names, the index rewritten), converted one shard at a time: the host holds one shard and its
-quantized copy, never the whole model.
+quantized copy, never the whole model. With calibration prompts (``calibrate``: the bf16 pair's speculative
+decoding with every projection's input observed) each projection also gets a static ``input_scale`` (its largest
+input |x| / 448) and ``activation_scheme`` is ``static``.
 """
 
 from __future__ import annotations
