@@ -106,13 +106,14 @@ def _launch_head_norm_rope_cache(*args, table, scales=None):
                                                             table=table, scales=scales)
 
 
-def _launch_linear(*args, scale=None, w8a8=False):
-    return launch_linear(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl(), scale=scale, w8a8=w8a8)
+def _launch_linear(*args, scale=None, w8a8=False, input_scale=None):
+    return launch_linear(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl(), scale=scale, w8a8=w8a8,
+                         input_scale=input_scale)
 
 
-def _launch_linear_rope_table(*args, scale=None, w8a8=False):
+def _launch_linear_rope_table(*args, scale=None, w8a8=False, input_scale=None):
     return launch_linear_rope_table(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl(), scale=scale,
-                                    w8a8=w8a8)
+                                    w8a8=w8a8, input_scale=input_scale)
 
 
 gated_residual_op.register_triton(_runs_kernels, _launch_gated_residual_add)

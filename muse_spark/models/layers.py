@@ -327,18 +327,17 @@ def _w8a8_fits(x: torch.Tensor, w: Fp8Weight) -> bool:
 
 
 def _fp8_w8a8_form(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Whether the skinny kernel runs ``w`` in its W8A8 form: on FP8 tensor cores with dynamic activation scales.
-    The compiled 8B FP8 step at batch 1 took 5.95 ms in this form against 6.55 in W8A16 (H100, 2026-12-06); W8A16
-    stays for GPUs without FP8 tensor cores and a checkpoint's static ``input_scale``."""
-    return w.input_scale is None and fp8_tensor_cores(x.device)
+    """Whether the skinny kernel runs ``w`` in its W8A8 form (dynamic per-token activation scales, or the
+    checkpoint's static ``input_scale``): on FP8 tensor cores. The compiled 8B FP8 step at batch 1 took 5.95 ms in
+    this form against 6.55 in W8A16 (H100, 2026-12-06); W8A16 stays for GPUs without FP8 tensor cores."""
+    return fp8_tensor_cores(x.device)
 
 
 def _fp8_linear(x: torch.Tensor, w: Fp8Weight, silu_mul: bool) -> torch.Tensor:
-    """An ``Fp8Weight``'s product: the skinny kernel for few rows (W8A8 on FP8 tensor cores with dynamic activation
-    scales, else W8A16), W8A8 ``torch._scaled_mm`` for more on FP8 hardware, else the W8A16 reference."""
+    """An ``Fp8Weight``'s product: the skinny kernel for few rows (W8A8 on FP8 tensor cores, else W8A16), W8A8 ``torch._scaled_mm`` for more on FP8 hardware, else the W8A16 reference."""
     if _triton_linear_fits(x, w):
         if _fp8_w8a8_form(x, w):
-            return torch.ops.muse_spark.linear_w8a8_triton(x, w.weight, w.scale, silu_mul)
+            return torch.ops.muse_spark.linear_w8a8_triton(x, w.weight, w.scale, silu_mul, w.input_scale)
         return torch.ops.muse_spark.linear_fp8_triton(x, w.weight, w.scale, silu_mul)
     if _w8a8_fits(x, w):
         return fp8_linear_w8a8(x, w, silu_mul)
@@ -470,7 +469,7 @@ class Attention(nn.Module):
             _observe(x, w)
             if isinstance(w, Fp8Weight):  # (W8A8, the form linear() takes here: takes_rope_table)
                 qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_fp8_rope_table_triton(
-                    x, w.weight, w.scale, positions, c.rope_theta, c.head_dim, True)
+                    x, w.weight, w.scale, positions, c.rope_theta, c.head_dim, True, w.input_scale)
             else:
                 qkv, table["rope_cos"], table["rope_sin"] = torch.ops.muse_spark.linear_rope_table_triton(
                     x, w, positions, c.rope_theta, c.head_dim)

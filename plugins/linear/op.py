@@ -7,7 +7,7 @@
   (W8A16): each weight tile dequantized as it streams in, the result bit for bit the bf16/fp16
   kernel's on the dequantized weight. Its reference is ``models.layers.fp8_linear_reference``'s math;
 * ``muse_spark::linear_w8a8_triton`` — the same kernel in W8A8 form (the models' on FP8 tensor cores): x's
-  rows quantized to E4M3 per token by a small kernel, FP8 operands on both sides of the MMA, both scales applied
+  rows quantized to E4M3 per token (or by a checkpoint's static ``input_scale``) by a small kernel, FP8 operands on both sides of the MMA, both scales applied
   to each fp32 sum; its reference is ``reference.w8a8_reference``;
 * ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program of
   the same launch, the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; off with
@@ -42,6 +42,18 @@ def _check_linear_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> 
         raise ValueError(f"linear_fp8: x {list(x.shape)} {x.dtype}, weight {list(w.shape)} {w.dtype} and scale "
                          f"{list(scale.shape)} {scale.dtype}: the kernel takes at most {MAX_ROWS} rows of bf16/fp16 x "
                          f"[..., K], a contiguous float8_e4m3fn weight [N, K] and float32 scales [N] or [N, 1]")
+
+
+def _check_input_scale(input_scale: torch.Tensor | None, w8a8: bool) -> None:
+    """A static activation scale: one float32 value, for the W8A8 form only."""
+    if input_scale is None:
+        return
+    if not w8a8:
+        raise ValueError("linear_fp8: a static input_scale is for the W8A8 form (w8a8=True); W8A16 does not "
+                         "quantize its activations")
+    if input_scale.numel() != 1 or input_scale.dtype != torch.float32:
+        raise ValueError(f"linear_w8a8: input_scale must be one float32 value, got {input_scale.dtype} "
+                         f"{list(input_scale.shape)}")
 
 
 def fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool) -> torch.Tensor:
@@ -80,17 +92,20 @@ def register_triton(runs_kernels, launch_linear, launch_linear_rope_table) -> No
 
     @triton_op("muse_spark::linear_fp8_rope_table_triton", mutates_args=())
     def _linear_fp8_rope_table_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, positions: torch.Tensor,
-                                  theta: float, head_dim: int,
-                                  w8a8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  theta: float, head_dim: int, w8a8: bool,
+                                  input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                    torch.Tensor]:
         """``linear_rope_table_triton`` on an FP8 weight with its rows' ``scale``: y is ``linear_fp8_triton``'s
-        (W8A16) or, with ``w8a8``, ``linear_w8a8_triton``'s, the table the same bits."""
+        (W8A16) or, with ``w8a8``, ``linear_w8a8_triton``'s (``input_scale``: static), the table the same bits."""
         _check_linear_fp8(x, w, scale)
         check_table(x, positions, head_dim)
+        _check_input_scale(input_scale, w8a8)
         if not runs_kernels(x):
             cos, sin = rope_table_reference(positions, theta, head_dim)
-            y = w8a8_reference(x, w, scale, None, False) if w8a8 else fp8_reference(x, w, scale, False)
+            y = w8a8_reference(x, w, scale, input_scale, False) if w8a8 else fp8_reference(x, w, scale, False)
             return y, cos, sin
-        return launch_linear_rope_table(x, w, positions, theta, head_dim, scale=scale, w8a8=w8a8)
+        return launch_linear_rope_table(x, w, positions, theta, head_dim, scale=scale, w8a8=w8a8,
+                                        input_scale=input_scale)
 
     def fp8_product(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool, reference, launch):
         """An FP8-weight op's body: the checks, then ``launch()`` where the kernels run, else ``reference()``."""
@@ -105,9 +120,11 @@ def register_triton(runs_kernels, launch_linear, launch_linear_rope_table) -> No
                            lambda: launch_linear(x, w, silu_mul, scale=scale))
 
     @triton_op("muse_spark::linear_w8a8_triton", mutates_args=())
-    def _linear_w8a8_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-        return fp8_product(x, w, scale, silu_mul, lambda: w8a8_reference(x, w, scale, None, silu_mul),
-                           lambda: launch_linear(x, w, silu_mul, scale=scale, w8a8=True))
+    def _linear_w8a8_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool,
+                        input_scale: torch.Tensor | None = None) -> torch.Tensor:
+        _check_input_scale(input_scale, True)
+        return fp8_product(x, w, scale, silu_mul, lambda: w8a8_reference(x, w, scale, input_scale, silu_mul),
+                           lambda: launch_linear(x, w, silu_mul, scale=scale, w8a8=True, input_scale=input_scale))
 
     @triton_op("muse_spark::linear_triton", mutates_args=())
     def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:

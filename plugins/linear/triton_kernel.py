@@ -213,17 +213,22 @@ def _linear_kernel(
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, in_scale_ptr, BLOCK_K: tl.constexpr,
+                          STATIC: tl.constexpr):
     """One row of x [M, K] per program into E4M3 codes q [M, K] and its scale s [M] fp32, as
-    ``models.layers.quantize_rows`` (dynamic) computes them: scale = max(absmax / 448, the smallest normal fp32),
-    codes = x / scale clamped to ±448, rounded to nearest even."""
+    ``models.layers.quantize_rows`` computes them: dynamic, scale = max(absmax / 448, the smallest normal fp32);
+    ``STATIC``, the checkpoint's ``input_scale`` (a float32 scalar at ``in_scale_ptr``) for every row; codes =
+    x / scale clamped to ±448, rounded to nearest even."""
     row = tl.program_id(0)
     rk = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(div_rn(tl.max(amax, 0), 448.0), 1.1754943508222875e-38)
+    if STATIC:
+        scale = tl.load(in_scale_ptr)
+    else:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(div_rn(tl.max(amax, 0), 448.0), 1.1754943508222875e-38)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
@@ -231,24 +236,26 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constex
         tl.store(q_ptr + row.to(tl.int64) * K + k0 + rk, to_rne(q, tl.float8e4nv), mask=k0 + rk < K)
 
 
-def _quantize_rows(x2: torch.Tensor, wrap) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 [M, K] → (E4M3 codes [M, K], fp32 row scales [M]) by ``_quantize_rows_kernel``, one program a row."""
+def _quantize_rows(x2: torch.Tensor, wrap, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] → (E4M3 codes [M, K], fp32 row scales [M]) by ``_quantize_rows_kernel``, one program a row
+    (``input_scale``: a static float32 scalar for every row, else per row)."""
     M, K = x2.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
     xs = torch.empty((M,), dtype=torch.float32, device=x2.device)
-    wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), BLOCK_K=1024, num_warps=4)
+    wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), input_scale if input_scale is not None else xs,
+                                      BLOCK_K=1024, STATIC=input_scale is not None, num_warps=4)
     return q, xs
 
 
 def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, theta: float, dh: int,
                              wrap=lambda f: f, interpret: bool = False, pdl: int = 0,
-                             scale: torch.Tensor | None = None,
-                             w8a8: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             scale: torch.Tensor | None = None, w8a8: bool = False,
+                             input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``launch_linear(x, w)`` and, from one more program of the same launch, the RoPE table of
     ``positions`` (``head_norm_rope.launch_rope_table``'s (cos, sin), the same bits): → (y, cos, sin).
     For the attention's qkv projection, whose norm + cache kernel then reads the table (the
-    default, off with the kernel option ``rope_table`` false; docs/log.md, 2026-12-03). ``scale`` and ``w8a8``:
-    y is ``launch_linear(x, w, scale=scale, w8a8=w8a8)``'s."""
+    default, off with the kernel option ``rope_table`` false; docs/log.md, 2026-12-03). ``scale``, ``w8a8`` and
+    ``input_scale``: y is ``launch_linear(x, w, scale=scale, w8a8=w8a8, input_scale=input_scale)``'s."""
     x2 = _rows(x, w)
     M, N = x2.shape[0], w.shape[0]
     pos = positions.reshape(-1)
@@ -261,7 +268,7 @@ def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.
     sin = torch.empty_like(cos)
     if M > 0:  # (with no weight rows the launch is the table's program alone)
         _launch(x2, w, y, False, wrap, interpret, None, pdl, False, table=(pos, cos, sin, theta, dh),
-                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8)
+                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8, input_scale=input_scale)
     return y.reshape(*x.shape[:-1], N), cos, sin
 
 
@@ -275,16 +282,21 @@ def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None, pdl: int, launch_pdl: bool,
-            table: tuple | None = None, scale: torch.Tensor | None = None, w8a8: bool = False) -> None:
+            table: tuple | None = None, scale: torch.Tensor | None = None, w8a8: bool = False,
+            input_scale: torch.Tensor | None = None) -> None:
     """``_linear_kernel`` over rows x2 [M, K] into y [M, N]; ``table`` = (positions, cos, sin, theta,
     dh): one more program writes the RoPE table (``ROPE_TABLE``); ``w8a8`` (with ``scale``): x2's rows quantized
-    to E4M3 codes first (``_quantize_rows``, a launch of its own), then the kernel's ``W8A8`` form. Every kernel
+    to E4M3 codes first (``_quantize_rows``, a launch of its own; ``input_scale``: with the checkpoint's static
+    scale), then the kernel's ``W8A8`` form. Every kernel
     argument is passed, the table's as dummies without it (Inductor's mutation analysis fills in no defaults)."""
     row_scales = None
     if w8a8:
         if scale is None:
             raise ValueError("linear: the W8A8 form needs the FP8 weight's row scales")
-        x2, row_scales = _quantize_rows(x2, wrap)
+        if input_scale is not None and (input_scale.numel() != 1 or input_scale.dtype != torch.float32):
+            raise ValueError(f"linear: a static input_scale is one float32 value, got {input_scale.dtype} "
+                             f"{list(input_scale.shape)}")
+        x2, row_scales = _quantize_rows(x2, wrap, None if input_scale is None else input_scale.reshape(1))
     (M, K), N = x2.shape, y.shape[1]
     cfg = dict(default_config(M, N, K, silu_mul, fp8=scale is not None), **(config or {}))
     block_m = max(16, triton.next_power_of_2(M))
@@ -316,7 +328,8 @@ def fits(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
 
 def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap=lambda f: f,
                   interpret: bool = False, config: dict | None = None, pdl: int = 0,
-                  launch_pdl: bool = False, scale: torch.Tensor | None = None, w8a8: bool = False) -> torch.Tensor:
+                  launch_pdl: bool = False, scale: torch.Tensor | None = None, w8a8: bool = False,
+                  input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W[N_w, K]ᵀ → [..., N_w] in x's dtype; with ``silu_mul`` (N_w = 2·I) → [..., I]:
     silu(x @ W[:I]ᵀ) · (x @ W[I:]ᵀ). ``wrap`` is ``torch.library.wrap_triton`` inside the op;
     ``config`` overrides the launch configuration (the sweep). ``pdl``: compile the PDL wait in
@@ -324,7 +337,8 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     launches only; docs/pdl.md). ``scale`` (W8A16): W is FP8 E4M3 and ``scale`` [N_w] fp32 its rows'
     scales; the result is, bit for bit, the bf16/fp16 kernel's on ``(W.float() · scale)`` rounded to
     x's dtype (``models.layers.fp8_linear_reference``'s weight). ``w8a8`` (with ``scale``): W8A8 instead, x's rows
-    quantized per token by ``_quantize_rows_kernel`` (a launch of its own), then the weight stream with FP8 operands
+    quantized per token by ``_quantize_rows_kernel`` (a launch of its own; ``input_scale``: with that static float32
+    scale instead, saturating at ±448), then the weight stream with FP8 operands
     on both sides of the MMA (no conversion of the weight in registers) and both scales applied to each fp32 sum:
     ``plugins.linear.reference.w8a8_reference``'s product within a rounding of the sum's order
     (``muse_spark::linear_w8a8_triton``, what the models run on FP8 tensor cores). The quantizing kernel is not a
@@ -338,6 +352,6 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M > 0 and N > 0:
         _launch(x2, w, y, silu_mul, wrap, interpret, config, pdl, launch_pdl,
-                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8)
+                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8, input_scale=input_scale)
     return y.reshape(*x.shape[:-1], N)
 

@@ -292,6 +292,14 @@ def test_an_fp8_qkv_projection_writes_the_rope_table_too(tops, w8a8):
     assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
     with pytest.raises(ValueError, match="one per row of x"):
         ops.linear_fp8_rope_table_triton(x, w8, scale, positions[:, :3], 5e5, dh, w8a8)
+    static = torch.tensor(0.004, device=DEV)  # (a checkpoint's input_scale: the W8A8 form only)
+    if w8a8:
+        y_s, cos_s, _ = ops.linear_fp8_rope_table_triton(x, w8, scale, positions, 5e5, dh, True, static)
+        assert torch.equal(y_s, ops.linear_w8a8_triton(x, w8, scale, False, static)) and not torch.equal(y_s, y)
+        assert torch.equal(cos_s, cos)
+    else:
+        with pytest.raises(ValueError, match="for the W8A8 form"):
+            ops.linear_fp8_rope_table_triton(x, w8, scale, positions, 5e5, dh, False, static)
 
 
 @needs_kernels

@@ -189,9 +189,24 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
     x[0, 5] = 0.0
     q = torch.empty((rows, K), dtype=layers.FP8, device=x.device)
     xs = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    lk._quantize_rows_kernel[(rows,)](x, q, xs, K, x.stride(0), BLOCK_K=256)
+    lk._quantize_rows_kernel[(rows,)](x, q, xs, K, x.stride(0), xs, BLOCK_K=256, STATIC=False)
     want_q, want_s = layers.quantize_rows(x)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(xs, want_s.reshape(-1))
+    # a static scale (a checkpoint's input_scale) a third of the largest row's: codes saturate at ±448, as specified
+    static = (x.float().abs().amax() / (3 * 448)).reshape(())
+    lk._quantize_rows_kernel[(rows,)](x, q, xs, K, x.stride(0), static.reshape(1), BLOCK_K=256, STATIC=True)
+    want_q, want_s = layers.quantize_rows(x, static)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(xs, want_s.reshape(-1))
+    assert (q.float().abs() == 448).any()
+    fs = layers.Fp8Weight(w8, scale, static, torch.bfloat16)
+    spec_s = layers.fp8_w8a8_reference(x, fs, silu_mul).float()
+    got_s = lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True, input_scale=static)
+    tol_s = dict(rtol=2**-6 if silu_mul else 2**-7, atol=2**-13 * spec_s.abs().max().item())
+    torch.testing.assert_close(got_s.float(), spec_s, **tol_s)
+    with pytest.raises(AssertionError):  # (the per-token scales instead of the static one)
+        torch.testing.assert_close(
+            lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True).float(), spec_s,
+            **tol_s)
 
     fw = layers.Fp8Weight(w8, scale, None, torch.bfloat16)
     spec = layers.fp8_w8a8_reference(x, fw, silu_mul).float()
@@ -209,7 +224,7 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
 def test_the_w8a8_op_is_the_kernels_w8a8_form_and_the_models_take_it_on_fp8_tensor_cores(tops):
     """``muse_spark::linear_w8a8_triton`` gives ``launch_linear(w8a8=True)``'s bits (silu·mul too), refuses what the
     kernel cannot take, and ``models.layers.linear`` of an ``Fp8Weight`` takes it for few rows on a GPU with FP8
-    tensor cores (W8A16 without them, and for a static activation scale)."""
+    tensor cores, a static activation scale passed on (W8A16 without them)."""
     from muse_spark.models import layers
     from muse_spark.plugins.linear import triton_kernel as lk
     from muse_spark.plugins.triton_math import interpreting
@@ -222,16 +237,19 @@ def test_the_w8a8_op_is_the_kernels_w8a8_form_and_the_models_take_it_on_fp8_tens
         torch.ops.muse_spark.linear_w8a8_triton(torch.cat([x] * 3), w8, scale, False)
     with pytest.raises(ValueError, match="even number of weight rows"):
         torch.ops.muse_spark.linear_w8a8_triton(x, w8[:127], scale[:127], True)
+    s = torch.tensor(0.01, device=x.device)
     dynamic = layers.linear(x, layers.Fp8Weight(w8, scale, None, torch.bfloat16))
-    static = layers.linear(x, layers.Fp8Weight(w8, scale, torch.tensor(0.01, device=x.device), torch.bfloat16))
+    static = layers.linear(x, layers.Fp8Weight(w8, scale, s, torch.bfloat16))
     w8a16 = torch.ops.muse_spark.linear_fp8_triton(x, w8, scale, False)
+    with pytest.raises(ValueError, match="one float32 value"):
+        torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, False, torch.ones(2, device=x.device))
     if ON_GPU:
-        assert torch.equal(static, w8a16)
         if layers.fp8_tensor_cores(x.device):
             assert torch.equal(dynamic, torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, False))
-            assert not torch.equal(dynamic, w8a16)
+            assert torch.equal(static, torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, False, s))
+            assert not torch.equal(dynamic, w8a16) and not torch.equal(static, dynamic)
         else:
-            assert torch.equal(dynamic, w8a16)
+            assert torch.equal(dynamic, w8a16) and torch.equal(static, w8a16)
     else:  # (off CUDA the models run the W8A16 reference)
         assert not layers.fp8_tensor_cores(x.device)
         ref = layers.fp8_linear_reference(x, layers.Fp8Weight(w8, scale, None, torch.bfloat16))
@@ -304,11 +322,13 @@ def test_linear_kernel_compiles_for_hopper(shape, fp8):
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-def test_the_row_quantizing_kernel_compiles_for_hopper():
-    """The W8A8 form's ``_quantize_rows_kernel`` (bf16 rows to E4M3 codes and fp32 scales), compiled ahead of time
-    for sm_90 without a GPU, as ``launch_linear(w8a8=True)`` launches it."""
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_the_row_quantizing_kernel_compiles_for_hopper(static):
+    """The W8A8 form's ``_quantize_rows_kernel`` (bf16 rows to E4M3 codes and fp32 scales, per row or by a static
+    scale), compiled ahead of time for sm_90 without a GPU, as ``launch_linear(w8a8=True)`` launches it."""
     from muse_spark.plugins.linear import triton_kernel as lk
 
-    sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_xm="i32")
-    k = compile_for_hopper(lk._quantize_rows_kernel, sig, dict(BLOCK_K=1024), 4, multiples_of_16=("K", "stride_xm"))
+    sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_xm="i32", in_scale_ptr="*fp32")
+    k = compile_for_hopper(lk._quantize_rows_kernel, sig, dict(BLOCK_K=1024, STATIC=static), 4,
+                           multiples_of_16=("K", "stride_xm"))
     assert k.asm["cubin"]
