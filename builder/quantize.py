@@ -14,8 +14,8 @@ d2t), the tokenizer files and any other file; ``config.json`` gains ``quantizati
 (quant_method ``fp8``, activation_scheme ``dynamic``, the other 2-D weights' modules in
 ``ignored_layers``, weight_block_size null). The output is sharded as the input (the same file
 names, the index rewritten), converted one shard at a time: the host holds one shard and its
-quantized copy, never the whole model. With calibration prompts (``calibrate``: the bf16 pair's speculative
-decoding with every projection's input observed) each projection also gets a static ``input_scale`` (its largest
+quantized copy, never the whole model. With calibration (``runtime/activation_scales.py``: the bf16 pair's
+speculative decoding with every projection's input observed) each projection also gets a static ``input_scale`` (its largest
 input |x| / 448) and ``activation_scheme`` is ``static``.
 """
 
@@ -101,56 +101,12 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def calibrate(target: str | Path, draft: str | Path, prompts: list[list[int]], max_tokens: int = 32,
-              device: str = "cpu", log: Callable[[str], None] = print) -> dict[str, dict[str, float]]:
-    """Static activation scales' measurements: the bf16 pair's speculative decoding (greedy, ``max_tokens`` tokens of
-    each of ``prompts``: the target's prefill and verification rows, the draft's blocks and context) with every
-    quantizable projection's input observed → {"target": …, "draft": …}, each {checkpoint module name: the largest
-    |x| its projection saw}, under both the stacked name (``self_attn.qkv_proj``) and its parts' (``q_proj`` …)."""
-    from muse_spark.checkpoint import checkpoint_parts
-    from muse_spark.models.layers import observe_linear_inputs
-    from muse_spark.runtime import EagerEngine, Generator, SamplingParams
-
-    if not prompts or not all(prompts):
-        raise QuantizeError("calibration needs at least one non-empty prompt")
-    longest = max(len(p) for p in prompts)
-    engine = EagerEngine.from_checkpoints(target, draft, device=device, max_batch=min(8, len(prompts)),
-                                          max_seq=longest + max_tokens + 64)
-    owners: dict[int, tuple[str, str]] = {}  # a weight's storage → (target|draft, canonical module)
-    for what, model in (("target", engine.target), ("draft", engine.draft)):
-        for name, module in model.named_modules():
-            if quantizable(name) and isinstance(module, torch.nn.Linear):
-                owners[module.weight.untyped_storage().data_ptr()] = (what, name)
-    amax: dict[tuple[str, str], float] = {}
-
-    def observe(w, x):
-        key = owners.get(w.untyped_storage().data_ptr()) if isinstance(w, torch.Tensor) else None
-        if key is not None and x.numel():
-            amax[key] = max(amax.get(key, 0.0), x.detach().abs().amax().float().item())
-
-    t0 = time.perf_counter()
-    with observe_linear_inputs(observe):
-        reqs = Generator(engine).generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    missing = sorted(name for key, name in owners.values() if (key, name) not in amax)
-    if missing:
-        raise QuantizeError(f"calibration saw no input for {', '.join(missing[:4])}"
-                            f"{' …' if len(missing) > 4 else ''}")
-    out: dict[str, dict[str, float]] = {"target": {}, "draft": {}}
-    for (what, name), value in amax.items():
-        cfg = engine.tcfg if what == "target" else engine.dcfg
-        for ck in [name.removeprefix("model.") if what == "draft" else name] + checkpoint_parts(cfg, name):
-            out[what][ck] = value
-    log(f"[quantize] calibrated {len(amax)} projections' activation scales on {len(prompts)} prompts "
-        f"({sum(len(r.output) for r in reqs)} tokens generated) in {time.perf_counter() - t0:.1f}s")
-    return out
-
-
 def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "per-channel", overwrite: bool = False,
                         what: str = "target", log: Callable[[str], None] = print,
                         input_amax: dict[str, float] | None = None) -> dict:
     """Write the FP8 checkpoint of ``src`` into ``out`` → a summary (tensors quantized and copied, bytes).
-    ``what``: the option naming the input in messages (``target``/``draft``). ``input_amax`` (``calibrate``'s, per
-    checkpoint module): static activation scales, each projection's ``input_scale`` = its largest input |x| / 448
+    ``what``: the option naming the input in messages (``target``/``draft``). ``input_amax`` (per checkpoint
+    module: its largest input |x|): static activation scales, each projection's ``input_scale`` = its largest input |x| / 448
     (float32 []), and ``activation_scheme`` ``static``; without it, dynamic (per-token scales at run time)."""
     if scheme not in SCHEMES:
         raise QuantizeError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
@@ -243,15 +199,16 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "per-
 
 def quantize_pair(target: str | Path, out: str | Path, *, draft: str | Path | None = None,
                   draft_out: str | Path | None = None, scheme: str = "per-channel", overwrite: bool = False,
-                  log: Callable[[str], None] = print, calibration: list[list[int]] | None = None,
-                  calibration_tokens: int = 32, device: str = "cpu") -> dict:
+                  log: Callable[[str], None] = print,
+                  measure_input_amax: Callable[[], dict[str, dict[str, float]]] | None = None) -> dict:
     """``muse-spark quantize``: the target (and the draft, when given) → FP8. Every input and output is
-    checked before anything is written. ``calibration`` (prompts, token ids): static activation scales measured
-    by ``calibrate`` on the bf16 pair (it runs the draft too, so ``draft`` is needed); else dynamic.
-    → {"target": summary, "draft": summary or None}."""
+    checked before anything is written. ``measure_input_amax``: called once the inputs and outputs are checked →
+    {"target": …, "draft": …}, each {checkpoint module: its largest input |x|} (the runtime's
+    ``activation_scales.measure_input_amax`` on the bf16 pair, which runs the draft too, so ``draft`` is needed):
+    static activation scales; else dynamic. → {"target": summary, "draft": summary or None}."""
     if (draft is None) != (draft_out is None):
         raise QuantizeError("--draft and --draft-out must be given together")
-    if calibration is not None and draft is None:
+    if measure_input_amax is not None and draft is None:
         raise QuantizeError("--calibrate runs the pair's speculative decoding to measure activation scales: it "
                             "needs --draft and --draft-out")
     if scheme not in SCHEMES:
@@ -265,8 +222,7 @@ def quantize_pair(target: str | Path, out: str | Path, *, draft: str | Path | No
         _check_input(src, what)
         _check_output(dst, src, "out" if what == "target" else "draft-out", overwrite)
     try:
-        amax = (calibrate(target, draft, calibration, calibration_tokens, device, log) if calibration is not None
-                else {})
+        amax = measure_input_amax() if measure_input_amax is not None else {}
         return {what: quantize_checkpoint(src, dst, scheme=scheme, overwrite=overwrite, what=what, log=log,
                                           input_amax=amax.get(what))
                 for what, src, dst in jobs} | ({} if draft is not None else {"draft": None})

@@ -173,9 +173,19 @@ def calibration_prompts(a) -> list[list[int]] | None:
 def cmd_quantize(a) -> int:
     from muse_spark.builder.quantize import quantize_pair
 
+    def log(s):
+        print(s, flush=True)
+
+    prompts = calibration_prompts(a)
+    measure = None
+    if prompts is not None:
+        def measure():
+            from muse_spark.runtime.activation_scales import measure_input_amax
+
+            return measure_input_amax(a.target, a.draft, prompts, a.calibration_tokens, a.device, log)
+
     quantize_pair(a.target, a.out, draft=a.draft, draft_out=a.draft_out, scheme=a.scheme, overwrite=a.overwrite,
-                  log=lambda s: print(s, flush=True), calibration=calibration_prompts(a),
-                  calibration_tokens=a.calibration_tokens, device=a.device)
+                  log=log, measure_input_amax=measure)
     return 0
 
 

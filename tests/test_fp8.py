@@ -516,15 +516,15 @@ def test_calibration_writes_static_activation_scales_that_cover_what_the_pair_se
     ``input_scale`` (its parts one value: they share the input), the config says ``static``, the scales are the
     largest |x| the bf16 pair's projections saw / 448 (so the calibration prompts' activations never saturate),
     and the static pair loads and decodes losslessly. Bad calibration arguments are one-line errors."""
-    from muse_spark.builder.quantize import calibrate
     from muse_spark.models.layers import observe_linear_inputs
+    from muse_spark.runtime.activation_scales import measure_input_amax
 
     out = tmp_path / "static"
     r = run_cli("quantize", "--target", pair / "bf16" / "target", "--out", out / "target", "--draft",
                 pair / "bf16" / "draft", "--draft-out", out / "draft", "--calibrate", 3, "--calibration-len", 12,
                 "--calibration-tokens", 8)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "calibrated 24 projections' activation scales on 3 prompts" in r.stdout
+    assert "[calibrate] measured 24 projections' activation scales on 3 prompts" in r.stdout
     assert "static activation scales" in r.stdout
     for what, prefix in (("target", "model.layers.0."), ("draft", "layers.0.")):
         raw = load_file(str(out / what / "model.safetensors"))
@@ -538,7 +538,7 @@ def test_calibration_writes_static_activation_scales_that_cover_what_the_pair_se
 
     # the same prompts measured again, by hand: the scale is the largest input / 448
     prompts = random_prompts(list(range(load_config(pair / "bf16" / "target").vocab_size)), 3, 12, seed=0)
-    amax = calibrate(pair / "bf16" / "target", pair / "bf16" / "draft", prompts, 8, log=lambda s: None)
+    amax = measure_input_amax(pair / "bf16" / "target", pair / "bf16" / "draft", prompts, 8, log=lambda s: None)
     raw = load_file(str(out / "target" / "model.safetensors"))
     name = "model.layers.1.feed_forward.down_proj"
     assert raw[f"{name}.input_scale"].item() == pytest.approx(amax["target"][name] / FP8_MAX, rel=1e-6)

@@ -25,7 +25,6 @@ dequantized per call, computed in the activations' dtype).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import math
 
@@ -344,25 +343,25 @@ def _fp8_linear(x: torch.Tensor, w: Fp8Weight, silu_mul: bool) -> torch.Tensor:
     return fp8_linear_reference(x, w, silu_mul)
 
 
-_INPUT_OBSERVER: contextvars.ContextVar = contextvars.ContextVar("muse_spark_linear_inputs", default=None)
+_INPUT_OBSERVERS: list = []  # (process-wide, not per thread: calibration is an offline run of its own)
 
 
 @contextlib.contextmanager
 def observe_linear_inputs(observer):
-    """Within: every projection's product (``linear``, ``linear_silu_mul``, the qkv projection that writes the RoPE
-    table) first calls ``observer(weight, x)`` with the weight as passed (a view of a module's weight for a part of
-    it) and its input: what ``muse-spark quantize --calibrate`` measures its activation scales from."""
-    token = _INPUT_OBSERVER.set(observer)
+    """Within: every eager projection's product (``linear``, ``linear_silu_mul``, the qkv projection that writes the
+    RoPE table) first calls ``observer(weight, x)`` with the weight as passed (a view of a module's weight for a
+    part of it) and its input: what ``muse-spark quantize --calibrate`` measures its activation scales from.
+    Compiled code (torch.compile, export) never observes."""
+    _INPUT_OBSERVERS.append(observer)
     try:
         yield
     finally:
-        _INPUT_OBSERVER.reset(token)
+        _INPUT_OBSERVERS.remove(observer)
 
 
 def _observe(x: torch.Tensor, w) -> None:
-    observer = _INPUT_OBSERVER.get()
-    if observer is not None:
-        observer(w, x)
+    if _INPUT_OBSERVERS and not torch.compiler.is_compiling():
+        _INPUT_OBSERVERS[-1](w, x)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
