@@ -15,8 +15,8 @@ d2t), the tokenizer files and any other file; ``config.json`` gains ``quantizati
 ``ignored_layers``, weight_block_size null). The output is sharded as the input (the same file
 names, the index rewritten), converted one shard at a time: the host holds one shard and its
 quantized copy, never the whole model. With calibration (``runtime/activation_scales.py``: the bf16 pair's
-speculative decoding with every projection's input observed) each projection also gets a static ``input_scale`` (its largest
-input |x| / 448) and ``activation_scheme`` is ``static``.
+speculative decoding with every projection's input observed) each projection also gets a static ``input_scale``
+(its largest input |x| / 448) and ``activation_scheme`` is ``static``.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "per-
                         input_amax: dict[str, float] | None = None) -> dict:
     """Write the FP8 checkpoint of ``src`` into ``out`` → a summary (tensors quantized and copied, bytes).
     ``what``: the option naming the input in messages (``target``/``draft``). ``input_amax`` (per checkpoint
-    module: its largest input |x|): static activation scales, each projection's ``input_scale`` = its largest input |x| / 448
+    module: its largest input |x|): static activation scales, each projection's ``input_scale`` = that / 448
     (float32 []), and ``activation_scheme`` ``static``; without it, dynamic (per-token scales at run time)."""
     if scheme not in SCHEMES:
         raise QuantizeError(f"unknown scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
@@ -161,7 +161,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, *, scheme: str = "per-
         n_q = sum(n.endswith(".weight_scale") for n in tensors)
         n_s = sum(n.endswith(".input_scale") for n in tensors)
         log(f"[quantize] {what}: {path.name} ({i + 1} of {len(shards)}): {n_q} projections → FP8, "
-            f"{len(tensors) - 2 * n_q - n_s} tensors copied; {_mib(path.stat().st_size)} → {_mib(tmp.stat().st_size)}")
+            f"{len(tensors) - 2 * n_q - n_s} tensors copied; "
+            f"{_mib(path.stat().st_size)} → {_mib(tmp.stat().st_size)}")
         del tensors
     source.close()
     if n_quantized == 0:

@@ -247,23 +247,18 @@ def _check_positive(directory, ck: str, t: torch.Tensor) -> None:
 
 
 # ---- FP8 ----------------------------------------------------------------------------------
-def _checkpoint_name(cfg: MuseSpark1xConfig, canonical: str) -> str:
+def checkpoint_name(cfg: MuseSpark1xConfig, canonical: str) -> str:
     """A canonical name as the checkpoint spells it (the draft's lack the ``model.`` prefix)."""
     return canonical.removeprefix("model.") if isinstance(cfg, MuseSparkDSparkConfig) else canonical
-
-
-def _stacked_parts(cfg: MuseSpark1xConfig, module: str) -> list[str]:
-    """The checkpoint's (unstacked) module names of the canonical projection ``module``."""
-    prefix, _, proj = module.rpartition(".")
-    parts = {"qkv_proj": _STACKED_QKV if cfg.attn_output_gate else _STACKED_QKV[:3],
-             "gate_up_proj": _STACKED_FFN}.get(proj, (proj,))
-    return [_checkpoint_name(cfg, f"{prefix}.{p}") for p in parts]
 
 
 def checkpoint_parts(cfg: MuseSpark1xConfig, module: str) -> list[str]:
     """The checkpoint's module names (unstacked: ``q_proj`` …, the draft's without ``model.``) of the canonical
     projection ``module`` (``model.layers.N.self_attn.qkv_proj`` …)."""
-    return _stacked_parts(cfg, module)
+    prefix, _, proj = module.rpartition(".")
+    parts = {"qkv_proj": _STACKED_QKV if cfg.attn_output_gate else _STACKED_QKV[:3],
+             "gate_up_proj": _STACKED_FFN}.get(proj, (proj,))
+    return [checkpoint_name(cfg, f"{prefix}.{p}") for p in parts]
 
 
 def fp8_projections(cfg: MuseSpark1xConfig) -> list[str]:
@@ -278,7 +273,7 @@ def fp8_projections(cfg: MuseSpark1xConfig) -> list[str]:
     for i in range(cfg.num_hidden_layers):
         for proj in QUANTIZABLE_STACKED:
             module = f"model.layers.{i}.{proj}"
-            parts = _stacked_parts(cfg, module)
+            parts = checkpoint_parts(cfg, module)
             ignored = [quant.ignores(p, "model." + p.removeprefix("model."), module) for p in parts]
             if all(ignored):
                 continue

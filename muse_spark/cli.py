@@ -146,6 +146,8 @@ def calibration_prompts(a) -> list[list[int]] | None:
     None: no calibration (dynamic activation scales)."""
     from muse_spark.builder.quantize import QuantizeError
 
+    if a.calibrate < 0 or a.calibration_len < 1 or a.calibration_tokens < 1:
+        raise QuantizeError("--calibrate takes a count ≥ 0, --calibration-len and --calibration-tokens counts ≥ 1")
     if a.calibration_prompts:
         from muse_spark.runtime import load_tokenizer
 
@@ -162,8 +164,6 @@ def calibration_prompts(a) -> list[list[int]] | None:
         return [tok.encode(line).ids for line in lines[: a.calibrate or None]]
     if not a.calibrate:
         return None
-    if a.calibrate < 0 or a.calibration_len < 1:
-        raise QuantizeError("--calibrate and --calibration-len take positive counts")
     from muse_spark.builder.pair import random_prompts
     from muse_spark.config import load_config
 

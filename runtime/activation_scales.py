@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from muse_spark.checkpoint import checkpoint_parts
+from muse_spark.checkpoint import checkpoint_name, checkpoint_parts
 from muse_spark.config import quantizable
 from muse_spark.models.layers import observe_linear_inputs
 from muse_spark.runtime.engine import EagerEngine
@@ -49,7 +49,7 @@ def measure_input_amax(target: str | Path, draft: str | Path, prompts: list[list
     out: dict[str, dict[str, float]] = {"target": {}, "draft": {}}
     for (what, name), value in amax.items():
         cfg = engine.tcfg if what == "target" else engine.dcfg
-        for ck in [name.removeprefix("model.") if what == "draft" else name] + checkpoint_parts(cfg, name):
+        for ck in [checkpoint_name(cfg, name)] + checkpoint_parts(cfg, name):
             out[what][ck] = value
     log(f"[calibrate] measured {len(amax)} projections' activation scales on {len(prompts)} prompts "
         f"({sum(len(r.output) for r in reqs)} tokens generated) in {time.perf_counter() - t0:.1f}s")

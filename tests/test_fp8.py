@@ -561,6 +561,8 @@ def test_calibration_writes_static_activation_scales_that_cover_what_the_pair_se
         assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
     fails("--calibrate", 2, match="it needs --draft and --draft-out")
+    fails("--calibrate", -1, match="--calibrate takes a count ≥ 0")
+    fails("--calibrate", 2, "--calibration-tokens", 0, match="--calibration-tokens counts ≥ 1")
     fails("--draft", pair / "bf16" / "draft", "--draft-out", tmp_path / "bad-d", "--calibration-prompts",
           tmp_path / "none.txt", match="none.txt: cannot read it")
     assert not (tmp_path / "bad").exists()

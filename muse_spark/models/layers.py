@@ -325,17 +325,18 @@ def _w8a8_fits(x: torch.Tensor, w: Fp8Weight) -> bool:
     return n % 16 == 0 and k % 16 == 0 and x.numel() > 0 and w.weight.is_contiguous()
 
 
-def _fp8_w8a8_form(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Whether the skinny kernel runs ``w`` in its W8A8 form (dynamic per-token activation scales, or the
-    checkpoint's static ``input_scale``): on FP8 tensor cores. The compiled 8B FP8 step at batch 1 took 5.95 ms in
-    this form against 6.55 in W8A16 (H100, 2026-12-06); W8A16 stays for GPUs without FP8 tensor cores."""
+def _fp8_w8a8_form(x: torch.Tensor) -> bool:
+    """Whether the skinny kernel runs an ``Fp8Weight`` on ``x`` in its W8A8 form (dynamic per-token activation
+    scales, or the checkpoint's static ``input_scale``): on FP8 tensor cores. The compiled 8B FP8 step at batch 1
+    took 5.95 ms in this form against 6.55 in W8A16 (H100, 2026-12-06); W8A16 stays for GPUs without them."""
     return fp8_tensor_cores(x.device)
 
 
 def _fp8_linear(x: torch.Tensor, w: Fp8Weight, silu_mul: bool) -> torch.Tensor:
-    """An ``Fp8Weight``'s product: the skinny kernel for few rows (W8A8 on FP8 tensor cores, else W8A16), W8A8 ``torch._scaled_mm`` for more on FP8 hardware, else the W8A16 reference."""
+    """An ``Fp8Weight``'s product: the skinny kernel for few rows (W8A8 on FP8 tensor cores, else W8A16), W8A8
+    ``torch._scaled_mm`` for more on FP8 hardware, else the W8A16 reference."""
     if _triton_linear_fits(x, w):
-        if _fp8_w8a8_form(x, w):
+        if _fp8_w8a8_form(x):
             return torch.ops.muse_spark.linear_w8a8_triton(x, w.weight, w.scale, silu_mul, w.input_scale)
         return torch.ops.muse_spark.linear_fp8_triton(x, w.weight, w.scale, silu_mul)
     if _w8a8_fits(x, w):
@@ -451,7 +452,7 @@ class Attention(nn.Module):
         w = proj_weight(self.qkv_proj)
         return (current_options().rope_table and c.use_rope and x.dim() == 3
                 and positions.numel() == x.shape[0] * x.shape[1] and CacheKV.at(kv, positions, x.dtype)
-                and _triton_linear_fits(x, w) and (not isinstance(w, Fp8Weight) or _fp8_w8a8_form(x, w))
+                and _triton_linear_fits(x, w) and (not isinstance(w, Fp8Weight) or _fp8_w8a8_form(x))
                 and _head_norm_rope_fits_heads(x.dtype, c.head_dim))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: KVProvider, project: bool = True) -> torch.Tensor:

@@ -7,7 +7,8 @@
   (W8A16): each weight tile dequantized as it streams in, the result bit for bit the bf16/fp16
   kernel's on the dequantized weight. Its reference is ``models.layers.fp8_linear_reference``'s math;
 * ``muse_spark::linear_w8a8_triton`` — the same kernel in W8A8 form (the models' on FP8 tensor cores): x's
-  rows quantized to E4M3 per token (or by a checkpoint's static ``input_scale``) by a small kernel, FP8 operands on both sides of the MMA, both scales applied
+  rows quantized to E4M3 per token (or by a checkpoint's static ``input_scale``) by a small kernel, FP8 operands on
+  both sides of the MMA, both scales applied
   to each fp32 sum; its reference is ``reference.w8a8_reference``;
 * ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program of
   the same launch, the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; off with
@@ -45,15 +46,15 @@ def _check_linear_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> 
 
 
 def _check_input_scale(input_scale: torch.Tensor | None, w8a8: bool) -> None:
-    """A static activation scale: one float32 value, for the W8A8 form only."""
+    """A static activation scale: one float32 value (``triton_kernel.check_input_scale``), for the W8A8 form only."""
+    from muse_spark.plugins.linear.triton_kernel import check_input_scale
+
     if input_scale is None:
         return
     if not w8a8:
         raise ValueError("linear_fp8: a static input_scale is for the W8A8 form (w8a8=True); W8A16 does not "
                          "quantize its activations")
-    if input_scale.numel() != 1 or input_scale.dtype != torch.float32:
-        raise ValueError(f"linear_w8a8: input_scale must be one float32 value, got {input_scale.dtype} "
-                         f"{list(input_scale.shape)}")
+    check_input_scale(input_scale)
 
 
 def fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool) -> torch.Tensor:

@@ -236,7 +236,15 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, in_scale_ptr, BLOCK
         tl.store(q_ptr + row.to(tl.int64) * K + k0 + rk, to_rne(q, tl.float8e4nv), mask=k0 + rk < K)
 
 
-def _quantize_rows(x2: torch.Tensor, wrap, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def check_input_scale(input_scale: torch.Tensor) -> None:
+    """A static activation scale (a checkpoint's ``input_scale``) is one float32 value, or a clear error."""
+    if input_scale.numel() != 1 or input_scale.dtype != torch.float32:
+        raise ValueError(f"linear: a static input_scale is one float32 value, got {input_scale.dtype} "
+                         f"{list(input_scale.shape)}")
+
+
+def _quantize_rows(x2: torch.Tensor, wrap,
+                   input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 [M, K] → (E4M3 codes [M, K], fp32 row scales [M]) by ``_quantize_rows_kernel``, one program a row
     (``input_scale``: a static float32 scalar for every row, else per row)."""
     M, K = x2.shape
@@ -250,7 +258,8 @@ def _quantize_rows(x2: torch.Tensor, wrap, input_scale: torch.Tensor | None = No
 def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, theta: float, dh: int,
                              wrap=lambda f: f, interpret: bool = False, pdl: int = 0,
                              scale: torch.Tensor | None = None, w8a8: bool = False,
-                             input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             input_scale: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``launch_linear(x, w)`` and, from one more program of the same launch, the RoPE table of
     ``positions`` (``head_norm_rope.launch_rope_table``'s (cos, sin), the same bits): → (y, cos, sin).
     For the attention's qkv projection, whose norm + cache kernel then reads the table (the
@@ -293,9 +302,8 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
     if w8a8:
         if scale is None:
             raise ValueError("linear: the W8A8 form needs the FP8 weight's row scales")
-        if input_scale is not None and (input_scale.numel() != 1 or input_scale.dtype != torch.float32):
-            raise ValueError(f"linear: a static input_scale is one float32 value, got {input_scale.dtype} "
-                             f"{list(input_scale.shape)}")
+        if input_scale is not None:
+            check_input_scale(input_scale)
         x2, row_scales = _quantize_rows(x2, wrap, None if input_scale is None else input_scale.reshape(1))
     (M, K), N = x2.shape, y.shape[1]
     cfg = dict(default_config(M, N, K, silu_mul, fp8=scale is not None), **(config or {}))
