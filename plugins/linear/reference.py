@@ -24,7 +24,9 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> t
     """The activations of a W8A8 product in FP8: ``x`` [M, K] → (E4M3 codes [M, K], float32 scales [M, 1]) with
     ``x ≈ codes · scale``. Dynamic (no ``input_scale``): one scale per row (per token), its absmax / 448, so a
     row's codes never depend on the other rows; an all-zero row gets the smallest normal float32 scale. Static:
-    the checkpoint's ``input_scale`` for every row, the codes saturated at ±448."""
+    the checkpoint's ``input_scale`` for every row (at least that smallest normal), the codes saturated at ±448.
+    The codes are ``x · (1 / scale)``: the fp32 reciprocal, then one rounded product a value (what the kernels
+    compute in their loads: a product, not a division, per element)."""
     from muse_spark.plugins.attention.reference import FP8_MAX
 
     xf = x.float()
@@ -34,8 +36,10 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> t
         amax = xf.abs().amax(-1, keepdim=True)
         scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(torch.finfo(torch.float32).tiny)
     else:
-        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()  # (_scaled_mm: [M, 1] dense)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+        scale = input_scale.float().reshape(1, 1).clamp_min(torch.finfo(torch.float32).tiny)
+        scale = scale.expand(x.shape[0], 1).contiguous()  # (_scaled_mm: [M, 1] dense)
+    inv = torch.ones_like(scale) / scale  # (a tensor divisor: the quotient rounded once, as the kernels' div_rn)
+    return (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None = None,

@@ -176,10 +176,11 @@ def test_many_rows_of_fp8_projections_run_w8a8(tops, rows, silu_mul):
 @pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
 @pytest.mark.parametrize("rows", [1, 8, 16])
 def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
-    """``launch_linear(w8a8=True)`` (the skinny kernel's W8A8 form for few rows: the rows quantized by a kernel, FP8
-    operands on both sides of the MMA): its codes and row scales are ``quantize_rows``' bits, its product within
-    one bf16 rounding of ``fp8_w8a8_reference`` (two under silu·mul: g and u each rounded); a planted error (the
-    largest output's weight scale 5 % off) is caught by the same comparison. K not a multiple of the chunk."""
+    """``launch_linear(w8a8=True)`` (the skinny kernel's W8A8 form for few rows: the rows quantized in the GEMM's
+    loads, FP8 operands on both sides of the MMA): its product within one bf16 rounding of ``fp8_w8a8_reference``
+    (two under silu·mul: g and u each rounded), and the bits of the form that quantizes the rows first, by a kernel
+    whose codes and row scales are ``quantize_rows``' bits; a planted error (the largest output's weight scale 5 %
+    off) is caught by the same comparison. K not a multiple of the chunk."""
     from muse_spark.models import layers
     from muse_spark.plugins.linear import triton_kernel as lk
     from muse_spark.plugins.triton_math import interpreting
@@ -201,6 +202,8 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
     fs = layers.Fp8Weight(w8, scale, static, torch.bfloat16)
     spec_s = layers.fp8_w8a8_reference(x, fs, silu_mul).float()
     got_s = lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True, input_scale=static)
+    assert torch.equal(got_s, lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True,
+                                               input_scale=static, fuse_quant=False))
     tol_s = dict(rtol=2**-6 if silu_mul else 2**-7, atol=2**-13 * spec_s.abs().max().item())
     torch.testing.assert_close(got_s.float(), spec_s, **tol_s)
     with pytest.raises(AssertionError):  # (the per-token scales instead of the static one)
@@ -211,6 +214,8 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
     fw = layers.Fp8Weight(w8, scale, None, torch.bfloat16)
     spec = layers.fp8_w8a8_reference(x, fw, silu_mul).float()
     got = lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True).float()
+    assert torch.equal(got, lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True,
+                                             fuse_quant=False).float())
     tol = dict(rtol=2**-6 if silu_mul else 2**-7, atol=2**-13 * spec.abs().max().item())
     torch.testing.assert_close(got, spec, **tol)
     bad = scale.clone()
@@ -296,23 +301,27 @@ def test_models_call_the_linear_kernel_where_it_fits(tops):
 @pytest.mark.parametrize("shape", [(8, 6144, 4096, False), (8, 14336, 4096, True), (8, 4096, 14336, False),
                                    (16, 4096, 4096, False), (16, 14336, 4096, True), (16, 4096, 14336, False)],
                          ids=str)
-@pytest.mark.parametrize("fp8", [False, True, "w8a8"], ids=["bf16", "fp8", "w8a8"])
+@pytest.mark.parametrize("fp8", [False, True, "w8a8", "w8a8-static", "w8a8-codes"],
+                         ids=["bf16", "fp8", "w8a8", "w8a8-static", "w8a8-codes"])
 def test_linear_kernel_compiles_for_hopper(shape, fp8):
-    """The linear kernel under its default launch configurations at the production shapes, bf16 and W8A16
-    (an FP8 weight and its rows' scales), compiled ahead of time for sm_90 without a GPU: it fits an SM's
-    shared memory."""
+    """The linear kernel under its default launch configurations at the production shapes, bf16, W8A16
+    (an FP8 weight and its rows' scales) and W8A8 (the rows quantized in its loads, per row or by a static scale;
+    or given as codes), compiled ahead of time for sm_90 without a GPU: it fits an SM's shared memory."""
     from muse_spark.plugins.linear import triton_kernel as lk
 
     M, N, K, silu_mul = shape
     cfg = lk.default_config(M, N, K, silu_mul, fp8=bool(fp8))
     names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
-    sig = dict(zip(names, ["*fp8e4nv" if fp8 == "w8a8" else "*bf16", "*fp8e4nv" if fp8 else "*bf16", "*bf16"]
+    sig = dict(zip(names, ["*fp8e4nv" if fp8 == "w8a8-codes" else "*bf16", "*fp8e4nv" if fp8 else "*bf16", "*bf16"]
                    + ["i32"] * 5))
     consts = dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                   EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=False)
-    if fp8 == "w8a8":  # (launch_linear(w8a8=True)'s: FP8 codes on both sides, the row scales)
+    if fp8 == "w8a8-codes":  # (launch_linear(w8a8=True, fuse_quant=False)'s: FP8 codes on both sides, the row scales)
         sig.update(s_ptr="*fp32", xs_ptr="*fp32")
         consts["W8A8"] = True
+    elif fp8 in ("w8a8", "w8a8-static"):  # (launch_linear(w8a8=True)'s: x quantized in the loads)
+        sig.update(s_ptr="*fp32", in_scale_ptr="*fp32")
+        consts.update(W8A8=True, QUANT_X=True, STATIC_X=fp8 == "w8a8-static")
     elif fp8:
         sig["s_ptr"] = "*fp32"
         consts["SCALED"] = True
