@@ -152,15 +152,13 @@ def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.i
         compiled = torch.compile(lambda x, w8, s: fp8_linear_w8a8(x, Fp8Weight(w8, s, None, x.dtype), silu))
         r["w8a8_compiled_us"] = time_calls(lambda x, p: compiled(x, p[0], p[1][:, None]), x, pairs)
         r["w8a8_compiled_rel_err"] = rel_err(compiled(x, w8s[0], scales[0][:, None]))
-        # the skinny kernel's W8A8 form, FP8 operands on both sides of the MMA: the rows quantized in its loads
-        # (dynamic: per row; static: by one input_scale, a calibrated checkpoint's), and by a kernel before it
+        # the skinny kernel's W8A8 form, FP8 operands on both sides of the MMA: the rows quantized per token by a
+        # kernel before it, or by one static input_scale (a calibrated checkpoint's) in its own loads
         r["w8a8_skinny_us"] = time_calls(lambda x, p: launch_linear(x, p[0], silu, scale=p[1], w8a8=True), x, pairs)
         r["w8a8_skinny_rel_err"] = rel_err(launch_linear(x, w8s[0], silu, scale=scales[0], w8a8=True))
         static = (x.float().abs().amax() / FP8_MAX).reshape(())
         r["w8a8_skinny_static_us"] = time_calls(
             lambda x, p: launch_linear(x, p[0], silu, scale=p[1], w8a8=True, input_scale=static), x, pairs)
-        r["w8a8_two_launch_us"] = time_calls(
-            lambda x, p: launch_linear(x, p[0], silu, scale=p[1], w8a8=True, fuse_quant=False), x, pairs)
         if sweep and x.shape[0] <= MAX_ROWS:
             r["w8a8_skinny_configs"] = sweep_configs(
                 lambda x, w8, s, cfg: launch_linear(x, w8, silu, scale=s, config=cfg, w8a8=True), x, pairs, deadline,
@@ -261,9 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{key:>22}: W8A8 {r['w8a8_us']:8.1f} µs eager, {r['w8a8_compiled_us']:8.1f} compiled "
                               f"({r['cublas_us'] / r['w8a8_compiled_us']:.2f}× bf16 cuBLAS's speed; rel. error "
                               f"{r['w8a8_compiled_rel_err']:.2e}), in the skinny kernel {r['w8a8_skinny_us']:8.1f} µs "
-                              f"(rel. error {r['w8a8_skinny_rel_err']:.2e}; static scale "
-                              f"{r['w8a8_skinny_static_us']:.1f}, quantized by a kernel before "
-                              f"{r['w8a8_two_launch_us']:.1f}); dequantize + cuBLAS "
+                              f"(rel. error {r['w8a8_skinny_rel_err']:.2e}; with a static scale "
+                              f"{r['w8a8_skinny_static_us']:.1f}); dequantize + cuBLAS "
                               f"{r['dequant_us']:8.1f} µs", flush=True)
                 res["shapes"][key] = r
                 save()

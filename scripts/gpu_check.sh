@@ -73,24 +73,35 @@ server_wheels() {
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 }
 
-# fp8_pairs DIR: the 8B-shaped pair (acceptance 0.8) in DIR/pair and its quantization (muse-spark quantize: FP8 E4M3
-# projections, per-channel scales) in DIR/pair-fp8, each made unless there already
+# fp8_pairs DIR: the 8B-shaped pair (acceptance 0.8) in DIR/pair and, as PRECISION asks for them, its quantizations
+# (muse-spark quantize: FP8 E4M3 projections, per-channel scales): DIR/pair-fp8 (dynamic activation scales, per
+# token) and DIR/pair-fp8-static (static activation scales, calibrated on 8 prompts of the bf16 pair), each made
+# unless there already
 fp8_pairs() {
     free_disk "$1"
     pair_at "$1/pair" 0.8 "$OUT/make-pair.log" || return 1
-    [ -f "$1/pair-fp8/draft/config.json" ] && return 0
-    python3 -m muse_spark.cli quantize --target "$1/pair/target" --out "$1/pair-fp8/target" \
-        --draft "$1/pair/draft" --draft-out "$1/pair-fp8/draft" --overwrite >"$OUT/quantize.log" 2>&1 ||
-        { tail "$OUT/quantize.log"; return 1; }
+    local prec extra
+    for prec in $(echo "${PRECISION:-bf16,fp8}" | tr , ' '); do
+        case $prec in
+        fp8) extra=() ;;
+        fp8-static) extra=(--calibrate 8 --device cuda) ;;
+        *) continue ;;
+        esac
+        [ -f "$1/pair-$prec/draft/config.json" ] && continue
+        python3 -m muse_spark.cli quantize --target "$1/pair/target" --out "$1/pair-$prec/target" \
+            --draft "$1/pair/draft" --draft-out "$1/pair-$prec/draft" --overwrite "${extra[@]}" \
+            >"$OUT/quantize-$prec.log" 2>&1 || { tail "$OUT/quantize-$prec.log"; return 1; }
+        tail -1 "$OUT/quantize-$prec.log"
+    done
 }
 
 # fp8_args DIR PREC: into args, a benchmark's arguments for fp8_pairs' bf16 pair (PREC bf16) or its FP8 quantization
-# with the target's KV cache in FP8 (fp8)
+# (fp8, fp8-static) with the target's KV cache in FP8
 fp8_args() {
     case $2 in
     bf16) args=(--pair "$1/pair") ;;
-    fp8) args=(--pair "$1/pair-fp8" --kv-cache-dtype fp8) ;;
-    *) echo "PRECISION: bf16 and/or fp8, got $2" >&2; return 2 ;;
+    fp8 | fp8-static) args=(--pair "$1/pair-$2" --kv-cache-dtype fp8) ;;
+    *) echo "PRECISION: bf16, fp8 and/or fp8-static, got $2" >&2; return 2 ;;
     esac
 }
 
@@ -229,7 +240,8 @@ fp8-step)
     # the speculative step (benchmarks/step.py: the aoti engine's, batch 1/8/32, against each one's roofline of the
     # bytes it reads) of the 8B-shaped pair (acceptance 0.8) in bf16, then of the same pair quantized (muse-spark
     # quantize: FP8 E4M3 projections, per-channel scales) with the target's KV cache in FP8; JSON in $OUT, one
-    # file each. PRECISION picks them (default bf16,fp8), BATCHES the batches (default 1,8,32), STEP_ARGS adds
+    # file each. PRECISION picks them (default bf16,fp8; fp8-static: the FP8 pair with calibrated static activation
+    # scales), BATCHES the batches (default 1,8,32), STEP_ARGS adds
     # arguments (STEP_ARGS="--profile": kernel tables); a call cut
     # short leaves the pairs for the next.
     here=/tmp/w8b/fp8

@@ -123,25 +123,6 @@ def _to_e4m3(v, inv):
 
 
 @triton.jit
-def _row_scales(x_ptr, rm, mmask, K, stride_xm, in_scale_ptr, STATIC: tl.constexpr, BLOCK_M: tl.constexpr,
-                CHUNK: tl.constexpr):
-    """The W8A8 scales of x's rows rm [BLOCK_M] fp32, as ``reference.quantize_rows`` computes them: dynamic, each
-    row's largest |x| / 448 (a pass over the row, from L2); ``STATIC``, the checkpoint's ``input_scale`` (a float32
-    scalar at ``in_scale_ptr``); either at least the smallest normal fp32."""
-    if STATIC:
-        s = tl.load(in_scale_ptr) + tl.zeros((BLOCK_M,), dtype=tl.float32)
-    else:
-        rk = tl.arange(0, CHUNK)
-        amax = tl.zeros((CHUNK, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, K, CHUNK):
-            v = tl.load(x_ptr + rm[None, :] * stride_xm + (k0 + rk)[:, None],
-                        mask=mmask[None, :] & ((k0 + rk) < K)[:, None], other=0.0)
-            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        s = div_rn(tl.max(amax, 0), 448.0)
-    return tl.maximum(s, 1.1754943508222875e-38)
-
-
-@triton.jit
 def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TWO: tl.constexpr,
                   IEEE_DOT: tl.constexpr, s_ptr=None, SCALED: tl.constexpr = False, FP8_MMA: tl.constexpr = False,
@@ -151,7 +132,7 @@ def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M:
     s_ptr, each tile dequantized as it is loaded (``_dequant``): the bf16 stream's sums of the spec's
     weight, bit for bit, from half the bytes. FP8_MMA: x and W both E4M3 codes, multiplied as they are (W8A8;
     the scales are the caller's); QUANT_X: x is in its own dtype, each tile quantized as it is loaded, each row
-    with its ``x_inv`` [BLOCK_M] (``_to_e4m3``)."""
+    with its ``x_inv`` [BLOCK_M] (``_to_e4m3``: 1 / the row's scale)."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     sc = 0.0
     sc_u = 0.0
@@ -212,10 +193,9 @@ def _linear_kernel(
     s_ptr=None, SCALED: tl.constexpr = False,
     # W8A8: x holds E4M3 codes with one fp32 scale per row at xs_ptr [M] (``_quantize_rows_kernel``), w E4M3 codes
     # with its rows' scales at s_ptr; FP8 MMA, then each sum times its row's and its column's scale.
-    # QUANT_X (with W8A8): x in its own dtype, its rows' scales computed here (``_row_scales``; STATIC_X: the
-    # float32 input_scale at in_scale_ptr) and each tile quantized as it streams in: no launch before this one
-    xs_ptr=None, W8A8: tl.constexpr = False, in_scale_ptr=None, QUANT_X: tl.constexpr = False,
-    STATIC_X: tl.constexpr = False,
+    # STATIC_X (with W8A8): x in its own dtype and one static scale for every row (a checkpoint's input_scale, a
+    # float32 scalar at in_scale_ptr); each tile of x quantized as it streams in, so no launch comes before this one
+    xs_ptr=None, W8A8: tl.constexpr = False, in_scale_ptr=None, STATIC_X: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     if ROPE_TABLE:
@@ -230,14 +210,14 @@ def _linear_kernel(
     mmask = rm < M
     xs = 1.0
     x_inv = 1.0
-    if QUANT_X:
-        xs = _row_scales(x_ptr, rm, mmask, K, stride_xm, in_scale_ptr, STATIC_X, BLOCK_M, 256)
+    if STATIC_X:  # (``reference.quantize_rows``: at least the smallest normal fp32; codes x · (1 / scale))
+        xs = tl.maximum(tl.load(in_scale_ptr), 1.1754943508222875e-38) + tl.zeros((BLOCK_M,), dtype=tl.float32)
         x_inv = div_rn(tl.full((BLOCK_M,), 1.0, dtype=tl.float32), xs)
     acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + N, rm, nmask, mmask, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
                                EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT, s_ptr, SCALED, W8A8,  # u: the up half
-                               x_inv, QUANT_X)
+                               x_inv, STATIC_X)
     if W8A8:
-        if not QUANT_X:
+        if not STATIC_X:
             xs = tl.load(xs_ptr + rm, mask=mmask, other=0.0)
         acc = mul_rn(mul_rn(acc, xs[None, :]), tl.load(s_ptr + rn, mask=nmask, other=0.0)[:, None])
         if SILU_MUL:
@@ -254,22 +234,17 @@ def _linear_kernel(
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, in_scale_ptr, BLOCK_K: tl.constexpr,
-                          STATIC: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
     """One row of x [M, K] per program into E4M3 codes q [M, K] and its scale s [M] fp32, as
-    ``models.layers.quantize_rows`` computes them: dynamic, scale = max(absmax / 448, the smallest normal fp32);
-    ``STATIC``, the checkpoint's ``input_scale`` (a float32 scalar at ``in_scale_ptr``) for every row; codes =
-    x / scale clamped to ±448, rounded to nearest even."""
+    ``reference.quantize_rows`` computes them per token: scale = max(absmax / 448, the smallest normal fp32),
+    codes = x · (1 / scale) clamped to ±448, rounded to nearest even."""
     row = tl.program_id(0)
     rk = tl.arange(0, BLOCK_K)
-    if STATIC:
-        scale = tl.maximum(tl.load(in_scale_ptr), 1.1754943508222875e-38)
-    else:
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(div_rn(tl.max(amax, 0), 448.0), 1.1754943508222875e-38)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(div_rn(tl.max(amax, 0), 448.0), 1.1754943508222875e-38)
     tl.store(s_ptr + row, scale)
     inv = div_rn(1.0, scale)
     for k0 in range(0, K, BLOCK_K):
@@ -285,15 +260,12 @@ def check_input_scale(input_scale: torch.Tensor) -> None:
                          f"{list(input_scale.shape)}")
 
 
-def _quantize_rows(x2: torch.Tensor, wrap,
-                   input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 [M, K] → (E4M3 codes [M, K], fp32 row scales [M]) by ``_quantize_rows_kernel``, one program a row
-    (``input_scale``: a static float32 scalar for every row, else per row)."""
+def _quantize_rows(x2: torch.Tensor, wrap) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] → (E4M3 codes [M, K], fp32 row scales [M]) by ``_quantize_rows_kernel``, one program a row."""
     M, K = x2.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
     xs = torch.empty((M,), dtype=torch.float32, device=x2.device)
-    wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), input_scale if input_scale is not None else xs,
-                                      BLOCK_K=1024, STATIC=input_scale is not None, num_warps=4)
+    wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), BLOCK_K=1024, num_warps=4)
     return q, xs
 
 
@@ -319,8 +291,7 @@ def launch_linear_rope_table(x: torch.Tensor, w: torch.Tensor, positions: torch.
     sin = torch.empty_like(cos)
     if M > 0:  # (with no weight rows the launch is the table's program alone)
         _launch(x2, w, y, False, wrap, interpret, None, pdl, False, table=(pos, cos, sin, theta, dh),
-                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8, input_scale=input_scale,
-                fuse_quant=fuse_quant)
+                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8, input_scale=input_scale)
     return y.reshape(*x.shape[:-1], N), cos, sin
 
 
@@ -335,22 +306,22 @@ def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None, pdl: int, launch_pdl: bool,
             table: tuple | None = None, scale: torch.Tensor | None = None, w8a8: bool = False,
-            input_scale: torch.Tensor | None = None, fuse_quant: bool = True) -> None:
+            input_scale: torch.Tensor | None = None) -> None:
     """``_linear_kernel`` over rows x2 [M, K] into y [M, N]; ``table`` = (positions, cos, sin, theta,
     dh): one more program writes the RoPE table (``ROPE_TABLE``); ``w8a8`` (with ``scale``): the kernel's ``W8A8``
-    form, x2's rows quantized to E4M3 codes in its loads (``QUANT_X``; ``input_scale``: with the checkpoint's
-    static scale); ``fuse_quant`` false: by ``_quantize_rows`` first, a launch of its own. Every kernel
+    form, x2's rows quantized to E4M3 codes per row by ``_quantize_rows`` first (a launch of its own), or, with the
+    checkpoint's static ``input_scale``, in the GEMM's own loads (``STATIC_X``). Every kernel
     argument is passed, the table's as dummies without it (Inductor's mutation analysis fills in no defaults)."""
     row_scales = None
+    static_x = w8a8 and input_scale is not None
     if w8a8:
         if scale is None:
             raise ValueError("linear: the W8A8 form needs the FP8 weight's row scales")
-        if input_scale is not None:
+        if static_x:
             check_input_scale(input_scale)
             input_scale = input_scale.reshape(1)
-        if not fuse_quant:
-            x2, row_scales = _quantize_rows(x2, wrap, input_scale)
-    quant_x = w8a8 and fuse_quant
+        else:
+            x2, row_scales = _quantize_rows(x2, wrap)
     (M, K), N = x2.shape, y.shape[1]
     cfg = dict(default_config(M, N, K, silu_mul, fp8=scale is not None), **(config or {}))
     block_m = max(16, triton.next_power_of_2(M))
@@ -365,8 +336,7 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
         THETA=float(theta), DH_ROPE=dh, BLOCK_POS=block_m if table is not None else 16,
         s_ptr=scale if scale is not None else x2, SCALED=scale is not None and not w8a8,
         xs_ptr=row_scales if row_scales is not None else x2, W8A8=w8a8,
-        in_scale_ptr=input_scale if quant_x and input_scale is not None else x2, QUANT_X=quant_x,
-        STATIC_X=quant_x and input_scale is not None,
+        in_scale_ptr=input_scale if static_x else x2, STATIC_X=static_x,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
     )
 
@@ -385,7 +355,7 @@ def fits(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
 def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap=lambda f: f,
                   interpret: bool = False, config: dict | None = None, pdl: int = 0,
                   launch_pdl: bool = False, scale: torch.Tensor | None = None, w8a8: bool = False,
-                  input_scale: torch.Tensor | None = None, fuse_quant: bool = True) -> torch.Tensor:
+                  input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W[N_w, K]ᵀ → [..., N_w] in x's dtype; with ``silu_mul`` (N_w = 2·I) → [..., I]:
     silu(x @ W[:I]ᵀ) · (x @ W[I:]ᵀ). ``wrap`` is ``torch.library.wrap_triton`` inside the op;
     ``config`` overrides the launch configuration (the sweep). ``pdl``: compile the PDL wait in
@@ -393,13 +363,13 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     launches only; docs/pdl.md). ``scale`` (W8A16): W is FP8 E4M3 and ``scale`` [N_w] fp32 its rows'
     scales; the result is, bit for bit, the bf16/fp16 kernel's on ``(W.float() · scale)`` rounded to
     x's dtype (``models.layers.fp8_linear_reference``'s weight). ``w8a8`` (with ``scale``): W8A8 instead, x's rows
-    quantized per token (``input_scale``: by that static float32 scale instead, saturating at ±448) in the same
-    launch: each program finds its rows' scales (a pass over them, from L2) and quantizes each tile of x as it
-    loads it; the weight stream has FP8 operands on both sides of the MMA (no conversion of the weight in
-    registers) and both scales are applied to each fp32 sum: ``plugins.linear.reference.w8a8_reference``'s product
-    within a rounding of the sum's order (``muse_spark::linear_w8a8_triton``, what the models run on FP8 tensor
-    cores). ``fuse_quant`` false (the benchmark's comparison): the rows quantized by ``_quantize_rows_kernel`` first,
-    a launch of its own."""
+    quantized per token by ``_quantize_rows_kernel`` (a launch of its own, not a PDL kernel: the GEMM after it waits
+    for it in full), or, with ``input_scale`` (a static float32 scale, saturating at ±448), in the GEMM's own loads;
+    the weight stream has FP8 operands on both sides of the MMA (no conversion of the weight in registers) and both
+    scales are applied to each fp32 sum: ``plugins.linear.reference.w8a8_reference``'s product within a rounding of
+    the sum's order (``muse_spark::linear_w8a8_triton``, what the models run on FP8 tensor cores). Per token inside
+    the GEMM (each program finding its rows' scales in a pass over them) was slower than the launch before it
+    (docs/log.md)."""
     x2 = _rows(x, w)
     n_w = w.shape[0]
     if silu_mul and n_w % 2:
@@ -409,7 +379,6 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M > 0 and N > 0:
         _launch(x2, w, y, silu_mul, wrap, interpret, config, pdl, launch_pdl,
-                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8, input_scale=input_scale,
-                fuse_quant=fuse_quant)
+                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8, input_scale=input_scale)
     return y.reshape(*x.shape[:-1], N)
 

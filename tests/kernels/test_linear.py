@@ -126,16 +126,20 @@ def test_the_fp8_weight_kernel_gives_the_bf16_kernels_bits_on_the_dequantized_we
 
 @needs_kernels
 def test_the_models_run_fp8_projections_on_the_kernel(tops):
-    """``models.layers.linear`` of an ``Fp8Weight`` takes ``linear_fp8_triton`` where the skinny kernel fits
-    (the bits of the bf16 kernel on the dequantized weight), and the reference beyond its rows; the op
-    refuses a weight or scales it cannot take."""
+    """``linear_fp8_triton`` gives the bits of the bf16 kernel on the dequantized weight, and ``models.layers.linear``
+    of an ``Fp8Weight`` takes it where the skinny kernel fits on a GPU without FP8 tensor cores (``linear_w8a8_triton``
+    with them), the reference beyond its rows; the op refuses a weight or scales it cannot take."""
     from muse_spark.models import layers
 
     x, w8, scale = fp8_operands(8, 64, 128)
     fw = layers.Fp8Weight(w8, scale, None, torch.bfloat16)
     assert layers._triton_linear_fits(x, fw) == ON_GPU
     want = torch.ops.muse_spark.linear_triton(x, fw.dequantize(torch.bfloat16), False)
-    assert torch.equal(layers.linear(x, fw), want) or not ON_GPU
+    assert torch.equal(torch.ops.muse_spark.linear_fp8_triton(x, w8, scale, False), want) or not ON_GPU
+    if ON_GPU and layers.fp8_tensor_cores(x.device):  # (there the models run W8A8: the next test)
+        assert torch.equal(layers.linear(x, fw), torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, False))
+    else:
+        assert torch.equal(layers.linear(x, fw), want) or not ON_GPU
     assert torch.equal(layers.linear(x, fw), layers.fp8_linear_reference(x, fw)) or ON_GPU
     with pytest.raises(ValueError, match="float8_e4m3fn weight"):
         torch.ops.muse_spark.linear_fp8_triton(x, w8.to(torch.bfloat16), scale, False)
@@ -176,11 +180,11 @@ def test_many_rows_of_fp8_projections_run_w8a8(tops, rows, silu_mul):
 @pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
 @pytest.mark.parametrize("rows", [1, 8, 16])
 def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
-    """``launch_linear(w8a8=True)`` (the skinny kernel's W8A8 form for few rows: the rows quantized in the GEMM's
-    loads, FP8 operands on both sides of the MMA): its product within one bf16 rounding of ``fp8_w8a8_reference``
-    (two under silu·mul: g and u each rounded), and the bits of the form that quantizes the rows first, by a kernel
-    whose codes and row scales are ``quantize_rows``' bits; a planted error (the largest output's weight scale 5 %
-    off) is caught by the same comparison. K not a multiple of the chunk."""
+    """``launch_linear(w8a8=True)`` (the skinny kernel's W8A8 form for few rows: the rows quantized per token by a
+    kernel whose codes and row scales are ``quantize_rows``' bits, or by a static scale in the GEMM's own loads; FP8
+    operands on both sides of the MMA): its product within one bf16 rounding of ``fp8_w8a8_reference`` (two under
+    silu·mul: g and u each rounded); a planted error (the largest output's weight scale 5 % off; per-token scales
+    where the static one is asked for) is caught by the same comparison. K not a multiple of the chunk."""
     from muse_spark.models import layers
     from muse_spark.plugins.linear import triton_kernel as lk
     from muse_spark.plugins.triton_math import interpreting
@@ -190,20 +194,15 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
     x[0, 5] = 0.0
     q = torch.empty((rows, K), dtype=layers.FP8, device=x.device)
     xs = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    lk._quantize_rows_kernel[(rows,)](x, q, xs, K, x.stride(0), xs, BLOCK_K=256, STATIC=False)
+    lk._quantize_rows_kernel[(rows,)](x, q, xs, K, x.stride(0), BLOCK_K=256)
     want_q, want_s = layers.quantize_rows(x)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(xs, want_s.reshape(-1))
     # a static scale (a checkpoint's input_scale) a third of the largest row's: codes saturate at ±448, as specified
     static = (x.float().abs().amax() / (3 * 448)).reshape(())
-    lk._quantize_rows_kernel[(rows,)](x, q, xs, K, x.stride(0), static.reshape(1), BLOCK_K=256, STATIC=True)
-    want_q, want_s = layers.quantize_rows(x, static)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(xs, want_s.reshape(-1))
-    assert (q.float().abs() == 448).any()
+    assert (layers.quantize_rows(x, static)[0].float().abs() == 448).any()
     fs = layers.Fp8Weight(w8, scale, static, torch.bfloat16)
     spec_s = layers.fp8_w8a8_reference(x, fs, silu_mul).float()
     got_s = lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True, input_scale=static)
-    assert torch.equal(got_s, lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True,
-                                               input_scale=static, fuse_quant=False))
     tol_s = dict(rtol=2**-6 if silu_mul else 2**-7, atol=2**-13 * spec_s.abs().max().item())
     torch.testing.assert_close(got_s.float(), spec_s, **tol_s)
     with pytest.raises(AssertionError):  # (the per-token scales instead of the static one)
@@ -214,8 +213,6 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
     fw = layers.Fp8Weight(w8, scale, None, torch.bfloat16)
     spec = layers.fp8_w8a8_reference(x, fw, silu_mul).float()
     got = lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True).float()
-    assert torch.equal(got, lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True,
-                                             fuse_quant=False).float())
     tol = dict(rtol=2**-6 if silu_mul else 2**-7, atol=2**-13 * spec.abs().max().item())
     torch.testing.assert_close(got, spec, **tol)
     bad = scale.clone()
@@ -301,27 +298,26 @@ def test_models_call_the_linear_kernel_where_it_fits(tops):
 @pytest.mark.parametrize("shape", [(8, 6144, 4096, False), (8, 14336, 4096, True), (8, 4096, 14336, False),
                                    (16, 4096, 4096, False), (16, 14336, 4096, True), (16, 4096, 14336, False)],
                          ids=str)
-@pytest.mark.parametrize("fp8", [False, True, "w8a8", "w8a8-static", "w8a8-codes"],
-                         ids=["bf16", "fp8", "w8a8", "w8a8-static", "w8a8-codes"])
+@pytest.mark.parametrize("fp8", [False, True, "w8a8", "w8a8-static"], ids=["bf16", "fp8", "w8a8", "w8a8-static"])
 def test_linear_kernel_compiles_for_hopper(shape, fp8):
     """The linear kernel under its default launch configurations at the production shapes, bf16, W8A16
-    (an FP8 weight and its rows' scales) and W8A8 (the rows quantized in its loads, per row or by a static scale;
-    or given as codes), compiled ahead of time for sm_90 without a GPU: it fits an SM's shared memory."""
+    (an FP8 weight and its rows' scales) and W8A8 (the rows given as codes with their scales, or quantized in its
+    loads by a static scale), compiled ahead of time for sm_90 without a GPU: it fits an SM's shared memory."""
     from muse_spark.plugins.linear import triton_kernel as lk
 
     M, N, K, silu_mul = shape
     cfg = lk.default_config(M, N, K, silu_mul, fp8=bool(fp8))
     names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
-    sig = dict(zip(names, ["*fp8e4nv" if fp8 == "w8a8-codes" else "*bf16", "*fp8e4nv" if fp8 else "*bf16", "*bf16"]
+    sig = dict(zip(names, ["*fp8e4nv" if fp8 == "w8a8" else "*bf16", "*fp8e4nv" if fp8 else "*bf16", "*bf16"]
                    + ["i32"] * 5))
     consts = dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                   EVEN_N=N % cfg["BLOCK_N"] == 0, EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=False)
-    if fp8 == "w8a8-codes":  # (launch_linear(w8a8=True, fuse_quant=False)'s: FP8 codes on both sides, the row scales)
+    if fp8 == "w8a8":  # (launch_linear(w8a8=True)'s: FP8 codes on both sides, the row scales)
         sig.update(s_ptr="*fp32", xs_ptr="*fp32")
         consts["W8A8"] = True
-    elif fp8 in ("w8a8", "w8a8-static"):  # (launch_linear(w8a8=True)'s: x quantized in the loads)
+    elif fp8 == "w8a8-static":  # (launch_linear(w8a8=True, input_scale=...)'s: x quantized in the loads)
         sig.update(s_ptr="*fp32", in_scale_ptr="*fp32")
-        consts.update(W8A8=True, QUANT_X=True, STATIC_X=fp8 == "w8a8-static")
+        consts.update(W8A8=True, STATIC_X=True)
     elif fp8:
         sig["s_ptr"] = "*fp32"
         consts["SCALED"] = True
@@ -331,13 +327,12 @@ def test_linear_kernel_compiles_for_hopper(shape, fp8):
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_the_row_quantizing_kernel_compiles_for_hopper(static):
-    """The W8A8 form's ``_quantize_rows_kernel`` (bf16 rows to E4M3 codes and fp32 scales, per row or by a static
-    scale), compiled ahead of time for sm_90 without a GPU, as ``launch_linear(w8a8=True)`` launches it."""
+def test_the_row_quantizing_kernel_compiles_for_hopper():
+    """The W8A8 form's ``_quantize_rows_kernel`` (bf16 rows to E4M3 codes and fp32 scales, per row), compiled ahead
+    of time for sm_90 without a GPU, as ``launch_linear(w8a8=True)`` launches it."""
     from muse_spark.plugins.linear import triton_kernel as lk
 
-    sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_xm="i32", in_scale_ptr="*fp32")
-    k = compile_for_hopper(lk._quantize_rows_kernel, sig, dict(BLOCK_K=1024, STATIC=static), 4,
+    sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_xm="i32")
+    k = compile_for_hopper(lk._quantize_rows_kernel, sig, dict(BLOCK_K=1024), 4,
                            multiples_of_16=("K", "stride_xm"))
     assert k.asm["cubin"]
