@@ -234,11 +234,12 @@ def _linear_kernel(
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     """One row of x [M, K] per program into E4M3 codes q [M, K] and its scale s [M] fp32, as
     ``reference.quantize_rows`` computes them per token: scale = max(absmax / 448, the smallest normal fp32),
-    codes = x · (1 / scale) clamped to ±448, rounded to nearest even."""
-    row = tl.program_id(0)
+    codes = x · (1 / scale) clamped to ±448, rounded to nearest even. ``PDL`` (``triton_math.pdl_enter``): the GEMM
+    after it launches at once and waits for it in full."""
+    row = tl.program_id(0) + pdl_enter(PDL)
     rk = tl.arange(0, BLOCK_K)
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -260,12 +261,15 @@ def check_input_scale(input_scale: torch.Tensor) -> None:
                          f"{list(input_scale.shape)}")
 
 
-def _quantize_rows(x2: torch.Tensor, wrap) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 [M, K] → (E4M3 codes [M, K], fp32 row scales [M]) by ``_quantize_rows_kernel``, one program a row."""
+def _quantize_rows(x2: torch.Tensor, wrap, pdl: int = 0, launch_pdl: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] → (E4M3 codes [M, K], fp32 row scales [M]) by ``_quantize_rows_kernel``, one program a row; under
+    PDL (``pdl``, the GEMM's mode) it waits for its upstream, then (where the GEMMs trigger) triggers at once."""
     M, K = x2.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
     xs = torch.empty((M,), dtype=torch.float32, device=x2.device)
-    wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), BLOCK_K=1024, num_warps=4)
+    wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), BLOCK_K=1024, PDL=1 if pdl == 3 else pdl,
+                                      num_warps=4, **({"launch_pdl": True} if launch_pdl else {}))
     return q, xs
 
 
@@ -321,7 +325,7 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
             check_input_scale(input_scale)
             input_scale = input_scale.reshape(1)
         else:
-            x2, row_scales = _quantize_rows(x2, wrap)
+            x2, row_scales = _quantize_rows(x2, wrap, 0 if interpret else int(pdl), launch_pdl)
     (M, K), N = x2.shape, y.shape[1]
     cfg = dict(default_config(M, N, K, silu_mul, fp8=scale is not None), **(config or {}))
     block_m = max(16, triton.next_power_of_2(M))
@@ -363,8 +367,8 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     launches only; docs/pdl.md). ``scale`` (W8A16): W is FP8 E4M3 and ``scale`` [N_w] fp32 its rows'
     scales; the result is, bit for bit, the bf16/fp16 kernel's on ``(W.float() · scale)`` rounded to
     x's dtype (``models.layers.fp8_linear_reference``'s weight). ``w8a8`` (with ``scale``): W8A8 instead, x's rows
-    quantized per token by ``_quantize_rows_kernel`` (a launch of its own, not a PDL kernel: the GEMM after it waits
-    for it in full), or, with ``input_scale`` (a static float32 scale, saturating at ±448), in the GEMM's own loads;
+    quantized per token by ``_quantize_rows_kernel`` (a launch of its own; under PDL it waits for its upstream and
+    the GEMM after it for it), or, with ``input_scale`` (a static float32 scale, saturating at ±448), in the GEMM's own loads;
     the weight stream has FP8 operands on both sides of the MMA (no conversion of the weight in registers) and both
     scales are applied to each fp32 sum: ``plugins.linear.reference.w8a8_reference``'s product within a rounding of
     the sum's order (``muse_spark::linear_w8a8_triton``, what the models run on FP8 tensor cores). Per token inside
