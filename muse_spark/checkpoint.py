@@ -668,7 +668,8 @@ def tensors_hash(directory: str | Path) -> str:
     for name in sorted(source.names()):
         t = source.get(name).contiguous()
         h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        # (flattened first: a 0-d tensor, such as a static input_scale, has no byte view of its own)
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     source.close()
     return h.hexdigest()
 

@@ -554,7 +554,17 @@ def test_calibration_writes_static_activation_scales_that_cover_what_the_pair_se
     assert target.model.layers[0].self_attn.qkv_proj.input_scale is not None
     engine = EagerEngine(target, draft, max_batch=1, max_seq=64, device="cpu")
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    assert Generator(engine).generate([[7, 8, 9]], params)[0].output == generate_target_only(engine, [7, 8, 9], params)
+    want = generate_target_only(engine, [7, 8, 9], params)
+    assert Generator(engine).generate([[7, 8, 9]], params)[0].output == want
+    # an engine built from the static pair (its scalar scales hashed and saved with the weights) gives its tokens
+    from muse_spark.builder.build import build_engine
+
+    build_engine(out / "target", out / "draft", tmp_path / "static-engine", backend="eager", device="cpu",
+                 max_batch=1, max_seq=64, quiet=True)
+    built = load_engine(tmp_path / "static-engine")
+    assert built.target.model.layers[0].self_attn.qkv_proj.input_scale.item() == \
+        target.model.layers[0].self_attn.qkv_proj.input_scale.item()
+    assert Generator(built).generate([[7, 8, 9]], params)[0].output == want
 
     def fails(*args, match):
         r = run_cli("quantize", "--target", pair / "bf16" / "target", "--out", tmp_path / "bad", *args)
