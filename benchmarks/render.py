@@ -185,13 +185,17 @@ def generation_panel(ax, series: dict[str, list[tuple[int, float]]], device: str
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=results.RESULTS, help="the result files' folder")
-    p.add_argument("--png", default=str(PNG), help="where the plot goes ('' for none)")
+    p.add_argument("--png", default=None,
+                   help=f"where the plot goes ('' for none; default {PNG.name} in docs/ for bf16, none for fp8: "
+                        "the page's plot is of the bf16 steps)")
     p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
                    help="the steps of bf16 pairs (default) or of FP8 ones (FP8 projections or KV cache)")
     p.add_argument("--device", default=None,
                    help="the GPU whose figures to show (a part of its name, e.g. H100); default: the one whose "
                         "results cover the most batch sizes")
     a = p.parse_args(argv)
+    if a.png is None:
+        a.png = str(PNG) if a.precision == "bf16" else ""
     docs = [d for d in results.load(a.results, "step") if precision(d) == a.precision]
     by_device = {dev: step_rows([d for d in docs if d["device"] == dev]) for dev in sorted({d["device"] for d in docs})}
     by_device = {dev: rows for dev, rows in by_device.items() if rows}
