@@ -126,26 +126,35 @@ def test_cuda_paged_caches_give_the_slot_caches_tokens_through_the_same_kernels(
     paged.kv.check()
 
 
-def test_cuda_fp8_pair_is_lossless_on_the_skinny_kernel(tmp_path):
-    """The FP8 (per-channel E4M3) tiny pair on CUDA: its projections run the skinny kernel at these row counts
-    (W8A8 on FP8 tensor cores, else W8A16), and greedy speculative output equals the same engine's greedy
-    target-only output."""
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_cuda_fp8_pair_is_lossless_on_the_skinny_kernel(tmp_path, static):
+    """The FP8 (per-channel E4M3) tiny pair on CUDA, with per-token activation scales or static ones calibrated on
+    the bf16 pair (``quantize --calibrate``): its projections run the skinny kernel at these row counts (W8A8 on
+    FP8 tensor cores, the static scale passed on; else W8A16), and greedy speculative output equals the same
+    engine's greedy target-only output."""
     from muse_spark.builder.pair import draft_token_ids, make_pair, random_prompts
     from muse_spark.builder.quantize import quantize_pair
     from muse_spark.models import layers
+    from muse_spark.runtime.activation_scales import measure_input_amax
 
     make_pair(tmp_path / "bf16", "tiny", acceptance=0.8, seed=0)
+    calibrate = (lambda: measure_input_amax(tmp_path / "bf16" / "target", tmp_path / "bf16" / "draft",
+                                            random_prompts(draft_token_ids(tmp_path / "bf16"), 4, 12, seed=5), 16,
+                                            device="cuda", log=lambda s: None)) if static else None
     quantize_pair(tmp_path / "bf16" / "target", tmp_path / "fp8" / "target", draft=tmp_path / "bf16" / "draft",
-                  draft_out=tmp_path / "fp8" / "draft", log=lambda s: None)
+                  draft_out=tmp_path / "fp8" / "draft", log=lambda s: None, measure_input_amax=calibrate)
     engine = EagerEngine.from_checkpoints(tmp_path / "fp8" / "target", tmp_path / "fp8" / "draft", device="cuda",
                                           max_batch=2, max_seq=128)
     w = layers.proj_weight(engine.target.model.layers[0].self_attn.o_proj)
+    assert (w.input_scale is not None) == static
     x = torch.randn(8, w.shape[1], device="cuda").to(torch.bfloat16)
     assert isinstance(w, layers.Fp8Weight) and layers._triton_linear_fits(x, w)
     ops = torch.ops.muse_spark
-    op = ops.linear_w8a8_triton if layers.fp8_tensor_cores(x.device) else ops.linear_fp8_triton
+    fp8_cores = layers.fp8_tensor_cores(x.device)
     with use_options(engine.options):  # (what the engine's layers run at a step's 8 rows)
-        assert torch.equal(layers.linear(x, w), op(x, w.weight, w.scale, False))
+        want = ops.linear_w8a8_triton(x, w.weight, w.scale, False, w.input_scale) if fp8_cores else \
+            ops.linear_fp8_triton(x, w.weight, w.scale, False)
+        assert torch.equal(layers.linear(x, w), want)
     prompts = random_prompts(draft_token_ids(tmp_path / "bf16"), 2, 7, seed=2)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     for r in Generator(engine).generate(prompts, params):
