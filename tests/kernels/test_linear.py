@@ -178,7 +178,7 @@ def test_many_rows_of_fp8_projections_run_w8a8(tops, rows, silu_mul):
 
 @needs_kernels
 @pytest.mark.parametrize("silu_mul", [False, True], ids=["plain", "silu_mul"])
-@pytest.mark.parametrize("rows", [1, 8, 16])
+@pytest.mark.parametrize("rows", [1, 8, 16, 64])  # (64: past the ops' rows, what benchmarks/linear.py times at batch 8)
 def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
     """``launch_linear(w8a8=True)`` (the skinny kernel's W8A8 form for few rows: the rows quantized per token by a
     kernel whose codes and row scales are ``quantize_rows``' bits, or by a static scale in the GEMM's own loads; FP8
@@ -296,7 +296,8 @@ def test_models_call_the_linear_kernel_where_it_fits(tops):
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
 @pytest.mark.parametrize("shape", [(8, 6144, 4096, False), (8, 14336, 4096, True), (8, 4096, 14336, False),
-                                   (16, 4096, 4096, False), (16, 14336, 4096, True), (16, 4096, 14336, False)],
+                                   (16, 4096, 4096, False), (16, 14336, 4096, True), (16, 4096, 14336, False),
+                                   (64, 6144, 4096, False), (64, 14336, 4096, True), (64, 4096, 14336, False)],
                          ids=str)
 @pytest.mark.parametrize("fp8", [False, True, "w8a8", "w8a8-static"], ids=["bf16", "fp8", "w8a8", "w8a8-static"])
 def test_linear_kernel_compiles_for_hopper(shape, fp8):
