@@ -43,6 +43,8 @@ from muse_spark.plugins.triton_math import add_rn, div_rn, exp_exact, mul_rn, pd
 MAX_ROWS = 16
 DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
 SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may take (227 KB per SM)
+# The least W8A8 row scale (``reference.quantize_rows``): the smallest normal fp32, so 1 / scale stays finite
+MIN_ROW_SCALE = tl.constexpr(torch.finfo(torch.float32).tiny)
 
 
 def default_config(M: int, N: int, K: int, silu_mul: bool, budget: int = SHARED_BUDGET, fp8: bool = False) -> dict:
@@ -211,7 +213,7 @@ def _linear_kernel(
     xs = 1.0
     x_inv = 1.0
     if STATIC_X:  # (``reference.quantize_rows``: at least the smallest normal fp32; codes x · (1 / scale))
-        xs = tl.maximum(tl.load(in_scale_ptr), 1.1754943508222875e-38) + tl.zeros((BLOCK_M,), dtype=tl.float32)
+        xs = tl.maximum(tl.load(in_scale_ptr), MIN_ROW_SCALE) + tl.zeros((BLOCK_M,), dtype=tl.float32)
         x_inv = div_rn(tl.full((BLOCK_M,), 1.0, dtype=tl.float32), xs)
     acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + N, rm, nmask, mmask, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
                                EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT, s_ptr, SCALED, W8A8,  # u: the up half
@@ -245,7 +247,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constex
     for k0 in range(0, K, BLOCK_K):
         v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(div_rn(tl.max(amax, 0), 448.0), 1.1754943508222875e-38)
+    scale = tl.maximum(div_rn(tl.max(amax, 0), 448.0), MIN_ROW_SCALE)
     tl.store(s_ptr + row, scale)
     inv = div_rn(1.0, scale)
     for k0 in range(0, K, BLOCK_K):
