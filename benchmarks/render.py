@@ -148,7 +148,8 @@ def plot(rows: list[dict], png: Path, generation: tuple[dict, str] | None = None
 
 def generation_series(docs: list[dict], device: str) -> dict[str, list[tuple[int, float]]]:
     """``label → [(batch, tok/s)]`` from the aoti generation results on ``device``: for each pair acceptance
-    its latest run's rows by schedule, and target-only decoding from the latest run overall."""
+    its latest run's rows by schedule, and target-only decoding from the latest of the runs with the most batch
+    sizes (a shorter run, such as an FP8 comparison's, does not cut the line short)."""
     latest: dict[float, dict] = {}
     for d in docs:  # (oldest first: a later run of the same acceptance replaces an earlier one)
         engine, pair = d["config"].get("engine", {}), d["config"].get("pair") or {}
@@ -160,7 +161,7 @@ def generation_series(docs: list[dict], device: str) -> dict[str, list[tuple[int
             name = "fixed γ" if r.get("schedule", "off") == "off" else f"{r['schedule']} scheduling"
             series.setdefault(f"acceptance {p:g}, {name}", []).append((r["batch"], r["speculative"]["tokens_per_s"]))
     if latest:
-        last = max(latest.values(), key=lambda d: d["date"])
+        last = max(latest.values(), key=lambda d: (len({r["batch"] for r in d["results"]["batches"]}), d["date"]))
         seen = {}
         for r in last["results"]["batches"]:
             seen.setdefault(r["batch"], r["target_only"]["tokens_per_s"])

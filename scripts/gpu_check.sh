@@ -261,8 +261,13 @@ fp8-gen)
     # (default bf16,fp8); the pairs and engines stay in /tmp/w8b/fp8 for a second call (each 8B build takes minutes).
     here=/tmp/w8b/fp8
     fp8_pairs "$here" || exit 1
-    for prec in $(echo "${PRECISION:-bf16,fp8}" | tr , ' '); do
+    precs=$(echo "${PRECISION:-bf16,fp8}" | tr , ' ')
+    # (the disk holds the bf16 pair, one quantization and one engine: the other quantizations go, and each
+    # engine before the next is built)
+    for d in "$here"/pair-*; do [[ " $precs " == *" ${d##*/pair-} "* ]] || rm -rf "$d"; done
+    for prec in $precs; do
         fp8_args "$here" "$prec" || exit 2
+        for d in "$here"/engine-*; do [ "$d" = "$here/engine-$prec" ] || rm -rf "$d"; done
         timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/generation.py "${args[@]}" --reuse-engine --backend aoti \
             --batches "${BATCHES:-1,8,32}" --max-tokens 256 --prompt-len 32 --work-dir "$here/engine-$prec" \
             --out-dir "$OUT" --markdown "$OUT/generation-$prec.md" 2>&1 | grep -v "^\[build\]" |
