@@ -153,7 +153,7 @@ def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.i
         r["w8a8_compiled_us"] = time_calls(lambda x, p: compiled(x, p[0], p[1][:, None]), x, pairs)
         r["w8a8_compiled_rel_err"] = rel_err(compiled(x, w8s[0], scales[0][:, None]))
         # the skinny kernel's W8A8 form, FP8 operands on both sides of the MMA: the rows quantized per token by a
-        # kernel before it, or by one static input_scale (a calibrated checkpoint's) in its own loads
+        # kernel before it, or by that kernel with one static input_scale (a calibrated checkpoint's)
         r["w8a8_skinny_us"] = time_calls(lambda x, p: launch_linear(x, p[0], silu, scale=p[1], w8a8=True), x, pairs)
         r["w8a8_skinny_rel_err"] = rel_err(launch_linear(x, w8s[0], silu, scale=scales[0], w8a8=True))
         static = (x.float().abs().amax() / FP8_MAX).reshape(())

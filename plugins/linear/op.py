@@ -7,8 +7,8 @@
   (W8A16): each weight tile dequantized as it streams in, the result bit for bit the bf16/fp16
   kernel's on the dequantized weight. Its reference is ``models.layers.fp8_linear_reference``'s math;
 * ``muse_spark::linear_w8a8_triton`` — the same kernel in W8A8 form (the models' on FP8 tensor cores): x's
-  rows quantized to E4M3 per token by a small kernel before it (or, by a checkpoint's static ``input_scale``, in its
-  own loads), FP8 operands on both sides of the MMA, both scales applied to each fp32 sum; its reference is
+  rows quantized to E4M3 by a small kernel before it (per token, or with a checkpoint's static ``input_scale``),
+  FP8 operands on both sides of the MMA, both scales applied to each fp32 sum; its reference is
   ``reference.w8a8_reference``;
 * ``muse_spark::linear_rope_table_triton`` — the skinny linear layer plus, from one more program of
   the same launch, the step's RoPE table for ``head_norm_rope_cache_triton`` (the default; off with

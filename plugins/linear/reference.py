@@ -26,7 +26,7 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> t
     row's codes never depend on the other rows; an all-zero row gets the smallest normal float32 scale. Static:
     the checkpoint's ``input_scale`` for every row (at least that smallest normal), the codes saturated at ±448.
     The codes are ``x · (1 / scale)``: the fp32 reciprocal, then one rounded product a value (what the kernels
-    compute in their loads: a product, not a division, per element)."""
+    compute: a product, not a division, per element)."""
     from muse_spark.plugins.attention.reference import FP8_MAX
 
     xf = x.float()

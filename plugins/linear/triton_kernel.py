@@ -117,24 +117,14 @@ def _dequant(w, sc, SCALED: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _to_e4m3(v, inv):
-    """A tile of x [BLOCK_K, BLOCK_M] as E4M3 codes, as ``reference.quantize_rows`` computes them: each value times
-    its row's ``inv`` (1 / the row's scale, [BLOCK_M]) in fp32, saturated at ±448, rounded to nearest even."""
-    q = mul_rn(v.to(tl.float32), inv[None, :])
-    return to_rne(tl.minimum(tl.maximum(q, -448.0), 448.0), tl.float8e4nv)
-
-
-@triton.jit
 def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TWO: tl.constexpr,
-                  IEEE_DOT: tl.constexpr, s_ptr=None, SCALED: tl.constexpr = False, FP8_MMA: tl.constexpr = False,
-                  x_inv=None, QUANT_X: tl.constexpr = False):
+                  IEEE_DOT: tl.constexpr, s_ptr=None, SCALED: tl.constexpr = False, FP8_MMA: tl.constexpr = False):
     """The weight stream: fp32 sums W[rn]·xᵀ over the whole of K, [BLOCK_N, BLOCK_M]; with TWO also
     W[ru]·xᵀ (the second tile: the up half), else zeros. SCALED: W is FP8 with per-row scales at
     s_ptr, each tile dequantized as it is loaded (``_dequant``): the bf16 stream's sums of the spec's
     weight, bit for bit, from half the bytes. FP8_MMA: x and W both E4M3 codes, multiplied as they are (W8A8;
-    the scales are the caller's); QUANT_X: x is in its own dtype, each tile quantized as it is loaded, each row
-    with its ``x_inv`` [BLOCK_M] (``_to_e4m3``: 1 / the row's scale)."""
+    the scales are the caller's)."""
     DT: tl.constexpr = x_ptr.dtype.element_ty
     sc = 0.0
     sc_u = 0.0
@@ -159,8 +149,6 @@ def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M:
             kmask = (k0 + rk) < K
             xt = tl.load(x_ptrs, mask=mmask[None, :] & kmask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if QUANT_X:
-            xt = _to_e4m3(xt, x_inv)
         acc = _mma(_dequant(w, sc, SCALED, DT), xt, acc, IEEE_DOT, FP8_MMA)
         if TWO:
             if EVEN_K:
@@ -195,9 +183,7 @@ def _linear_kernel(
     s_ptr=None, SCALED: tl.constexpr = False,
     # W8A8: x holds E4M3 codes with one fp32 scale per row at xs_ptr [M] (``_quantize_rows_kernel``), w E4M3 codes
     # with its rows' scales at s_ptr; FP8 MMA, then each sum times its row's and its column's scale.
-    # STATIC_X (with W8A8): x in its own dtype and one static scale for every row (a checkpoint's input_scale, a
-    # float32 scalar at in_scale_ptr); each tile of x quantized as it streams in, so no launch comes before this one
-    xs_ptr=None, W8A8: tl.constexpr = False, in_scale_ptr=None, STATIC_X: tl.constexpr = False,
+    xs_ptr=None, W8A8: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     if ROPE_TABLE:
@@ -210,17 +196,10 @@ def _linear_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     nmask = rn < N
     mmask = rm < M
-    xs = 1.0
-    x_inv = 1.0
-    if STATIC_X:  # (``reference.quantize_rows``: at least the smallest normal fp32; codes x · (1 / scale))
-        xs = tl.maximum(tl.load(in_scale_ptr), MIN_ROW_SCALE) + tl.zeros((BLOCK_M,), dtype=tl.float32)
-        x_inv = div_rn(tl.full((BLOCK_M,), 1.0, dtype=tl.float32), xs)
     acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + N, rm, nmask, mmask, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
-                               EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT, s_ptr, SCALED, W8A8,  # u: the up half
-                               x_inv, STATIC_X)
+                               EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT, s_ptr, SCALED, W8A8)  # u: the up half
     if W8A8:
-        if not STATIC_X:
-            xs = tl.load(xs_ptr + rm, mask=mmask, other=0.0)
+        xs = tl.load(xs_ptr + rm, mask=mmask, other=0.0)
         acc = mul_rn(mul_rn(acc, xs[None, :]), tl.load(s_ptr + rn, mask=nmask, other=0.0)[:, None])
         if SILU_MUL:
             acc_u = mul_rn(mul_rn(acc_u, xs[None, :]), tl.load(s_ptr + rn + N, mask=nmask, other=0.0)[:, None])
@@ -236,18 +215,23 @@ def _linear_kernel(
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, in_scale_ptr, BLOCK_K: tl.constexpr,
+                          STATIC: tl.constexpr = False, PDL: tl.constexpr = 0):
     """One row of x [M, K] per program into E4M3 codes q [M, K] and its scale s [M] fp32, as
-    ``reference.quantize_rows`` computes them per token: scale = max(absmax / 448, the smallest normal fp32),
-    codes = x · (1 / scale) clamped to ±448, rounded to nearest even. ``PDL`` (``triton_math.pdl_enter``): the GEMM
-    after it launches at once and waits for it in full."""
+    ``reference.quantize_rows`` computes them: per token, scale = max(absmax / 448, the smallest normal fp32);
+    ``STATIC``, the checkpoint's ``input_scale`` (a float32 scalar at ``in_scale_ptr``, at least the smallest normal
+    fp32) for every row, without a pass over the row; codes = x · (1 / scale) clamped to ±448, rounded to nearest
+    even. ``PDL`` (``triton_math.pdl_enter``): the GEMM after it launches at once and waits for it in full."""
     row = tl.program_id(0) + pdl_enter(PDL)
     rk = tl.arange(0, BLOCK_K)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.maximum(div_rn(tl.max(amax, 0), 448.0), MIN_ROW_SCALE)
+    if STATIC:
+        scale = tl.maximum(tl.load(in_scale_ptr), MIN_ROW_SCALE)
+    else:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(div_rn(tl.max(amax, 0), 448.0), MIN_ROW_SCALE)
     tl.store(s_ptr + row, scale)
     inv = div_rn(1.0, scale)
     for k0 in range(0, K, BLOCK_K):
@@ -263,14 +247,16 @@ def check_input_scale(input_scale: torch.Tensor) -> None:
                          f"{list(input_scale.shape)}")
 
 
-def _quantize_rows(x2: torch.Tensor, wrap, pdl: int = 0, launch_pdl: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 [M, K] → (E4M3 codes [M, K], fp32 row scales [M]) by ``_quantize_rows_kernel``, one program a row; under
-    PDL (``pdl``, the GEMM's mode) it waits for its upstream, then (where the GEMMs trigger) triggers at once."""
+def _quantize_rows(x2: torch.Tensor, wrap, pdl: int = 0, launch_pdl: bool = False,
+                   input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] → (E4M3 codes [M, K], fp32 row scales [M]) by ``_quantize_rows_kernel``, one program a row
+    (``input_scale``: a static float32 [1] for every row, else per token); under PDL (``pdl``, the GEMM's mode) it
+    waits for its upstream, then (where the GEMMs trigger) triggers at once."""
     M, K = x2.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
     xs = torch.empty((M,), dtype=torch.float32, device=x2.device)
-    wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), BLOCK_K=1024, PDL=1 if pdl == 3 else pdl,
+    wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), input_scale if input_scale is not None else xs,
+                                      BLOCK_K=1024, STATIC=input_scale is not None, PDL=1 if pdl == 3 else pdl,
                                       num_warps=4, **({"launch_pdl": True} if launch_pdl else {}))
     return q, xs
 
@@ -315,19 +301,17 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
             input_scale: torch.Tensor | None = None) -> None:
     """``_linear_kernel`` over rows x2 [M, K] into y [M, N]; ``table`` = (positions, cos, sin, theta,
     dh): one more program writes the RoPE table (``ROPE_TABLE``); ``w8a8`` (with ``scale``): the kernel's ``W8A8``
-    form, x2's rows quantized to E4M3 codes per row by ``_quantize_rows`` first (a launch of its own), or, with the
-    checkpoint's static ``input_scale``, in the GEMM's own loads (``STATIC_X``). Every kernel
+    form, x2's rows quantized to E4M3 codes by ``_quantize_rows`` first (a launch of its own; per token, or with
+    the checkpoint's static ``input_scale``). Every kernel
     argument is passed, the table's as dummies without it (Inductor's mutation analysis fills in no defaults)."""
     row_scales = None
-    static_x = w8a8 and input_scale is not None
     if w8a8:
         if scale is None:
             raise ValueError("linear: the W8A8 form needs the FP8 weight's row scales")
-        if static_x:
+        if input_scale is not None:
             check_input_scale(input_scale)
             input_scale = input_scale.reshape(1)
-        else:
-            x2, row_scales = _quantize_rows(x2, wrap, 0 if interpret else int(pdl), launch_pdl)
+        x2, row_scales = _quantize_rows(x2, wrap, 0 if interpret else int(pdl), launch_pdl, input_scale)
     (M, K), N = x2.shape, y.shape[1]
     cfg = dict(default_config(M, N, K, silu_mul, fp8=scale is not None), **(config or {}))
     block_m = max(16, triton.next_power_of_2(M))
@@ -342,7 +326,6 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
         THETA=float(theta), DH_ROPE=dh, BLOCK_POS=block_m if table is not None else 16,
         s_ptr=scale if scale is not None else x2, SCALED=scale is not None and not w8a8,
         xs_ptr=row_scales if row_scales is not None else x2, W8A8=w8a8,
-        in_scale_ptr=input_scale if static_x else x2, STATIC_X=static_x,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
     )
 
@@ -369,13 +352,13 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     launches only; docs/pdl.md). ``scale`` (W8A16): W is FP8 E4M3 and ``scale`` [N_w] fp32 its rows'
     scales; the result is, bit for bit, the bf16/fp16 kernel's on ``(W.float() · scale)`` rounded to
     x's dtype (``models.layers.fp8_linear_reference``'s weight). ``w8a8`` (with ``scale``): W8A8 instead, x's rows
-    quantized per token by ``_quantize_rows_kernel`` (a launch of its own; under PDL it waits for its upstream and
-    the GEMM after it for it), or, with ``input_scale`` (a static float32 scale, saturating at ±448), in the GEMM's own loads;
+    quantized by ``_quantize_rows_kernel`` (a launch of its own; under PDL it waits for its upstream and the GEMM
+    after it for it), per token or, with ``input_scale``, with that static float32 scale (saturating at ±448);
     the weight stream has FP8 operands on both sides of the MMA (no conversion of the weight in registers) and both
     scales are applied to each fp32 sum: ``plugins.linear.reference.w8a8_reference``'s product within a rounding of
-    the sum's order (``muse_spark::linear_w8a8_triton``, what the models run on FP8 tensor cores). Per token inside
-    the GEMM (each program finding its rows' scales in a pass over them) was slower than the launch before it
-    (docs/log.md)."""
+    the sum's order (``muse_spark::linear_w8a8_triton``, what the models run on FP8 tensor cores). Quantizing inside
+    the GEMM's loads was slower, per token (each program finding its rows' scales in a pass over them) and static
+    (the conversions in the loop that streams the weights; docs/log.md)."""
     x2 = _rows(x, w)
     n_w = w.shape[0]
     if silu_mul and n_w % 2:

@@ -181,7 +181,7 @@ def test_many_rows_of_fp8_projections_run_w8a8(tops, rows, silu_mul):
 @pytest.mark.parametrize("rows", [1, 8, 16, 64])  # (64: past the ops' rows, what benchmarks/linear.py times at batch 8)
 def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
     """``launch_linear(w8a8=True)`` (the skinny kernel's W8A8 form for few rows: the rows quantized per token by a
-    kernel whose codes and row scales are ``quantize_rows``' bits, or by a static scale in the GEMM's own loads; FP8
+    kernel whose codes and row scales are ``quantize_rows``' bits, per token or with a static scale; FP8
     operands on both sides of the MMA): its product within one bf16 rounding of ``fp8_w8a8_reference`` (two under
     silu·mul: g and u each rounded); a planted error (the largest output's weight scale 5 % off; per-token scales
     where the static one is asked for) is caught by the same comparison. K not a multiple of the chunk."""
@@ -194,12 +194,16 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
     x[0, 5] = 0.0
     q = torch.empty((rows, K), dtype=layers.FP8, device=x.device)
     xs = torch.empty((rows,), dtype=torch.float32, device=x.device)
-    lk._quantize_rows_kernel[(rows,)](x, q, xs, K, x.stride(0), BLOCK_K=256)
+    lk._quantize_rows_kernel[(rows,)](x, q, xs, K, x.stride(0), xs, BLOCK_K=256)
     want_q, want_s = layers.quantize_rows(x)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(xs, want_s.reshape(-1))
     # a static scale (a checkpoint's input_scale) a third of the largest row's: codes saturate at ±448, as specified
     static = (x.float().abs().amax() / (3 * 448)).reshape(())
-    assert (layers.quantize_rows(x, static)[0].float().abs() == 448).any()
+    want_q, want_s = layers.quantize_rows(x, static)
+    assert (want_q.float().abs() == 448).any()
+    lk._quantize_rows_kernel[(rows,)](x, q, xs, K, x.stride(0), static.reshape(1), BLOCK_K=256, STATIC=True)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(xs, want_s.reshape(-1).expand(rows))
     fs = layers.Fp8Weight(w8, scale, static, torch.bfloat16)
     spec_s = layers.fp8_w8a8_reference(x, fs, silu_mul).float()
     got_s = lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True, input_scale=static)
@@ -299,11 +303,11 @@ def test_models_call_the_linear_kernel_where_it_fits(tops):
                                    (16, 4096, 4096, False), (16, 14336, 4096, True), (16, 4096, 14336, False),
                                    (64, 6144, 4096, False), (64, 14336, 4096, True), (64, 4096, 14336, False)],
                          ids=str)
-@pytest.mark.parametrize("fp8", [False, True, "w8a8", "w8a8-static"], ids=["bf16", "fp8", "w8a8", "w8a8-static"])
+@pytest.mark.parametrize("fp8", [False, True, "w8a8"], ids=["bf16", "fp8", "w8a8"])
 def test_linear_kernel_compiles_for_hopper(shape, fp8):
     """The linear kernel under its default launch configurations at the production shapes, bf16, W8A16
-    (an FP8 weight and its rows' scales) and W8A8 (the rows given as codes with their scales, or quantized in its
-    loads by a static scale), compiled ahead of time for sm_90 without a GPU: it fits an SM's shared memory."""
+    (an FP8 weight and its rows' scales) and W8A8 (the rows given as codes with their scales), compiled ahead of
+    time for sm_90 without a GPU: it fits an SM's shared memory."""
     from muse_spark.plugins.linear import triton_kernel as lk
 
     M, N, K, silu_mul = shape
@@ -316,9 +320,6 @@ def test_linear_kernel_compiles_for_hopper(shape, fp8):
     if fp8 == "w8a8":  # (launch_linear(w8a8=True)'s: FP8 codes on both sides, the row scales)
         sig.update(s_ptr="*fp32", xs_ptr="*fp32")
         consts["W8A8"] = True
-    elif fp8 == "w8a8-static":  # (launch_linear(w8a8=True, input_scale=...)'s: x quantized in the loads)
-        sig.update(s_ptr="*fp32", in_scale_ptr="*fp32")
-        consts.update(W8A8=True, STATIC_X=True)
     elif fp8:
         sig["s_ptr"] = "*fp32"
         consts["SCALED"] = True
@@ -328,12 +329,13 @@ def test_linear_kernel_compiles_for_hopper(shape, fp8):
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
-def test_the_row_quantizing_kernel_compiles_for_hopper():
-    """The W8A8 form's ``_quantize_rows_kernel`` (bf16 rows to E4M3 codes and fp32 scales, per row), compiled ahead
-    of time for sm_90 without a GPU, as ``launch_linear(w8a8=True)`` launches it."""
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_the_row_quantizing_kernel_compiles_for_hopper(static):
+    """The W8A8 form's ``_quantize_rows_kernel`` (bf16 rows to E4M3 codes and fp32 scales, per row or with a static
+    scale), compiled ahead of time for sm_90 without a GPU, as ``launch_linear(w8a8=True)`` launches it."""
     from muse_spark.plugins.linear import triton_kernel as lk
 
-    sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_xm="i32")
-    k = compile_for_hopper(lk._quantize_rows_kernel, sig, dict(BLOCK_K=1024), 4,
+    sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_xm="i32", in_scale_ptr="*fp32")
+    k = compile_for_hopper(lk._quantize_rows_kernel, sig, dict(BLOCK_K=1024, STATIC=static), 4,
                            multiples_of_16=("K", "stride_xm"))
     assert k.asm["cubin"]

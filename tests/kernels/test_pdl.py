@@ -70,20 +70,20 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
                               dict(lin, ROPE_TABLE=True, THETA=5e5, DH_ROPE=128, BLOCK_POS=16), 4, 4,
                               ("N", "K", "stride_xm", "stride_ym")),
         # FP8 weights: W8A16 (each tile dequantized as it streams in) and W8A8 (FP8 codes on both sides, the
-        # activations' row scales read in the epilogue; with a static scale, x quantized in the loads)
+        # activations' row scales read in the epilogue)
         "linear_fp8": (lk._linear_kernel, dict(zip(lin_names + ["s_ptr"], ["*bf16", "*fp8e4nv", "*bf16"] + ["i32"] * 5
                                                    + ["*fp32"])), dict(lin, SCALED=True), 4, 4,
                        ("N", "K", "stride_xm", "stride_ym")),
         "linear_w8a8": (lk._linear_kernel, dict(zip(lin_names + ["s_ptr", "xs_ptr"],
                                                     ["*fp8e4nv", "*fp8e4nv", "*bf16"] + ["i32"] * 5 + ["*fp32"] * 2)),
                         dict(lin, W8A8=True), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
-        "linear_w8a8_static": (lk._linear_kernel, dict(zip(lin_names + ["s_ptr", "in_scale_ptr"],
-                                                           ["*bf16", "*fp8e4nv", "*bf16"] + ["i32"] * 5 + ["*fp32"] * 2)),
-                               dict(lin, W8A8=True, STATIC_X=True), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
-        # W8A8 per token: the rows quantized by a launch before the GEMM
+        # W8A8: the rows quantized by a launch before the GEMM, per token or with a static scale
         "quantize_rows": (lk._quantize_rows_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32",
-                                                         stride_xm="i32"), dict(BLOCK_K=1024), 4, None,
-                          ("K", "stride_xm")),
+                                                         stride_xm="i32", in_scale_ptr="*fp32"), dict(BLOCK_K=1024), 4,
+                          None, ("K", "stride_xm")),
+        "quantize_rows_static": (lk._quantize_rows_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32",
+                                                                K="i32", stride_xm="i32", in_scale_ptr="*fp32"),
+                                 dict(BLOCK_K=1024, STATIC=True), 4, None, ("K", "stride_xm")),
         "linear_fp8_rope_table": (lk._linear_kernel, dict(zip(
             lin_names + ["pos_ptr", "cos_ptr", "sin_ptr", "N_POS", "s_ptr"],
             ["*bf16", "*fp8e4nv", "*bf16"] + ["i32"] * 5 + ["*i64", "*fp32", "*fp32", "i32", "*fp32"])),
