@@ -47,7 +47,8 @@ SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may t
 MIN_ROW_SCALE = tl.constexpr(torch.finfo(torch.float32).tiny)
 
 
-def default_config(M: int, N: int, K: int, silu_mul: bool, budget: int = SHARED_BUDGET, fp8: bool = False) -> dict:
+def default_config(M: int, N: int, K: int, silu_mul: bool, budget: int = SHARED_BUDGET, fp8: bool = False,
+                   w8a8: bool = False) -> dict:
     """Launch configuration, chosen by benchmarks/linear.py --sweep on the H200 (8 rows, each
     shape's weight streamed from HBM), then timed (``--batches 1,8``): 64-row tiles over 256-column
     chunks, 4 stages (qkv 15.4 µs, o 12.1, lm_head 245.3, against cuBLAS's 16.2 / 13.3 / 255.6);
@@ -58,9 +59,15 @@ def default_config(M: int, N: int, K: int, silu_mul: bool, budget: int = SHARED_
     H100 (8 rows): an output of at most 4,096 columns in 32-row tiles over 256-column chunks, 4 stages (o 11.9 µs
     against 14.7 in the bf16 form's configuration, down 33.7 against 37.0: twice the programs on the SMs); the
     others as bf16 (qkv 15.3 µs, gate_up + silu 46.8; no other candidate was faster).
+    ``w8a8`` (the W8A8 form: x's rows as E4M3 codes too, one byte an element), from the same sweep on an H200 (8
+    rows): a long K (the down projection, the draft's fc) in 16-row tiles over 1,024-column chunks, 2 warps, 4
+    stages, the bf16 form's bytes a stage (down 28.7 µs against 33.2 in W8A16's configuration, the draft's fc 38.3
+    against 45.5); the other shapes as W8A16 (the fastest candidates 3–5 % ahead).
     More rows of x take more shared memory per stage: the chunk, then the stages, shrink
     until the stages fit ``budget`` bytes (``SHARED_BUDGET``)."""
-    if fp8 and not silu_mul and N <= 4096:
+    if w8a8 and not silu_mul and K >= 8192:
+        cfg = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=2, num_stages=4)
+    elif fp8 and not silu_mul and N <= 4096:
         cfg = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
     elif silu_mul:
         cfg = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
@@ -71,7 +78,7 @@ def default_config(M: int, N: int, K: int, silu_mul: bool, budget: int = SHARED_
     block_m = max(16, triton.next_power_of_2(M))
 
     def stage_bytes():
-        return ((2 if silu_mul else 1) * cfg["BLOCK_N"] * (1 if fp8 else 2) + block_m * 2) * cfg["BLOCK_K"]
+        return ((2 if silu_mul else 1) * cfg["BLOCK_N"] * (1 if fp8 else 2) + block_m * (1 if w8a8 else 2)) * cfg["BLOCK_K"]
 
     while cfg["num_stages"] * stage_bytes() > budget:
         if cfg["BLOCK_K"] > 128:
@@ -313,7 +320,7 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
             input_scale = input_scale.reshape(1)
         x2, row_scales = _quantize_rows(x2, wrap, 0 if interpret else int(pdl), launch_pdl, input_scale)
     (M, K), N = x2.shape, y.shape[1]
-    cfg = dict(default_config(M, N, K, silu_mul, fp8=scale is not None), **(config or {}))
+    cfg = dict(default_config(M, N, K, silu_mul, fp8=scale is not None, w8a8=w8a8), **(config or {}))
     block_m = max(16, triton.next_power_of_2(M))
     grid = (triton.cdiv(N, cfg["BLOCK_N"]) + (table is not None), triton.cdiv(M, block_m))  # (the last: the table)
     pos, cos, sin, theta, dh = table if table is not None else (x2, x2, x2, 0.0, 2)

@@ -227,6 +227,33 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
 
 
 @needs_kernels
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_the_skinny_w8a8_kernel_computes_the_spec_over_a_long_k(static):
+    """The W8A8 form's launch for a long K (the down projection's and the draft's fc: 16-row tiles over 1,024-column
+    chunks, ``default_config(w8a8=True)``), K not a multiple of the chunk: within one bf16 rounding of
+    ``fp8_w8a8_reference``, and a planted wrong weight scale is caught."""
+    from muse_spark.models import layers
+    from muse_spark.plugins.linear import triton_kernel as lk
+    from muse_spark.plugins.triton_math import interpreting
+
+    M, N, K = 8, 48, 8192 + 200
+    assert lk.default_config(M, N, K, False, fp8=True, w8a8=True)["BLOCK_K"] == 1024
+    x, w8, scale = fp8_operands(M, N, K, seed=5)
+    input_scale = (x.float().abs().amax() / (2 * 448)).reshape(()) if static else None
+    spec = layers.fp8_w8a8_reference(x, layers.Fp8Weight(w8, scale, input_scale, torch.bfloat16)).float()
+    tol = dict(rtol=2**-7, atol=2**-13 * spec.abs().max().item())
+
+    def run(sc):
+        return lk.launch_linear(x, w8, interpret=interpreting(), scale=sc, w8a8=True, input_scale=input_scale).float()
+
+    torch.testing.assert_close(run(scale), spec, **tol)
+    bad = scale.clone()
+    bad[int(spec.abs().amax(0).argmax())] *= 1.05
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(run(bad), spec, **tol)
+
+
+@needs_kernels
 def test_the_w8a8_op_is_the_kernels_w8a8_form_and_the_models_take_it_on_fp8_tensor_cores(tops):
     """``muse_spark::linear_w8a8_triton`` gives ``launch_linear(w8a8=True)``'s bits (silu·mul too), refuses what the
     kernel cannot take, and ``models.layers.linear`` of an ``Fp8Weight`` takes it for few rows on a GPU with FP8
@@ -311,7 +338,7 @@ def test_linear_kernel_compiles_for_hopper(shape, fp8):
     from muse_spark.plugins.linear import triton_kernel as lk
 
     M, N, K, silu_mul = shape
-    cfg = lk.default_config(M, N, K, silu_mul, fp8=bool(fp8))
+    cfg = lk.default_config(M, N, K, silu_mul, fp8=bool(fp8), w8a8=fp8 == "w8a8")
     names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
     sig = dict(zip(names, ["*fp8e4nv" if fp8 == "w8a8" else "*bf16", "*fp8e4nv" if fp8 else "*bf16", "*bf16"]
                    + ["i32"] * 5))
