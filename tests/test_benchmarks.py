@@ -173,17 +173,17 @@ def test_the_paged_kv_plot_draws_the_committed_results(tmp_path):
 
 def test_the_paged_kv_benchmark_times_the_compiled_step_paged_against_slot_caches(tmp_path):
     """`--backend aoti` on the CPU with a tiny pair: two aoti engines built from it (slot caches, and a pool of
-    the same positions; one copy of the weights on the disk), the step timed at batch 1 and 2 on each; one
-    result file in the schema with both engines' figures and the ratio per batch, a printed table, the same
-    tokens on both; a second run reuses the engines. (The figures' values are not checked: a CPU's say
-    nothing.)"""
+    the same positions; one copy of the weights on the disk), the step timed at batch 2 on each (one bucket an
+    engine: each bucket is a build of its own); one result file in the schema with both engines' figures and the
+    ratio, a printed table, the same tokens on both; a second run reuses the engines. (The figures' values are
+    not checked: a CPU's say nothing.)"""
     import os
 
     from muse_spark.builder.pair import make_pair
 
     make_pair(tmp_path / "pair", preset="tiny", acceptance=0.8, seed=0, device="cpu")
     args = [sys.executable, str(ROOT / "benchmarks" / "paged_kv.py"), "--backend", "aoti", "--pair",
-            str(tmp_path / "pair"), "--device", "cpu", "--step-batches", "1,2", "--context", "40", "--steps", "3",
+            str(tmp_path / "pair"), "--device", "cpu", "--step-batches", "2", "--context", "40", "--steps", "3",
             "--warmup-steps", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")]
     r = subprocess.run(args, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -191,7 +191,7 @@ def test_the_paged_kv_benchmark_times_the_compiled_step_paged_against_slot_cache
     doc = json.loads(path.read_text())
     assert KEYS <= set(doc) and doc["benchmark"] == "paged_kv_step"
     res, cfg = doc["results"], doc["config"]
-    assert [row["batch"] for row in res["batches"]] == [1, 2] and res["outputs_identical"] is True
+    assert [row["batch"] for row in res["batches"]] == [2] and res["outputs_identical"] is True
     for row in res["batches"]:
         for side in ("slot", "paged"):
             assert {"median_ms", "mean_ms", "min_ms"} <= set(row[side]) and row[side]["steps"] == 3
