@@ -43,6 +43,9 @@ from muse_spark.plugins.triton_math import add_rn, div_rn, exp_exact, mul_rn, pd
 MAX_ROWS = 16
 DEFAULT_CONFIG = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
 SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may take (227 KB per SM)
+# The longest row of x the W8A8 row-quantizing kernel loads at once (the draft's fc: 16,384 columns, 64 fp32 values a
+# thread at 8 warps); longer rows are read in chunks
+ROW_AT_ONCE = 16384
 # The least W8A8 row scale (``reference.quantize_rows``): the smallest normal fp32, so 1 / scale stays finite
 MIN_ROW_SCALE = tl.constexpr(torch.finfo(torch.float32).tiny)
 
@@ -223,14 +226,28 @@ def _linear_kernel(
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, in_scale_ptr, BLOCK_K: tl.constexpr,
-                          STATIC: tl.constexpr = False, PDL: tl.constexpr = 0):
+                          STATIC: tl.constexpr = False, PDL: tl.constexpr = 0, ONE_LOAD: tl.constexpr = False):
     """One row of x [M, K] per program into E4M3 codes q [M, K] and its scale s [M] fp32, as
     ``reference.quantize_rows`` computes them: per token, scale = max(absmax / 448, the smallest normal fp32);
     ``STATIC``, the checkpoint's ``input_scale`` (a float32 scalar at ``in_scale_ptr``, at least the smallest normal
     fp32) for every row, without a pass over the row; codes = x · (1 / scale) clamped to ±448, rounded to nearest
-    even. ``PDL`` (``triton_math.pdl_enter``): the GEMM after it launches at once and waits for it in full."""
+    even. ``PDL`` (``triton_math.pdl_enter``): the GEMM after it launches at once and waits for it in full.
+    ``ONE_LOAD`` (BLOCK_K ≥ K): the row is loaded once and kept in registers for its absmax and its codes; else
+    it is read in BLOCK_K chunks, twice per token (the kernel sits between its upstream and the GEMM, so its
+    latency, a load round trip a chunk, is the step's)."""
     row = tl.program_id(0) + pdl_enter(PDL)
     rk = tl.arange(0, BLOCK_K)
+    if ONE_LOAD:
+        kmask = rk < K
+        v = tl.load(x_ptr + row * stride_xm + rk, mask=kmask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.maximum(tl.load(in_scale_ptr), MIN_ROW_SCALE)
+        else:
+            scale = tl.maximum(div_rn(tl.max(tl.abs(v), 0), 448.0), MIN_ROW_SCALE)
+        tl.store(s_ptr + row, scale)
+        q = tl.minimum(tl.maximum(mul_rn(v, div_rn(1.0, scale)), -448.0), 448.0)
+        tl.store(q_ptr + row.to(tl.int64) * K + rk, to_rne(q, tl.float8e4nv), mask=kmask)
+        return
     if STATIC:
         scale = tl.maximum(tl.load(in_scale_ptr), MIN_ROW_SCALE)
     else:
@@ -262,9 +279,13 @@ def _quantize_rows(x2: torch.Tensor, wrap, pdl: int = 0, launch_pdl: bool = Fals
     M, K = x2.shape
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x2.device)
     xs = torch.empty((M,), dtype=torch.float32, device=x2.device)
+    block = triton.next_power_of_2(K)
+    one_load = block <= ROW_AT_ONCE
     wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), input_scale if input_scale is not None else xs,
-                                      BLOCK_K=1024, STATIC=input_scale is not None, PDL=1 if pdl == 3 else pdl,
-                                      num_warps=4, **({"launch_pdl": True} if launch_pdl else {}))
+                                      BLOCK_K=block if one_load else 1024, STATIC=input_scale is not None,
+                                      PDL=1 if pdl == 3 else pdl, ONE_LOAD=one_load,
+                                      num_warps=4 if block <= 4096 else 8,
+                                      **({"launch_pdl": True} if launch_pdl else {}))
     return q, xs
 
 

@@ -204,6 +204,12 @@ def test_the_skinny_w8a8_kernel_computes_the_w8a8_spec(tops, rows, silu_mul):
     lk._quantize_rows_kernel[(rows,)](x, q, xs, K, x.stride(0), static.reshape(1), BLOCK_K=256, STATIC=True)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(xs, want_s.reshape(-1).expand(rows))
+    # the launch the op makes: the whole row in one load (K ≤ ROW_AT_ONCE), the same bits per token and static
+    for s_in in (None, static.reshape(1)):
+        got_q, got_s = lk._quantize_rows(x, lambda f: f, input_scale=s_in)
+        want_q, want_s = layers.quantize_rows(x, s_in)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(got_s, want_s.reshape(-1))
     fs = layers.Fp8Weight(w8, scale, static, torch.bfloat16)
     spec_s = layers.fp8_w8a8_reference(x, fs, silu_mul).float()
     got_s = lk.launch_linear(x, w8, silu_mul, interpret=interpreting(), scale=scale, w8a8=True, input_scale=static)
@@ -357,12 +363,16 @@ def test_linear_kernel_compiles_for_hopper(shape, fp8):
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
 @pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
-def test_the_row_quantizing_kernel_compiles_for_hopper(static):
+@pytest.mark.parametrize("block", [(1024, False, 4), (4096, True, 4), (16384, True, 8)],
+                         ids=["chunks", "one-load-4096", "one-load-16384"])
+def test_the_row_quantizing_kernel_compiles_for_hopper(static, block):
     """The W8A8 form's ``_quantize_rows_kernel`` (bf16 rows to E4M3 codes and fp32 scales, per row or with a static
-    scale), compiled ahead of time for sm_90 without a GPU, as ``launch_linear(w8a8=True)`` launches it."""
+    scale), compiled ahead of time for sm_90 without a GPU, as ``launch_linear(w8a8=True)`` launches it: a row in
+    chunks, or the whole row in one load (the step's 4,096 and 16,384 columns)."""
     from muse_spark.plugins.linear import triton_kernel as lk
 
+    block_k, one_load, warps = block
     sig = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32", stride_xm="i32", in_scale_ptr="*fp32")
-    k = compile_for_hopper(lk._quantize_rows_kernel, sig, dict(BLOCK_K=1024, STATIC=static), 4,
-                           multiples_of_16=("K", "stride_xm"))
+    k = compile_for_hopper(lk._quantize_rows_kernel, sig, dict(BLOCK_K=block_k, STATIC=static, ONE_LOAD=one_load),
+                           warps, multiples_of_16=("K", "stride_xm"))
     assert k.asm["cubin"]

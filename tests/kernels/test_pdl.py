@@ -84,6 +84,9 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
         "quantize_rows_static": (lk._quantize_rows_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32",
                                                                 K="i32", stride_xm="i32", in_scale_ptr="*fp32"),
                                  dict(BLOCK_K=1024, STATIC=True), 4, None, ("K", "stride_xm")),
+        "quantize_rows_one_load": (lk._quantize_rows_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32",
+                                                                  K="i32", stride_xm="i32", in_scale_ptr="*fp32"),
+                                   dict(BLOCK_K=4096, ONE_LOAD=True), 4, None, ("K", "stride_xm")),
         "linear_fp8_rope_table": (lk._linear_kernel, dict(zip(
             lin_names + ["pos_ptr", "cos_ptr", "sin_ptr", "N_POS", "s_ptr"],
             ["*bf16", "*fp8e4nv", "*bf16"] + ["i32"] * 5 + ["*i64", "*fp32", "*fp32", "i32", "*fp32"])),
