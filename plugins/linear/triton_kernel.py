@@ -281,7 +281,8 @@ def _quantize_rows(x2: torch.Tensor, wrap, pdl: int = 0, launch_pdl: bool = Fals
     xs = torch.empty((M,), dtype=torch.float32, device=x2.device)
     block = triton.next_power_of_2(K)
     one_load = block <= ROW_AT_ONCE
-    wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), input_scale if input_scale is not None else xs,
+    # (without a static scale its pointer is a dummy, x2, as the GEMM's unused pointers are: never an output)
+    wrap(_quantize_rows_kernel)[(M,)](x2, q, xs, K, x2.stride(0), input_scale if input_scale is not None else x2,
                                       BLOCK_K=block if one_load else 1024, STATIC=input_scale is not None,
                                       PDL=1 if pdl == 3 else pdl, ONE_LOAD=one_load,
                                       num_warps=4 if block <= 4096 else 8,

@@ -192,15 +192,16 @@ def test_inductor_finds_exactly_the_outputs_the_kernels_write(form, hopper_targe
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
 @pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "linear_late",
-                                  "linear_silu_mul_late", "linear_rope_table_late", "gated_residual",
-                                  "head_norm_rope_cache", "markov"])
+                                  "linear_silu_mul_late", "linear_rope_table_late", "linear_w8a8",
+                                  "linear_w8a8_static", "gated_residual", "head_norm_rope_cache", "markov"])
 def test_inductor_finds_no_caller_input_written_but_the_declared_ones(form, hopper_target):
     """The step's other plugin kernels, as their launchers call them at the Muse-Spark shape (batch
     1): Inductor's mutation analysis names no buffer the caller passed in as written, except those
     the op declares mutated (the caches, the Markov workspace). Such a false positive is copied
     before every launch in the packages, and written back where it is a graph input. ``_late``: the
     GEMMs with their late trigger (``PDL`` 3, the kernel option ``pdl_gemm_trigger``), whose first form
-    fed the stores' addresses and made the packages copy the GEMMs' inputs."""
+    fed the stores' addresses and made the packages copy the GEMMs' inputs. ``linear_w8a8``: the row-quantizing
+    kernel and the W8A8 GEMM on the down projection's shape, per token and with a static scale (an input)."""
     from muse_spark.plugins.gated_residual.triton_kernel import launch_gated_residual_add
     from muse_spark.plugins.head_norm_rope.triton_kernel import launch_head_norm_rope_cache
     from muse_spark.plugins.linear.triton_kernel import launch_linear, launch_linear_rope_table
@@ -215,6 +216,11 @@ def test_inductor_finds_no_caller_input_written_but_the_declared_ones(form, hopp
     if form in ("linear", "linear_silu_mul"):
         inputs = [torch.empty(B, S, D, dtype=bf), torch.empty(2 * 14336 if form != "linear" else 4096, D, dtype=bf)]
         launch_linear(*inputs, silu_mul=form != "linear", wrap=rec, pdl=pdl)
+    elif form in ("linear_w8a8", "linear_w8a8_static"):
+        inputs = [torch.empty(B, S, 14336, dtype=bf), torch.empty(D, 14336, dtype=torch.float8_e4m3fn),
+                  torch.ones(D), torch.ones(1)]
+        launch_linear(*inputs[:2], wrap=rec, pdl=pdl, scale=inputs[2], w8a8=True,
+                      input_scale=inputs[3] if form == "linear_w8a8_static" else None)
     elif form == "linear_rope_table":
         inputs = [torch.empty(B, S, D, dtype=bf), torch.empty((H + 2 * KV) * DH, D, dtype=bf),
                   torch.zeros(B, S, dtype=i64)]
