@@ -183,12 +183,88 @@ def generation_panel(ax, series: dict[str, list[tuple[int, float]]], device: str
     ax.set_title(f"8B-shaped pairs with a chosen acceptance, aoti engine, γ = 7; {device}", fontsize=8)
 
 
+def fp8_series(step_docs: list[dict], gen_docs: list[dict], device: str) -> dict[str, dict[str, list[tuple]]]:
+    """FP8 beside bf16 on ``device``: ``{"step": {precision: [(batch, aoti ms, roofline ms)]}, "tokens":
+    {precision: [(batch, tok/s)]}}``. The steps: each precision's rows (``step_rows``). The tokens: the latest
+    aoti generation run of an FP8 engine (FP8 projections or an FP8 KV cache) and the bf16 run of the same commit
+    and date (``scripts/gpu_check.sh fp8-gen`` runs both in one call); none without such a pair of runs."""
+    out: dict[str, dict[str, list[tuple]]] = {"step": {}, "tokens": {}}
+    for prec in ("bf16", "fp8"):
+        rows = step_rows([d for d in step_docs if d["device"] == device and precision(d) == prec])
+        out["step"][prec] = [(r["batch"], r["aoti_ms"], r["roofline_ms"]) for r in rows if r["aoti_ms"]]
+
+    def fp8_engine(d: dict) -> bool:
+        engine = d["config"].get("engine", {})
+        return bool(engine.get("fp8_projections")) or engine.get("kv_cache_dtype") == "fp8"
+
+    runs = [d for d in gen_docs if d["device"] == device and d["config"].get("engine", {}).get("backend") == "aoti"
+            and d["results"].get("batches")]
+    fp8_runs = [d for d in runs if fp8_engine(d)]
+    if fp8_runs:
+        fp8 = fp8_runs[-1]
+        bf16 = [d for d in runs if not fp8_engine(d) and d["commit"] == fp8["commit"]
+                and d["date"][:10] == fp8["date"][:10]]
+        if bf16:
+            for prec, d in (("bf16", bf16[-1]), ("fp8", fp8)):
+                out["tokens"][prec] = sorted((r["batch"], r["speculative"]["tokens_per_s"])
+                                             for r in d["results"]["batches"] if r.get("schedule", "off") == "off")
+    return out
+
+
+def fp8_plot(series: dict[str, dict[str, list[tuple]]], device: str, png: Path) -> Path:
+    """FP8 beside bf16: the step against each one's roofline by batch size (left), generated tokens/s (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), dpi=120)
+    for prec, color in (("bf16", "C0"), ("fp8", "C3")):
+        pts = series["step"].get(prec, [])
+        if pts:
+            b, step, roof = zip(*pts)
+            left.plot(b, step, "o-", color=color, label=f"{prec} aoti step")
+            left.plot(b, roof, "s--", color=color, alpha=0.6, label=f"{prec} roofline (its bytes)")
+        tok = series["tokens"].get(prec, [])
+        if tok:
+            right.plot(*zip(*tok), "o-", color=color, label=f"{prec}, fixed γ")
+    bf16_tok = dict(series["tokens"].get("bf16", []))
+    for b, t in series["tokens"].get("fp8", []):
+        if bf16_tok.get(b):
+            right.annotate(f"{t / bf16_tok[b]:.2f}× bf16", (b, t), textcoords="offset points", xytext=(6, 6),
+                           fontsize=8, color="C3")
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    for ax, part in ((left, "step"), (right, "tokens")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = sorted({p[0] for pts in series[part].values() for p in pts})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        if ticks:
+            ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.6)  # (room for the labels beside the last points)
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_xlabel("batch size")
+    left.set_ylabel("speculative step, ms")
+    left.set_title(f"The step, bf16 and FP8 (FP8 projections, FP8 KV cache); {device}", fontsize=8)
+    right.set_ylabel("generated tokens / s (256-token greedy generations)")
+    right.set_title(f"End to end, the same pair in bf16 and FP8 (acceptance 0.8), aoti engines; {device}", fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+    plt.close(fig)
+    return png
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=results.RESULTS, help="the result files' folder")
     p.add_argument("--png", default=None,
                    help=f"where the plot goes ('' for none; default {PNG.name} in docs/ for bf16, none for fp8: "
-                        "the page's plot is of the bf16 steps)")
+                        "the page's plot is of the bf16 steps; with fp8, FP8 beside bf16 on the same device)")
     p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
                    help="the steps of bf16 pairs (default) or of FP8 ones (FP8 projections or KV cache)")
     p.add_argument("--device", default=None,
@@ -218,7 +294,10 @@ def main(argv: list[str] | None = None) -> int:
               if dev != device]
     if others:
         print(f"\nother devices: {'; '.join(others)} (`--device NAME`)")
-    if a.png:
+    if a.png and a.precision == "fp8":  # (FP8 beside bf16 on the FP8 figures' device)
+        both = fp8_series(results.load(a.results, "step"), results.load(a.results, "generation"), device)
+        print(f"\nplot: {fp8_plot(both, device, Path(a.png))}", file=sys.stderr)
+    elif a.png:
         gen = results.load(a.results, "generation")
         gen_devices = sorted({d["device"] for d in gen if a.device is None or a.device.lower() in d["device"].lower()})
         series = {dev: s for dev in gen_devices if (s := generation_series(gen, dev))}

@@ -71,6 +71,27 @@ def test_render_keeps_fp8_steps_apart_from_the_bf16_figures():
     assert "dc1e9e0" not in bf16.stdout
 
 
+def test_the_fp8_plot_sets_fp8_beside_bf16_on_one_device(tmp_path):
+    """``--precision fp8 --png``: the FP8 figures' device, each precision's steps by batch, and the tokens/s of the
+    latest FP8 generation run beside the bf16 run of the same call (the committed H100 runs)."""
+    import render
+
+    series = render.fp8_series(results.load(RESULTS, "step"), results.load(RESULTS, "generation"),
+                               "NVIDIA H100 80GB HBM3")
+    assert dict(series["tokens"]["fp8"])[1] == pytest.approx(726.4) and dict(series["tokens"]["bf16"])[1] == \
+        pytest.approx(538.89)
+    assert [b for b, *_ in series["step"]["fp8"]] == [1, 8, 32]
+    assert round(dict((b, ms) for b, ms, _ in series["step"]["fp8"])[1], 2) == 5.78
+    assert render.fp8_series([], [], "NVIDIA H100 80GB HBM3") == {"step": {"bf16": [], "fp8": []}, "tokens": {}}
+    png = tmp_path / "fp8.png"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render.py"), "--precision", "fp8", "--png",
+                        str(png)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = png.read_bytes()
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and width > 1.5 * height
+
+
 def test_the_generation_plot_has_a_line_per_acceptance_and_schedule_and_the_target_only_one():
     import render
 
