@@ -225,6 +225,13 @@ def _linear_kernel(
 
 
 @triton.jit
+def _e4m3_codes(v, inv):
+    """Values v (fp32) as E4M3 codes, as ``reference.quantize_rows`` computes them: v · inv (1 / the row's scale),
+    saturated at ±448, rounded to nearest even."""
+    return to_rne(tl.minimum(tl.maximum(mul_rn(v, inv), -448.0), 448.0), tl.float8e4nv)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, in_scale_ptr, BLOCK_K: tl.constexpr,
                           STATIC: tl.constexpr = False, PDL: tl.constexpr = 0, ONE_LOAD: tl.constexpr = False):
     """One row of x [M, K] per program into E4M3 codes q [M, K] and its scale s [M] fp32, as
@@ -237,31 +244,29 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, in_scale_ptr, BLOCK
     latency, a load round trip a chunk, is the step's)."""
     row = tl.program_id(0) + pdl_enter(PDL)
     rk = tl.arange(0, BLOCK_K)
-    if ONE_LOAD:
-        kmask = rk < K
-        v = tl.load(x_ptr + row * stride_xm + rk, mask=kmask, other=0.0).to(tl.float32)
-        if STATIC:
-            scale = tl.maximum(tl.load(in_scale_ptr), MIN_ROW_SCALE)
-        else:
-            scale = tl.maximum(div_rn(tl.max(tl.abs(v), 0), 448.0), MIN_ROW_SCALE)
-        tl.store(s_ptr + row, scale)
-        q = tl.minimum(tl.maximum(mul_rn(v, div_rn(1.0, scale)), -448.0), 448.0)
-        tl.store(q_ptr + row.to(tl.int64) * K + rk, to_rne(q, tl.float8e4nv), mask=kmask)
-        return
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row.to(tl.int64) * K
     if STATIC:
         scale = tl.maximum(tl.load(in_scale_ptr), MIN_ROW_SCALE)
-    else:
+    if ONE_LOAD:
+        kmask = rk < K
+        v = tl.load(x_row + rk, mask=kmask, other=0.0).to(tl.float32)
+        if not STATIC:
+            scale = tl.maximum(div_rn(tl.max(tl.abs(v), 0), 448.0), MIN_ROW_SCALE)
+        tl.store(s_ptr + row, scale)
+        tl.store(q_row + rk, _e4m3_codes(v, div_rn(1.0, scale)), mask=kmask)
+        return
+    if not STATIC:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            v = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
         scale = tl.maximum(div_rn(tl.max(amax, 0), 448.0), MIN_ROW_SCALE)
     tl.store(s_ptr + row, scale)
     inv = div_rn(1.0, scale)
     for k0 in range(0, K, BLOCK_K):
-        v = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(mul_rn(v, inv), -448.0), 448.0)
-        tl.store(q_ptr + row.to(tl.int64) * K + k0 + rk, to_rne(q, tl.float8e4nv), mask=k0 + rk < K)
+        v = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+        tl.store(q_row + k0 + rk, _e4m3_codes(v, inv), mask=k0 + rk < K)
 
 
 def check_input_scale(input_scale: torch.Tensor) -> None:
