@@ -81,6 +81,22 @@ def _ratio(x, y) -> str:
     return _f(x / y if x and y else None, "{:.2f}×")
 
 
+def _log_axes(ax, ticks: list[int]) -> None:
+    """Log-log axes over batch sizes ``ticks`` (base 2, each labelled, room beside the last points for their
+    labels) with plain numbers on the y axis."""
+    import matplotlib.ticker
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    if ticks:
+        ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.6)
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+
+
 def table(rows: list[dict]) -> str:
     out = ["| batch | roofline ms | GEMM floor ms | aoti step ms | aoti / roofline | in turns ms (/ its roofline) "
            "| eager ms | torch.compile ms | eager / aoti | compile / aoti | Markov loop µs | run |",
@@ -103,7 +119,6 @@ def plot(rows: list[dict], png: Path, generation: tuple[dict, str] | None = None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
 
     fig, axes = plt.subplots(1, 2 if generation else 1, figsize=(14 if generation else 7, 4.5), dpi=120,
                              squeeze=False)
@@ -121,14 +136,7 @@ def plot(rows: list[dict], png: Path, generation: tuple[dict, str] | None = None
         if r["aoti_ms"] and r["roofline_ms"]:
             ax.annotate(f"{r['aoti_ms'] / r['roofline_ms']:.2f}× roofline", (r["batch"], r["aoti_ms"]),
                         textcoords="offset points", xytext=(6, 6), fontsize=8, color="C0")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks([r["batch"] for r in rows], [str(r["batch"]) for r in rows])
-    ax.set_xlim(min(r["batch"] for r in rows) / 1.4, max(r["batch"] for r in rows) * 1.6)
-    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
-    ax.tick_params(axis="y", which="minor", labelsize=7)
+    _log_axes(ax, sorted(r["batch"] for r in rows))
     ax.set_xlabel("batch size (requests a step)")
     ax.set_ylabel("speculative step, ms")
     devices = sorted({r["device"] for r in rows})
@@ -217,7 +225,6 @@ def fp8_plot(series: dict[str, dict[str, list[tuple]]], device: str, png: Path) 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), dpi=120)
     for prec, color in (("bf16", "C0"), ("fp8", "C3")):
@@ -234,17 +241,8 @@ def fp8_plot(series: dict[str, dict[str, list[tuple]]], device: str, png: Path) 
         if bf16_tok.get(b):
             right.annotate(f"{t / bf16_tok[b]:.2f}× bf16", (b, t), textcoords="offset points", xytext=(6, 6),
                            fontsize=8, color="C3")
-    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
     for ax, part in ((left, "step"), (right, "tokens")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ticks = sorted({p[0] for pts in series[part].values() for p in pts})
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-        if ticks:
-            ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.6)  # (room for the labels beside the last points)
-        ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
-        ax.tick_params(axis="y", which="minor", labelsize=7)
+        _log_axes(ax, sorted({p[0] for pts in series[part].values() for p in pts}))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
         ax.set_xlabel("batch size")
