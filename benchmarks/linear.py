@@ -61,12 +61,18 @@ def configs():
     return out
 
 
-def fp8_configs():
+def fp8_configs(silu: bool = False):
     """--sweep-fp8: the FP8 forms' candidates. An FP8 weight tile is half the bytes of a bf16 one (longer chunks; in
     W8A8 the rows' tile too). The 8-warp launches (for W8A16's conversions in registers) were slower on every
-    projection at 8 rows on an H100 (docs/log.md), so they are no longer candidates."""
-    return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-            for bn, w in ((16, 2), (32, 4), (64, 4)) for bk in (256, 512, 1024) for st in (3, 4)]
+    projection at 8 rows on an H100 (docs/log.md), so they are no longer candidates. Without silu·mul also split-K
+    launches (``SPLIT_K``: wider tiles over parts of K, their sums added by a second kernel): more programs streaming
+    where 4,096 outputs in wide tiles leave SMs idle."""
+    out = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+           for bn, w in ((16, 2), (32, 4), (64, 4)) for bk in (256, 512, 1024) for st in (3, 4)]
+    if not silu:
+        out += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st, SPLIT_K=sk)
+                for sk in (2, 4) for bn in (32, 64) for bk in (256, 512) for st in (3, 4)]
+    return out
 
 
 def operands(M, N, K, dev):
@@ -82,12 +88,12 @@ def time_calls(fn, x, ws) -> float:
     return us
 
 
-def sweep_configs(launch, x, pairs, deadline: float, check) -> list[dict]:
-    """Each of ``fp8_configs()`` (until ``deadline``, a ``time.time()``): ``launch(x, w8, scale, config)`` timed
+def sweep_configs(launch, x, pairs, deadline: float, check, silu: bool = False) -> list[dict]:
+    """Each of ``fp8_configs(silu)`` (until ``deadline``, a ``time.time()``): ``launch(x, w8, scale, config)`` timed
     over the FP8 copies ``pairs`` (µs), with ``check``'s figures of its output on the first; a configuration that
     does not compile gets its error."""
     out = []
-    for cfg in fp8_configs():
+    for cfg in fp8_configs(silu):
         if time.time() > deadline:
             break
         try:
@@ -162,13 +168,13 @@ def fp8_figures(x, ws, silu: bool, sweep: bool = False, deadline: float = math.i
         if sweep and x.shape[0] <= MAX_ROWS:
             r["w8a8_skinny_configs"] = sweep_configs(
                 lambda x, w8, s, cfg: launch_linear(x, w8, silu, scale=s, config=cfg, w8a8=True), x, pairs, deadline,
-                lambda y: {"rel_err": rel_err(y)})
+                lambda y: {"rel_err": rel_err(y)}, silu)
             best(r, "w8a8_skinny", "W8A8 (skinny kernel)")
     # W8A16's sweep after W8A8's (the form FP8 tensor cores run), so a deadline cuts this one
     if sweep and "fp8_us" in r and x.shape[0] <= MAX_ROWS:
         r["fp8_configs"] = sweep_configs(
             lambda x, w8, s, cfg: launch_linear(x, w8, silu, scale=s, config=cfg), x, pairs, deadline,
-            lambda y: {"bits_equal_default": torch.equal(y.float(), out)})
+            lambda y: {"bits_equal_default": torch.equal(y.float(), out)}, silu)
         best(r, "fp8", "W8A16")
     r["dequant_us"] = time_calls(lambda x, fw: fp8_linear_reference(x, fw, silu), x, fws)
     return r

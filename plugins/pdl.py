@@ -16,7 +16,7 @@ from muse_spark.options import KernelOptions, current_options
 # runtime turns the edges into these kernels in its captured step graphs into programmatic ones
 # (``runtime.cuda_graph.make_programmatic``).
 # Only a kernel that waits may have one: it could otherwise read its predecessor's output early.
-PDL_KERNELS = ("_linear_kernel", "_quantize_rows_kernel", "_gated_residual_norm_kernel", "_head_norm_rope_kernel",
+PDL_KERNELS = ("_linear_kernel", "_quantize_rows_kernel", "_split_sum_kernel", "_gated_residual_norm_kernel", "_head_norm_rope_kernel",
                "_head_norm_rope_cache_kernel", "_partial_kernel", "_combine_kernel")
 
 

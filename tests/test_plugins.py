@@ -276,9 +276,10 @@ def test_every_op_launch_of_a_pdl_kernel_compiles_it_with_the_pdl_mode():
                  "launch_gated_residual_add": "_gated_residual_norm_kernel",
                  "launch_head_norm_rope": "_head_norm_rope_kernel",
                  "launch_head_norm_rope_cache": "_head_norm_rope_cache_kernel", "launch_attention": "_partial_kernel"}
-    # (launch_attention launches _combine_kernel too; launch_linear's W8A8 form _quantize_rows_kernel, with the mode
-    # the GEMM's pdl gives it)
-    assert set(PDL_KERNELS) == set(launchers.values()) | {"_combine_kernel", "_quantize_rows_kernel"}
+    # (launch_attention launches _combine_kernel too; launch_linear's W8A8 form _quantize_rows_kernel and a split-K
+    # launch _split_sum_kernel, with the mode the GEMM's pdl gives them)
+    assert set(PDL_KERNELS) == set(launchers.values()) | {"_combine_kernel", "_quantize_rows_kernel",
+                                                          "_split_sum_kernel"}
     tree = ast.parse((Path(__file__).resolve().parents[1] / "plugins" / "triton_ops.py").read_text())
     calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)
              and (getattr(c.func, "id", None) or getattr(c.func, "attr", None)) in launchers]

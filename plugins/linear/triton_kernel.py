@@ -127,10 +127,12 @@ def _dequant(w, sc, SCALED: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, TWO: tl.constexpr,
-                  IEEE_DOT: tl.constexpr, s_ptr=None, SCALED: tl.constexpr = False, FP8_MMA: tl.constexpr = False):
-    """The weight stream: fp32 sums W[rn]·xᵀ over the whole of K, [BLOCK_N, BLOCK_M]; with TWO also
+def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                  TWO: tl.constexpr, IEEE_DOT: tl.constexpr, s_ptr=None, SCALED: tl.constexpr = False,
+                  FP8_MMA: tl.constexpr = False):
+    """The weight stream: fp32 sums W[rn]·xᵀ over K columns from x_ptr/w_ptr (W's rows ``stride_wn`` apart: the
+    whole of K, or one split of it), [BLOCK_N, BLOCK_M]; with TWO also
     W[ru]·xᵀ (the second tile: the up half), else zeros. SCALED: W is FP8 with per-row scales at
     s_ptr, each tile dequantized as it is loaded (``_dequant``): the bf16 stream's sums of the spec's
     weight, bit for bit, from half the bytes. FP8_MMA: x and W both E4M3 codes, multiplied as they are (W8A8;
@@ -143,8 +145,8 @@ def _stream_tiles(x_ptr, w_ptr, rn, ru, rm, nmask, mmask, K, stride_xm, BLOCK_M:
         if TWO:
             sc_u = tl.load(s_ptr + ru, mask=nmask, other=0.0)
     rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * K + rk[None, :]
-    u_ptrs = w_ptr + ru.to(tl.int64)[:, None] * K + rk[None, :]
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
+    u_ptrs = w_ptr + ru.to(tl.int64)[:, None] * stride_wn + rk[None, :]
     x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]  # [BLOCK_K, BLOCK_M]: xᵀ
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -194,6 +196,10 @@ def _linear_kernel(
     # W8A8: x holds E4M3 codes with one fp32 scale per row at xs_ptr [M] (``_quantize_rows_kernel``), w E4M3 codes
     # with its rows' scales at s_ptr; FP8 MMA, then each sum times its row's and its column's scale.
     xs_ptr=None, W8A8: tl.constexpr = False,
+    # SPLIT_K > 1: K in SPLIT_K equal parts (each a multiple of BLOCK_K), one program each (grid axis 2); each
+    # program's fp32 sums, unscaled and unrounded, go to part_ptr [SPLIT_K, M, N] and ``_split_sum_kernel``
+    # finishes the product (no SILU_MUL or ROPE_TABLE)
+    part_ptr=None, SPLIT_K: tl.constexpr = 1,
 ):
     pid_n = tl.program_id(0)
     if ROPE_TABLE:
@@ -206,7 +212,18 @@ def _linear_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     nmask = rn < N
     mmask = rm < M
-    acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + N, rm, nmask, mmask, K, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K,
+    if SPLIT_K > 1:
+        k_part = K // SPLIT_K
+        k_lo = tl.program_id(2) * k_part
+        acc, acc_u = _stream_tiles(x_ptr + k_lo, w_ptr + k_lo, rn, rn + N, rm, nmask, mmask, k_part, stride_xm, K,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, False, IEEE_DOT, s_ptr, SCALED, W8A8)
+        p_ptrs = part_ptr + (tl.program_id(2) * M + rm[None, :]) * N + rn[:, None]  # [BLOCK_N, BLOCK_M]
+        pmask = nmask[:, None] & mmask[None, :]
+        if PDL == 3:
+            pmask = pmask & (pdl_release(acc) == 0)
+        tl.store(p_ptrs, acc, mask=pmask)
+        return
+    acc, acc_u = _stream_tiles(x_ptr, w_ptr, rn, rn + N, rm, nmask, mmask, K, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K,
                                EVEN_N, EVEN_K, SILU_MUL, IEEE_DOT, s_ptr, SCALED, W8A8)  # u: the up half
     if W8A8:
         xs = tl.load(xs_ptr + rm, mask=mmask, other=0.0)
@@ -222,6 +239,23 @@ def _linear_kernel(
     else:
         out = to_rne(acc, y_ptr.dtype.element_ty)
     tl.store(y_ptrs, out, mask=ymask)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, y_ptr, xs_ptr, s_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                      W8A8: tl.constexpr = False, PDL: tl.constexpr = 0):
+    """The split-K product's last step: y[m, n] = the fp32 sum of the SPLIT_K partial sums part [SPLIT_K, M, N] in
+    split order, W8A8: times the row's scale xs[m], then the column's s[n] (as ``_linear_kernel``'s epilogue),
+    rounded once to y's dtype. One program per BLOCK columns of a row."""
+    m = tl.program_id(1) + pdl_enter(PDL)
+    rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    nmask = rn < N
+    acc = tl.load(part_ptr + m * N + rn, mask=nmask, other=0.0)
+    for k in tl.static_range(1, SPLIT_K):
+        acc = add_rn(acc, tl.load(part_ptr + (k * M + m) * N + rn, mask=nmask, other=0.0))
+    if W8A8:
+        acc = mul_rn(mul_rn(acc, tl.load(xs_ptr + m)), tl.load(s_ptr + rn, mask=nmask, other=0.0))
+    tl.store(y_ptr + m * stride_ym + rn, to_rne(acc, y_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
@@ -348,20 +382,33 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
         x2, row_scales = _quantize_rows(x2, wrap, 0 if interpret else int(pdl), launch_pdl, input_scale)
     (M, K), N = x2.shape, y.shape[1]
     cfg = dict(default_config(M, N, K, silu_mul, fp8=scale is not None, w8a8=w8a8), **(config or {}))
+    split = int(cfg.get("SPLIT_K", 1))
+    if split > 1 and (silu_mul or table is not None or K % (split * cfg["BLOCK_K"])):
+        raise ValueError(f"linear: K = {K} splits {split} ways only into multiples of BLOCK_K = {cfg['BLOCK_K']}, "
+                         "and not with silu_mul or the RoPE table")
     block_m = max(16, triton.next_power_of_2(M))
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]) + (table is not None), triton.cdiv(M, block_m))  # (the last: the table)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]) + (table is not None), triton.cdiv(M, block_m), split)  # (the table last)
     pos, cos, sin, theta, dh = table if table is not None else (x2, x2, x2, 0.0, 2)
+    part = torch.empty((split, M, N), dtype=torch.float32, device=x2.device) if split > 1 else None
+    kernel_pdl = 0 if interpret else int(pdl)
     wrap(_linear_kernel)[grid](
         x2, w, y, M, N, K, x2.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_N=N % cfg["BLOCK_N"] == 0,
         EVEN_K=K % cfg["BLOCK_K"] == 0, SILU_MUL=silu_mul, IEEE_DOT=interpret,
-        PDL=0 if interpret else int(pdl),
+        PDL=kernel_pdl,
         pos_ptr=pos, cos_ptr=cos, sin_ptr=sin, N_POS=M if table is not None else 0, ROPE_TABLE=table is not None,
         THETA=float(theta), DH_ROPE=dh, BLOCK_POS=block_m if table is not None else 16,
         s_ptr=scale if scale is not None else x2, SCALED=scale is not None and not w8a8,
         xs_ptr=row_scales if row_scales is not None else x2, W8A8=w8a8,
+        part_ptr=part if part is not None else x2, SPLIT_K=split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if launch_pdl else {}),
     )
+    if part is not None:  # the partial sums' total, scaled and rounded
+        block = min(1024, triton.next_power_of_2(N))
+        wrap(_split_sum_kernel)[(triton.cdiv(N, block), M)](
+            part, y, row_scales if row_scales is not None else part, scale if scale is not None else part, M, N,
+            y.stride(0), SPLIT_K=split, BLOCK=block, W8A8=w8a8, PDL=1 if kernel_pdl == 3 else kernel_pdl,
+            num_warps=4, **({"launch_pdl": True} if launch_pdl else {}))
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> bool:

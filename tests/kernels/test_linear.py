@@ -331,6 +331,46 @@ def test_models_call_the_linear_kernel_where_it_fits(tops):
         assert not layers._triton_linear_fits(x, w)
 
 
+@needs_kernels
+@pytest.mark.parametrize("form", ["bf16", "w8a16", "w8a8"])
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_launches_compute_the_same_product(form, split):
+    """A ``SPLIT_K`` launch configuration (K in equal parts, each program's fp32 sums stored, then summed in split
+    order, scaled and rounded by ``_split_sum_kernel``): bf16 on exact operands gives the correctly rounded result,
+    bit for bit; W8A16 and W8A8 their specs within one bf16 rounding, and a planted wrong weight scale is caught.
+    A K that does not split into whole chunks, or silu·mul, is refused with the reason."""
+    from muse_spark.models import layers
+    from muse_spark.plugins.linear import triton_kernel as lk
+    from muse_spark.plugins.triton_math import interpreting
+
+    M, N, K = 7, 80, 1024
+    cfg = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=2, SPLIT_K=split)
+    if form == "bf16":
+        x, w = linear_operands(M, N, K, torch.bfloat16, exact=True, seed=4)
+        got = lk.launch_linear(x, w, interpret=interpreting(), config=cfg)
+        assert torch.equal(got, exact_linear(x, w, False))
+    else:
+        x, w8, scale = fp8_operands(M, N, K, seed=6)
+        w8a8 = form == "w8a8"
+        fw = layers.Fp8Weight(w8, scale, None, torch.bfloat16)
+        spec = (layers.fp8_w8a8_reference(x, fw) if w8a8 else layers.fp8_linear_reference(x, fw)).float()
+        tol = dict(rtol=2**-7, atol=2**-13 * spec.abs().max().item())
+
+        def run(sc):
+            return lk.launch_linear(x, w8, interpret=interpreting(), config=cfg, scale=sc, w8a8=w8a8).float()
+
+        torch.testing.assert_close(run(scale), spec, **tol)
+        bad = scale.clone()
+        bad[int(spec.abs().amax(0).argmax())] *= 1.05
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(run(bad), spec, **tol)
+    x, w = linear_operands(M, 2 * N, K + 64, torch.bfloat16, exact=True)
+    for silu_mul, k in ((True, K), (False, K + 64)):  # (silu·mul; a K of 1,088 is no whole number of chunks a part)
+        with pytest.raises(ValueError, match="splits"):
+            lk.launch_linear(x[:, :k].contiguous(), w[:, :k].contiguous(), silu_mul, interpret=interpreting(),
+                             config=cfg)
+
+
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
 @pytest.mark.parametrize("shape", [(8, 6144, 4096, False), (8, 14336, 4096, True), (8, 4096, 14336, False),
                                    (16, 4096, 4096, False), (16, 14336, 4096, True), (16, 4096, 14336, False),
@@ -359,6 +399,26 @@ def test_linear_kernel_compiles_for_hopper(shape, fp8):
     k = compile_for_hopper(lk._linear_kernel, sig, consts, cfg["num_warps"], cfg["num_stages"],
                            multiples_of_16=("N", "K", "stride_xm", "stride_ym"))
     assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("w8a8", [False, True], ids=["w8a16", "w8a8"])
+def test_split_k_kernels_compile_for_hopper(w8a8):
+    """A split-K launch of the down projection's shape (64-row tiles over 512-column chunks, K in 4 parts) and the
+    kernel that sums its parts, compiled ahead of time for sm_90 without a GPU."""
+    from muse_spark.plugins.linear import triton_kernel as lk
+
+    names = ["x_ptr", "w_ptr", "y_ptr", "M", "N", "K", "stride_xm", "stride_ym"]
+    sig = dict(zip(names, ["*fp8e4nv" if w8a8 else "*bf16", "*fp8e4nv", "*bf16"] + ["i32"] * 5))
+    sig.update(s_ptr="*fp32", xs_ptr="*fp32", part_ptr="*fp32")
+    consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, EVEN_N=True, EVEN_K=True, SILU_MUL=False, IEEE_DOT=False,
+                  SPLIT_K=4, **({"W8A8": True} if w8a8 else {"SCALED": True}))
+    k = compile_for_hopper(lk._linear_kernel, sig, consts, 4, 4, multiples_of_16=("N", "K", "stride_xm", "stride_ym"))
+    assert k.asm["cubin"] and k.metadata.shared <= 227 * 1024
+    sig = dict(part_ptr="*fp32", y_ptr="*bf16", xs_ptr="*fp32", s_ptr="*fp32", M="i32", N="i32", stride_ym="i32")
+    k = compile_for_hopper(lk._split_sum_kernel, sig, dict(SPLIT_K=4, BLOCK=1024, W8A8=w8a8), 4,
+                           multiples_of_16=("N", "stride_ym"))
+    assert k.asm["cubin"]
 
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")

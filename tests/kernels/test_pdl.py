@@ -77,6 +77,14 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
         "linear_w8a8": (lk._linear_kernel, dict(zip(lin_names + ["s_ptr", "xs_ptr"],
                                                     ["*fp8e4nv", "*fp8e4nv", "*bf16"] + ["i32"] * 5 + ["*fp32"] * 2)),
                         dict(lin, W8A8=True), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
+        # split-K: the parts' sums stored by the GEMM, then added, scaled and rounded by a kernel of their own
+        "linear_w8a8_split": (lk._linear_kernel, dict(zip(lin_names + ["s_ptr", "xs_ptr", "part_ptr"],
+                                                          ["*fp8e4nv", "*fp8e4nv", "*bf16"] + ["i32"] * 5
+                                                          + ["*fp32"] * 3)),
+                              dict(lin, W8A8=True, SPLIT_K=4), 4, 4, ("N", "K", "stride_xm", "stride_ym")),
+        "split_sum": (lk._split_sum_kernel, dict(part_ptr="*fp32", y_ptr="*bf16", xs_ptr="*fp32", s_ptr="*fp32",
+                                                 M="i32", N="i32", stride_ym="i32"),
+                      dict(SPLIT_K=4, BLOCK=1024, W8A8=True), 4, None, ("N", "stride_ym")),
         # W8A8: the rows quantized by a launch before the GEMM, per token or with a static scale
         "quantize_rows": (lk._quantize_rows_kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K="i32",
                                                          stride_xm="i32", in_scale_ptr="*fp32"), dict(BLOCK_K=1024), 4,
