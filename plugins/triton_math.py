@@ -178,3 +178,26 @@ def pdl_release(after):
     return tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r,r",
                                      [after.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
 
+
+
+# The least W8A8 row scale (``plugins.linear.reference.quantize_rows``): the smallest normal fp32, so 1 / scale stays
+# finite
+MIN_ROW_SCALE = tl.constexpr(1.1754943508222875e-38)
+
+
+@triton.jit
+def e4m3_codes(v, inv):
+    """Values v (fp32) as E4M3 codes, as ``quantize_rows`` computes them: v · inv (1 / the row's scale), saturated at
+    ±448, rounded to nearest even."""
+    return to_rne(tl.minimum(tl.maximum(mul_rn(v, inv), -448.0), 448.0), tl.float8e4nv)
+
+
+@triton.jit
+def row_scale(v, STATIC: tl.constexpr, in_scale_ptr):
+    """A W8A8 row's scale, as ``quantize_rows`` computes it: ``STATIC``, the float32 at ``in_scale_ptr`` (at least
+    ``MIN_ROW_SCALE``); else the row's absmax / 448 (v: the whole row in fp32, zeros past its end)."""
+    if STATIC:
+        scale = tl.maximum(tl.load(in_scale_ptr), MIN_ROW_SCALE)
+    else:
+        scale = tl.maximum(div_rn(tl.max(tl.abs(v), 0), 448.0), MIN_ROW_SCALE)
+    return scale

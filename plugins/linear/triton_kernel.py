@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from muse_spark.plugins.head_norm_rope.triton_kernel import rope_table_rows
-from muse_spark.plugins.triton_math import add_rn, div_rn, exp_exact, mul_rn, pdl_enter, pdl_release, to_rne
+from muse_spark.plugins.triton_math import (add_rn, div_rn, e4m3_codes, exp_exact, mul_rn, pdl_enter,
+                                            pdl_release, row_scale, to_rne)
 
 # The kernel's range: at most this many rows of x. More rows re-read x once per weight tile and
 # each program's share of the weight shrinks: at 64 rows (batch 8) the H200 sweep has the down
@@ -46,8 +47,6 @@ SHARED_BUDGET = 160 * 1024  # bytes of shared memory the pipeline's stages may t
 # The longest row of x the W8A8 row-quantizing kernel loads at once (the draft's fc: 16,384 columns, 64 fp32 values a
 # thread at 8 warps); longer rows are read in chunks
 ROW_AT_ONCE = 16384
-# The least W8A8 row scale (``reference.quantize_rows``): the smallest normal fp32, so 1 / scale stays finite
-MIN_ROW_SCALE = tl.constexpr(torch.finfo(torch.float32).tiny)
 
 
 def default_config(M: int, N: int, K: int, silu_mul: bool, budget: int = SHARED_BUDGET, fp8: bool = False,
@@ -259,13 +258,6 @@ def _split_sum_kernel(part_ptr, y_ptr, xs_ptr, s_ptr, M, N, stride_ym, SPLIT_K: 
 
 
 @triton.jit
-def _e4m3_codes(v, inv):
-    """Values v (fp32) as E4M3 codes, as ``reference.quantize_rows`` computes them: v · inv (1 / the row's scale),
-    saturated at ±448, rounded to nearest even."""
-    return to_rne(tl.minimum(tl.maximum(mul_rn(v, inv), -448.0), 448.0), tl.float8e4nv)
-
-
-@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, in_scale_ptr, BLOCK_K: tl.constexpr,
                           STATIC: tl.constexpr = False, PDL: tl.constexpr = 0, ONE_LOAD: tl.constexpr = False):
     """One row of x [M, K] per program into E4M3 codes q [M, K] and its scale s [M] fp32, as
@@ -280,27 +272,24 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, in_scale_ptr, BLOCK
     rk = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row.to(tl.int64) * K
-    if STATIC:
-        scale = tl.maximum(tl.load(in_scale_ptr), MIN_ROW_SCALE)
     if ONE_LOAD:
         kmask = rk < K
         v = tl.load(x_row + rk, mask=kmask, other=0.0).to(tl.float32)
-        if not STATIC:
-            scale = tl.maximum(div_rn(tl.max(tl.abs(v), 0), 448.0), MIN_ROW_SCALE)
+        scale = row_scale(v, STATIC, in_scale_ptr)
         tl.store(s_ptr + row, scale)
-        tl.store(q_row + rk, _e4m3_codes(v, div_rn(1.0, scale)), mask=kmask)
+        tl.store(q_row + rk, e4m3_codes(v, div_rn(1.0, scale)), mask=kmask)
         return
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     if not STATIC:
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             v = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(div_rn(tl.max(amax, 0), 448.0), MIN_ROW_SCALE)
+    scale = row_scale(amax, STATIC, in_scale_ptr)
     tl.store(s_ptr + row, scale)
     inv = div_rn(1.0, scale)
     for k0 in range(0, K, BLOCK_K):
         v = tl.load(x_row + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
-        tl.store(q_row + k0 + rk, _e4m3_codes(v, inv), mask=k0 + rk < K)
+        tl.store(q_row + k0 + rk, e4m3_codes(v, inv), mask=k0 + rk < K)
 
 
 def check_input_scale(input_scale: torch.Tensor) -> None:
