@@ -81,8 +81,8 @@ def _pdl(small: bool = False) -> int:
 # The kernels' launches inside the ops (``register_triton`` of each op folder's ``op.py``): every one
 # traced through ``wrap_triton`` and compiled with the current PDL mode.
 
-def _launch_gated_residual_add(*args):
-    return launch_gated_residual_add(*args, wrap=wrap_triton, pdl=_pdl(small=True))
+def _launch_gated_residual_add(*args, **kwargs):
+    return launch_gated_residual_add(*args, wrap=wrap_triton, pdl=_pdl(small=True), **kwargs)
 
 
 def _launch_markov_sample(*args, workspace):
@@ -106,9 +106,9 @@ def _launch_head_norm_rope_cache(*args, table, scales=None):
                                                             table=table, scales=scales)
 
 
-def _launch_linear(*args, scale=None, w8a8=False, input_scale=None):
+def _launch_linear(*args, scale=None, w8a8=False, input_scale=None, rows=None):
     return launch_linear(*args, wrap=wrap_triton, interpret=interpreting(), pdl=_pdl(), scale=scale, w8a8=w8a8,
-                         input_scale=input_scale)
+                         input_scale=input_scale, rows=rows)
 
 
 def _launch_linear_rope_table(*args, scale=None, w8a8=False, input_scale=None):
@@ -152,6 +152,15 @@ def gated_residual_add(stream, branch, gate, norm_weight, eps, zero_centered, ap
     """Same signature as ``gated_residual_add_ref``; runs ``muse_spark::gated_residual_add_triton``."""
     return torch.ops.muse_spark.gated_residual_add_triton(stream, branch, gate, norm_weight, eps, zero_centered,
                                                           apply_norm, out_dtype, branch_norm_weight, norm_branch)
+
+
+def gated_residual_add_rows(stream, branch, gate, norm_weight, eps, zero_centered, out_dtype, branch_norm_weight=None,
+                            norm_branch=False, input_scale=None):
+    """``gated_residual_add`` with the norm applied, its normed rows also quantized for a W8A8 product (per token, or
+    with the static ``input_scale``) → (new stream, normed, E4M3 codes [N, D], fp32 scales [N]); runs
+    ``muse_spark::gated_residual_add_rows_triton``."""
+    return torch.ops.muse_spark.gated_residual_add_rows_triton(stream, branch, gate, norm_weight, eps, zero_centered,
+                                                               out_dtype, branch_norm_weight, norm_branch, input_scale)
 
 
 def markov_sample(base_logits, hidden, anchor, w1, w2, d2t, seeds, positions, temperature, head_type, head_w,

@@ -159,6 +159,44 @@ def test_cuda_fp8_pair_is_lossless_on_the_skinny_kernel(tmp_path, static):
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     for r in Generator(engine).generate(prompts, params):
         assert r.output == generate_target_only(engine, r.prompt, params)
+    if fp8_cores:  # the compiled engines' layers: the residual kernel quantizes the gate/up product's rows itself
+        _the_residual_kernel_quantizes_the_ffn_rows_with_the_same_bits(engine)
+
+
+def _the_residual_kernel_quantizes_the_ffn_rows_with_the_same_bits(engine):
+    """The target's 8-row forward through the Triton plugins (``plugin_impl("triton")``, as the aoti packages run
+    it): every layer folds the gate/up product's row quantization into its residual kernel
+    (``_folds_w8a8_rows``), and the hidden states and aux streams are those of the same forward with a quantizing
+    kernel of its own, bit for bit."""
+    from unittest import mock
+
+    from muse_spark.models import layers
+    from muse_spark.models.target import KVCache
+    from muse_spark.plugins.dispatch import plugin_impl
+
+    t = engine.target
+    tokens = torch.arange(3, 11, device="cuda")[None]
+    positions = torch.arange(8, device="cuda")[None]
+    slots = torch.zeros(1, dtype=torch.int64, device="cuda")
+    c = t.cfg
+
+    def forward(fold: bool):
+        cache = KVCache.allocate(c.num_hidden_layers, 1, 64, c.num_key_value_heads, c.head_dim, t.dtype, "cuda")
+        folds = []
+
+        def spy(stream, w):
+            folds.append(fold and real(stream, w))
+            return folds[-1]
+
+        with torch.inference_mode(), plugin_impl("triton"), use_options(engine.options), \
+                mock.patch.object(layers, "_folds_w8a8_rows", spy):
+            return t(tokens, positions, slots, cache, 64), folds
+
+    real = layers._folds_w8a8_rows
+    (h, aux), folds = forward(True)
+    (h0, aux0), unfolded = forward(False)
+    assert folds == [True] * c.num_hidden_layers and unfolded == [False] * c.num_hidden_layers
+    assert torch.equal(h, h0) and torch.equal(aux, aux0)
 
 
 @pytest.mark.parametrize("attention_cache", [False, True], ids=["norm_kernel", "fused_attention"])

@@ -332,6 +332,20 @@ def _fp8_w8a8_form(x: torch.Tensor) -> bool:
     return fp8_tensor_cores(x.device)
 
 
+def _folds_w8a8_rows(stream: torch.Tensor, w) -> bool:
+    """Whether the residual kernel that norms rows shaped as ``stream`` also quantizes them for ``w``'s product
+    (``gated_residual_add_rows_triton``, then ``linear_w8a8_triton(rows=)``: no quantizing kernel of their own): an
+    ``Fp8Weight`` that ``linear`` runs in the skinny kernel's W8A8 form, in a graph of the Triton plugins (the
+    compiled engines'). The same bits as quantizing the normed rows after the residual kernel."""
+    if not isinstance(w, Fp8Weight) or dispatch.current_impl() != "triton" or stream.device.type != "cuda":
+        return False
+    if linear_path(stream.device, w.dtype) != "triton" or not _triton_ops_available() or not _fp8_w8a8_form(stream):
+        return False
+    from muse_spark.plugins.linear.triton_kernel import fits_rows
+
+    return fits_rows(stream.numel() // stream.shape[-1], stream.shape[-1], w.dtype, w.weight, w.scale)
+
+
 def _fp8_linear(x: torch.Tensor, w: Fp8Weight, silu_mul: bool) -> torch.Tensor:
     """An ``Fp8Weight``'s product: the skinny kernel for few rows (W8A8 on FP8 tensor cores, else W8A16), W8A8
     ``torch._scaled_mm`` for more on FP8 hardware, else the W8A16 reference."""
@@ -559,13 +573,32 @@ class DecoderLayer(nn.Module):
             x = self.input_norm(stream, proj_weight(self.self_attn.qkv_proj).dtype)
         attn = self.self_attn(x, positions, kv, project=False)
         # stream += g_attn ⊙ post_attn_norm(o_proj(attn)); x = pre_ffn_norm(stream)
-        stream, x = self.residual(stream, attn, proj_weight(self.self_attn.o_proj), self.g_attn,
-                                  self.pre_ffn_norm.weight, self.post_attn_norm.weight)
-        ffn = linear_silu_mul(x, proj_weight(self.feed_forward.gate_up_proj))
+        w_gu = proj_weight(self.feed_forward.gate_up_proj)
+        if self.tp_group is None and _folds_w8a8_rows(stream, w_gu):  # (the residual kernel quantizes x for it)
+            stream, ffn = self.residual_into_w8a8(stream, attn, proj_weight(self.self_attn.o_proj), w_gu)
+        else:
+            stream, x = self.residual(stream, attn, proj_weight(self.self_attn.o_proj), self.g_attn,
+                                      self.pre_ffn_norm.weight, self.post_attn_norm.weight)
+            ffn = linear_silu_mul(x, w_gu)
         # stream += g_ffn ⊙ post_ffn_norm(down_proj(ffn)); x_next = next_norm(stream)
         return self.residual(stream, ffn, proj_weight(self.feed_forward.down_proj), self.g_ffn,
                              next_norm.weight if next_norm is not None else None, self.post_ffn_norm.weight,
                              apply_norm=next_norm is not None)
+
+    def residual_into_w8a8(self, stream: torch.Tensor, attn: torch.Tensor, w_o, w_gu: Fp8Weight
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's residual and the feed-forward's gate/up product where ``_folds_w8a8_rows``: the residual
+        kernel also writes pre_ffn_norm(stream)'s rows as E4M3 codes and scales, which the W8A8 product takes as
+        they are. → (the new stream, silu(g) · u)."""
+        from muse_spark.plugins import triton_ops  # (imported by _folds_w8a8_rows)
+
+        c = self.cfg
+        stream, x, q, qs = triton_ops.gated_residual_add_rows(
+            stream, linear(attn, w_o), self.g_attn, self.pre_ffn_norm.weight, c.rms_norm_eps,
+            c.norm_zero_centered_gamma, w_o.dtype, self.post_attn_norm.weight, True, w_gu.input_scale)
+        _observe(x, w_gu)
+        return stream, torch.ops.muse_spark.linear_w8a8_triton(x, w_gu.weight, w_gu.scale, True, w_gu.input_scale,
+                                                               q, qs)
 
     def residual(self, stream: torch.Tensor, branch_in: torch.Tensor, w: torch.Tensor, gate: torch.Tensor,
                  norm_weight: torch.Tensor | None, branch_norm_weight: torch.Tensor | None,

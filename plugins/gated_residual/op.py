@@ -80,3 +80,34 @@ def register_triton(runs_kernels, launch) -> None:
         if not runs_kernels(stream):
             return gated_residual_add_ref(*args)
         return launch(*args)
+
+    @triton_op("muse_spark::gated_residual_add_rows_triton", mutates_args=())
+    def _gated_residual_add_rows_op(
+        stream: torch.Tensor,
+        branch: torch.Tensor,
+        gate: torch.Tensor,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        zero_centered: bool,
+        out_dtype: torch.dtype,
+        branch_norm_weight: torch.Tensor | None = None,
+        norm_branch: bool = False,
+        input_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``gated_residual_add_triton`` with the norm applied, and its normed rows also quantized as a W8A8 product
+        quantizes its input (``plugins.linear.reference.quantize_rows``: per token, or with the static float32
+        ``input_scale``) → (new stream, normed, E4M3 codes [N, D], fp32 scales [N]) for
+        ``linear_w8a8_triton(rows=, row_scales=)``: one kernel instead of the residual's and the quantizer's."""
+        from muse_spark.plugins.linear.reference import quantize_rows
+
+        check_gated_residual_inputs(stream, branch, gate, norm_weight, branch_norm_weight)
+        if input_scale is not None and (input_scale.numel() != 1 or input_scale.dtype != torch.float32):
+            raise ValueError(f"gated_residual_add_rows: a static input_scale is one float32 value, got "
+                             f"{input_scale.dtype} {list(input_scale.shape)}")
+        args = (stream, branch, gate, norm_weight, eps, zero_centered, True, out_dtype, branch_norm_weight,
+                norm_branch)
+        if not runs_kernels(stream):
+            new, normed = gated_residual_add_ref(*args)
+            q, qs = quantize_rows(normed.reshape(-1, normed.shape[-1]), input_scale)
+            return new, normed, q, qs.reshape(-1)
+        return launch(*args, quantize=True, input_scale=input_scale)

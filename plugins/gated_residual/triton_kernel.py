@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from muse_spark.plugins.gated_residual.op import check_gated_residual_inputs
-from muse_spark.plugins.triton_math import add_rn, mul_rn, pdl_enter, to_rne
+from muse_spark.plugins.triton_math import add_rn, div_rn, e4m3_codes, mul_rn, pdl_enter, row_scale, to_rne
 
 
 @triton.jit
@@ -60,11 +60,14 @@ def gated_residual_row(
     stream_ptr, branch_ptr, gate_ptr, weight_ptr, bweight_ptr, new_ptr, out_ptr, D,
     EPS: tl.constexpr, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr, APPLY_NORM: tl.constexpr,
     BLOCK_D: tl.constexpr, NORM_BRANCH: tl.constexpr, HAS_BRANCH_WEIGHT: tl.constexpr,
-    FRESH_BRANCH: tl.constexpr = False,
+    FRESH_BRANCH: tl.constexpr = False, q_ptr=None, qs_ptr=None, in_scale_ptr=None, QUANT: tl.constexpr = 0,
 ):
     """One row of the reference (module docstring): the kernel below, and the skinny linear kernel's
     ``RESIDUAL`` tail (plugins/linear), whose programs wrote the branch moments before.
-    ``FRESH_BRANCH``: the branch is read from L2 (``.cg``), never from a line this SM's L1 kept."""
+    ``FRESH_BRANCH``: the branch is read from L2 (``.cg``), never from a line this SM's L1 kept.
+    ``QUANT`` (with ``APPLY_NORM``) 1: the normed row also as a W8A8 product's input, E4M3 codes at q_ptr [N, D] and
+    its scale at qs_ptr [N], per token; 2: with the static float32 scale at in_scale_ptr (both
+    ``plugins.linear.reference.quantize_rows``' bits of the normed row as stored)."""
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     base = row * D
@@ -93,8 +96,13 @@ def gated_residual_row(
     if APPLY_NORM:
         # The norm reads the stream rounded to the compute dtype (reference.py).
         x = to_rne(new, out_ptr.dtype.element_ty).to(tl.float32)
-        y = _rms_norm(x, w, D, EPS, HAS_WEIGHT, ZERO_CENTERED)
-        tl.store(out_ptr + base + cols, to_rne(y, out_ptr.dtype.element_ty), mask=mask)  # write D*s B
+        y = to_rne(_rms_norm(x, w, D, EPS, HAS_WEIGHT, ZERO_CENTERED), out_ptr.dtype.element_ty)
+        tl.store(out_ptr + base + cols, y, mask=mask)  # write D*s B
+        if QUANT:  # the next GEMM's rows, quantized here: no kernel of their own before it
+            yf = y.to(tl.float32)
+            scale = row_scale(yf, QUANT == 2, in_scale_ptr)
+            tl.store(qs_ptr + row, scale)
+            tl.store(q_ptr + base + cols, e4m3_codes(yf, div_rn(1.0, scale)), mask=mask)
 
 
 @triton.jit
@@ -115,10 +123,14 @@ def _gated_residual_norm_kernel(
     NORM_BRANCH: tl.constexpr = False,
     HAS_BRANCH_WEIGHT: tl.constexpr = False,
     PDL: tl.constexpr = 0,
+    # QUANT 1 / 2: the normed rows also as E4M3 codes q_ptr [N, D] and fp32 scales qs_ptr [N], per token / with the
+    # static scale at in_scale_ptr (``gated_residual_row``)
+    q_ptr=None, qs_ptr=None, in_scale_ptr=None, QUANT: tl.constexpr = 0,
 ):
     row = (tl.program_id(0) + pdl_enter(PDL)).to(tl.int64)  # rows are addressed after the PDL wait
     gated_residual_row(row, stream_ptr, branch_ptr, gate_ptr, weight_ptr, bweight_ptr, new_ptr, out_ptr, D, EPS,
-                       HAS_WEIGHT, ZERO_CENTERED, APPLY_NORM, BLOCK_D, NORM_BRANCH, HAS_BRANCH_WEIGHT)
+                       HAS_WEIGHT, ZERO_CENTERED, APPLY_NORM, BLOCK_D, NORM_BRANCH, HAS_BRANCH_WEIGHT, False, q_ptr,
+                       qs_ptr, in_scale_ptr, QUANT)
 
 
 def launch_gated_residual_add(
@@ -135,10 +147,16 @@ def launch_gated_residual_add(
     wrap=lambda k: k,
     pdl: int = 0,
     launch_pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    quantize: bool = False,
+    input_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Launch the fused kernel; ``wrap`` is ``torch.library.wrap_triton`` inside the op;
-    ``pdl``/``launch_pdl``: as ``plugins.linear.triton_kernel.launch_linear``'s."""
+    ``pdl``/``launch_pdl``: as ``plugins.linear.triton_kernel.launch_linear``'s. ``quantize`` (with ``apply_norm``):
+    → (new stream, normed, E4M3 codes [N, D], fp32 scales [N]): the normed rows also as a W8A8 product's input,
+    per token, or with ``input_scale`` (float32 [1]) for every row (``plugins.linear.reference.quantize_rows``)."""
     check_gated_residual_inputs(stream, branch, gate, norm_weight, branch_norm_weight)
+    if quantize and not apply_norm:
+        raise ValueError("gated_residual_add: the rows quantized are the normed ones (apply_norm)")
     D = stream.shape[-1]
     s2 = stream.reshape(-1, D).contiguous()
     b2 = branch.reshape(-1, D).contiguous()
@@ -146,6 +164,8 @@ def launch_gated_residual_add(
     N = s2.shape[0]
     new = torch.empty_like(s2)
     out = torch.empty((N, D) if apply_norm else (0,), dtype=out_dtype, device=stream.device)
+    q = torch.empty((N, D) if quantize else (0,), dtype=torch.float8_e4m3fn, device=stream.device)
+    qs = torch.empty((N if quantize else 0,), dtype=torch.float32, device=stream.device)
     if N > 0:
         block_d = triton.next_power_of_2(D)
         num_warps = min(16, max(1, block_d // 512))
@@ -156,7 +176,11 @@ def launch_gated_residual_add(
             s2, b2, g, w, wb, new, out if apply_norm else new, D,
             EPS=float(eps), HAS_WEIGHT=norm_weight is not None, ZERO_CENTERED=zero_centered, APPLY_NORM=apply_norm,
             BLOCK_D=block_d, NORM_BRANCH=bool(norm_branch), HAS_BRANCH_WEIGHT=has_bw, PDL=int(pdl), num_warps=num_warps,
+            q_ptr=q if quantize else new, qs_ptr=qs if quantize else new,
+            in_scale_ptr=input_scale.reshape(1) if input_scale is not None else new,
+            QUANT=(2 if input_scale is not None else 1) if quantize else 0,
             **({"launch_pdl": True} if launch_pdl else {}),
         )
     new = new.reshape(stream.shape)
-    return new, (out.reshape(stream.shape) if apply_norm else out)
+    normed = out.reshape(stream.shape) if apply_norm else out
+    return (new, normed, q, qs) if quantize else (new, normed)

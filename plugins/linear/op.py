@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from muse_spark.plugins.head_norm_rope.reference import rope_table_reference
-from muse_spark.plugins.linear.reference import linear_reference, w8a8_reference
+from muse_spark.plugins.linear.reference import linear_reference, w8a8_reference, w8a8_rows_reference
 
 
 def _check_linear(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -122,10 +122,31 @@ def register_triton(runs_kernels, launch_linear, launch_linear_rope_table) -> No
 
     @triton_op("muse_spark::linear_w8a8_triton", mutates_args=())
     def _linear_w8a8_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, silu_mul: bool,
-                        input_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        input_scale: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                        row_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """``rows``/``row_scales``: x's rows already quantized (E4M3 codes [M, K], fp32 scales [M]: what
+        ``quantize_rows`` gives for x and ``input_scale``, e.g. from ``gated_residual_add_rows_triton``), so no
+        quantizing kernel runs before the GEMM."""
         _check_input_scale(input_scale, True)
-        return fp8_product(x, w, scale, silu_mul, lambda: w8a8_reference(x, w, scale, input_scale, silu_mul),
-                           lambda: launch_linear(x, w, silu_mul, scale=scale, w8a8=True, input_scale=input_scale))
+        if (rows is None) != (row_scales is None):
+            raise ValueError("linear_w8a8: rows and row_scales come together")
+        if rows is not None:
+            m = x.numel() // x.shape[-1]
+            if (rows.dtype != torch.float8_e4m3fn or list(rows.shape) != [m, x.shape[-1]]
+                    or row_scales.dtype != torch.float32 or row_scales.numel() != m):
+                raise ValueError(f"linear_w8a8: rows must be float8_e4m3fn [{m}, {x.shape[-1]}] with float32 "
+                                 f"row_scales [{m}], got {rows.dtype} {list(rows.shape)} and {row_scales.dtype} "
+                                 f"{list(row_scales.shape)}")
+
+            def reference():
+                y = w8a8_rows_reference(rows, row_scales, w, scale, x.dtype, silu_mul)
+                return y.reshape(*x.shape[:-1], -1)
+        else:
+            def reference():
+                return w8a8_reference(x, w, scale, input_scale, silu_mul)
+        return fp8_product(x, w, scale, silu_mul, reference,
+                           lambda: launch_linear(x, w, silu_mul, scale=scale, w8a8=True, input_scale=input_scale,
+                                                 rows=None if rows is None else (rows, row_scales)))
 
     @triton_op("muse_spark::linear_triton", mutates_args=())
     def _linear_op(x: torch.Tensor, w: torch.Tensor, silu_mul: bool) -> torch.Tensor:

@@ -49,5 +49,12 @@ def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, input_
     and rounded once to x's dtype; with ``silu_mul``, ``silu(g) · u`` of its halves in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_rows(x2, input_scale)
-    y = ((xq.float() * xs) @ (w.float() * scale.reshape(-1, 1)).T).to(x.dtype).reshape(*x.shape[:-1], -1)
+    return w8a8_rows_reference(xq, xs, w, scale, x.dtype, silu_mul).reshape(*x.shape[:-1], -1)
+
+
+def w8a8_rows_reference(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                        silu_mul: bool = False) -> torch.Tensor:
+    """``w8a8_reference`` from rows already quantized: E4M3 codes ``xq`` [M, K] and their scales ``xs`` ([M] or
+    [M, 1]) → [M, N] (or [M, N/2] with ``silu_mul``) in ``dtype``."""
+    y = ((xq.float() * xs.reshape(-1, 1)) @ (w.float() * scale.reshape(-1, 1)).T).to(dtype)
     return silu_mul_halves(y) if silu_mul else y

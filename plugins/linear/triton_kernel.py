@@ -355,14 +355,16 @@ def _rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None, pdl: int, launch_pdl: bool,
             table: tuple | None = None, scale: torch.Tensor | None = None, w8a8: bool = False,
-            input_scale: torch.Tensor | None = None) -> None:
+            input_scale: torch.Tensor | None = None, rows: tuple | None = None) -> None:
     """``_linear_kernel`` over rows x2 [M, K] into y [M, N]; ``table`` = (positions, cos, sin, theta,
     dh): one more program writes the RoPE table (``ROPE_TABLE``); ``w8a8`` (with ``scale``): the kernel's ``W8A8``
     form, x2's rows quantized to E4M3 codes by ``_quantize_rows`` first (a launch of its own; per token, or with
-    the checkpoint's static ``input_scale``). Every kernel
+    the checkpoint's static ``input_scale``; ``rows``: (codes, scales) that a kernel before it quantized). Every kernel
     argument is passed, the table's as dummies without it (Inductor's mutation analysis fills in no defaults)."""
     row_scales = None
-    if w8a8:
+    if w8a8 and rows is not None:
+        x2, row_scales = rows[0], rows[1].reshape(-1)
+    elif w8a8:
         if scale is None:
             raise ValueError("linear: the W8A8 form needs the FP8 weight's row scales")
         if input_scale is not None:
@@ -403,10 +405,14 @@ def _launch(x2, w, y, silu_mul: bool, wrap, interpret: bool, config: dict | None
 def fits(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
     """What the kernel takes: x [..., K] with at most ``MAX_ROWS`` rows, W [N, K] contiguous, both
     bf16 or both fp16; or (``scale``) W FP8 E4M3 with one fp32 scale per row ([N] or [N, 1], contiguous)."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    wdtype = torch.float8_e4m3fn if scale is not None else x.dtype
-    return (x.dtype in (torch.bfloat16, torch.float16) and w.dtype == wdtype and w.dim() == 2
-            and x.shape[-1] == w.shape[1] and 0 < rows <= MAX_ROWS and w.is_contiguous()
+    return fits_rows(x.numel() // max(x.shape[-1], 1), x.shape[-1], x.dtype, w, scale)
+
+
+def fits_rows(rows: int, k: int, dtype: torch.dtype, w: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """``fits`` for an x of ``rows`` rows of ``k`` columns in ``dtype``."""
+    wdtype = torch.float8_e4m3fn if scale is not None else dtype
+    return (dtype in (torch.bfloat16, torch.float16) and w.dtype == wdtype and w.dim() == 2
+            and k == w.shape[1] and 0 < rows <= MAX_ROWS and w.is_contiguous()
             and (scale is None or (scale.dtype == torch.float32 and scale.numel() == w.shape[0]
                                    and scale.is_contiguous())))
 
@@ -414,7 +420,7 @@ def fits(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) ->
 def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap=lambda f: f,
                   interpret: bool = False, config: dict | None = None, pdl: int = 0,
                   launch_pdl: bool = False, scale: torch.Tensor | None = None, w8a8: bool = False,
-                  input_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  input_scale: torch.Tensor | None = None, rows: tuple | None = None) -> torch.Tensor:
     """x [..., K] @ W[N_w, K]ᵀ → [..., N_w] in x's dtype; with ``silu_mul`` (N_w = 2·I) → [..., I]:
     silu(x @ W[:I]ᵀ) · (x @ W[I:]ᵀ). ``wrap`` is ``torch.library.wrap_triton`` inside the op;
     ``config`` overrides the launch configuration (the sweep). ``pdl``: compile the PDL wait in
@@ -428,7 +434,9 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     scales are applied to each fp32 sum: ``plugins.linear.reference.w8a8_reference``'s product within a rounding of
     the sum's order (``muse_spark::linear_w8a8_triton``, what the models run on FP8 tensor cores). Quantizing inside
     the GEMM's loads was slower, per token (each program finding its rows' scales in a pass over them) and static
-    (the conversions in the loop that streams the weights; docs/log.md)."""
+    (the conversions in the loop that streams the weights; docs/log.md). ``rows`` (W8A8): x's rows already
+    quantized, (E4M3 codes [M, K], fp32 scales [M]), by the kernel that produced them (``gated_residual_add`` with
+    ``quantize``): no quantizing launch."""
     x2 = _rows(x, w)
     n_w = w.shape[0]
     if silu_mul and n_w % 2:
@@ -438,6 +446,6 @@ def launch_linear(x: torch.Tensor, w: torch.Tensor, silu_mul: bool = False, wrap
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M > 0 and N > 0:
         _launch(x2, w, y, silu_mul, wrap, interpret, config, pdl, launch_pdl,
-                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8, input_scale=input_scale)
+                scale=None if scale is None else scale.reshape(-1), w8a8=w8a8, input_scale=input_scale, rows=rows)
     return y.reshape(*x.shape[:-1], N)
 

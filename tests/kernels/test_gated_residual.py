@@ -48,6 +48,39 @@ def test_gated_residual_norm_matches_reference(tops, out_dtype, D, weight, norm_
 
 
 @needs_kernels
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
+def test_the_residual_kernel_quantizes_its_normed_rows_as_the_row_quantizer_does(tops, static):
+    """``gated_residual_add_rows_triton``: the new stream and the normed rows are ``gated_residual_add_triton``'s, bit
+    for bit, and the E4M3 codes and scales are ``quantize_rows``' of those normed rows (per token, or with a static
+    scale under which codes saturate), bit for bit: the W8A8 product that takes them computes what it computed from
+    the normed rows. A wrong static scale changes the codes; a static scale of two values is refused."""
+    from muse_spark.plugins.linear.reference import quantize_rows
+
+    D = 1000
+    g = torch.Generator().manual_seed(11)
+    stream = (4 * torch.randn(2, 4, D, generator=g)).to(DEV)
+    branch = (3 * torch.randn(2, 4, D, generator=g)).bfloat16().to(DEV)
+    gate = (0.5 + torch.rand(D, generator=g)).to(DEV)
+    w = (1 + 0.1 * torch.randn(D, generator=g)).bfloat16().to(DEV)
+    wb = (1 + 0.1 * torch.randn(D, generator=g)).bfloat16().to(DEV)
+    branch[1, 2] = 0.0  # (a row of zeros after its norm: the least scale)
+    args = (stream, branch, gate, w, 1e-6, False, torch.bfloat16, wb, True)
+    scale = torch.tensor([0.004], device=DEV) if static else None
+    new, normed, q, qs = tops.gated_residual_add_rows(*args, scale)
+    want_new, want_normed = tops.gated_residual_add(*args[:6], True, *args[6:])
+    assert torch.equal(new, want_new) and torch.equal(normed, want_normed)
+    want_q, want_s = quantize_rows(normed.reshape(-1, D), scale)
+    if static:
+        assert (want_q.float().abs() == 448).any()
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(qs, want_s.reshape(-1))
+    if static:
+        _, _, q2, _ = tops.gated_residual_add_rows(*args, scale * 1.5)
+        assert not torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+    with pytest.raises(ValueError, match="one float32 value"):
+        tops.gated_residual_add_rows(*args, torch.ones(2, device=DEV))
+
+
+@needs_kernels
 def test_gated_residual_without_norm_returns_empty(tops):
     stream = torch.randn(3, 64, device=DEV)
     branch = torch.randn(3, 64, device=DEV).bfloat16()

@@ -282,6 +282,16 @@ def test_the_w8a8_op_is_the_kernels_w8a8_form_and_the_models_take_it_on_fp8_tens
     w8a16 = torch.ops.muse_spark.linear_fp8_triton(x, w8, scale, False)
     with pytest.raises(ValueError, match="one float32 value"):
         torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, False, torch.ones(2, device=x.device))
+    # rows quantized before the op (by the residual kernel that produced them): the same bits, no quantizing launch;
+    # rows that are not x's shape, or codes without their scales, are refused
+    q, qs = layers.quantize_rows(x)
+    for silu_mul in (False, True):
+        assert torch.equal(torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, silu_mul, None, q, qs.reshape(-1)),
+                           torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, silu_mul))
+    with pytest.raises(ValueError, match="rows must be"):
+        torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, False, None, q[:4], qs[:4].reshape(-1))
+    with pytest.raises(ValueError, match="come together"):
+        torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, False, None, q)
     if ON_GPU:
         if layers.fp8_tensor_cores(x.device):
             assert torch.equal(dynamic, torch.ops.muse_spark.linear_w8a8_triton(x, w8, scale, False))
