@@ -111,3 +111,20 @@ def test_gated_residual_kernel_issues_every_load_before_its_first_reduction(norm
     assert len(rsqrts) == (2 if norm_branch else 1)
     # stream, branch, gate, the norm weight(s): 4-byte rows of 4096 in v4 loads of 8 warps
     assert len(loads) == (14 if norm_branch else 12) and max(loads) < min(rsqrts)
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
+@pytest.mark.parametrize("quant", [1, 2], ids=["per-token", "static"])
+def test_the_quantizing_residual_kernel_compiles_for_hopper(quant):
+    """The residual kernel that also writes its normed rows as E4M3 codes and scales (the 8B row, 8 warps, as
+    ``gated_residual_add_rows_triton`` launches it), compiled ahead of time for sm_90 without a GPU: it stores
+    FP8 codes."""
+    from muse_spark.plugins.gated_residual.triton_kernel import _gated_residual_norm_kernel
+
+    sig = {"stream_ptr": "*fp32", "branch_ptr": "*bf16", "gate_ptr": "*fp32", "weight_ptr": "*bf16",
+           "bweight_ptr": "*bf16", "new_ptr": "*fp32", "out_ptr": "*bf16", "D": "i32", "q_ptr": "*fp8e4nv",
+           "qs_ptr": "*fp32", "in_scale_ptr": "*fp32"}
+    consts = dict(EPS=1e-6, HAS_WEIGHT=True, ZERO_CENTERED=False, APPLY_NORM=True, BLOCK_D=4096, NORM_BRANCH=True,
+                  HAS_BRANCH_WEIGHT=True, QUANT=quant)
+    ptx = compile_for_hopper(_gated_residual_norm_kernel, sig, consts, 8, multiples_of_16=("D",)).asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx

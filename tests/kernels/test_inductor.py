@@ -12,8 +12,9 @@ from kernels.kernel_utils import DEV, HAS_TRITON, INTERPRETED, cache_write_opera
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton (the kernels' modules import it)")
 @pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "linear_w8a8",
-                                  "linear_fp8_rope_table", "linear_w8a8_rope_table", "norm_cache",
-                                  "norm_cache_table", "norm", "rope_table", "gated_residual"])
+                                  "linear_fp8_rope_table", "linear_w8a8_rope_table", "linear_w8a8_split",
+                                  "linear_w8a8_rows", "norm_cache", "norm_cache_table", "norm", "rope_table",
+                                  "gated_residual", "gated_residual_rows"])
 def test_the_other_launchers_pass_every_kernel_argument(form):
     """``test_the_attention_launcher_passes_every_kernel_argument`` for the launchers the engines'
     ops call: each passes every parameter of its kernel, the arguments a form does not use included
@@ -36,6 +37,10 @@ def test_the_other_launchers_pass_every_kernel_argument(form):
                                                                           scale=ones),
         "linear_w8a8_rope_table": lambda wrap: lk.launch_linear_rope_table(x, w8, positions, 5e5, 32, wrap=wrap,
                                                                            scale=ones, w8a8=True),
+        "linear_w8a8_split": lambda wrap: lk.launch_linear(x, w8, wrap=wrap, scale=ones, w8a8=True, config=dict(
+            BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2, SPLIT_K=2)),
+        "linear_w8a8_rows": lambda wrap: lk.launch_linear(x, w8, wrap=wrap, scale=ones, w8a8=True, rows=(
+            torch.zeros(6, 64, dtype=torch.float8_e4m3fn, device=DEV), torch.ones(6, device=DEV))),
         "norm_cache": lambda wrap: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc,
                                                                   slots, wrap=wrap),
         "norm_cache_table": lambda wrap: hk.launch_head_norm_rope_cache(x4, v, positions, 1e-6, 5e5, True, kc, vc,
@@ -46,9 +51,14 @@ def test_the_other_launchers_pass_every_kernel_argument(form):
             torch.zeros(6, 64, device=DEV), torch.zeros(6, 64, dtype=torch.bfloat16, device=DEV),
             torch.zeros(64, device=DEV), torch.ones(64, dtype=torch.bfloat16, device=DEV), 1e-6, False, True,
             torch.bfloat16, wrap=wrap),
+        "gated_residual_rows": lambda wrap: gk.launch_gated_residual_add(
+            torch.zeros(6, 64, device=DEV), torch.zeros(6, 64, dtype=torch.bfloat16, device=DEV),
+            torch.zeros(64, device=DEV), torch.ones(64, dtype=torch.bfloat16, device=DEV), 1e-6, False, True,
+            torch.bfloat16, wrap=wrap, quantize=True),
     }
     calls = launches(run[form])
-    assert len(calls) == (2 if "w8a8" in form else 1)  # (W8A8: the rows' quantization, then the GEMM)
+    # (W8A8: the rows' quantization, then the GEMM, unless the rows come quantized; split-K: the GEMM, then the sum)
+    assert len(calls) == {"linear_w8a8_rows": 1, "linear_w8a8_split": 3}.get(form, 2 if "w8a8" in form else 1)
     for fn, passed in calls:
         assert passed == set(fn.arg_names), (fn.__name__, set(fn.arg_names) - passed)
 
@@ -72,7 +82,7 @@ def test_plugin_kernels_survive_inductors_source_re_emission(tmp_path):
 
     kernels = [attention._partial_kernel, attention._combine_kernel, gated_residual._gated_residual_norm_kernel,
                head_norm_rope._head_norm_rope_kernel, head_norm_rope._head_norm_rope_cache_kernel,
-               linear._linear_kernel, linear._quantize_rows_kernel, markov._markov_kernel]
+               linear._linear_kernel, linear._quantize_rows_kernel, linear._split_sum_kernel, markov._markov_kernel]
     import importlib.util
 
     for kernel in kernels:
@@ -193,7 +203,9 @@ def test_inductor_finds_exactly_the_outputs_the_kernels_write(form, hopper_targe
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETED, reason="needs Triton's compiler (not its CPU interpreter)")
 @pytest.mark.parametrize("form", ["linear", "linear_silu_mul", "linear_rope_table", "linear_late",
                                   "linear_silu_mul_late", "linear_rope_table_late", "linear_w8a8",
-                                  "linear_w8a8_static", "gated_residual", "head_norm_rope_cache", "markov"])
+                                  "linear_w8a8_static", "linear_w8a8_split", "linear_w8a8_rows", "gated_residual",
+                                  "gated_residual_rows", "gated_residual_rows_static", "head_norm_rope_cache",
+                                  "markov"])
 def test_inductor_finds_no_caller_input_written_but_the_declared_ones(form, hopper_target):
     """The step's other plugin kernels, as their launchers call them at the Muse-Spark shape (batch
     1): Inductor's mutation analysis names no buffer the caller passed in as written, except those
@@ -216,11 +228,18 @@ def test_inductor_finds_no_caller_input_written_but_the_declared_ones(form, hopp
     if form in ("linear", "linear_silu_mul"):
         inputs = [torch.empty(B, S, D, dtype=bf), torch.empty(2 * 14336 if form != "linear" else 4096, D, dtype=bf)]
         launch_linear(*inputs, silu_mul=form != "linear", wrap=rec, pdl=pdl)
-    elif form in ("linear_w8a8", "linear_w8a8_static"):
+    elif form in ("linear_w8a8", "linear_w8a8_static", "linear_w8a8_split"):
         inputs = [torch.empty(B, S, 14336, dtype=bf), torch.empty(D, 14336, dtype=torch.float8_e4m3fn),
                   torch.ones(D), torch.ones(1)]
         launch_linear(*inputs[:2], wrap=rec, pdl=pdl, scale=inputs[2], w8a8=True,
-                      input_scale=inputs[3] if form == "linear_w8a8_static" else None)
+                      input_scale=inputs[3] if form == "linear_w8a8_static" else None,
+                      config=dict(BLOCK_N=64, BLOCK_K=512, num_warps=4, num_stages=4, SPLIT_K=4)
+                      if form == "linear_w8a8_split" else None)
+    elif form == "linear_w8a8_rows":  # (the rows quantized by the residual kernel: inputs here, only read)
+        inputs = [torch.empty(B, S, D, dtype=bf), torch.empty(2 * 14336, D, dtype=torch.float8_e4m3fn),
+                  torch.ones(2 * 14336), torch.empty(B * S, D, dtype=torch.float8_e4m3fn), torch.ones(B * S)]
+        launch_linear(*inputs[:2], silu_mul=True, wrap=rec, pdl=pdl, scale=inputs[2], w8a8=True,
+                      rows=(inputs[3], inputs[4]))
     elif form == "linear_rope_table":
         inputs = [torch.empty(B, S, D, dtype=bf), torch.empty((H + 2 * KV) * DH, D, dtype=bf),
                   torch.zeros(B, S, dtype=i64)]
@@ -228,6 +247,11 @@ def test_inductor_finds_no_caller_input_written_but_the_declared_ones(form, hopp
     elif form == "gated_residual":
         inputs = [torch.empty(B, S, D), torch.empty(B, S, D, dtype=bf), torch.empty(D), torch.empty(D, dtype=bf)]
         launch_gated_residual_add(*inputs, 1e-6, False, True, bf, wrap=rec, pdl=1)
+    elif form in ("gated_residual_rows", "gated_residual_rows_static"):
+        inputs = [torch.empty(B, S, D), torch.empty(B, S, D, dtype=bf), torch.empty(D), torch.empty(D, dtype=bf),
+                  torch.ones(1)]
+        launch_gated_residual_add(*inputs[:4], 1e-6, False, True, bf, wrap=rec, pdl=1, quantize=True,
+                                  input_scale=inputs[4] if form.endswith("static") else None)
     elif form == "head_norm_rope_cache":
         declared = [torch.empty(2, T, KV, DH, dtype=bf), torch.empty(2, T, KV, DH, dtype=bf)]
         inputs = [torch.empty(B, S, H + KV, DH, dtype=bf), torch.empty(B, S, KV, DH, dtype=bf),

@@ -51,6 +51,13 @@ def test_pdl_kernels_wait_before_any_global_access(mode):
             ["*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*fp32", "*bf16", "i32"])),
             dict(EPS=1e-6, HAS_WEIGHT=True, ZERO_CENTERED=False, APPLY_NORM=True, BLOCK_D=4096, NORM_BRANCH=True,
                  HAS_BRANCH_WEIGHT=True), 8, None, ()),
+        # its normed rows also quantized for the W8A8 gate/up product (per token)
+        "gated_residual_rows": (gk._gated_residual_norm_kernel, dict(zip(
+            ["stream_ptr", "branch_ptr", "gate_ptr", "weight_ptr", "bweight_ptr", "new_ptr", "out_ptr", "D", "q_ptr",
+             "qs_ptr", "in_scale_ptr"],
+            ["*fp32", "*bf16", "*fp32", "*bf16", "*bf16", "*fp32", "*bf16", "i32", "*fp8e4nv", "*fp32", "*fp32"])),
+            dict(EPS=1e-6, HAS_WEIGHT=True, ZERO_CENTERED=False, APPLY_NORM=True, BLOCK_D=4096, NORM_BRANCH=True,
+                 HAS_BRANCH_WEIGHT=True, QUANT=1), 8, None, ()),
         "head_norm_rope": (hk._head_norm_rope_kernel, dict(zip(
             ["x_ptr", "pos_ptr", "out_ptr", "S", "NH", "sx_b", "sx_s", "sx_h", "sp_b", "sp_s"],
             ["*bf16", "*i64", "*bf16"] + ["i32"] * 7)), dict(EPS=1e-6, THETA=5e5, DH=128, BLOCK_H=16, ROPE=True), 4,
