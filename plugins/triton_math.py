@@ -179,7 +179,6 @@ def pdl_release(after):
                                      [after.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=True, pack=1)
 
 
-
 # The least W8A8 row scale (``plugins.linear.reference.quantize_rows``): the smallest normal fp32, so 1 / scale stays
 # finite
 MIN_ROW_SCALE = tl.constexpr(1.1754943508222875e-38)

@@ -194,13 +194,18 @@ def linear_path(device, dtype: torch.dtype, options: KernelOptions | None = None
 def _triton_linear_fits(x: torch.Tensor, w) -> bool:
     """Whether ``linear`` runs the skinny Triton kernel on ``w``: a bf16/fp16 weight (``linear_triton``), or an
     ``Fp8Weight`` (``linear_fp8_triton``, W8A16)."""
-    if linear_path(x.device, x.dtype) != "triton" or not _triton_ops_available():  # (imports Triton)
+    return _triton_linear_fits_rows(x.numel() // max(x.shape[-1], 1), x.shape[-1], x.dtype, x.device, w)
+
+
+def _triton_linear_fits_rows(rows: int, k: int, dtype: torch.dtype, device: torch.device, w) -> bool:
+    """``_triton_linear_fits`` for an x of ``rows`` rows of ``k`` columns in ``dtype`` on ``device``."""
+    if linear_path(device, dtype) != "triton" or not _triton_ops_available():  # (imports Triton)
         return False
-    from muse_spark.plugins.linear.triton_kernel import fits
+    from muse_spark.plugins.linear.triton_kernel import fits_rows
 
     if isinstance(w, Fp8Weight):
-        return w.dtype == x.dtype and fits(x, w.weight, w.scale)
-    return fits(x, w)
+        return w.dtype == dtype and fits_rows(rows, k, dtype, w.weight, w.scale)
+    return fits_rows(rows, k, dtype, w)
 
 
 FP8 = torch.float8_e4m3fn
@@ -339,11 +344,8 @@ def _folds_w8a8_rows(stream: torch.Tensor, w) -> bool:
     compiled engines'). The same bits as quantizing the normed rows after the residual kernel."""
     if not isinstance(w, Fp8Weight) or dispatch.current_impl() != "triton" or stream.device.type != "cuda":
         return False
-    if linear_path(stream.device, w.dtype) != "triton" or not _triton_ops_available() or not _fp8_w8a8_form(stream):
-        return False
-    from muse_spark.plugins.linear.triton_kernel import fits_rows
-
-    return fits_rows(stream.numel() // stream.shape[-1], stream.shape[-1], w.dtype, w.weight, w.scale)
+    return _fp8_w8a8_form(stream) and _triton_linear_fits_rows(stream.numel() // stream.shape[-1], stream.shape[-1],
+                                                                w.dtype, stream.device, w)
 
 
 def _fp8_linear(x: torch.Tensor, w: Fp8Weight, silu_mul: bool) -> torch.Tensor:

@@ -99,11 +99,11 @@ def register_triton(runs_kernels, launch) -> None:
         ``input_scale``) → (new stream, normed, E4M3 codes [N, D], fp32 scales [N]) for
         ``linear_w8a8_triton(rows=, row_scales=)``: one kernel instead of the residual's and the quantizer's."""
         from muse_spark.plugins.linear.reference import quantize_rows
+        from muse_spark.plugins.linear.triton_kernel import check_input_scale
 
         check_gated_residual_inputs(stream, branch, gate, norm_weight, branch_norm_weight)
-        if input_scale is not None and (input_scale.numel() != 1 or input_scale.dtype != torch.float32):
-            raise ValueError(f"gated_residual_add_rows: a static input_scale is one float32 value, got "
-                             f"{input_scale.dtype} {list(input_scale.shape)}")
+        if input_scale is not None:
+            check_input_scale(input_scale, "gated_residual_add_rows")
         args = (stream, branch, gate, norm_weight, eps, zero_centered, True, out_dtype, branch_norm_weight,
                 norm_branch)
         if not runs_kernels(stream):

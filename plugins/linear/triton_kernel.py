@@ -292,10 +292,11 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, in_scale_ptr, BLOCK
         tl.store(q_row + k0 + rk, e4m3_codes(v, inv), mask=k0 + rk < K)
 
 
-def check_input_scale(input_scale: torch.Tensor) -> None:
-    """A static activation scale (a checkpoint's ``input_scale``) is one float32 value, or a clear error."""
+def check_input_scale(input_scale: torch.Tensor, op: str = "linear") -> None:
+    """A static activation scale (a checkpoint's ``input_scale``) is one float32 value, or a clear error (naming
+    ``op``)."""
     if input_scale.numel() != 1 or input_scale.dtype != torch.float32:
-        raise ValueError(f"linear: a static input_scale is one float32 value, got {input_scale.dtype} "
+        raise ValueError(f"{op}: a static input_scale is one float32 value, got {input_scale.dtype} "
                          f"{list(input_scale.shape)}")
 
 
