@@ -178,16 +178,15 @@ def test_the_interleaved_replays_and_the_idle_time_render():
 
 
 def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
-    """``--pdl both --accept-kernels both``: per variant a second set of step packages compiled under its kernel
-    options (pdl and accept_kernels off: PDL and the acceptance kernels are the defaults) in the workers (its own
-    folder), checked against the eager step under the same options and timed after the default; its table in the
-    markdown. (On CPU every variant takes the reference kernels and no graph: this checks the plumbing, which
-    every variant shares, with two of them — each variant's options are checked below; the GPU runs give the
-    figures.)"""
+    """``--pdl both``: the variant's own set of step packages compiled under its kernel options (pdl off: PDL is
+    the default) in the workers (its own folder), checked against the eager step under the same options and
+    timed after the default; its table in the markdown. (On CPU every variant takes the reference kernels and no
+    graph: this checks the plumbing, which every variant shares, with one of them — each variant's options are
+    checked below; the GPU runs give the figures.)"""
     out, md, work = tmp_path / "results", tmp_path / "b.md", tmp_path / "work"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "step.py"), "--preset", "tiny", "--device", "cpu",
            "--batches", "1", "--context", "16", "--iters", "2", "--skip", "compile",
-           "--pdl", "both", "--accept-kernels", "both", "--work-dir", str(work),
+           "--pdl", "both", "--work-dir", str(work),
            "--out-dir", str(out), "--markdown", str(md)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MUSE_SPARK_")}  # the run's options: the defaults
     subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
@@ -200,8 +199,8 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
     assert sec["aoti_chained"]["1"]["steps"] == 8 and sec["aoti_chained"]["1"]["median_ms"] > 0  # the Generator's form
     text = md.read_text()
     assert "aoti steps chained as the Generator runs them" in text and "* Kernel options: the defaults." in text
-    assert sorted(sec["variants"]) == ["no_accept_kernels", "no_pdl"]  # (only those asked for)
-    for name, field, value in (("no_pdl", "pdl", False), ("no_accept_kernels", "accept_kernels", False)):
+    assert sorted(sec["variants"]) == ["no_pdl"]  # (only the one asked for)
+    for name, field, value in (("no_pdl", "pdl", False),):
         sub = sec["variants"][name]
         assert sub["options"] == {field: value}
         assert sorted(sub["compiled"]) == ["step_context_b1", "step_draft_b1", "step_layer_b1", "step_verify_b1"], \
@@ -212,7 +211,7 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
         assert "aoti_pdl" not in sub  # graph edges: CUDA only
         assert f"### Variant `{name}` ({field}={value}), beside the default aoti step" in text
     rows = [line for line in text.splitlines() if line.startswith("| 1 | ") and line.endswith("| True |")]
-    assert len(rows) == 2 and all(len(row.split("|")) == 10 for row in rows)
+    assert len(rows) == 1 and all(len(row.split("|")) == 10 for row in rows)
 
 
 def test_every_variant_has_its_option_and_changes_kernel_options():

@@ -423,23 +423,32 @@ def test_an_eager_engine_built_from_fp8_checkpoints_keeps_them_and_their_tokens(
     assert not (tmp_path / "mgx").exists()
 
 
-def test_an_aoti_engine_of_fp8_checkpoints_gives_the_eager_engines_tokens(pair, tmp_path, cxx_build):
-    """The compiled graphs of an FP8 pair: its projections' weights (E4M3) and scales are graph inputs, and the
-    exported modules hold Fp8Linear projections, so every graph dequantizes as the eager engine does (the W8A16
-    reference here, the Triton W8A16 kernel on CUDA). Its tokens are the eager FP8 engine's, greedy and
-    sampled, from the Python runtime and from the C++ library."""
+def test_an_aoti_engine_of_fp8_checkpoints_and_an_fp8_cache_gives_the_eager_engines_tokens(pair, tmp_path, cxx_build):
+    """The compiled graphs of an FP8 pair whose target also declares an FP8 KV cache (scales by layer and KV
+    head): its projections' weights (E4M3) and scales are graph inputs, and the exported modules hold Fp8Linear
+    projections, so every graph dequantizes as the eager engine does (the W8A16 reference here, the Triton
+    kernels on CUDA); the target's caches are E4M3 graph inputs and the layers' KV scales weights. Its tokens
+    are the eager engine's, greedy and sampled, from the Python runtime and from the C++ library. (One build
+    for both: each costs a couple of minutes of compiling on the CPU.)"""
     from cxx_utils import gives_the_eager_tokens
+    from test_fp8_kv_cache import _scaled
 
+    target, draft = _scaled((pair / "fp8" / "target", pair / "fp8" / "draft"), tmp_path / "target")
     out = tmp_path / "aoti"
-    r = run_cli("build", "--target", pair / "fp8" / "target", "--draft", pair / "fp8" / "draft", "--out", out,
-                "--backend", "aoti", "--max-batch", 2, "--max-seq", 128)
+    r = run_cli("build", "--target", target, "--draft", draft, "--out", out, "--backend", "aoti", "--max-batch", 2,
+                "--max-seq", 128)
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads((out / "manifest.json").read_text())
     dtypes = {name: dt for name, _, dt in m["aoti"]["weights"]}
     assert dtypes["target.model.layers.0.self_attn.qkv_proj.weight"] == "float8_e4m3fn"
     assert dtypes["target.model.layers.0.self_attn.qkv_proj.weight_scale"] == "float32"
+    assert dtypes["target.model.layers.0.self_attn.k_scale"] == "float32"
+    assert m["embedding"]["caches"]["target"]["dtype"] == "float8_e4m3fn"
+    assert m["embedding"]["caches"]["draft"]["dtype"] == "bfloat16"
     engine = load_engine(out)
-    direct = EagerEngine.from_checkpoints(pair / "fp8" / "target", pair / "fp8" / "draft", max_batch=2, max_seq=128)
+    assert engine.target_cache.k[0].dtype == torch.float8_e4m3fn
+    direct = EagerEngine.from_checkpoints(target, draft, max_batch=2, max_seq=128)
+    assert direct.target_cache.k[0].dtype == torch.float8_e4m3fn
     prompts = random_prompts(draft_token_ids(pair / "bf16"), 2, 7, seed=5)
     gives_the_eager_tokens(cxx_build, out, engine, direct, prompts)
 

@@ -239,26 +239,6 @@ def test_generate_from_checkpoints_with_an_fp8_cache(random_pair):
     assert json.loads(r.stdout.strip().splitlines()[-1])["output_ids"] == want
 
 
-def test_an_aoti_engine_with_an_fp8_cache_gives_the_eager_tokens(scaled_pair, tmp_path, cxx_build):
-    """The compiled packages take the target's caches as E4M3 graph inputs and the layers' scales as weights:
-    greedy and sampled, the tokens of the eager FP8-cache engine, from the Python runtime and the C++ library."""
-    from cxx_utils import gives_the_eager_tokens
-
-    out = tmp_path / "aoti"
-    r = run_cli("build", "--target", scaled_pair[0], "--draft", scaled_pair[1], "--out", out, "--backend", "aoti",
-                "--max-batch", 2, "--max-seq", MAX_SEQ)
-    assert r.returncode == 0, r.stderr[-3000:]
-    m = json.loads((out / "manifest.json").read_text())
-    assert m["embedding"]["caches"]["target"]["dtype"] == "float8_e4m3fn"
-    assert m["embedding"]["caches"]["draft"]["dtype"] == "bfloat16"
-    assert {n: dt for n, _, dt in m["aoti"]["weights"]}["target.model.layers.0.self_attn.k_scale"] == "float32"
-    engine = load_engine(out)
-    assert engine.target_cache.k[0].dtype == torch.float8_e4m3fn
-    direct = _engine(scaled_pair, None, max_batch=2)
-    prompts = [[5, 9, 14], [7, 7, 2, 30, 41]]
-    gives_the_eager_tokens(cxx_build, out, engine, direct, prompts)
-
-
 def test_tensor_parallel_ranks_split_the_scales_with_their_kv_heads(random_pair):
     from muse_spark.sharding import shard_target
 
