@@ -428,15 +428,29 @@ def test_an_aoti_engine_of_fp8_checkpoints_and_an_fp8_cache_gives_the_eager_engi
     head): its projections' weights (E4M3) and scales are graph inputs, and the exported modules hold Fp8Linear
     projections, so every graph dequantizes as the eager engine does (the W8A16 reference here, the Triton
     kernels on CUDA); the target's caches are E4M3 graph inputs and the layers' KV scales weights. Its tokens
-    are the eager engine's, greedy and sampled, from the Python runtime and from the C++ library. (One build
-    for both: each costs a couple of minutes of compiling on the CPU.)"""
+    are the eager engine's, greedy and sampled, from the Python runtime and from the C++ library: a two-chunk
+    prompt among three requests on two slots. The pair also has ``norm_zero_centered_gamma`` and
+    ``residual_multiplier`` 0.75: the other branch of the prompt chunk's first norm (``y·(1 + w)``, computed in
+    C++) and materialized residual gates that are not the raw ones (``derived.safetensors``). (One build for
+    all of it: each costs a couple of minutes of compiling on the CPU.)"""
     from cxx_utils import gives_the_eager_tokens
-    from test_fp8_kv_cache import _scaled
+    from test_fp8_kv_cache import _scales, _scheme
 
-    target, draft = _scaled((pair / "fp8" / "target", pair / "fp8" / "draft"), tmp_path / "target")
+    kv = load_config(pair / "fp8" / "target").num_key_value_heads
+
+    def config(scheme=None):
+        def edit(cfg):
+            cfg.update(norm_zero_centered_gamma=True, residual_multiplier=0.75)
+            if scheme:
+                scheme(cfg)
+        return edit
+
+    target = clone(pair / "fp8" / "target", tmp_path / "target", config_edit=config(_scheme(strategy="attn_head")),
+                   edit=_scales(lambda i: (torch.arange(kv, dtype=torch.float32) + 1 + i) / (2 * kv + 8)))
+    draft = clone(pair / "fp8" / "draft", tmp_path / "draft", config_edit=config())
     out = tmp_path / "aoti"
     r = run_cli("build", "--target", target, "--draft", draft, "--out", out, "--backend", "aoti", "--max-batch", 2,
-                "--max-seq", 128)
+                "--max-seq", 192)
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads((out / "manifest.json").read_text())
     dtypes = {name: dt for name, _, dt in m["aoti"]["weights"]}
@@ -445,11 +459,14 @@ def test_an_aoti_engine_of_fp8_checkpoints_and_an_fp8_cache_gives_the_eager_engi
     assert dtypes["target.model.layers.0.self_attn.k_scale"] == "float32"
     assert m["embedding"]["caches"]["target"]["dtype"] == "float8_e4m3fn"
     assert m["embedding"]["caches"]["draft"]["dtype"] == "bfloat16"
+    assert m["embedding"]["prefill_embed"]["zero_centered"] is True
     engine = load_engine(out)
     assert engine.target_cache.k[0].dtype == torch.float8_e4m3fn
-    direct = EagerEngine.from_checkpoints(target, draft, max_batch=2, max_seq=128)
+    direct = EagerEngine.from_checkpoints(target, draft, max_batch=2, max_seq=192)
     assert direct.target_cache.k[0].dtype == torch.float8_e4m3fn
-    prompts = random_prompts(draft_token_ids(pair / "bf16"), 2, 7, seed=5)
+    assert direct.target.cfg.norm_zero_centered_gamma and direct.target.cfg.residual_multiplier == 0.75
+    ids = draft_token_ids(pair / "bf16")
+    prompts = random_prompts(ids, 1, 150, seed=5) + random_prompts(ids, 1, 7, seed=6) + [ids[:3]]
     gives_the_eager_tokens(cxx_build, out, engine, direct, prompts)
 
 
