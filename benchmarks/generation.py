@@ -2,8 +2,8 @@
 acceptance a pair really has.
 
     python benchmarks/generation.py (--pair DIR | --engine DIR) [--backend aoti|eager] [--device cuda|cpu] \
-        [--batches 1,8,32] [--max-tokens 256] [--prompt-len 32] [--work-dir D] [--out-dir benchmarks/results] \
-        [--markdown F]
+        [--batches 1,8,32] [--max-tokens 256] [--prompt-len 32] [--prefill-batch P] [--work-dir D] \
+        [--out-dir benchmarks/results] [--markdown F]
 
 ``--pair``: a folder of ``muse-spark make-pair`` (its drafts agree with the target at a chosen rate);
 an engine is built from it first (aoti on CUDA, eager on the CPU) with max_batch the largest batch and
@@ -26,6 +26,10 @@ decoding the accepted drafts and emitted tokens per step (``acceptance_stats``),
 speculative / target-only. The two sides' outputs must be identical token for token: the run fails
 (exit 1) where they are not. The result goes to ``benchmarks/results/`` in the common schema
 (``benchmarks/results.py``); ``--markdown`` also writes the table.
+
+``--prefill-batch P`` (an aoti engine built from ``--pair``): the engine is built with a prefill of up to P
+chunks a call (``build --prefill-batch``), and each batch size runs twice, side by side: prefilling one
+chunk a call, then P (the ``prefill`` column); both sides of a row prefill the same way.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ COLUMNS = [("schedule", "schedule", "{}"), ("batch", "batch", "{}"),
            ("target decode tok/s", ("target_only", "decode_tokens_per_s"), "{:.1f}"),
            ("target step ms", ("target_only", "mean_step_ms"), "{:.3f}"),
            ("speedup", "speedup", "{:.2f}×"), ("decode speedup", "decode_speedup", "{:.2f}×"),
-           ("identical", "outputs_identical", "{}")]
+           ("prefill", "prefill_batch", "{}"), ("identical", "outputs_identical", "{}")]
 
 
 def cells(row: dict) -> list[str]:
@@ -142,7 +146,9 @@ def measure(engine, decoder, clock: Clock, prompts: list[list[int]], max_tokens:
     decoder.step_times.clear()
     base, secs, decode = clock.time(lambda: decoder.generate(prompts, params))
     t = figures(base, secs, decode, decoder.step_times)
-    return {"schedule": engine.schedule.mode, "batch": len(prompts), "speculative": s, "target_only": t,
+    return {"schedule": engine.schedule.mode, "batch": len(prompts),
+            "prefill_batch": getattr(engine, "prefill_batch", 1) if getattr(engine, "prefill_batch_fn", None) else 1,
+            "speculative": s, "target_only": t,
             "speedup": round(s["tokens_per_s"] / t["tokens_per_s"], 3),
             "decode_speedup": round(s["decode_tokens_per_s"] / t["decode_tokens_per_s"], 3),
             "outputs_identical": [r.output for r in spec] == [r.output for r in base],
@@ -163,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    p.add_argument("--prefill-batch", type=int, default=1, metavar="P",
+                   help="--pair, aoti: build with a prefill of up to P chunks a call, and run each batch size "
+                        "prefilling one chunk a call and P")
     p.add_argument("--sampled-acceptance", type=int, default=64, metavar="N",
                    help="afterwards, the acceptance of N prompts sampled at temperature 1 (up to 64 tokens "
                         "each, schedule off; 0: skip)")
@@ -170,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the result goes, in the common schema (default: benchmarks/results)")
     p.add_argument("--markdown", default=None, help="also write the table here (Markdown)")
     a = parse_engine_arguments(p, argv)
-    if a.max_tokens < 1 or a.prompt_len < 1:
-        p.error("--max-tokens and --prompt-len must be positive")
+    if a.max_tokens < 1 or a.prompt_len < 1 or a.prefill_batch < 1:
+        p.error("--max-tokens, --prompt-len and --prefill-batch must be positive")
+    if a.prefill_batch > 1 and not a.pair:
+        p.error("--prefill-batch applies to --pair (an --engine prefills as it was built)")
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -195,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         engine_dir = build_from_pair(pair, a.work_dir, backend=a.backend, device=a.device, max_batch=batches[-1],
                                      max_seq=max_seq, log=log, buckets=batches,
                                      verify_widths="default" if "confidence" in a.schedule else None,
-                                     reuse=a.reuse_engine, kv_cache_dtype=a.kv_cache_dtype)
+                                     reuse=a.reuse_engine, kv_cache_dtype=a.kv_cache_dtype,
+                                     prefill_batch=min(a.prefill_batch, batches[-1]))
         config["pair"] = pair_summary(pair)
     else:
         if a.backend:
@@ -237,8 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         table = cost_table(engine, batches, log=log)
         schedules = [s.replace(cost_ms=table) if s.mode == "confidence" else s for s in schedules]
         config["cost_ms"] = table
-    for schedule, b in [(s, b) for s in schedules for b in batches]:
+    batched = getattr(engine, "prefill_batch_fn", None)  # (the engine's prefill of several chunks a call)
+    prefills = [None, batched] if batched is not None else [None]
+    for schedule, b, prefill in [(s, b, f) for s in schedules for b in batches for f in prefills]:
         engine.set_schedule(schedule)
+        if batched is not None:
+            engine.prefill_batch_fn = prefill
         prompts = random_prompts(vocab, b, a.prompt_len, seed=a.seed + b)
         row = measure(engine, decoder, clock, prompts, a.max_tokens)
         rows.append(row)

@@ -47,33 +47,38 @@ def window(prompt_len: int, max_tokens: int, gamma: int) -> int:
 
 def build_from_pair(pair: str | Path, work_dir: str | Path, *, backend: str, device: str, max_batch: int,
                     max_seq: int, log, buckets: list[int] | None = None, verify_widths=None,
-                    reuse: bool = False, kv_pool: list[int] | None = None, kv_cache_dtype: str | None = None) -> Path:
+                    reuse: bool = False, kv_pool: list[int] | None = None, kv_cache_dtype: str | None = None,
+                    prefill_batch: int = 1) -> Path:
     """Build an engine from the pair into ``work_dir`` (replacing one built there before) → its folder.
     The build reports its progress on stderr. ``buckets``: the aoti engine's batch buckets (default:
     powers of two up to max_batch); a benchmark that runs only some batch sizes compiles only those.
     ``verify_widths``: the aoti engine's narrower verification widths (``build --verify-widths``;
     "default": the ones ``--schedule confidence`` builds). ``kv_pool``: [blocks, block size], the aoti
     engine's paged KV pool (``build --kv-cache-tokens``; default: a window per slot). ``kv_cache_dtype``: the
-    target's KV cache (``build --kv-cache-dtype``; default: as the checkpoint says). ``reuse``: an engine
+    target's KV cache (``build --kv-cache-dtype``; default: as the checkpoint says). ``prefill_batch``: the aoti
+    engine's prefill of up to that many chunks a call (``build --prefill-batch``). ``reuse``: an engine
     already built there by the same plan (its folder's name says backend, device, max_batch, max_seq, the
-    pool and the KV cache's dtype) is used as it is."""
+    pool, the KV cache's dtype and the prefill batch) is used as it is."""
     from muse_spark.builder.build import build_engine
 
     pair = check_pair(pair)
     pool = f"-pool{kv_pool[0]}x{kv_pool[1]}" if kv_pool else ""
     kv = f"-kv{kv_cache_dtype}" if kv_cache_dtype else ""
-    out = Path(work_dir) / f"engine-{backend}-{device}-b{max_batch}-s{max_seq}{pool}{kv}"
+    pb = f"-p{prefill_batch}" if prefill_batch > 1 else ""
+    out = Path(work_dir) / f"engine-{backend}-{device}-b{max_batch}-s{max_seq}{pool}{kv}{pb}"
     if reuse and (out / "manifest.json").is_file():
         log(f"reusing the engine built before in {out}")
         return out
     log(f"building an engine from {pair} ({backend} backend, {device}, max_batch {max_batch}, max_seq {max_seq}"
         f"{f', a KV pool of {kv_pool[0]} blocks of {kv_pool[1]}' if kv_pool else ''}"
-        f"{f', a {kv_cache_dtype} KV cache' if kv_cache_dtype else ''}) into {out}")
+        f"{f', a {kv_cache_dtype} KV cache' if kv_cache_dtype else ''}"
+        f"{f', a prefill of up to {prefill_batch} chunks a call' if prefill_batch > 1 else ''}) into {out}")
     build_engine(pair / "target", pair / "draft", out, backend=backend, device=device, max_batch=max_batch,
                  max_seq=max_seq, overwrite=True, quiet=False, kv_cache_dtype=kv_cache_dtype,
                  **({"buckets": sorted(set(buckets))} if buckets and backend == "aoti" else {}),
                  **({"verify_widths": verify_widths} if verify_widths and backend == "aoti" else {}),
                  **({"kv_pool": list(kv_pool)} if kv_pool and backend == "aoti" else {}),
+                 **({"prefill_batch": prefill_batch} if prefill_batch > 1 and backend == "aoti" else {}),
                  # (the benchmarks send no sampling controls: their steps are not compiled, minutes less at 8B)
                  **({"sampling_controls": False} if backend == "aoti" else {}))
     return out

@@ -167,6 +167,8 @@ def generation_series(docs: list[dict], device: str) -> dict[str, list[tuple[int
     for p, d in sorted(latest.items(), reverse=True):
         for r in d["results"]["batches"]:
             name = "fixed γ" if r.get("schedule", "off") == "off" else f"{r['schedule']} scheduling"
+            if r.get("prefill_batch", 1) > 1:  # (benchmarks/generation.py --prefill-batch: its batched rows)
+                name += f", prefill {r['prefill_batch']} chunks a call"
             series.setdefault(f"acceptance {p:g}, {name}", []).append((r["batch"], r["speculative"]["tokens_per_s"]))
     if latest:
         last = max(latest.values(), key=lambda d: (len({r["batch"] for r in d["results"]["batches"]}), d["date"]))

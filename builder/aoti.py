@@ -5,7 +5,8 @@ backend writes (``target.safetensors``, ``draft.safetensors``):
 
 * ``prefill_layer.pt2``, ``prefill_finish.pt2`` — one prompt chunk of ``C``
   tokens for one request: a target layer, and the end of the chunk (draft
-  context, first token);
+  context, first token); with ``prefill_batch`` P > 1 also ``prefill_layer_p{P}.pt2``,
+  ``prefill_finish_p{P}.pt2``: the chunks of up to P requests in one pass over the weights;
 * ``step_draft_b{B}.pt2``, ``step_layer_b{B}.pt2``, ``step_verify_b{B}.pt2``,
   ``step_context_b{B}.pt2`` — one speculative step for batch bucket ``B``
   (static shapes, so that the runtime can capture the step in a CUDA graph):
@@ -153,13 +154,23 @@ def width_suffix(K: int | None) -> str:
     return "" if K is None else f"_k{K}"
 
 
+def prefill_suffix(batch: int) -> str:
+    """The package-name suffix of the prefill for ``batch`` chunks at once (1: none)."""
+    return "" if batch == 1 else f"_p{batch}"
+
+
 def graph_plan_names(buckets: list[int], with_prefill: bool = True, widths: list[int] = (),
-                     controls: bool = False) -> list[tuple[str, str, int, int | None]]:
+                     controls: bool = False, prefill_batch: int = 1) -> list[tuple[str, str, int, int | None]]:
     """(graph name, SpecPair function, batch, verification width) of every package an engine holds.
     ``widths``: the narrower verification widths K < γ (each bucket gets a layer, verify and context
     package per width, ``_k{K}``); the width is None for the prefill, the draft and the full width.
-    ``controls``: each bucket's verification under the sampling controls too (``step_verify_ctl_b{B}``)."""
-    names = [("prefill_layer", "layer", 1, None), ("prefill_finish", "prefill_finish", 1, None)] if with_prefill else []
+    ``controls``: each bucket's verification under the sampling controls too (``step_verify_ctl_b{B}``).
+    ``prefill_batch`` P > 1: a prefill for P chunks at once beside the one for a single chunk (``_p{P}``)."""
+    names = []
+    if with_prefill:
+        for p in sorted({1, prefill_batch}, reverse=True):
+            names += [(f"prefill_layer{prefill_suffix(p)}", "layer", p, None),
+                      (f"prefill_finish{prefill_suffix(p)}", "prefill_finish", p, None)]
     for b in sorted(buckets, reverse=True):  # the largest compiles longest: start it first
         names += [(f"step_verify_b{b}", "step_verify", b, None), (f"step_draft_b{b}", "step_draft", b, None),
                   (f"step_layer_b{b}", "layer", b, None), (f"step_context_b{b}", "step_context", b, None)]
@@ -169,6 +180,14 @@ def graph_plan_names(buckets: list[int], with_prefill: bool = True, widths: list
             names += [(f"step_{part}_b{b}{width_suffix(K)}", fn, b, K)
                       for part, fn in (("verify", "step_verify"), ("layer", "layer"), ("context", "step_context"))]
     return names
+
+
+def check_prefill_batch(prefill_batch: int, max_batch: int) -> int:
+    """The prompt chunks one prefill call takes, checked: an integer in [1, max_batch]."""
+    if isinstance(prefill_batch, bool) or not isinstance(prefill_batch, int) or not 1 <= prefill_batch <= max_batch:
+        raise ValueError(f"prefill batch {prefill_batch!r} must be an integer in [1, max_batch={max_batch}] (prompt "
+                         "chunks one prefill call takes)")
+    return prefill_batch
 
 
 def check_widths(widths: list[int] | str | None, gamma: int) -> list[int]:
@@ -188,12 +207,12 @@ def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: lis
                cache_dtype: str, configs: dict, out_dir: Path, with_prefill: bool = True,
                markov_words: dict[int, int] | None = None, options: KernelOptions | None = None,
                widths: list[int] = (), controls: bool = False, kv_pool: list[int] | None = None,
-               tp: dict | None = None) -> list[dict]:
+               tp: dict | None = None, prefill_batch: int = 1) -> list[dict]:
     """One self-contained job per package (picklable: a worker rebuilds everything from it).
     ``markov_words``: the Markov kernel's kept workspace per batch bucket (``markov_workspaces``);
     ``options``: the kernel options the graphs are traced under (default: the defaults);
     ``widths``, ``controls``: the narrower verification widths, the controlled verification
-    (``graph_plan_names``); ``kv_pool``: [blocks, block size] of paged caches (the parts then take the
+    (``graph_plan_names``, as is ``prefill_batch``); ``kv_pool``: [blocks, block size] of paged caches (the parts then take the
     rows' block tables where they take their slots); ``tp``: {"world", "vocab"} of a tensor-parallel rank's
     graphs (``tcfg`` that rank's share; ``split_pair``)."""
     names = [w[0] for w in wspecs]
@@ -202,7 +221,7 @@ def graph_jobs(tcfg: MuseSpark1xConfig, dcfg: MuseSparkDSparkConfig, wspecs: lis
                   options=(options or KernelOptions()).to_dict(), kv_pool=kv_pool, tp=tp)
     jobs = []
     spec = {w[0]: w for w in wspecs}
-    for name, fn, batch, K in graph_plan_names(buckets, with_prefill, widths, controls):
+    for name, fn, batch, K in graph_plan_names(buckets, with_prefill, widths, controls, prefill_batch):
         tokens = prefill_chunk if name.startswith("prefill") else (dcfg.block_size if K is None else K) + 1
         jobs.append(dict(common, name=name, fn=fn, batch=batch, tokens=tokens, width=K,
                          markov_words=(markov_words or {}).get(batch, 0),  # in the runtime's feed order
@@ -254,8 +273,8 @@ def fake_inputs(job: dict, tcfg, dcfg):
             return (*args, t((B,), i64), t((slots, len(CTL_FLOATS)), f32), t((slots, len(CTL_INTS)), i64),
                     t((slots, V), torch.bool), t((slots, V), f32), t((slots, V), torch.bool))
         if fn == "prefill_finish":
-            return (weights, dk, dv, h, aux, t((1, S), i64), rows(1), *[t((1,), i64) for _ in range(2)],
-                    t((1,), f32))
+            return (weights, dk, dv, h, aux, t((B, S), i64), rows(B), *[t((B,), i64) for _ in range(2)],
+                    t((B,), f32))
     raise ValueError(f"unknown graph function {fn!r}")
 
 
@@ -473,7 +492,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
                buckets: list[int] | None = None, prefill_chunk: int | None = None, fast_compile: bool | None = None,
                plugins: str = "auto", jobs: int | None = None, log: Callable[[str], None] = lambda m: None,
                options: KernelOptions | None = None, verify_widths: list[int] | None = None,
-               sampling_controls: bool = True, kv_pool: list[int] | None = None, tp: dict | None = None) -> dict:
+               sampling_controls: bool = True, kv_pool: list[int] | None = None, tp: dict | None = None,
+               prefill_batch: int = 1) -> dict:
     """Compile the prefill and step packages into ``out_dir`` under the kernel ``options`` (default:
     the defaults); → the manifest's ``aoti`` section. ``verify_widths``: verification widths K < γ
     to compile step packages for beside the full width (confidence-scheduled steps verify the first
@@ -481,8 +501,11 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
     verification under the requests' sampling controls too (``SpecPair.step_verify_ctl``). ``kv_pool``:
     [blocks, block size]: paged caches, a pool of that many blocks (``runtime/kv_blocks.py``), which the
     parts address through block tables. ``tp``: {"world", "vocab"}: ``target`` is one tensor-parallel rank's
-    slice (``shard_target``), whose packages every rank runs on its own slice (``split_pair``)."""
+    slice (``shard_target``), whose packages every rank runs on its own slice (``split_pair``).
+    ``prefill_batch`` P > 1: a prefill package for P prompt chunks at once beside the one for a single chunk
+    (the runtime prefills a round of up to P requests' chunks in one pass over the weights)."""
     options = options or KernelOptions()
+    prefill_batch = check_prefill_batch(prefill_batch, max_batch)
     buckets, chunk = graph_plan(device, max_batch, max_seq, buckets, prefill_chunk)
     widths = check_widths(verify_widths, draft.cfg.block_size)
     if fast_compile is None:
@@ -502,7 +525,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         job_list = graph_jobs(target.cfg, draft.cfg, wspecs, device=device, max_seq=max_seq,
                               cache_slots=max_batch + 1, buckets=buckets, prefill_chunk=chunk, impl=impl,
                               cache_dtype=cache_dtype, configs=configs, out_dir=out_dir, markov_words=words,
-                              options=options, widths=widths, controls=sampling_controls, kv_pool=kv_pool, tp=tp)
+                              options=options, widths=widths, controls=sampling_controls, kv_pool=kv_pool, tp=tp,
+                              prefill_batch=prefill_batch)
         return compile_graphs(job_list, jobs, log), words
 
     fallback = None
@@ -556,6 +580,8 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         # (the step_draft package's markov_workspace input; 0: the reference loop, an empty tensor)
         "markov_workspace_words": {str(b): n for b, n in words.items()},
         "prefill_chunk": chunk,
+        # prompt chunks one prefill package call takes at most (prefill_layer_p{P}, prefill_finish_p{P}; 1: none)
+        "prefill_batch": prefill_batch,
         # Caches have one slot more than max_batch: padded batch rows read and write it.
         "cache_slots": max_batch + 1,
         # paged caches: [blocks, block size] of the pool the parts address through block tables; null: a

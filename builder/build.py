@@ -352,8 +352,8 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     (``KernelOptions.from_env``: the kernel options' variables, read here once).
     ``kv_cache_dtype``: the target's KV cache, "auto" (the compute dtype) or "fp8" (E4M3 with the layers'
     scales: docs/fp8.md); None: as the target checkpoint says.
-    ``aoti_options`` (backend ``aoti`` only): ``buckets``, ``prefill_chunk``, ``verify_widths``, ``sampling_controls``,
-    ``fast_compile``, ``plugins``, ``jobs`` — see ``builder/aoti.py``."""
+    ``aoti_options`` (backend ``aoti`` only): ``buckets``, ``prefill_chunk``, ``prefill_batch``, ``verify_widths``,
+    ``sampling_controls``, ``fast_compile``, ``plugins``, ``jobs`` — see ``builder/aoti.py``."""
     options = KernelOptions.from_env() if options is None else options
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r} (expected one of {list(BACKENDS)})")
@@ -370,6 +370,10 @@ def build_engine(target_dir: str | Path, draft_dir: str | Path, out: str | Path,
     if aoti_options and backend != "aoti":
         raise ValueError(f"options {sorted(aoti_options)} apply to --backend aoti only")
     check_max_batch(max_batch)
+    if "prefill_batch" in aoti_options:  # (refused before anything is loaded)
+        from muse_spark.builder.aoti import check_prefill_batch
+
+        check_prefill_batch(aoti_options["prefill_batch"], max_batch)
     if tp != 1 and backend not in ("eager", "aoti"):
         raise ValueError(f"--tp {tp}: tensor-parallel engines are eager or aoti engines (--backend eager|aoti)")
     if tp != 1 and aoti_options.get("kv_pool"):

@@ -115,6 +115,15 @@ def cmd_build(a) -> int:
         aoti["verify_widths"] = a.verify_widths
     elif a.backend == "aoti" and a.schedule == "confidence":
         aoti["verify_widths"] = "default"
+    if a.prefill_batch is not None:
+        if a.backend != "aoti":
+            print("error: --prefill-batch applies to --backend aoti (the eager engine prefills any number of chunks "
+                  "at once)", file=sys.stderr)
+            return 2
+        if not a.prefill_batch <= a.max_batch:
+            print(f"error: --prefill-batch {a.prefill_batch} exceeds --max-batch {a.max_batch}", file=sys.stderr)
+            return 2
+        aoti["prefill_batch"] = a.prefill_batch
     if a.kv_cache_tokens is not None:
         if a.backend != "aoti":
             print("error: --kv-cache-tokens at build applies to --backend aoti (an eager engine takes its pool when "
@@ -521,6 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--verify-widths", type=_positive_list, default=None, metavar="K,K",
                    help="aoti: also compile steps verifying only the first K drafts of each request, for "
                         "confidence scheduling (default with --schedule confidence: 1 and about γ/2)")
+    b.add_argument("--prefill-batch", type=_positive, default=None, metavar="P",
+                   help="aoti: also compile a prefill for up to P prompt chunks at once (one pass over the weights "
+                        "for a round of P requests' chunks; default 1: one chunk a call)")
     b.set_defaults(fn=cmd_build)
 
     q = sub.add_parser("quantize", help="write the FP8 (E4M3) checkpoint of a bf16/fp16/fp32 target (and draft): "

@@ -3,7 +3,8 @@
 ``AOTIEngine.from_dir`` checks the manifest against this machine (backend,
 device kind, compute capability, torch version), the files against their
 hashes, then loads the canonical weights once and the packages (a prompt
-chunk: ``prefill_layer``, ``prefill_finish``; a step per batch bucket:
+chunk: ``prefill_layer``, ``prefill_finish``, and where the engine was built with a prefill batch P the
+same for up to P chunks at once, ``_p{P}``; a step per batch bucket:
 ``step_draft_b{B}``, ``step_layer_b{B}``, ``step_verify_b{B}``, ``step_context_b{B}``), which take
 those weights and the KV caches as inputs (``muse_spark/graphs/parts.py`` says
 why); the one layer package runs every target layer. On CUDA each bucket's
@@ -199,11 +200,15 @@ def load_step(d: str | Path, graphs: dict | None, bucket: int, target, draft, de
                        side=side, widths=narrower, ctl_fn=ctl_fn)
 
 
-def load_prefill(d: str | Path, graphs: dict | None, target, draft, device, loader=None) -> LayeredPrefill:
+def load_prefill(d: str | Path, graphs: dict | None, target, draft, device, loader=None,
+                 batch: int = 1) -> LayeredPrefill:
+    """The prefill of ``batch`` chunks at once (1: ``prefill_layer``/``prefill_finish``, else their ``_p{batch}``
+    packages)."""
     d, names = Path(d), weight_names(SpecPair(target, draft))
     loader = loader or (lambda name: _part(d, graphs, name, device))
+    suffix = "" if batch == 1 else f"_p{batch}"
     return LayeredPrefill(names, target.cfg.num_hidden_layers, target.aux_layer_ids, embed_and_norm(target),
-                          loader("prefill_layer"), loader("prefill_finish"))
+                          loader(f"prefill_layer{suffix}"), loader(f"prefill_finish{suffix}"))
 
 
 def markov_words(aoti: dict, bucket: int, where) -> int:
@@ -293,6 +298,13 @@ class AOTIEngine(EagerEngine):
         words = {b: markov_words(a, b, engine_dir) for b in self.buckets}
         self.prefill_fn = load_prefill(d, a["graphs"], target, draft, self.device, loader=self.part_loader(d, a))
         self.prefill_fn.table = self.kv.table if self.kv is not None else None
+        # up to prefill_batch chunks a call (the manifest's; 1: the single-chunk packages only)
+        self.prefill_batch = int(a.get("prefill_batch", 1))
+        self.prefill_batch_fn = None
+        if self.prefill_batch > 1:
+            self.prefill_batch_fn = load_prefill(d, a["graphs"], target, draft, self.device,
+                                                 loader=self.part_loader(d, a), batch=self.prefill_batch)
+            self.prefill_batch_fn.table = self.prefill_fn.table
         self.runners: dict[int, StaticStep] = {}
         pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.pdl_kernels = programmatic_kernels(a) if self.cuda_graphs else ()
@@ -415,32 +427,54 @@ class AOTIEngine(EagerEngine):
     @with_options
     @torch.inference_mode()
     def prefill_chunks(self, chunks: list[PrefillChunk]) -> list[torch.Tensor | None]:
-        """``EagerEngine.prefill_chunks`` on the compiled prefill: one static chunk of
-        ``prefill_chunk`` tokens a call (the last one padded), chunk after chunk."""
-        dev, C = self.device, self.prefill_chunk
-        out: list[torch.Tensor | None] = []
-        for c in chunks:
+        """``EagerEngine.prefill_chunks`` on the compiled prefill: static chunks of ``prefill_chunk`` tokens (a
+        prompt's last one padded), up to ``prefill_batch`` of them a call (the rows of a call that no chunk
+        fills padded as a step's are: the scratch slot, greedy), one chunk a call where the engine has no
+        batched prefill or a single chunk is left."""
+        for c in chunks:  # (every chunk checked before any runs)
             L = len(c.prompt)
             if not 1 <= L < self.max_seq:
                 raise ValueError(f"prompt length {L} must be in [1, max_seq={self.max_seq})")
             if not 0 <= c.slot < self.max_batch:
                 raise ValueError(f"slot {c.slot} outside [0, {self.max_batch})")
-            n = min(C, L - c.start)
-            tokens = torch.zeros(1, C, dtype=torch.int64)
-            tokens[0, :n] = torch.tensor(c.prompt[c.start : c.start + n], dtype=torch.int64)
-            # Pad positions continue past the prompt (clamped into the window): no
-            # query of this prompt sees them, and later steps overwrite them.
-            positions = torch.arange(c.start, c.start + C).clamp_(max=self.max_seq - 1)[None]
-            last = c.start + n == L
-            controlled = last and (c.processing is not None or c.logprobs_n is not None)
-            first = self.prefill_fn(self.weights, *self.caches, tokens.to(dev), positions.to(dev),
-                                    torch.tensor([c.slot], device=dev), torch.tensor([n - 1], device=dev),
-                                    torch.tensor([c.seed], dtype=torch.int64, device=dev),
-                                    torch.tensor([c.temperature], dtype=torch.float32, device=dev), with_h=controlled)
-            if controlled:  # (the first token under the request's controls: sampled here from the chunk's h)
-                first, h = first
-                (first,) = self._first_tokens(self.target.logits(h[:, n - 1]), [c])
-            out.append(first if last else None)
+        out: list[torch.Tensor | None] = []
+        width = self.prefill_batch if self.prefill_batch_fn is not None else 1
+        for i in range(0, len(chunks), width):
+            group = chunks[i : i + width]
+            out += self._prefill_call(group, self.prefill_fn if len(group) == 1 else self.prefill_batch_fn)
+        return out
+
+    def _prefill_call(self, group: list[PrefillChunk], fn) -> list[torch.Tensor | None]:
+        """One call of the prefill ``fn`` (its packages' batch: 1 or ``prefill_batch``) over ``group``'s chunks."""
+        dev, C = self.device, self.prefill_chunk
+        rows = 1 if fn is self.prefill_fn else self.prefill_batch
+        tokens = torch.zeros(rows, C, dtype=torch.int64)
+        # Pad positions continue past the prompt (clamped into the window): no query of this prompt sees
+        # them, and later steps overwrite them. Padding rows: the scratch slot at positions 0 … C − 1.
+        positions = torch.arange(C).clamp_(max=self.max_seq - 1).repeat(rows, 1)
+        slots = torch.full((rows,), self.scratch_slot, dtype=torch.int64)
+        last = torch.zeros(rows, dtype=torch.int64)
+        seeds = torch.zeros(rows, dtype=torch.int64)
+        temps = torch.zeros(rows, dtype=torch.float32)
+        n, done, controlled = [], [], []
+        for j, c in enumerate(group):
+            n.append(min(C, len(c.prompt) - c.start))
+            tokens[j, : n[j]] = torch.tensor(c.prompt[c.start : c.start + n[j]], dtype=torch.int64)
+            positions[j] = torch.arange(c.start, c.start + C).clamp_(max=self.max_seq - 1)
+            slots[j], last[j], seeds[j], temps[j] = c.slot, n[j] - 1, c.seed, c.temperature
+            done.append(c.start + n[j] == len(c.prompt))
+            controlled.append(done[j] and (c.processing is not None or c.logprobs_n is not None))
+        first = fn(self.weights, *self.caches, tokens.to(dev), positions.to(dev), slots.to(dev), last.to(dev),
+                   seeds.to(dev), temps.to(dev), with_h=any(controlled))
+        if any(controlled):  # (a first token under the request's controls: sampled here from the chunk's h)
+            first, h = first
+        out: list[torch.Tensor | None] = []
+        for j, c in enumerate(group):
+            if controlled[j]:
+                (token,) = self._first_tokens(self.target.logits(h[j : j + 1, n[j] - 1]), [c])
+            else:
+                token = first[j : j + 1]
+            out.append(token if done[j] else None)
         return out
 
     # ---- sampling controls -------------------------------------------------------------------

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from muse_spark.runtime.engine import PrefillChunk
 from muse_spark.runtime.generator import Generator, Request, RequestError, SamplingParams
 from muse_spark.runtime.cuda_graph import capture
 
@@ -78,7 +79,8 @@ class TargetOnlyDecoder:
 
     A private ``Generator`` validates the requests and emits their tokens (the same checks and the
     same stop / ``max_tokens`` handling as speculative generation). Prompts are prefilled into slots
-    0 … n−1 (more than ``engine.max_batch`` prompts run in successive batches), then each step runs
+    0 … n−1, a chunk of each a round (``engine.prefill_chunks``; more than ``engine.max_batch`` prompts run in
+    successive batches), then each step runs
     ``engine.target_step`` over the requests still running; a finished request leaves the batch.
     The decoder writes the engine's cache slots: no ``Generator`` may use the engine meanwhile.
 
@@ -123,13 +125,21 @@ class TargetOnlyDecoder:
         eng, gen = self.engine, self.gen
         if self.cuda_graphs:
             self._graph(len(reqs), free_slot=0)  # (captured before any of these slots holds a prompt)
-        tokens, pos = [], []
-        for slot, req in enumerate(reqs):
+        for req in reqs:
             req.t_start = time.perf_counter()
-            p = req.params
-            tokens.append(int(eng.prefill(req.prompt, slot, p.seed, float(p.temperature)).item()))
-            pos.append(len(req.prompt))
-            gen._emit(req, tokens[-1:])
+        # The prompts' chunks in rounds, the next chunk of every prompt not yet done a round (one engine call:
+        # as the speculative Generator prefills a round), each first token emitted as its prompt ends.
+        tokens: list[int | None] = [None] * len(reqs)
+        start = 0
+        while todo := [i for i, t in enumerate(tokens) if t is None]:
+            chunks = [PrefillChunk(reqs[i].prompt, start, i, reqs[i].params.seed, float(reqs[i].params.temperature))
+                      for i in todo]
+            for i, first in zip(todo, eng.prefill_chunks(chunks)):
+                if first is not None:
+                    tokens[i] = int(first.item())
+                    gen._emit(reqs[i], tokens[i : i + 1])
+            start += eng.prefill_chunk
+        pos = [len(req.prompt) for req in reqs]
         last = None  # the rows of the last step
         while rows := [i for i, r in enumerate(reqs) if not r.finished]:
             t0 = time.perf_counter()

@@ -196,7 +196,9 @@ workload)
     # the same engine's target-only decoding (benchmarks/generation.py; JSON and table in $OUT). The pair
     # and the engine stay in /tmp/w8b: a run the call's time limit cut short (the 8B aoti build takes
     # minutes) is picked up by the next one with the same ACCEPTANCE and BACKEND. BATCHES: the batch sizes (default
-    # 1,8,32; the largest is the engine's max batch, so another list builds another engine).
+    # 1,8,32; the largest is the engine's max batch, so another list builds another engine). GEN_ARGS: more
+    # arguments for benchmarks/generation.py (e.g. --prefill-batch 8: each batch size prefilled one chunk a
+    # call and 8).
     p=${ACCEPTANCE:-0.85} backend=${BACKEND:-aoti}
     here=/tmp/w8b/workload-$p
     free_disk "$here"
@@ -205,7 +207,8 @@ workload)
     timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/generation.py --pair "$here/pair" --reuse-engine \
         --backend "$backend" --batches "${BATCHES:-1,8,32}" --max-tokens "${MAX_TOKENS:-256}" --prompt-len 32 \
         --work-dir "$here/engine-$backend" --out-dir "$OUT" --schedule "${SCHEDULES:-off,confidence}" --calibrate \
-        --markdown "$OUT/generation-$p-$backend.md" 2>&1 | grep -v "^\[build\]" | tee "$OUT/generation-$p-$backend.log"
+        --markdown "$OUT/generation-$p-$backend.md" ${GEN_ARGS:-} 2>&1 | grep -v "^\[build\]" \
+        | tee "$OUT/generation-$p-$backend.log"
     ;;
 serving-sweep)
     # what a serving user sees on the 8B-shaped pair (acceptance 0.8): a concurrency sweep in process, the

@@ -32,8 +32,9 @@ def random_pair(tmp_path_factory):
 
 
 # The CPU aoti engine the aoti and C++ embedding tests share (built once, by the CLI in another process),
-# with one verification width narrower than γ (confidence-scheduled steps; tests/test_schedule.py).
-AOTI_MAX_BATCH, AOTI_MAX_SEQ, AOTI_NARROW_WIDTH = 3, 256, 2
+# with one verification width narrower than γ (confidence-scheduled steps; tests/test_schedule.py) and a
+# prefill for up to three chunks at once (a round of two runs with one padding row).
+AOTI_MAX_BATCH, AOTI_MAX_SEQ, AOTI_NARROW_WIDTH, AOTI_PREFILL_BATCH = 3, 256, 2, 3
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +44,7 @@ def aoti_built(agreeing_pair, tmp_path_factory):
     out = tmp_path_factory.mktemp("aoti") / "engine"
     r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend",
                 "aoti", "--device", "cpu", "--max-batch", AOTI_MAX_BATCH, "--max-seq", AOTI_MAX_SEQ,
-                "--verify-widths", AOTI_NARROW_WIDTH)
+                "--verify-widths", AOTI_NARROW_WIDTH, "--prefill-batch", AOTI_PREFILL_BATCH)
     assert r.returncode == 0, r.stderr[-4000:]
     return out, r.stderr
 

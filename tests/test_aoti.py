@@ -58,8 +58,9 @@ def test_build_reports_progress_and_writes_the_manifest(built):
              "step_verify_b3.pt2", "step_context_b3.pt2",
              # (the shared engine also verifies 2 drafts per request: conftest.AOTI_NARROW_WIDTH)
              "step_layer_b3_k2.pt2", "step_verify_b3_k2.pt2", "step_context_b3_k2.pt2",
-             "step_verify_ctl_b3.pt2"}  # (the verification under the sampling controls)
-    assert "[build] compiling 10 graphs" in log and "step_layer_b3 compiled" in log
+             "step_verify_ctl_b3.pt2",  # (the verification under the sampling controls)
+             "prefill_layer_p3.pt2", "prefill_finish_p3.pt2"}  # (three prompt chunks at once: --prefill-batch 3)
+    assert "[build] compiling 12 graphs" in log and "step_layer_b3 compiled" in log
     m = json.loads((out / "manifest.json").read_text())
     assert m["backend"] == "aoti" and m["device"]["kind"] == "cpu"
     a = m["aoti"]
@@ -80,6 +81,8 @@ def test_build_reports_progress_and_writes_the_manifest(built):
     assert a["graphs"]["step_layer_b3_k2"] == {"file": "step_layer_b3_k2.pt2", "fn": "layer", "batch": 3,
                                                "tokens": 3, "width": 2}
     assert a["verify_widths"] == [2, 5] and a["sampling_controls"] == {"logprobs_top": 20}
+    assert a["prefill_batch"] == 3 and a["graphs"]["prefill_layer_p3"] == {
+        "file": "prefill_layer_p3.pt2", "fn": "layer", "batch": 3, "tokens": a["prefill_chunk"]}
     for name in sorted(files) + ["target.safetensors", "draft.safetensors", "derived.safetensors", "tokenizer.json"]:
         assert len(m["files"][name]) == 64  # sha256 of every engine file
     assert m["versions"]["torch"] == torch.__version__
@@ -165,6 +168,48 @@ def test_layered_parts_compose_to_the_eager_step_and_prefill(agreeing_pair):
     for ca, cb in zip((a.target_cache.k, a.target_cache.v, a.draft_cache.k, a.draft_cache.v), caches_b):
         for ta, tb in zip(ca, cb):
             assert torch.equal(ta, tb)  # (the flagged step wrote the positions the eager one did)
+
+
+def test_rounds_of_chunks_run_in_the_batched_prefill_with_the_single_chunks_tokens(built):
+    """``--prefill-batch 3``: a round of three prompts' chunks is one call of the three-chunk packages, a round
+    of two the same call with a padding row (the scratch slot), a single chunk the one-chunk packages. Each
+    prompt's first token is the one its chunks give run one at a time (greedy and sampled), each slot holds
+    what they write there (within the bf16 rounding of GEMMs over more rows), and no call writes outside its
+    chunks' positions but in the scratch slot."""
+    from muse_spark.runtime.engine import PrefillChunk
+
+    a, b = load_engine(built[0]), load_engine(built[0])
+    assert a.prefill_batch == 3 and a.prefill_batch_fn is not None
+    b.prefill_batch_fn = None  # (one chunk a call)
+    calls = []
+    for name in ("prefill_fn", "prefill_batch_fn"):
+        fn = getattr(a, name)
+        setattr(a, name, lambda *x, _fn=fn, _name=name, **kw: calls.append(_name) or _fn(*x, **kw))
+    g = torch.Generator().manual_seed(3)
+    for ca, cb in zip(a.caches, b.caches):
+        for ta, tb in zip(ca, cb):
+            ta.copy_(torch.randn(ta.shape, generator=g).to(ta.dtype))
+            tb.copy_(ta)
+    before = [t.clone() for c in a.caches for t in c]
+    C = a.prefill_chunk
+    long = PROMPTS[1]  # two chunks
+    rounds = [[PrefillChunk(PROMPTS[0], 0, 0, 5, 0.0), PrefillChunk(long, 0, 1, 6, 0.9),
+               PrefillChunk(PROMPTS[3], 0, 2, 7, 1.2)],
+              [PrefillChunk(long, C, 1, 6, 0.9), PrefillChunk(PROMPTS[2], 0, 0, 8, 0.7)],
+              [PrefillChunk(PROMPTS[2], 0, 2, 9, 0.0)]]
+    with torch.inference_mode():
+        for chunks in rounds:
+            got = a.prefill_chunks(chunks)
+            want = [b.prefill_chunks([c])[0] for c in chunks]
+            assert [None if t is None else t.tolist() for t in got] == [None if t is None else t.tolist() for t in want]
+            assert [t is None for t in got] == [c.start + C < len(c.prompt) for c in chunks]
+    assert calls == ["prefill_batch_fn", "prefill_batch_fn", "prefill_fn"]
+    scratch = a.scratch_slot
+    for t0, ta, tb in zip(before, [t for c in a.caches for t in c], [t for c in b.caches for t in c]):
+        torch.testing.assert_close(ta[:scratch].float(), tb[:scratch].float(), atol=0.05, rtol=0.02)
+        for slot in (0, 2):  # (short prompts: one chunk, its padded end at C)
+            assert torch.equal(ta[slot, C:], t0[slot, C:])
+        assert torch.equal(ta[scratch, C:], t0[scratch, C:]) and torch.equal(tb[scratch], t0[scratch])
 
 
 def test_step_graph_equals_eager_step_and_writes_only_its_slots(engine, eager):

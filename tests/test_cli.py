@@ -125,6 +125,10 @@ def test_build_engine_script_wraps_the_cli(tiny, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (("--backend", "aoti", "--device", "cpu", "--plugins", "triton"), "needs --device cuda"),
     (("--backend", "eager", "--plugins", "inline"), "apply to --backend aoti only"),
+    (("--backend", "eager", "--prefill-batch", "2"), "--prefill-batch applies to --backend aoti"),
+    (("--backend", "aoti", "--device", "cpu", "--max-batch", "2", "--prefill-batch", "3"),
+     "--prefill-batch 3 exceeds --max-batch 2"),
+    (("--backend", "aoti", "--device", "cpu", "--prefill-batch", "0"), "expected a positive integer"),
 ])
 def test_build_plugins_option_is_checked_before_compiling(tiny, tmp_path, args, message):
     r = cli("build", "--target", tiny / "pair/target", "--draft", tiny / "pair/draft", "--out", tmp_path / "e",

@@ -301,10 +301,11 @@ def _aoti_build_args(pair) -> tuple:
 @pytest.fixture(scope="module")
 def aoti_paged(agreeing_pair, tmp_path_factory):
     """A CPU aoti engine of the agreeing pair built with a pool of 256 positions in blocks of 16 (max_batch 3,
-    max_seq 256: one request's window) → its directory."""
+    max_seq 256: one request's window) and a prefill of two chunks a call (through the block tables too) → its
+    directory."""
     out = tmp_path_factory.mktemp("aoti-paged") / "engine"
     r = run_cli(*_aoti_build_args(agreeing_pair), "--out", out, "--backend", "aoti", "--kv-cache-tokens", 256,
-                "--kv-block-size", 16)
+                "--kv-block-size", 16, "--prefill-batch", 2)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 
@@ -318,12 +319,16 @@ def test_an_aoti_engine_built_with_a_pool_runs_paged_with_the_eager_tokens(agree
     assert json.loads((out / "manifest.json").read_text())["aoti"]["kv_pool"] == [17, 16]
     engine = load_engine(out)
     assert engine.kv is not None and "a pool of 256 positions in blocks of 16" in engine.kv_description()
+    assert engine.prefill_batch == 2 and engine.prefill_batch_fn.table is engine.kv.table
+    batched = []
+    fn = engine.prefill_batch_fn
+    engine.prefill_batch_fn = lambda *x, **kw: batched.append(1) or fn(*x, **kw)
     poison_freed_blocks(engine)
     prompts, params = _workload(6, seed=0, max_tokens=(60, 120))
     want = [r.output for r in Generator(_engine(agreeing_pair, max_batch=3, max_seq=256)).generate(prompts, params)]
     gen = Generator(engine)
     assert [r.output for r in gen.generate(prompts, params)] == want
-    assert gen.preemptions > 0
+    assert gen.preemptions > 0 and batched  # (rounds of two or three chunks ran in the two-chunk packages)
     engine.kv.check()
     r = run_cli(*args, "--out", tmp_path / "small", "--backend", "aoti", "--kv-cache-tokens", 200)
     assert r.returncode == 2 and "cannot hold one request of max_seq 256 tokens" in r.stderr

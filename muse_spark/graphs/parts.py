@@ -188,15 +188,19 @@ class SpecPair(nn.Module):
     def prefill_finish(self, dk, dv, h, aux, positions, slots, last, seeds, temperature):
         """The end of one prompt chunk: store its draft context K/V, sample the token after ``last``.
 
-        h [1, C, D]: the final norm of the last layer's stream; aux as in ``step_context``; positions [1, C]
-        (a short last chunk is padded: its pad positions lie past the prompt, where no query
-        looks, and later steps overwrite them); slots, last, seeds [1] int64 (``last``: index
-        of the chunk's last real token); temperature [1] fp32.
-        → [1] int64: the token after ``last`` (used from the prompt's last chunk).
+        h [P, C, D]: the final norm of the last layer's stream, P chunks (1, or the engine's prefill batch);
+        aux as in ``step_context``; positions [P, C] (a short last chunk is padded: its pad positions lie
+        past the prompt, where no query looks, and later steps overwrite them); slots, last, seeds [P] int64
+        (``last``: index of each chunk's last real token); temperature [P] fp32.
+        → [P] int64: the token after each chunk's ``last`` (used from a prompt's last chunk).
         """
         self.draft.store_context(self.target.cat_aux(list(aux), h), positions, slots, KVCache(list(dk), list(dv)))
-        h_last = h.index_select(1, last)[:, 0]  # [1, D]
-        return sample_tokens(self.target.logits(h_last), temperature, seeds, positions.index_select(1, last)[:, 0] + 1)
+        if h.shape[0] == 1:
+            h_last, at = h.index_select(1, last)[:, 0], positions.index_select(1, last)[:, 0]  # [1, D], [1]
+        else:
+            rows = torch.arange(h.shape[0], device=h.device)
+            h_last, at = h[rows, last], positions[rows, last]  # [P, D], [P]
+        return sample_tokens(self.target.logits(h_last), temperature, seeds, at + 1)
 
 
 def key_window(cache: torch.Tensor, slots: torch.Tensor) -> int:
@@ -456,8 +460,8 @@ def embed_and_norm(target: MuseSpark1xForCausalLM):
 
 
 class LayeredPrefill(_Layered):
-    """One prompt chunk from its compiled parts: ``fn(weights, tk, tv, dk, dv, tokens, positions,
-    slots, last, seeds, temperature)`` → ``[1]``. The embedding lookup and layer 0's input norm
+    """Prompt chunks from their compiled parts (one, or the engine's prefill batch P: the packages' batch):
+    ``fn(weights, tk, tv, dk, dv, tokens, positions, slots, last, seeds, temperature)`` → ``[P]``. The embedding lookup and layer 0's input norm
     (``embed``: tokens → the FP32 stream and its norm, the reference modules') run uncompiled: a
     gather and a norm."""
 
@@ -467,8 +471,8 @@ class LayeredPrefill(_Layered):
         self.table: torch.Tensor | None = None  # paged caches: the engine's block tables (``LayeredStep.table``)
 
     def __call__(self, weights, tk, tv, dk, dv, tokens, positions, slots, last, seeds, temperature, with_h=False):
-        """→ the token after ``last`` ([1]); ``with_h``: (it, h [1, C, D]: the final norm of the chunk's last
-        stream, for a caller that samples the first token itself)."""
+        """→ the token after each chunk's ``last`` ([P]); ``with_h``: (it, h [P, C, D]: the final norm of the
+        chunks' last stream, for a caller that samples a first token itself)."""
         head = [weights[j] for j in self.head_idx]
         stream, x = self.embed(tokens)
         if self.table is not None:
