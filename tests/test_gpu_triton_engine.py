@@ -48,7 +48,8 @@ def eager(agreeing_pair):
 
 @pytest.fixture(scope="module")
 def built(agreeing_pair, tmp_path_factory):
-    return build(agreeing_pair, tmp_path_factory.mktemp("triton_engine") / "engine")
+    # (with a prefill of two chunks a call: two prompts prefill in one call of its packages)
+    return build(agreeing_pair, tmp_path_factory.mktemp("triton_engine") / "engine", extra=("--prefill-batch", 2))
 
 
 # Each engine this file builds is a group of its own (scripts/gpu_check.sh runs --dist loadgroup): the
@@ -66,12 +67,17 @@ def test_engine_with_the_triton_plugin_kernels_equals_eager(built, eager):
     a = json.loads((built / "manifest.json").read_text())["aoti"]
     assert a["plugin_impl"] == "triton" and a["rope_table"] is True and a["attention_cache"] is True
     assert a["pdl_kernels"] == list(PDL_KERNELS) and a["pdl_trigger"] is True and a["pdl_gemm_trigger"] is True
+    assert a["prefill_batch"] == 2 and "prefill_layer_p2" in a["graphs"]
     engine = load_engine(built)
     for runner in engine.runners.values():
         assert 0 < runner.programmatic_edges < runner.graph_kernels, (runner.programmatic_edges, runner.graph_kernels)
         assert isinstance(runner.fn.side, torch.cuda.Stream)
+    batched = []
+    fn = engine.prefill_batch_fn
+    engine.prefill_batch_fn = lambda *x, **kw: batched.append(1) or fn(*x, **kw)
     want = [r.output for r in Generator(eager).generate(PROMPTS[:2], PARAMS)]
     assert [r.output for r in Generator(engine).generate(PROMPTS[:2], PARAMS)] == want
+    assert batched  # (the two prompts' chunks in one call of the two-chunk packages)
     assert_cli_equals_eager(built, eager)
 
 
