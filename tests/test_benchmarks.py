@@ -63,7 +63,7 @@ def test_render_keeps_fp8_steps_apart_from_the_bf16_figures():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
-    assert all(c in rows["1"] for c in (" 3.42 ", " **5.78** ", " 1.69× ", "9af9ce8"))
+    assert all(c in rows["1"] for c in (" 3.41 ", " **5.25** ", " 1.54× ", "7ef7d7a"))
     assert " **8.16** " in rows["8"] and "dc1e9e0" in rows["8"]  # (not the dropped 64-row W8A16 run's 9.15)
     assert " **13.09** " in rows["32"] and "--kv-cache-dtype fp8" in r.stdout
     bf16 = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render.py"), "--png", ""],
@@ -81,7 +81,7 @@ def test_the_fp8_plot_sets_fp8_beside_bf16_on_one_device(tmp_path):
     assert dict(series["tokens"]["fp8"])[1] == pytest.approx(726.4) and dict(series["tokens"]["bf16"])[1] == \
         pytest.approx(538.89)
     assert [b for b, *_ in series["step"]["fp8"]] == [1, 8, 32]
-    assert round(dict((b, ms) for b, ms, _ in series["step"]["fp8"])[1], 2) == 5.78
+    assert round(dict((b, ms) for b, ms, _ in series["step"]["fp8"])[1], 2) == 5.25
     assert render.fp8_series([], [], "NVIDIA H100 80GB HBM3") == {"step": {"bf16": [], "fp8": []}, "tokens": {}}
     png = tmp_path / "fp8.png"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render.py"), "--precision", "fp8", "--png",
