@@ -120,10 +120,7 @@ def cmd_build(a) -> int:
             print("error: --prefill-batch applies to --backend aoti (the eager engine prefills any number of chunks "
                   "at once)", file=sys.stderr)
             return 2
-        if not a.prefill_batch <= a.max_batch:
-            print(f"error: --prefill-batch {a.prefill_batch} exceeds --max-batch {a.max_batch}", file=sys.stderr)
-            return 2
-        aoti["prefill_batch"] = a.prefill_batch
+        aoti["prefill_batch"] = a.prefill_batch  # (build_engine checks it against max_batch before loading)
     if a.kv_cache_tokens is not None:
         if a.backend != "aoti":
             print("error: --kv-cache-tokens at build applies to --backend aoti (an eager engine takes its pool when "

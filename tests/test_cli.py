@@ -127,7 +127,7 @@ def test_build_engine_script_wraps_the_cli(tiny, tmp_path):
     (("--backend", "eager", "--plugins", "inline"), "apply to --backend aoti only"),
     (("--backend", "eager", "--prefill-batch", "2"), "--prefill-batch applies to --backend aoti"),
     (("--backend", "aoti", "--device", "cpu", "--max-batch", "2", "--prefill-batch", "3"),
-     "--prefill-batch 3 exceeds --max-batch 2"),
+     "prefill batch 3 must be an integer in [1, max_batch=2]"),
     (("--backend", "aoti", "--device", "cpu", "--prefill-batch", "0"), "expected a positive integer"),
 ])
 def test_build_plugins_option_is_checked_before_compiling(tiny, tmp_path, args, message):

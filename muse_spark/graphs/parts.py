@@ -195,11 +195,8 @@ class SpecPair(nn.Module):
         → [P] int64: the token after each chunk's ``last`` (used from a prompt's last chunk).
         """
         self.draft.store_context(self.target.cat_aux(list(aux), h), positions, slots, KVCache(list(dk), list(dv)))
-        if h.shape[0] == 1:
-            h_last, at = h.index_select(1, last)[:, 0], positions.index_select(1, last)[:, 0]  # [1, D], [1]
-        else:
-            rows = torch.arange(h.shape[0], device=h.device)
-            h_last, at = h[rows, last], positions[rows, last]  # [P, D], [P]
+        h_last = h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [P, D]
+        at = positions.gather(1, last[:, None])[:, 0]  # [P]
         return sample_tokens(self.target.logits(h_last), temperature, seeds, at + 1)
 
 
