@@ -221,6 +221,18 @@ def markov_words(aoti: dict, bucket: int, where) -> int:
     return n
 
 
+def prefill_batch(aoti: dict, where) -> int:
+    """The chunks one prefill call takes at most (the manifest's ``prefill_batch``; 1 where it has none), checked:
+    a positive integer whose packages the manifest lists, else the engine is refused."""
+    p = aoti.get("prefill_batch", 1)
+    graphs = aoti.get("graphs") or {}
+    if (not isinstance(p, int) or isinstance(p, bool) or p < 1
+            or (p > 1 and not {f"prefill_layer_p{p}", f"prefill_finish_p{p}"} <= set(graphs))):
+        raise EngineError(f"{where}: the manifest's prefill_batch {p!r} names no prefill packages it lists; "
+                          "rebuild the engine")
+    return p
+
+
 # ---- the engine -------------------------------------------------------------------------------
 class AOTIEngine(EagerEngine):
     backend = "aoti"
@@ -299,7 +311,7 @@ class AOTIEngine(EagerEngine):
         self.prefill_fn = load_prefill(d, a["graphs"], target, draft, self.device, loader=self.part_loader(d, a))
         self.prefill_fn.table = self.kv.table if self.kv is not None else None
         # up to prefill_batch chunks a call (the manifest's; 1: the single-chunk packages only)
-        self.prefill_batch = int(a.get("prefill_batch", 1))
+        self.prefill_batch = prefill_batch(a, engine_dir)
         self.prefill_batch_fn = None
         if self.prefill_batch > 1:
             self.prefill_batch_fn = load_prefill(d, a["graphs"], target, draft, self.device,

@@ -373,6 +373,18 @@ def test_refuses_a_manifest_without_a_valid_markov_workspace_size(built, tmp_pat
         load_engine(d)
 
 
+@pytest.mark.parametrize("batch", [0, "3", 2.0, 2], ids=["zero", "string", "float", "no_packages"])
+def test_refuses_a_manifest_whose_prefill_batch_it_cannot_use(built, tmp_path, batch):
+    """A prefill batch that is no positive integer, or whose packages the manifest does not list, is refused
+    with the field named (not a lookup error when the packages load)."""
+    d = copy_engine(built[0], tmp_path / "e")
+    m = json.loads((d / "manifest.json").read_text())
+    m["aoti"]["prefill_batch"] = batch
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match=f"the manifest's prefill_batch {batch!r} names no prefill packages it lists"):
+        load_engine(d)
+
+
 def test_refuses_another_compute_capability_or_device_kind(built):
     m = json.loads((built[0] / "manifest.json").read_text())
     cuda_m = dict(m, device={"kind": "cuda", "name": "NVIDIA A100", "compute_capability": [8, 0]})
