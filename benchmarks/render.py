@@ -155,28 +155,32 @@ def plot(rows: list[dict], png: Path, generation: tuple[dict, str] | None = None
 
 
 def generation_series(docs: list[dict], device: str) -> dict[str, list[tuple[int, float]]]:
-    """``label → [(batch, tok/s)]`` from the aoti generation results on ``device``: for each pair acceptance
-    its latest run's rows by schedule, and target-only decoding from the latest of the runs with the most batch
-    sizes (a shorter run, such as an FP8 comparison's, does not cut the line short)."""
-    latest: dict[float, dict] = {}
-    for d in docs:  # (oldest first: a later run of the same acceptance replaces an earlier one)
+    """``label → [(batch, tok/s)]`` from the aoti generation results on ``device``: for each pair acceptance and
+    schedule (and prefill batch) the latest run's tok/s at each batch size (a later run of some batch sizes
+    replaces those points only), and target-only decoding from the latest of the runs with the most batch sizes (a
+    shorter run, such as an FP8 comparison's, does not cut the line short)."""
+    points: dict[tuple[float, str], dict[int, float]] = {}
+    runs: list[dict] = []
+    for d in docs:  # (oldest first: a later run's point replaces an earlier one's)
         engine, pair = d["config"].get("engine", {}), d["config"].get("pair") or {}
-        if d["device"] == device and engine.get("backend") == "aoti" and "acceptance" in pair and d["results"].get("batches"):
-            latest[pair["acceptance"]] = d
-    series: dict[str, list[tuple[int, float]]] = {}
-    for p, d in sorted(latest.items(), reverse=True):
+        if not (d["device"] == device and engine.get("backend") == "aoti" and "acceptance" in pair
+                and d["results"].get("batches")):
+            continue
+        runs.append(d)
         for r in d["results"]["batches"]:
             name = "fixed γ" if r.get("schedule", "off") == "off" else f"{r['schedule']} scheduling"
             if r.get("prefill_batch", 1) > 1:  # (benchmarks/generation.py --prefill-batch: its batched rows)
                 name += f", prefill {r['prefill_batch']} chunks a call"
-            series.setdefault(f"acceptance {p:g}, {name}", []).append((r["batch"], r["speculative"]["tokens_per_s"]))
-    if latest:
-        last = max(latest.values(), key=lambda d: (len({r["batch"] for r in d["results"]["batches"]}), d["date"]))
+            points.setdefault((pair["acceptance"], name), {})[r["batch"]] = r["speculative"]["tokens_per_s"]
+    series = {f"acceptance {p:g}, {name}": sorted(pts.items())
+              for (p, name), pts in sorted(points.items(), key=lambda kv: (-kv[0][0], kv[0][1]))}
+    if runs:
+        last = max(runs, key=lambda d: (len({r["batch"] for r in d["results"]["batches"]}), d["date"]))
         seen = {}
         for r in last["results"]["batches"]:
             seen.setdefault(r["batch"], r["target_only"]["tokens_per_s"])
         series["target-only decoding (the same engine)"] = sorted(seen.items())
-    return {k: sorted(v) for k, v in series.items()}
+    return series
 
 
 def generation_panel(ax, series: dict[str, list[tuple[int, float]]], device: str) -> None:

@@ -221,6 +221,24 @@ def markov_words(aoti: dict, bucket: int, where) -> int:
     return n
 
 
+def prefill_groups(n: int, width: int) -> list[tuple[int, int]]:
+    """How ``n`` prefill chunks split into calls of a prefill taking ``width`` chunks at once: [start, end) of each
+    call, in order. Full calls of ``width`` first; what is left goes into one padded call when it fills more than
+    half of its rows, else one chunk a call. (A call's cost grows with its rows once they pass the GEMMs' compute
+    bound, padding rows too: a call of ``width`` chunks of which most are padding can cost more than the few
+    chunks it holds run one at a time.)"""
+    if n < 0 or width < 1:
+        raise ValueError(f"{n} chunks in calls of {width}: want n ≥ 0 and width ≥ 1")
+    full = n - n % width
+    groups = [(i, i + width) for i in range(0, full, width)]
+    left = n - full
+    if left > 1 and 2 * left > width:
+        groups.append((full, n))
+    else:
+        groups += [(i, i + 1) for i in range(full, n)]
+    return groups
+
+
 def prefill_batch(aoti: dict, where) -> int:
     """The chunks one prefill call takes at most (the manifest's ``prefill_batch``; 1 where it has none), checked:
     a positive integer whose packages the manifest lists, else the engine is refused."""
@@ -442,7 +460,7 @@ class AOTIEngine(EagerEngine):
         """``EagerEngine.prefill_chunks`` on the compiled prefill: static chunks of ``prefill_chunk`` tokens (a
         prompt's last one padded), up to ``prefill_batch`` of them a call (the rows of a call that no chunk
         fills padded as a step's are: the scratch slot, greedy), one chunk a call where the engine has no
-        batched prefill or a single chunk is left."""
+        batched prefill or too few chunks are left to fill more than half of one (``prefill_groups``)."""
         for c in chunks:  # (every chunk checked before any runs)
             L = len(c.prompt)
             if not 1 <= L < self.max_seq:
@@ -451,9 +469,8 @@ class AOTIEngine(EagerEngine):
                 raise ValueError(f"slot {c.slot} outside [0, {self.max_batch})")
         out: list[torch.Tensor | None] = []
         width = self.prefill_batch if self.prefill_batch_fn is not None else 1
-        for i in range(0, len(chunks), width):
-            group = chunks[i : i + width]
-            out += self._prefill_call(group, self.prefill_fn if len(group) == 1 else self.prefill_batch_fn)
+        for i, j in prefill_groups(len(chunks), width):
+            out += self._prefill_call(chunks[i:j], self.prefill_fn if j - i == 1 else self.prefill_batch_fn)
         return out
 
     def _prefill_call(self, group: list[PrefillChunk], fn) -> list[torch.Tensor | None]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from muse_spark.runtime import EagerEngine, EngineError, Generator, SamplingParams, load_engine
-from muse_spark.runtime.aoti_engine import AOTIEngine, check_compatibility, machine_info
+from muse_spark.runtime.aoti_engine import AOTIEngine, check_compatibility, machine_info, prefill_groups
 from muse_spark.graphs.parts import LAYOUT
 from muse_spark.options import KernelOptions
 
@@ -168,6 +168,22 @@ def test_layered_parts_compose_to_the_eager_step_and_prefill(agreeing_pair):
     for ca, cb in zip((a.target_cache.k, a.target_cache.v, a.draft_cache.k, a.draft_cache.v), caches_b):
         for ta, tb in zip(ca, cb):
             assert torch.equal(ta, tb)  # (the flagged step wrote the positions the eager one did)
+
+
+@pytest.mark.parametrize("n, width, calls", [
+    (0, 8, []), (1, 8, [(0, 1)]), (8, 8, [(0, 8)]), (16, 8, [(0, 8), (8, 16)]),
+    # a remainder filling more than half of a call's rows: one padded call; half or less: one chunk a call
+    (5, 8, [(0, 5)]), (4, 8, [(0, 1), (1, 2), (2, 3), (3, 4)]), (13, 8, [(0, 8), (8, 13)]),
+    (10, 8, [(0, 8), (8, 9), (9, 10)]), (2, 3, [(0, 2)]), (4, 3, [(0, 3), (3, 4)]),
+    (3, 1, [(0, 1), (1, 2), (2, 3)]), (5, 2, [(0, 2), (2, 4), (4, 5)])])
+def test_prefill_groups_fill_each_batched_call_more_than_half(n, width, calls):
+    assert prefill_groups(n, width) == calls
+
+
+@pytest.mark.parametrize("n, width", [(-1, 4), (3, 0)])
+def test_prefill_groups_refuse_a_negative_count_or_an_empty_call(n, width):
+    with pytest.raises(ValueError, match="want n ≥ 0 and width ≥ 1"):
+        prefill_groups(n, width)
 
 
 def test_rounds_of_chunks_run_in_the_batched_prefill_with_the_single_chunks_tokens(built):

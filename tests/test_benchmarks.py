@@ -63,12 +63,12 @@ def test_render_keeps_fp8_steps_apart_from_the_bf16_figures():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
-    assert all(c in rows["1"] for c in (" 3.41 ", " **5.25** ", " 1.54× ", "7ef7d7a"))
-    assert " **8.16** " in rows["8"] and "dc1e9e0" in rows["8"]  # (not the dropped 64-row W8A16 run's 9.15)
-    assert " **13.09** " in rows["32"] and "--kv-cache-dtype fp8" in r.stdout
+    assert all(c in rows["1"] for c in (" 3.45 ", " **5.25** ", " 1.52× ", "2390ae9bf28f"))
+    assert " **8.17** " in rows["8"] and "2390ae9" in rows["8"]
+    assert " **13.14** " in rows["32"] and "--kv-cache-dtype fp8" in r.stdout
     bf16 = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "render.py"), "--png", ""],
                           capture_output=True, text=True, timeout=300)
-    assert "dc1e9e0" not in bf16.stdout
+    assert "dc1e9e0" not in bf16.stdout and "2390ae9" not in bf16.stdout
 
 
 def test_the_fp8_plot_sets_fp8_beside_bf16_on_one_device(tmp_path):
@@ -96,10 +96,13 @@ def test_the_generation_plot_has_a_line_per_acceptance_and_schedule_and_the_targ
     import render
 
     series = render.generation_series(results.load(RESULTS, "generation"), "NVIDIA H100 80GB HBM3")
-    # the latest committed run of each acceptance on that device, by batch
+    # each acceptance and schedule on that device: the latest committed run's figure at each batch size (the
+    # batch-32 run of 2390ae9 replaces that point of the 44ea3f4 run's line only)
     assert round(dict(series["acceptance 0.85, fixed γ"])[1], 1) == 604.1
-    assert round(dict(series["acceptance 0.6, fixed γ"])[32], 1) == 4476.8
+    assert [(b, round(t, 1)) for b, t in series["acceptance 0.6, fixed γ"]] == [(1, 347.3), (8, 1826.7),
+                                                                               (32, 4409.9)]
     assert round(dict(series["acceptance 0.6, confidence scheduling"])[8], 1) == 1807.8
+    assert [(b, round(t, 1)) for b, t in series["acceptance 0.6, fixed γ, prefill 8 chunks a call"]] == [(32, 4949.8)]
     assert [b for b, _ in series["target-only decoding (the same engine)"]] == [1, 8, 32]
 
 
