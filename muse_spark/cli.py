@@ -529,7 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "confidence scheduling (default with --schedule confidence: 1 and about γ/2)")
     b.add_argument("--prefill-batch", type=_positive, default=None, metavar="P",
                    help="aoti: also compile a prefill for up to P prompt chunks at once (one pass over the weights "
-                        "for a round of P requests' chunks; default 1: one chunk a call)")
+                        "for a round of P requests' chunks; default 1: one chunk a call; 8 prefilled 32 short "
+                        "prompts 2.7x faster on an H100, docs/performance.md)")
     b.set_defaults(fn=cmd_build)
 
     q = sub.add_parser("quantize", help="write the FP8 (E4M3) checkpoint of a bf16/fp16/fp32 target (and draft): "
