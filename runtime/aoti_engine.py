@@ -232,7 +232,7 @@ def prefill_groups(n: int, width: int) -> list[tuple[int, int]]:
     full = n - n % width
     groups = [(i, i + width) for i in range(0, full, width)]
     left = n - full
-    if left > 1 and 2 * left > width:
+    if 2 * left > width:  # (a lone chunk left over never is: with width 1 nothing is left over)
         groups.append((full, n))
     else:
         groups += [(i, i + 1) for i in range(full, n)]
