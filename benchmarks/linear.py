@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from muse_spark.plugins.linear.reference import linear_reference
-from muse_spark.plugins.linear.triton_kernel import default_config, launch_linear
+from muse_spark.plugins.linear.triton_kernel import MAX_ROWS, default_config, launch_linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import results  # noqa: E402  (benchmarks/results.py, beside this file)
@@ -53,12 +53,19 @@ def shapes(hidden=4096, ffn=14336, qkv=6144, vocab=131072, draft_vocab=32768, fc
             ("draft_fc", 7, hidden, fc, False)]
 
 
-def configs():
-    out = []
-    for bn, warps in ((16, 2), (16, 4), (32, 4), (64, 4), (64, 8)):
-        for bk, stages in itertools.product((128, 256, 512), (3, 4, 6)):
-            out.append(dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages))
-    return out
+def configs(M: int = 8, silu: bool = False):
+    """--sweep: the bf16 kernel's candidates for M rows. Up to ``MAX_ROWS`` rows narrow weight tiles over long
+    chunks (the weight stream). Past it (batch 8: 64 rows) every weight tile re-reads x's M rows from L2, which
+    in 16-row tiles is four times the weight's bytes (the down projection at 118.6 µs against cuBLAS's 36.6 on an
+    H200, docs/log.md): wide tiles (64–128 weight rows, short chunks) read x a quarter as often, and split-K
+    launches (``SPLIT_K``, not with silu·mul) keep enough of them streaming where N is short."""
+    if M <= MAX_ROWS:
+        return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                for bn, warps in ((16, 2), (16, 4), (32, 4), (64, 4), (64, 8))
+                for bk, stages in itertools.product((128, 256, 512), (3, 4, 6))]
+    return [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **({"SPLIT_K": sk} if sk > 1 else {}))
+            for bn in (64, 128) for bk in (64, 128) for warps in (4, 8) for stages in (3, 4)
+            for sk in ((1,) if silu else (1, 2, 4))]
 
 
 def fp8_configs(silu: bool = False):
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = {"M": M, "N": N, "K": K, "silu_mul": silu, "weight_MB": nbytes / 1e6}
                 r["cublas_us"] = time_calls(lambda x, w: linear_reference(x, w, silu), x, ws)
                 ref = linear_reference(x, ws[0], silu).float()
-                cands = configs() if (a.sweep and time.time() - t0 < a.deadline_s) else [default_config(M, N // (1 + silu), K, silu)]
+                cands = configs(M, silu) if (a.sweep and time.time() - t0 < a.deadline_s) else [default_config(M, N // (1 + silu), K, silu)]
                 timings = []
                 for cfg in cands:
                     if time.time() - t0 > a.deadline_s:
