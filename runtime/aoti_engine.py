@@ -559,14 +559,19 @@ class AOTIEngine(EagerEngine):
             self._logprobs = logprob_lists(picked, ids[..., :top] if top else None, values[..., :top] if top else None)
         return rows
 
+    def chains_for(self, n: int) -> bool:
+        """Whether the ``Generator`` chains this engine's steps of ``n`` requests (the next step launched before
+        this one's rows are read: ``step_launch``/``step_next``/``step_rows``): the kernel option ``chained_steps``
+        of this engine (``self.options``), unless the batch bucket of ``n`` plans its width (a scheduled step waits
+        for its drafts' confidences before it verifies; a bucket whose cost row is flat runs the plain step, which
+        chains). Per bucket: a steep row at batch 64 leaves the steps of batch 1 to 32 chained (an engine-wide
+        answer cost them 5–10 % of their tokens/s on an H100, docs/log.md)."""
+        return self.options.chained_steps and self.runners[self.bucket_for(n)].planner is None
+
     @property
     def chains(self) -> bool:
-        """Whether the ``Generator`` chains this engine's steps (the next step launched before this
-        one's rows are read: ``step_launch``/``step_next``/``step_rows``): the kernel option
-        ``chained_steps`` of this engine (``self.options``), unless a step plans its width (a scheduled
-        step waits for its drafts' confidences before it verifies; a schedule whose cost rows are flat
-        at every bucket runs the plain steps, which chain)."""
-        return self.options.chained_steps and not any(r.planner for r in self.runners.values())
+        """Whether the steps of every batch bucket chain (``chains_for``)."""
+        return all(self.chains_for(b) for b in self.runners)
 
     @torch.inference_mode()
     def step_launch(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> StepHandle:

@@ -97,13 +97,14 @@ def test_the_generation_plot_has_a_line_per_acceptance_and_schedule_and_the_targ
 
     series = render.generation_series(results.load(RESULTS, "generation"), "NVIDIA H100 80GB HBM3")
     # each acceptance and schedule on that device: the latest committed run's figure at each batch size (the
-    # batch-32 run of 2390ae9 replaces that point of the 44ea3f4 run's line only)
+    # batch 1–64 run of 5f67b81 replaces the acceptance-0.6 points; the 0.85 line keeps the 44ea3f4 run's)
     assert round(dict(series["acceptance 0.85, fixed γ"])[1], 1) == 604.1
-    assert [(b, round(t, 1)) for b, t in series["acceptance 0.6, fixed γ"]] == [(1, 347.3), (8, 1826.7),
-                                                                               (32, 4409.9)]
-    assert round(dict(series["acceptance 0.6, confidence scheduling"])[8], 1) == 1807.8
-    assert [(b, round(t, 1)) for b, t in series["acceptance 0.6, fixed γ, prefill 8 chunks a call"]] == [(32, 4949.8)]
-    assert [b for b, _ in series["target-only decoding (the same engine)"]] == [1, 8, 32]
+    assert [(b, round(t, 1)) for b, t in series["acceptance 0.6, fixed γ"]] == [(1, 351.9), (8, 1864.2),
+                                                                               (32, 4459.6), (64, 5187.8)]
+    assert round(dict(series["acceptance 0.6, confidence scheduling"])[64], 1) == 4992.8
+    assert [(b, round(t, 1)) for b, t in series["acceptance 0.6, fixed γ, prefill 8 chunks a call"]] == [
+        (1, 353.0), (8, 1970.1), (32, 5046.9), (64, 5779.9)]
+    assert [b for b, _ in series["target-only decoding (the same engine)"]] == [1, 8, 32, 64]
 
 
 def test_the_committed_plot_is_a_png():

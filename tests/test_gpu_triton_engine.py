@@ -167,7 +167,7 @@ def test_an_engine_without_the_rope_table_the_fused_attention_and_pdl_equals_eag
 
 
 @pytest.mark.xdist_group("triton_engine_widths")
-def test_confidence_scheduled_steps_at_narrower_widths_equal_eager(agreeing_pair, eager, tmp_path):
+def test_confidence_scheduled_steps_at_narrower_widths_equal_eager(agreeing_pair, eager, tmp_path, monkeypatch):
     """An engine built with a narrower verification width (``--verify-widths 2``): each bucket's step
     halves are captured graphs of their own (the draft, then the verification at width 2 or γ); a
     step verifying K drafts emits the eager engine's tokens for K, greedy and sampled; confidence
@@ -191,7 +191,23 @@ def test_confidence_scheduled_steps_at_narrower_widths_equal_eager(agreeing_pair
         engine.set_schedule(Schedule())
         eager.set_schedule(Schedule())
         assert [r.output for r in reqs] == [r.output for r in Generator(eager).generate(PROMPTS[:2], [PARAMS[0]] * 2)]
+        # Chaining per batch bucket: batch 1's flat cost row keeps its plain steps chained while batch 2's steep
+        # row plans (unchained); each gives the eager engine's greedy tokens.
+        g = engine.gamma
+        launched = []
+        step_next = engine.step_next
+        monkeypatch.setattr(engine, "step_next", lambda *a, **kw: launched.append(a[0].n) or step_next(*a, **kw))
+        engine.set_schedule(Schedule("confidence", threshold=0.5,
+                                     cost_ms={"1": [10.0] * (g + 1), "2": [5.0 + k for k in range(g + 1)]}))
+        assert engine.chains_for(1) and not engine.chains_for(2) and not engine.chains
+        one = Generator(engine).generate(PROMPTS[:1], [PARAMS[0]])
+        two = Generator(engine).generate(PROMPTS[:2], [PARAMS[0]] * 2)
+        engine.set_schedule(Schedule())
+        assert launched and set(launched) == {1}  # (batch 1 chained, batch 2 not)
+        assert all(s.verified is None for s in one[0].steps) and {s.verified for r in two for s in r.steps} <= {2, 5}
+        assert [r.output for r in one + two] == [r.output for r in reqs[:1] + reqs]
     finally:
+        engine.set_schedule(Schedule())
         eager.set_schedule(Schedule())
     r = cli("generate", "--engine", out, "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-tokens", 24,
             "--ignore-eos", "--json", "--schedule", "confidence", "--confidence-threshold", 0.5)

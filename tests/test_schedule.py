@@ -236,6 +236,30 @@ def test_confidence_scheduling_on_aoti_keeps_greedy_output_and_verifies_fewer(ao
     assert all(0.0 <= c <= 1.0 for s in steps for c in s.confidence)
 
 
+def test_the_aoti_engine_chains_the_steps_of_each_bucket_whose_row_is_flat(aoti_engine, monkeypatch):
+    """Chaining is decided per batch bucket (``chains_for``): a bucket whose cost row is flat runs its plain step,
+    chained, even where another bucket's steep row plans (an engine-wide answer had unchained every batch size:
+    5–10 % of the tokens/s of batch 1 to 32 on an H100, where only batch 64's row was steep). A request's steps
+    there chain, verify every draft, and give the unscheduled engine's tokens; a steep row's bucket plans,
+    unchained. (This CPU engine has one bucket; the GPU engine test covers two.)"""
+    flat, steep = [10.0, 10.1, 10.1, 10.2, 10.2, 10.25], [5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    prompt = [65, 66, 67, 68]
+    launched = []
+    step_next = aoti_engine.step_next
+    monkeypatch.setattr(aoti_engine, "step_next", lambda *a, **kw: launched.append(a[0].n) or step_next(*a, **kw))
+    try:
+        aoti_engine.set_schedule(Schedule("confidence", cost_ms={str(b): flat for b in aoti_engine.runners}))
+        assert all(aoti_engine.chains_for(b) for b in aoti_engine.runners) and aoti_engine.chains
+        (req,) = Generator(aoti_engine).generate([prompt], [SamplingParams(max_tokens=30, ignore_eos=True)])
+        aoti_engine.set_schedule(Schedule("confidence", cost_ms={str(b): steep for b in aoti_engine.runners}))
+        assert not any(aoti_engine.chains_for(b) for b in aoti_engine.runners) and not aoti_engine.chains
+    finally:
+        aoti_engine.set_schedule(Schedule())
+    assert launched and set(launched) == {1}  # (the single request's steps were chained)
+    assert all(s.verified is None for s in req.steps)  # (the plain full-width step: no plan ran)
+    assert [req.output] == _outputs(aoti_engine, Schedule(), [prompt], 0.0, max_tokens=30)
+
+
 def test_a_flat_cost_table_leaves_the_aoti_engine_its_plain_step(aoti_engine):
     """Where the measured step time hardly depends on the drafts verified (batch 1 on a GPU, where
     verification is bandwidth-bound), no cut can pay for the wait for the confidences: that bucket runs
