@@ -378,17 +378,24 @@ class AOTIEngine(EagerEngine):
             raise EngineError(f"schedule 'fixed' with {schedule.length} drafts: this engine's steps verify "
                               f"{self.verify_widths} drafts per request")
         self.schedule = schedule
+        # a chained scheduled step's width before any plan: a fixed schedule's, else every draft
+        first = max(self.verify_widths)
+        if schedule.mode == "fixed":
+            first = next(w for w in self.verify_widths if w >= max(min(schedule.length, self.gamma), 1))
         for bucket, runner in getattr(self, "runners", {}).items():
-            # (where the cost table is flat, the plain step: its width cannot pay for the wait)
+            # (where the cost table is flat, the plain step: its width cannot pay for the plan)
             runner.planner = self._plan if schedule.on and not schedule.flat(bucket) else None
+            runner.restart_plans(first)
 
-    def _plan(self, confidence: torch.Tensor) -> int:
-        """A scheduled step's width from its drafts' confidences ([n, γ] on the host)."""
+    def _plan(self, confidence: torch.Tensor, record: bool = True) -> int:
+        """A scheduled step's width from its drafts' confidences ([n, γ] on the host); ``record``: they and the
+        width are this step's info (``take_step_info``; not for a chained step's plan from an earlier step's)."""
         n = confidence.shape[0]
         _, K = plan(confidence, self.schedule, n, self.gamma)
         K = next(w for w in self.verify_widths if w >= max(K, 1))
-        self._confidence = confidence
-        self._verified = torch.full((n,), K, dtype=torch.int64)
+        if record:
+            self._confidence = confidence
+            self._verified = torch.full((n,), K, dtype=torch.int64)
         return K
 
     # ---- construction -----------------------------------------------------------------
@@ -562,11 +569,10 @@ class AOTIEngine(EagerEngine):
     def chains_for(self, n: int) -> bool:
         """Whether the ``Generator`` chains this engine's steps of ``n`` requests (the next step launched before
         this one's rows are read: ``step_launch``/``step_next``/``step_rows``): the kernel option ``chained_steps``
-        of this engine (``self.options``), unless the batch bucket of ``n`` plans its width (a scheduled step waits
-        for its drafts' confidences before it verifies; a bucket whose cost row is flat runs the plain step, which
-        chains). Per bucket: a steep row at batch 64 leaves the steps of batch 1 to 32 chained (an engine-wide
-        answer cost them 5–10 % of their tokens/s on an H100, docs/log.md)."""
-        return self.options.chained_steps and self.runners[self.bucket_for(n)].planner is None
+        of this engine (``self.options``). A chained scheduled step plans its width from an earlier step's
+        confidences (``StaticStep._lagged``), so it never waits for its own; a step the ``Generator`` does not
+        chain (``step_host``) plans from its own after its draft half."""
+        return self.options.chained_steps
 
     @property
     def chains(self) -> bool:

@@ -49,11 +49,13 @@ class StepHandle:
     """A step launched by ``StaticStep.launch_host``/``launch_next``: its rows are read with
     ``StaticStep.rows``."""
 
-    __slots__ = ("runner", "serial", "n", "out", "host", "done", "inputs", "parent", "redone", "_rows")
+    __slots__ = ("runner", "serial", "n", "out", "host", "done", "inputs", "parent", "redone", "_rows", "plan")
 
-    def __init__(self, runner, serial, n, out, host, done, inputs, parent):
+    def __init__(self, runner, serial, n, out, host, done, inputs, parent, plan=None):
         self.runner, self.serial, self.n, self.out, self.host, self.done = runner, serial, n, out, host, done
         self.inputs, self.parent, self.redone, self._rows = inputs, parent, False, None
+        # a scheduled step's (confidences [n, γ] float32 on the host, complete once its rows are, the width K)
+        self.plan = plan
 
     def host_inputs(self) -> tuple[list, ...]:
         """The step's inputs as host values: given (``launch_host``) or advanced from the step before's
@@ -104,6 +106,11 @@ class StaticStep:
         self.copied_out = torch.cuda.Event() if pin else None
         self._serial = 0  # steps launched through ``launch_host``/``launch_next``
         self._out_ring: list[Tensor] = []  # two pinned row buffers, one per step in flight
+        # chained scheduled steps (``_lagged``): the width planned from the newest earlier step's confidences on
+        # the host (0: none yet, the full width), and the launched steps' confidences on their way to the host
+        # (event or None, host tensor), oldest first
+        self._lag_width = 0
+        self._lag_pending: list[tuple] = []
 
     @staticmethod
     def _rows(packed: Tensor, bucket: int) -> tuple[Tensor, ...]:
@@ -183,8 +190,9 @@ class StaticStep:
     # confidences on the host ([n, γ] float32, the batch's real rows) → the verification width K, a
     # width the step holds (``LayeredStep.widths``): the step runs as its two halves with that choice
     # between them (``_scheduled``). ``last_plan``: (confidences, K) of the last scheduled step.
-    planner: Callable[[Tensor], int] | None = None
+    planner: Callable[..., int] | None = None
     last_plan: tuple[Tensor, int] | None = None
+    first_width = 0  # a chained scheduled step's width before any plan (``restart_plans``)
     # ``ctl``: the sampling controls' per-slot state (``SpecPair.step_verify_ctl``'s last five inputs),
     # where the step holds the controlled verification; ``controlled``: the next steps run it (the full
     # width; its other outputs, the log-probabilities, in ``last_ctl``).
@@ -220,6 +228,37 @@ class StaticStep:
         K = self.planner(conf)
         self.last_plan = (conf, K)
         return self._verify_half(drafted, K)
+
+    def restart_plans(self, first_width: int) -> None:
+        """A new schedule: chained scheduled steps run ``first_width`` until one is planned from their confidences
+        (the earlier schedule's plans and confidences dropped)."""
+        self.first_width, self._lag_width, self._lag_pending = first_width, 0, []
+
+    def _lagged(self) -> Tensor:
+        """A chained scheduled step (``launch_host``/``launch_next``): its width is the plan of the newest earlier
+        step of this runner whose confidences are already on the host (the full width before any), so the host
+        never waits inside the step and the next one can be launched before this one's rows are read. Its own
+        confidences go to the host behind it (``last_plan``, then the handle's ``plan``). Any width chosen from
+        the drafts' side keeps the output exact (``accept``'s ``verify``); a stale one only verifies more or
+        fewer drafts than a fresh plan would."""
+        ready = None
+        while self._lag_pending and (self._lag_pending[0][0] is None or self._lag_pending[0][0].query()):
+            ready = self._lag_pending.pop(0)[1]
+        if ready is not None:
+            self._lag_width = self.planner(ready, record=False)
+        K = self._lag_width or self.first_width
+        drafted = self._draft_half()
+        out = self._verify_half(drafted, K)
+        conf = drafted[5][: self._real_rows]
+        host = torch.empty(conf.shape, dtype=torch.float32, pin_memory=self.copied_out is not None)
+        host.copy_(conf, non_blocking=True)
+        event = None
+        if self.copied_out is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self._lag_pending.append((event, host))
+        self.last_plan = (host, K)
+        return out
 
     def __call__(self, anchor, anchor_pos, slots, seeds, temperature) -> Tensor:
         """→ packed [n, γ+2] int64 on the device (a fresh tensor, not a view of a static buffer).
@@ -282,7 +321,8 @@ class StaticStep:
         return self._launch(n, None, prev)
 
     def _launch(self, n: int, inputs, parent) -> "StepHandle":
-        out = self._step()
+        lagged = self.planner is not None and not self.controlled
+        out = self._lagged() if lagged else self._step()
         self._serial += 1
         if not self._out_ring:  # (a runner's output has one shape: [bucket, γ+2])
             pin = self.copied_out is not None
@@ -293,7 +333,7 @@ class StaticStep:
         if self.copied_out is not None:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
-        return StepHandle(self, self._serial, n, out, host, done, inputs, parent)
+        return StepHandle(self, self._serial, n, out, host, done, inputs, parent, self.last_plan if lagged else None)
 
     def rows(self, h: "StepHandle") -> list[list[int]]:
         """Wait for step ``h`` and return its packed rows (``step_host``'s). At most two steps are in
@@ -310,6 +350,8 @@ class StaticStep:
             h.redone = True
             self._fill_host(*h.host_inputs())
             rows = self._retried(rows, h.n)
+            if h.plan is not None:  # (run again by ``_step``: its own plan, fresh)
+                h.plan = self.last_plan
         h._rows = rows
         return rows
 

@@ -613,7 +613,9 @@ class Generator:
         finished meanwhile has its row ignored (it only wrote its own cache slot, past its end); a
         batch that changes (a request finished or cancelled, one waiting to be admitted) is not
         chained again until it is stepped afresh. Outputs are those of unchained steps, token for
-        token: the chained step computes exactly what the next call would have launched."""
+        token: the chained step computes exactly what the next call would have launched. (Under a
+        confidence schedule, a chained step's width is planned from an earlier step's confidences,
+        ``StaticStep._lagged``: greedy tokens are the same, sampled ones keep their distribution.)"""
         with self.lock:
             self._admit()
             if self.paged:
@@ -663,6 +665,9 @@ class Generator:
             if self._chains(batch):
                 nxt = eng.step_next(handle, last + 2 * (g + 1))
             packed = eng.step_rows(handle)
+            if handle.plan is not None:  # (a scheduled step: its confidences and width, on the host with its rows)
+                confidence = handle.plan[0][: len(batch)].tolist()
+                verified = [handle.plan[1]] * len(batch)
             if nxt is not None and not handle.redone:  # (after a retried step the chained one is invalid)
                 self._inflight = (nxt, batch)
         self.step_times.append(time.perf_counter() - t0)

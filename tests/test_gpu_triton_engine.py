@@ -191,20 +191,22 @@ def test_confidence_scheduled_steps_at_narrower_widths_equal_eager(agreeing_pair
         engine.set_schedule(Schedule())
         eager.set_schedule(Schedule())
         assert [r.output for r in reqs] == [r.output for r in Generator(eager).generate(PROMPTS[:2], [PARAMS[0]] * 2)]
-        # Chaining per batch bucket: batch 1's flat cost row keeps its plain steps chained while batch 2's steep
-        # row plans (unchained); each gives the eager engine's greedy tokens.
+        # Batch 1's flat cost row runs its plain steps, batch 2's steep row plans; both chain (a chained scheduled
+        # step plans from an earlier step's confidences, on the GPU while this one's are on their way), and each
+        # gives the eager engine's greedy tokens.
         g = engine.gamma
         launched = []
         step_next = engine.step_next
         monkeypatch.setattr(engine, "step_next", lambda *a, **kw: launched.append(a[0].n) or step_next(*a, **kw))
         engine.set_schedule(Schedule("confidence", threshold=0.5,
                                      cost_ms={"1": [10.0] * (g + 1), "2": [5.0 + k for k in range(g + 1)]}))
-        assert engine.chains_for(1) and not engine.chains_for(2) and not engine.chains
+        assert engine.runners[1].planner is None and engine.runners[2].planner is not None and engine.chains
         one = Generator(engine).generate(PROMPTS[:1], [PARAMS[0]])
         two = Generator(engine).generate(PROMPTS[:2], [PARAMS[0]] * 2)
         engine.set_schedule(Schedule())
-        assert launched and set(launched) == {1}  # (batch 1 chained, batch 2 not)
-        assert all(s.verified is None for s in one[0].steps) and {s.verified for r in two for s in r.steps} <= {2, 5}
+        assert set(launched) == {1, 2}  # (both batch sizes chained)
+        assert all(s.verified is None for s in one[0].steps)
+        assert {s.verified for r in two for s in r.steps} <= {2, 5} and all(len(s.confidence) == g for s in two[0].steps)
         assert [r.output for r in one + two] == [r.output for r in reqs[:1] + reqs]
     finally:
         engine.set_schedule(Schedule())

@@ -219,12 +219,18 @@ def test_an_aoti_engine_verifying_k_drafts_equals_eager_token_for_token(aoti_eng
         agreeing_engine.set_schedule(Schedule())
 
 
-def test_confidence_scheduling_on_aoti_keeps_greedy_output_and_verifies_fewer(aoti_engine):
+def test_confidence_scheduling_on_aoti_keeps_greedy_output_and_verifies_fewer(aoti_engine, monkeypatch):
+    """Scheduled steps chain (each planned from an earlier step's confidences); the Generator's steps that do not
+    (the batch's last ones) plan from their own. Greedy output is the unscheduled engine's."""
     prompts = [[65, 66, 67, 68], [70, 71]]
+    launched = []
+    step_next = aoti_engine.step_next
+    monkeypatch.setattr(aoti_engine, "step_next", lambda *a, **kw: launched.append(a[0].n) or step_next(*a, **kw))
     try:
         aoti_engine.set_schedule(Schedule("confidence", threshold=0.5))
-        assert not aoti_engine.chains  # (a scheduled step waits for its confidences)
+        assert aoti_engine.chains  # (a chained scheduled step waits for no confidences)
         reqs = Generator(aoti_engine).generate(prompts, [SamplingParams(max_tokens=40, ignore_eos=True)] * 2)
+        assert launched  # (the steps were chained)
         off = _outputs(aoti_engine, Schedule(), prompts, 0.0, max_tokens=40)
     finally:
         aoti_engine.set_schedule(Schedule())
@@ -236,28 +242,36 @@ def test_confidence_scheduling_on_aoti_keeps_greedy_output_and_verifies_fewer(ao
     assert all(0.0 <= c <= 1.0 for s in steps for c in s.confidence)
 
 
-def test_the_aoti_engine_chains_the_steps_of_each_bucket_whose_row_is_flat(aoti_engine, monkeypatch):
-    """Chaining is decided per batch bucket (``chains_for``): a bucket whose cost row is flat runs its plain step,
-    chained, even where another bucket's steep row plans (an engine-wide answer had unchained every batch size:
-    5–10 % of the tokens/s of batch 1 to 32 on an H100, where only batch 64's row was steep). A request's steps
-    there chain, verify every draft, and give the unscheduled engine's tokens; a steep row's bucket plans,
-    unchained. (This CPU engine has one bucket; the GPU engine test covers two.)"""
-    flat, steep = [10.0, 10.1, 10.1, 10.2, 10.2, 10.25], [5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+def test_a_chained_scheduled_step_plans_its_width_from_an_earlier_steps_confidences(aoti_engine, monkeypatch):
+    """A chained scheduled step (``StaticStep._lagged``) does not wait for its own confidences: the first runs
+    every draft, each later one the width the engine's plan gives for the newest earlier step's confidences on the
+    host (on the CPU every launched step is done before the next, so the step before's), and its handle carries
+    its own (confidences, width), which the Generator records. A fixed schedule's steps run its width from the
+    first. Greedy output is the unscheduled engine's either way."""
     prompt = [65, 66, 67, 68]
-    launched = []
-    step_next = aoti_engine.step_next
-    monkeypatch.setattr(aoti_engine, "step_next", lambda *a, **kw: launched.append(a[0].n) or step_next(*a, **kw))
+    handles = []
+    step_rows = aoti_engine.step_rows
+    monkeypatch.setattr(aoti_engine, "step_rows", lambda h: handles.append(h) or step_rows(h))
+    params = [SamplingParams(max_tokens=40, ignore_eos=True)]
     try:
-        aoti_engine.set_schedule(Schedule("confidence", cost_ms={str(b): flat for b in aoti_engine.runners}))
-        assert all(aoti_engine.chains_for(b) for b in aoti_engine.runners) and aoti_engine.chains
-        (req,) = Generator(aoti_engine).generate([prompt], [SamplingParams(max_tokens=30, ignore_eos=True)])
-        aoti_engine.set_schedule(Schedule("confidence", cost_ms={str(b): steep for b in aoti_engine.runners}))
-        assert not any(aoti_engine.chains_for(b) for b in aoti_engine.runners) and not aoti_engine.chains
+        aoti_engine.set_schedule(Schedule("confidence", threshold=0.5))
+        (req,) = Generator(aoti_engine).generate([prompt], params)
+        chained, handles[:] = list(handles), []
+        expected = [aoti_engine._plan(prev.plan[0], record=False) for prev in chained[:-1]]
+        aoti_engine.set_schedule(Schedule("fixed", length=AOTI_NARROW_WIDTH))
+        (fixed,) = Generator(aoti_engine).generate([prompt], params)
+        widths = {h.plan[1] for h in handles}
     finally:
         aoti_engine.set_schedule(Schedule())
-    assert launched and set(launched) == {1}  # (the single request's steps were chained)
-    assert all(s.verified is None for s in req.steps)  # (the plain full-width step: no plan ran)
-    assert [req.output] == _outputs(aoti_engine, Schedule(), [prompt], 0.0, max_tokens=30)
+    assert len(chained) > 2 and all(h.plan is not None and h.plan[0].shape == (1, 5) for h in chained)
+    assert chained[0].plan[1] == 5  # (before any plan: every draft)
+    assert [h.plan[1] for h in chained[1:]] == expected and set(expected) == {AOTI_NARROW_WIDTH, 5}
+    assert [h.serial for h in chained] == list(range(chained[0].serial, chained[0].serial + len(chained)))
+    records = [s for s in req.steps if s.verified is not None]
+    assert [s.verified for s in records[: len(chained)]] == [h.plan[1] for h in chained]
+    assert widths == {AOTI_NARROW_WIDTH}
+    off = _outputs(aoti_engine, Schedule(), [prompt], 0.0, max_tokens=40)
+    assert [req.output] == off and [fixed.output] == off
 
 
 def test_a_flat_cost_table_leaves_the_aoti_engine_its_plain_step(aoti_engine):
@@ -279,7 +293,7 @@ def test_a_flat_cost_table_leaves_the_aoti_engine_its_plain_step(aoti_engine):
         reqs = Generator(aoti_engine).generate(prompts, [SamplingParams(max_tokens=20, ignore_eos=True)] * 2)
         assert all(s.verified is None for r in reqs for s in r.steps)  # (all γ: no plan ran)
         aoti_engine.set_schedule(steep)
-        assert all(r.planner is not None for r in aoti_engine.runners.values()) and not aoti_engine.chains
+        assert all(r.planner is not None for r in aoti_engine.runners.values()) and aoti_engine.chains
     finally:
         aoti_engine.set_schedule(Schedule())
     assert [r.output for r in reqs] == _outputs(aoti_engine, Schedule(), prompts, 0.0, max_tokens=20)
