@@ -236,7 +236,7 @@ class StaticStep:
 
     def _lagged(self) -> Tensor:
         """A chained scheduled step (``launch_host``/``launch_next``): its width is the plan of the newest earlier
-        step of this runner whose confidences are already on the host (the full width before any), so the host
+        step of this runner whose confidences are already on the host (``first_width`` before any), so the host
         never waits inside the step and the next one can be launched before this one's rows are read. Its own
         confidences go to the host behind it (``last_plan``, then the handle's ``plan``). Any width chosen from
         the drafts' side keeps the output exact (``accept``'s ``verify``); a stale one only verifies more or

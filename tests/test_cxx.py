@@ -312,10 +312,13 @@ SCHEDULES = {
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_the_manifests_schedule_is_followed_as_in_python(cxx_build, aoti_built, tmp_path, name):
     """An engine whose manifest holds a schedule (``muse-spark calibrate`` writes one): the library plans each
-    step's verification width as AOTIEngine does and runs the narrower packages, so the tokens, steps and
-    accepted drafts are Python's, greedy and sampled; the fixed and cost-cut schedules do verify fewer."""
+    step's verification width from that step's confidences, as AOTIEngine does for the steps the Python
+    Generator does not chain (its chained steps plan from an earlier step's), and runs the narrower packages, so
+    the tokens, steps and accepted drafts are those of Python's unchained steps, greedy and sampled; the fixed and
+    cost-cut schedules do verify fewer."""
     d = edited(aoti_built[0], tmp_path / "e", lambda m, d: m.update(schedule=SCHEDULES[name]))
     scheduled = load_engine(d)
+    scheduled.options = dataclasses.replace(scheduled.options, chained_steps=False)  # (each step's own plan)
     for temperature, seed in ((0.0, 0), (0.9, 7)):
         lines = cxx_generate(cxx_build, d, PROMPTS, max_tokens=30, temperature=temperature, seed=seed)
         reqs = python_generate(scheduled, PROMPTS, max_tokens=30, temperature=temperature, seed=seed, ignore_eos=True)
