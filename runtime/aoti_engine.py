@@ -381,18 +381,21 @@ class AOTIEngine(EagerEngine):
         # a chained scheduled step's width before any plan: a fixed schedule's, else every draft
         first = max(self.verify_widths)
         if schedule.mode == "fixed":
-            first = next(w for w in self.verify_widths if w >= max(min(schedule.length, self.gamma), 1))
+            first = self._width(plan(None, schedule, 1, self.gamma)[1])
         for bucket, runner in getattr(self, "runners", {}).items():
             # (where the cost table is flat, the plain step: its width cannot pay for the plan)
             runner.planner = self._plan if schedule.on and not schedule.flat(bucket) else None
             runner.restart_plans(first)
 
+    def _width(self, K: int) -> int:
+        """The narrowest compiled verification width that holds K drafts (at least one)."""
+        return next(w for w in self.verify_widths if w >= max(K, 1))
+
     def _plan(self, confidence: torch.Tensor, record: bool = True) -> int:
         """A scheduled step's width from its drafts' confidences ([n, γ] on the host); ``record``: they and the
         width are this step's info (``take_step_info``; not for a chained step's plan from an earlier step's)."""
         n = confidence.shape[0]
-        _, K = plan(confidence, self.schedule, n, self.gamma)
-        K = next(w for w in self.verify_widths if w >= max(K, 1))
+        K = self._width(plan(confidence, self.schedule, n, self.gamma)[1])
         if record:
             self._confidence = confidence
             self._verified = torch.full((n,), K, dtype=torch.int64)
@@ -566,18 +569,14 @@ class AOTIEngine(EagerEngine):
             self._logprobs = logprob_lists(picked, ids[..., :top] if top else None, values[..., :top] if top else None)
         return rows
 
-    def chains_for(self, n: int) -> bool:
-        """Whether the ``Generator`` chains this engine's steps of ``n`` requests (the next step launched before
-        this one's rows are read: ``step_launch``/``step_next``/``step_rows``): the kernel option ``chained_steps``
-        of this engine (``self.options``). A chained scheduled step plans its width from an earlier step's
-        confidences (``StaticStep._lagged``), so it never waits for its own; a step the ``Generator`` does not
-        chain (``step_host``) plans from its own after its draft half."""
-        return self.options.chained_steps
-
     @property
     def chains(self) -> bool:
-        """Whether the steps of every batch bucket chain (``chains_for``)."""
-        return all(self.chains_for(b) for b in self.runners)
+        """Whether the ``Generator`` chains this engine's steps (the next step launched before this one's rows are
+        read: ``step_launch``/``step_next``/``step_rows``): the kernel option ``chained_steps`` of this engine
+        (``self.options``). A chained scheduled step plans its width from an earlier step's confidences
+        (``StaticStep._lagged``), so it never waits for its own; a step the ``Generator`` does not chain
+        (``step_host``) plans from its own after its draft half."""
+        return self.options.chained_steps
 
     @torch.inference_mode()
     def step_launch(self, anchor, anchor_pos, slots, seeds, temperature, kv_len: int) -> StepHandle:

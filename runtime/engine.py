@@ -158,10 +158,6 @@ class EagerEngine:
     backend = "eager"
     chains = False  # no chained steps (``AOTIEngine.step_launch``/``step_next``): the Generator waits each step
 
-    def chains_for(self, n: int) -> bool:
-        """Whether the ``Generator`` chains steps of ``n`` requests (``AOTIEngine.chains_for``): never here."""
-        return False
-
     def __init__(self, target: MuseSpark1xForCausalLM, draft: MuseSparkDSparkForCausalLM, *,
                  max_batch: int, max_seq: int, device, tokenizer_path: str | Path | None = None,
                  manifest: dict | None = None, prefill_chunk: int = 128, options: KernelOptions | None = None,

@@ -647,7 +647,7 @@ class Generator:
                     [r.params.seed for r in batch], [float(r.params.temperature) for r in batch])
 
         controlled = any(r.params.controls() for r in batch)
-        if not eng.chains_for(len(batch)) or (controlled and handle is None):
+        if not eng.chains or (controlled and handle is None):
             # Host values in, lists out: two host→device copies and one back (the engines' step_host).
             if controlled:
                 wanted = [r.params.logprobs for r in batch if r.params.logprobs is not None]

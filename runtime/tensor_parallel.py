@@ -214,10 +214,6 @@ class LeaderEngine:
         step would run on rank 0 alone, its collectives never met, so the Generator waits for each step."""
         return self._world == 1 and self._engine.chains
 
-    def chains_for(self, n: int) -> bool:
-        """``chains`` for steps of ``n`` requests (``AOTIEngine.chains_for``)."""
-        return self._world == 1 and self._engine.chains_for(n)
-
     def prefill_chunks(self, chunks):
         return self._run("prefill_chunks", chunks)
 
