@@ -49,7 +49,7 @@ class AotiSections:
         from muse_spark.runtime.aoti_engine import load_step
         from muse_spark.graphs.parts import MARKOV_ERROR_WORD, SpecPair, weight_names, weight_tensors
         from muse_spark.plugins.pdl import pdl_active, PDL_KERNELS
-        from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep
+        from muse_spark.runtime.cuda_graph import CUDAGraphStep, GraphMemory, StaticStep
 
         a, dev = self.a, self.device
         # the step graphs' PDL edges as the engine makes them (from the options its manifest records)
@@ -58,14 +58,14 @@ class AotiSections:
         pair = SpecPair(eng.target, eng.draft)
         weights = weight_tensors(pair, weight_names(pair))
         cuda = dev.type == "cuda"
-        pool = torch.cuda.graph_pool_handle() if cuda else None
+        memory = GraphMemory(dev) if cuda else None  # (the engine's: one pool and capture stream for its graphs)
         sec["aoti"], sec["aoti_graph_replay"], sec["aoti_matches_eager"], sec["aoti_emits_as_eager"] = {}, {}, {}, {}
         with torch.inference_mode():
             for b in sorted(batches, reverse=not a.aoti_ascending):
                 fn = load_step(work_dir or a.work_dir, None, b, eng.target, eng.draft, dev, single_threaded=cuda,
                                side_stream=options.context_stream)
                 words = self.markov_words[b]  # the Markov kernel's kept workspace, as the engine keeps it
-                runner = (CUDAGraphStep(fn, b, weights, caches, scratch, dev, pool=pool, markov_words=words,
+                runner = (CUDAGraphStep(fn, b, weights, caches, scratch, dev, memory=memory, markov_words=words,
                                         programmatic=programmatic) if cuda
                           else StaticStep(fn, b, weights, caches, scratch, dev, markov_words=words))
                 x = inputs(b)
@@ -117,11 +117,11 @@ class AotiSections:
                         "after_sync": time_fn(lambda: fill_then_replay(True), dev, a.iters)}
                 if programmatic:  # the same packages: the edges' other port, and plain edges (the waits' cost)
                     sec.setdefault("aoti_pdl", {})[b] = self.pdl_replays(runner, fn, b, weights, caches, scratch,
-                                                                         words, pool, x, label)
+                                                                         words, memory, x, label)
                 if cuda and fn.side is not None:  # the same packages, the draft context in line (one stream)
                     serial = copy.copy(fn)
                     serial.side = None
-                    other = CUDAGraphStep(serial, b, weights, caches, scratch, dev, pool=pool, markov_words=words,
+                    other = CUDAGraphStep(serial, b, weights, caches, scratch, dev, memory=memory, markov_words=words,
                                           programmatic=programmatic)
                     sec.setdefault("aoti_context_stream", {})[b] = {
                         "equals": bool(torch.equal(other(*xg), runner(*xg))),
@@ -247,7 +247,7 @@ class AotiSections:
                 + (f", roofline {turns['roofline_ms']:.2f} ms: the default graph {turns['aoti_replay_over_roofline']:.3f}×"
                    if "aoti_replay_over_roofline" in turns else ""))
 
-    def pdl_replays(self, runner, fn, b, weights, caches, scratch, words, pool, x, label) -> dict:
+    def pdl_replays(self, runner, fn, b, weights, caches, scratch, words, memory, x, label) -> dict:
         """A PDL variant's step graph (``runner``, edges rewritten through the programmatic port)
         beside the same packages captured with the launch-order port and with plain edges: each
         graph's replay time, rewritten edges, and whether its step equals ``runner``'s."""
@@ -262,7 +262,7 @@ class AotiSections:
                                 "replay": time_fn(runner.graph.replay, dev, a.iters)}}
         for name, kw in (("launch_order", dict(programmatic=PDL_KERNELS, pdl_port="launch_order")),
                          ("plain_edges", dict(programmatic=()))):
-            other = CUDAGraphStep(fn, b, weights, caches, scratch, dev, pool=pool, markov_words=words, **kw)
+            other = CUDAGraphStep(fn, b, weights, caches, scratch, dev, memory=memory, markov_words=words, **kw)
             res[name] = {"edges": other.programmatic_edges, "equals": bool(torch.equal(other(*x), want)),
                          "replay": time_fn(other.graph.replay, dev, a.iters)}
         self.log(f"{label} B={b}: {res['programmatic']['edges']} of the graph's edges into its "

@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 from muse_spark.config import dtype_name, parse_dtype
 from muse_spark.graphs.parts import (CTL_FLOATS, CTL_INTS, LAYOUT, LayeredPrefill, embed_and_norm, LayeredStep, SpecPair, weight_names, weight_specs,
                                             weight_tensors)
-from muse_spark.runtime.cuda_graph import CUDAGraphStep, StaticStep, StepHandle
+from muse_spark.runtime.cuda_graph import CUDAGraphStep, GraphMemory, StaticStep, StepHandle
 from muse_spark.engine_format import (EngineError, check_cache_memory, check_plugins, configs_from_manifest,
                                       manifest_kv_pool, read_manifest, verify_files)
 from muse_spark.options import KernelOptions, current_options, engine_options
@@ -336,7 +336,8 @@ class AOTIEngine(EagerEngine):
                                                  loader=self.part_loader(d, a), batch=self.prefill_batch)
             self.prefill_batch_fn.table = self.prefill_fn.table
         self.runners: dict[int, StaticStep] = {}
-        pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        # (one pool and capture stream for all the engine's graphs: GraphMemory)
+        memory = GraphMemory(self.device) if self.cuda_graphs else None
         self.pdl_kernels = programmatic_kernels(a) if self.cuda_graphs else ()
         with torch.inference_mode():
             for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its pool
@@ -346,7 +347,7 @@ class AOTIEngine(EagerEngine):
                 fn.table = self.kv.table if self.kv is not None else None
                 if self.cuda_graphs:
                     self.runners[b] = CUDAGraphStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,
-                                                    pool=pool, markov_words=words[b], programmatic=self.pdl_kernels,
+                                                    memory=memory, markov_words=words[b], programmatic=self.pdl_kernels,
                                                     split=self.schedules, ctl=self.ctl_state)
                 else:
                     self.runners[b] = StaticStep(fn, b, self.weights, self.caches, self.scratch_slot, self.device,

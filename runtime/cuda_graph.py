@@ -31,6 +31,7 @@ result comes back in one device→host copy into a pinned buffer.
 
 from __future__ import annotations
 
+import gc
 from typing import Callable, Collection, Sequence
 
 import torch
@@ -421,13 +422,51 @@ def make_programmatic(graph: int, waiting: Collection[str], port: str = "program
     return rewritten, sum(1 for v in names.values() if v is not None)
 
 
-def capture(fn: Callable, graph: torch.cuda.CUDAGraph | None = None, pool=None, warmup: int = 1,
-            device: torch.device | None = None):
+class GraphMemory:
+    """The memory of one owner's CUDA graphs (an engine's steps, a target-only runner's): a private pool
+    and a capture stream of its own, created with the CUDA runtime rather than taken from torch's
+    round-robin stream pool.
+
+    Why a stream of its own: PyTorch keys the cuBLAS workspace by (handle, stream), and a graph captures
+    the workspace's raw pointer; destroying a graph drops every workspace of its capture stream
+    (``CUDAGraph.reset`` → ``clearCublasWorkspacesForStream``). With one capture stream for all graphs
+    (``torch.cuda.graph``'s default) a second engine's graphs replay a workspace in the first one's pool,
+    and unloading either (a model reload, a test's engine collected) frees memory the other still
+    replays. Per owner, the graphs that share a workspace die together. The stream lives as long as the
+    process (a stream destroyed earlier could hand its address to a new one while the old graphs still
+    clear by it): one stream per engine loaded."""
+
+    def __init__(self, device: torch.device | str | int | None = None):
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = _owned_stream(self.device)
+
+
+def _owned_stream(device: torch.device) -> torch.cuda.Stream:
+    """A non-blocking CUDA stream of its own on ``device``, never destroyed (``GraphMemory``); torch's
+    pooled stream where cuda-bindings does not import."""
+    try:
+        from cuda.bindings import runtime as cudart  # (torch's CUDA 13 wheels depend on cuda-bindings)
+    except ImportError:
+        return torch.cuda.Stream(device)
+    with torch.cuda.device(device):
+        err, handle = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaStreamCreateWithFlags failed: {err}")
+    return torch.cuda.ExternalStream(int(handle), device=device)
+
+
+def capture(fn: Callable, graph: torch.cuda.CUDAGraph | None = None, memory: GraphMemory | None = None,
+            warmup: int = 1, device: torch.device | None = None):
     """``fn`` captured in a CUDA graph → (the graph, what the captured call returned). First ``warmup``
     calls on a side stream (kernel modules load on a first run, and capture must not be the first
     run), joined into the current stream and synchronized; then the capture into ``graph`` (default:
-    a new one) from ``pool``. The graph is not replayed."""
+    a new one) from ``memory``'s pool on its stream (default: a new ``GraphMemory``, the graph's
+    alone). The graph is not replayed."""
     graph = torch.cuda.CUDAGraph() if graph is None else graph
+    memory = GraphMemory(device) if memory is None else memory
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -435,8 +474,16 @@ def capture(fn: Callable, graph: torch.cuda.CUDAGraph | None = None, pool=None, 
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    # (no automatic garbage collection while capturing: an unreachable engine collected mid-capture would
+    # destroy its graphs and free their memory, which a global-mode capture must not see)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=memory.pool, stream=memory.stream):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 
@@ -448,7 +495,7 @@ class CUDAGraphStep(StaticStep):
     them become programmatic (``make_programmatic``, through ``pdl_port``) before the graph is
     instantiated. ``programmatic_edges``: how many did."""
 
-    def __init__(self, *args, pool=None, warmup: int = 2, programmatic: Collection[str] = (),
+    def __init__(self, *args, memory: GraphMemory | None = None, warmup: int = 2, programmatic: Collection[str] = (),
                  pdl_port: str = "programmatic", split: bool = False, **kw):
         super().__init__(*args, **kw)
         if self.device.type != "cuda":
@@ -457,7 +504,7 @@ class CUDAGraphStep(StaticStep):
         def capture_step(fn: Callable, warmup: int) -> tuple[torch.cuda.CUDAGraph, Tensor, int, int]:
             """``fn`` captured, its edges into ``programmatic`` kernels made programmatic → (graph, output,
             edges rewritten, kernel nodes)."""
-            graph, out = capture(fn, torch.cuda.CUDAGraph(keep_graph=bool(programmatic)), pool, warmup, self.device)
+            graph, out = capture(fn, torch.cuda.CUDAGraph(keep_graph=bool(programmatic)), memory, warmup, self.device)
             edges = kernels = 0
             if programmatic:
                 edges, kernels = make_programmatic(graph.raw_cuda_graph(), programmatic, pdl_port)

@@ -18,7 +18,7 @@ import torch
 
 from muse_spark.runtime.engine import PrefillChunk
 from muse_spark.runtime.generator import Generator, Request, RequestError, SamplingParams
-from muse_spark.runtime.cuda_graph import capture
+from muse_spark.runtime.cuda_graph import GraphMemory, capture
 
 
 def generate_target_only(engine, prompt: list[int], params: SamplingParams, slot: int = 0) -> list[int]:
@@ -47,14 +47,14 @@ class _GraphStep:
     running request holds, which its next prefill rewrites."""
 
     @torch.inference_mode()
-    def __init__(self, engine, n: int, free_slot: int, pool):
+    def __init__(self, engine, n: int, free_slot: int, memory: GraphMemory):
 
         dev = engine.device
         self.inputs = [torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(4)]
         self.inputs.append(torch.zeros(n, dtype=torch.float32, device=dev))
         self.token, self.pos, self.slots = self.inputs[:3]
         self.slots.fill_(free_slot)
-        self.graph, self.out = capture(lambda: engine.target_step(*self.inputs, engine.max_seq), pool=pool,
+        self.graph, self.out = capture(lambda: engine.target_step(*self.inputs, engine.max_seq), memory=memory,
                                        device=dev)
 
     @torch.inference_mode()
@@ -95,7 +95,7 @@ class TargetOnlyDecoder:
         self.gen = Generator(engine)  # (validation and stop handling only: it never steps)
         self.cuda_graphs = cuda_graphs and engine.device.type == "cuda"
         self.graphs: dict[int, _GraphStep] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self._memory = GraphMemory(engine.device) if self.cuda_graphs else None
         self.step_times: list[float] = []
 
     def generate(self, prompts: list[list[int]],
@@ -158,7 +158,7 @@ class TargetOnlyDecoder:
 
     def _graph(self, n: int, free_slot: int) -> _GraphStep:
         if n not in self.graphs:
-            self.graphs[n] = _GraphStep(self.engine, n, free_slot, self._pool)
+            self.graphs[n] = _GraphStep(self.engine, n, free_slot, self._memory)
         return self.graphs[n]
 
     def _eager(self, host: list[list]) -> list[int]:
@@ -190,7 +190,7 @@ class TargetOnlyEngine:
         self.graphs: dict[int, _GraphStep] = {}
         scratch = getattr(engine, "scratch_slot", None)
         self.cuda_graphs = engine.device.type == "cuda" and scratch is not None
-        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self._memory = GraphMemory(engine.device) if self.cuda_graphs else None
 
     def __getattr__(self, name):  # (what the Generator reads of the engine: its own)
         return getattr(self.engine, name)
@@ -209,7 +209,7 @@ class TargetOnlyEngine:
         if self.cuda_graphs:
             n = len(host[0])
             if n not in self.graphs:
-                self.graphs[n] = _GraphStep(self.engine, n, self.engine.scratch_slot, self._pool)
+                self.graphs[n] = _GraphStep(self.engine, n, self.engine.scratch_slot, self._memory)
             tokens = self.graphs[n](host)
         else:
             dev = self.engine.device

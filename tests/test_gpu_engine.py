@@ -202,6 +202,56 @@ def test_chained_steps_on_the_cuda_graphs_give_the_eager_output(engine, eager, m
     assert len(chained) > 3
 
 
+def test_each_graph_owner_captures_on_a_stream_of_its_own():
+    """GraphMemory's capture streams are created for it, not taken from torch's round-robin pool of 32, so
+    no two owners (and no owner and torch.cuda.graph's default) share one; a GEMM's graph of the second
+    owner replays eager's product after the first owner's graph was destroyed, its pool released and the
+    allocator's cache emptied (a graph's destruction drops the cuBLAS workspaces of its capture stream)."""
+    import gc
+
+    from muse_spark.runtime.cuda_graph import GraphMemory, capture
+
+    owners = [GraphMemory("cuda") for _ in range(40)]
+    assert len({m.stream.cuda_stream for m in owners}) == 40
+    default = torch.cuda.graph.default_capture_stream
+    assert default is None or default.cuda_stream not in {m.stream.cuda_stream for m in owners}
+    g = torch.Generator("cuda").manual_seed(0)
+    a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, 8192, device="cuda", dtype=torch.bfloat16, generator=g)
+    first, _ = capture(lambda: a @ w, memory=owners[0])
+    second, out = capture(lambda: a @ w, memory=owners[1])
+    first.replay()
+    del first, _
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    junk = torch.full((64 << 20,), -7.0, device="cuda")  # (memory the first owner gave back, overwritten)
+    out.zero_()
+    second.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, a @ w)
+    del junk
+
+
+def test_an_engine_loaded_beside_another_keeps_its_graphs_when_the_other_goes(built, eager):
+    """A model reload: a second engine loaded while the first is running, the first then dropped (its
+    graphs destroyed, its pool released, the cache emptied): the second's graph replays give the eager
+    engine's tokens."""
+    import gc
+
+    old = load_engine(built)
+    params = [SamplingParams(max_tokens=24, temperature=t, seed=5, ignore_eos=True) for t in (0.0, 0.9)]
+    want = [r.output for r in Generator(eager).generate(PROMPTS[:2], params)]
+    assert [r.output for r in Generator(old).generate(PROMPTS[:2], params)] == want
+    new = load_engine(built)
+    del old
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert [r.output for r in Generator(new).generate(PROMPTS[:2], params)] == want
+    assert sum(r.replays for r in new.runners.values()) > 0
+
+
 def test_fresh_process_loads_and_generates_the_same_tokens(built, engine):
     ids = cli_generate_ids(built, [72, 101, 108], 20, temperature=0.9, seed=7)
     here = Generator(engine).generate([[72, 101, 108]], SamplingParams(max_tokens=20, temperature=0.9, seed=7,

@@ -36,6 +36,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda.h>  // (the driver API's types; its functions are looked up in libcuda at run time)
 #include <cuda_runtime_api.h>
@@ -777,6 +778,20 @@ struct Engine::Impl {
     at::cuda::CUDAEvent copied_in;        // the last host→device copy has read the pinned twin
     int64_t serial = 0;
   };
+  // The engine's capture stream, its own (runtime/cuda_graph.py's GraphMemory): PyTorch keys the cuBLAS
+  // workspace a graph replays by (handle, stream) and a graph's destruction drops every workspace of its
+  // capture stream, so graphs captured on a pooled stream that another engine's graphs also used would
+  // replay memory freed when either engine goes. Declared before the graphs: destroyed after them.
+  struct OwnedStream {
+    cudaStream_t raw = nullptr;
+    OwnedStream() = default;
+    OwnedStream(const OwnedStream&) = delete;
+    OwnedStream& operator=(const OwnedStream&) = delete;
+    ~OwnedStream() {
+      if (raw) cudaStreamDestroy(raw);
+    }
+  };
+  OwnedStream capture_stream;
   std::map<int64_t, std::unique_ptr<Captured>> captured;  // by bucket size
   decltype(at::cuda::graph_pool_handle()) graph_pool = {0, 0};
   // the kernels whose incoming edges the step graphs make programmatic (AOTIEngine.pdl_kernels), and how
@@ -784,10 +799,10 @@ struct Engine::Impl {
   std::set<std::string> pdl_kernels;
   int64_t programmatic_edges = 0;
 
-  // CUDAGraphStep.__init__: warm-up calls on a side stream (a package's first run loads its kernels and
-  // may allocate), then the capture into one memory pool shared by every graph of the engine (largest
-  // bucket first, the smaller reuse its blocks). All rows are padding while it runs: only the scratch
-  // slot is written.
+  // CUDAGraphStep.__init__: warm-up calls (a package's first run loads its kernels and may allocate),
+  // then the capture into one memory pool shared by every graph of the engine (largest bucket first, the
+  // smaller reuse its blocks), both on the engine's own stream. All rows are padding while it runs: only
+  // the scratch slot is written.
   void capture(Bucket& b) {
     c10::cuda::CUDAGuard guard(device);
     const int64_t B = b.size, width = B + B % 2;
@@ -802,7 +817,7 @@ struct Engine::Impl {
     fill(k, B, HostInputs{});  // (every row padding while the graphs are captured)
     auto graph = [&](const std::function<at::Tensor()>& fn) {
       c10::cuda::device_synchronize();
-      c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device.index());
+      c10::cuda::CUDAStream side = c10::cuda::getStreamFromExternal(capture_stream.raw, device.index());
       at::Tensor out;
       {
         c10::cuda::CUDAStreamGuard on_side(side);
@@ -1378,6 +1393,7 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
     if (e.cuda_graphs) {  // (AOTIEngine: largest bucket first, the smaller graphs reuse its pool's blocks)
       c10::InferenceMode guard;
       e.graph_pool = at::cuda::graph_pool_handle();
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&e.capture_stream.raw, cudaStreamNonBlocking));
       // programmatic_kernels: the manifest's pdl_kernels, or none (the same step launched without PDL) where
       // the driver lacks the graph-editing functions
       if (a.contains("pdl_kernels") && a["pdl_kernels"].is_array() && GraphDriver::get().complete())
