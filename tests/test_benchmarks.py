@@ -97,13 +97,14 @@ def test_the_generation_plot_has_a_line_per_acceptance_and_schedule_and_the_targ
 
     series = render.generation_series(results.load(RESULTS, "generation"), "NVIDIA H100 80GB HBM3")
     # each acceptance and schedule on that device: the latest committed run's figure at each batch size (the
-    # batch 1–64 run of 5f67b81 replaces the acceptance-0.6 points; the 0.85 line keeps the 44ea3f4 run's)
+    # batch 1–64 run of 7dd5c17 replaces the acceptance-0.6 points; the 0.85 line keeps the 44ea3f4 run's)
     assert round(dict(series["acceptance 0.85, fixed γ"])[1], 1) == 604.1
-    assert [(b, round(t, 1)) for b, t in series["acceptance 0.6, fixed γ"]] == [(1, 351.9), (8, 1864.2),
-                                                                               (32, 4459.6), (64, 5187.8)]
-    assert round(dict(series["acceptance 0.6, confidence scheduling"])[64], 1) == 4992.8
+    assert [(b, round(t, 1)) for b, t in series["acceptance 0.6, fixed γ"]] == [(1, 355.0), (8, 1879.4),
+                                                                               (32, 4492.3), (64, 5421.7)]
+    assert round(dict(series["acceptance 0.6, confidence scheduling"])[64], 1) == 5987.3
     assert [(b, round(t, 1)) for b, t in series["acceptance 0.6, fixed γ, prefill 8 chunks a call"]] == [
-        (1, 353.0), (8, 1970.1), (32, 5046.9), (64, 5779.9)]
+        (1, 354.9), (8, 1976.4), (32, 5088.6), (64, 6288.6)]
+    assert round(dict(series["acceptance 0.6, confidence scheduling, prefill 8 chunks a call"])[64], 1) == 6984.0
     assert [b for b, _ in series["target-only decoding (the same engine)"]] == [1, 8, 32, 64]
 
 
