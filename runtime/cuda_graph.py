@@ -32,12 +32,15 @@ result comes back in one device→host copy into a pinned buffer.
 from __future__ import annotations
 
 import gc
+import logging
 from typing import Callable, Collection, Sequence
 
 import torch
 
 from muse_spark.engine_format import EngineError
 from muse_spark.runtime.engine import INPUT_NAMES, host_step_inputs
+
+log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 
@@ -446,16 +449,19 @@ class GraphMemory:
 
 def _owned_stream(device: torch.device) -> torch.cuda.Stream:
     """A non-blocking CUDA stream of its own on ``device``, never destroyed (``GraphMemory``); torch's
-    pooled stream where cuda-bindings does not import."""
+    pooled stream, with a warning, where the CUDA runtime's bindings (cuda-bindings) cannot make one."""
     try:
         from cuda.bindings import runtime as cudart  # (torch's CUDA 13 wheels depend on cuda-bindings)
-    except ImportError:
+
+        with torch.cuda.device(device):
+            err, handle = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaStreamCreateWithFlags: {err}")
+        return torch.cuda.ExternalStream(int(handle), device=device)
+    except Exception as e:  # (ImportError included: the graphs still capture, on a pooled stream)
+        log.warning("no CUDA stream of its own for an engine's graphs (%s): they capture on a pooled stream, "
+                    "which graphs another engine captured may share", e)
         return torch.cuda.Stream(device)
-    with torch.cuda.device(device):
-        err, handle = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
-    if err != cudart.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"cudaStreamCreateWithFlags failed: {err}")
-    return torch.cuda.ExternalStream(int(handle), device=device)
 
 
 def capture(fn: Callable, graph: torch.cuda.CUDAGraph | None = None, memory: GraphMemory | None = None,
