@@ -140,6 +140,8 @@ def measure(engine, decoder, clock: Clock, prompts: list[list[int]], max_tokens:
     acc = acceptance_stats(spec, engine.gamma)
     s.update({k: acc[k] for k in ("mean_accepted_per_step", "mean_emitted_per_step", "acceptance_per_position")})
     s["mean_verified_per_step"] = acc.get("mean_verified_per_step", float(engine.gamma))
+    if "verified_counts" in acc:  # (steps that report their width: scheduled ones)
+        s["verified_counts"] = acc["verified_counts"]
     if "confidence" in acc:  # (steps that reported the head's values: its calibration, AUROC)
         s["confidence"] = acc["confidence"]
 

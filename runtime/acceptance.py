@@ -49,6 +49,9 @@ def acceptance_stats(requests, gamma: int) -> dict:
     verified = [s.verified for s in steps if s.verified is not None]
     if verified:
         out["mean_verified_per_step"] = sum(verified) / len(verified)
+        # how often each width ran: [k] = the request-steps that sent k drafts to the target (a mean of 3.7
+        # may be every step at 4, or a mix of 1 and 7)
+        out["verified_counts"] = [sum(1 for v in verified if v == k) for k in range(gamma + 1)]
     yes, no = decided_confidences(steps, gamma)
     if yes or no:
         out["confidence"] = {**confidence_figures(yes, no), "auroc": auroc(yes, no)}

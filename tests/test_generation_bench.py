@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from muse_spark.builder.pair import make_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +61,10 @@ def test_schedules_off_and_confidence_side_by_side(tmp_path):
     assert set(rows) == {"off", "confidence"} and all(row["outputs_identical"] for row in rows.values())
     assert rows["off"]["speculative"]["mean_verified_per_step"] == 5
     assert rows["confidence"]["speculative"]["mean_verified_per_step"] < 5
+    counts = rows["confidence"]["speculative"]["verified_counts"]  # (request-steps by the drafts they verified)
+    assert len(counts) == 6 and sum(counts) > 0
+    assert sum(k * c for k, c in enumerate(counts)) / sum(counts) == pytest.approx(
+        rows["confidence"]["speculative"]["mean_verified_per_step"])
     assert len(doc["config"]["cost_ms"]["2"]) == 6
     # the scheduled steps report the head's values: its calibration (the informative head separates)
     conf = rows["confidence"]["speculative"]["confidence"]

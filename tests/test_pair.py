@@ -131,6 +131,9 @@ def test_stats_score_only_decided_positions():
     assert s["confidence"]["mean_when_rejected"] == pytest.approx(0.2)
     assert s["acceptance_per_position"] == [1.0, 0.5, 1.0]
     assert s["mean_accepted_per_step"] == 2.0
+    assert "verified_counts" not in s  # (no step reported its width)
+    r.steps[0].verified, r.steps[1].verified = 1, 3
+    assert acceptance_stats([r], 3)["verified_counts"] == [0, 1, 0, 1]
 
 
 def test_bad_requests_are_refused_before_writing(tmp_path):
