@@ -1393,7 +1393,10 @@ std::unique_ptr<Engine> Engine::open(const std::string& engine_dir, const OpenOp
     if (e.cuda_graphs) {  // (AOTIEngine: largest bucket first, the smaller graphs reuse its pool's blocks)
       c10::InferenceMode guard;
       e.graph_pool = at::cuda::graph_pool_handle();
-      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&e.capture_stream.raw, cudaStreamNonBlocking));
+      {
+        c10::cuda::CUDAGuard on_device(e.device);  // (the stream belongs to the engine's device)
+        C10_CUDA_CHECK(cudaStreamCreateWithFlags(&e.capture_stream.raw, cudaStreamNonBlocking));
+      }
       // programmatic_kernels: the manifest's pdl_kernels, or none (the same step launched without PDL) where
       // the driver lacks the graph-editing functions
       if (a.contains("pdl_kernels") && a["pdl_kernels"].is_array() && GraphDriver::get().complete())
