@@ -439,10 +439,9 @@ class GraphMemory:
     process (a stream destroyed earlier could hand its address to a new one while the old graphs still
     clear by it): one stream per engine loaded."""
 
-    def __init__(self, device: torch.device | str | int | None = None):
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+    def __init__(self, device: torch.device | str | int = "cuda"):
+        device = torch.device(device)
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = _owned_stream(self.device)
 
@@ -464,15 +463,13 @@ def _owned_stream(device: torch.device) -> torch.cuda.Stream:
         return torch.cuda.Stream(device)
 
 
-def capture(fn: Callable, graph: torch.cuda.CUDAGraph | None = None, memory: GraphMemory | None = None,
-            warmup: int = 1, device: torch.device | None = None):
+def capture(fn: Callable, memory: GraphMemory, graph: torch.cuda.CUDAGraph | None = None, warmup: int = 1):
     """``fn`` captured in a CUDA graph → (the graph, what the captured call returned). First ``warmup``
     calls on a side stream (kernel modules load on a first run, and capture must not be the first
     run), joined into the current stream and synchronized; then the capture into ``graph`` (default:
-    a new one) from ``memory``'s pool on its stream (default: a new ``GraphMemory``, the graph's
-    alone). The graph is not replayed."""
+    a new one) from ``memory``'s pool on its stream, on its device. The graph is not replayed."""
     graph = torch.cuda.CUDAGraph() if graph is None else graph
-    memory = GraphMemory(device) if memory is None else memory
+    device = memory.device
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -506,11 +503,12 @@ class CUDAGraphStep(StaticStep):
         super().__init__(*args, **kw)
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+        memory = GraphMemory(self.device) if memory is None else memory  # (the step's graphs: one pool and stream)
 
         def capture_step(fn: Callable, warmup: int) -> tuple[torch.cuda.CUDAGraph, Tensor, int, int]:
             """``fn`` captured, its edges into ``programmatic`` kernels made programmatic → (graph, output,
             edges rewritten, kernel nodes)."""
-            graph, out = capture(fn, torch.cuda.CUDAGraph(keep_graph=bool(programmatic)), memory, warmup, self.device)
+            graph, out = capture(fn, memory, torch.cuda.CUDAGraph(keep_graph=bool(programmatic)), warmup)
             edges = kernels = 0
             if programmatic:
                 edges, kernels = make_programmatic(graph.raw_cuda_graph(), programmatic, pdl_port)

@@ -54,8 +54,7 @@ class _GraphStep:
         self.inputs.append(torch.zeros(n, dtype=torch.float32, device=dev))
         self.token, self.pos, self.slots = self.inputs[:3]
         self.slots.fill_(free_slot)
-        self.graph, self.out = capture(lambda: engine.target_step(*self.inputs, engine.max_seq), memory=memory,
-                                       device=dev)
+        self.graph, self.out = capture(lambda: engine.target_step(*self.inputs, engine.max_seq), memory)
 
     @torch.inference_mode()
     def __call__(self, host_inputs: list[list] | None) -> list[int]:

@@ -218,8 +218,8 @@ def test_each_graph_owner_captures_on_a_stream_of_its_own():
     g = torch.Generator("cuda").manual_seed(0)
     a = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(4096, 8192, device="cuda", dtype=torch.bfloat16, generator=g)
-    first, _ = capture(lambda: a @ w, memory=owners[0])
-    second, out = capture(lambda: a @ w, memory=owners[1])
+    first, _ = capture(lambda: a @ w, owners[0])
+    second, out = capture(lambda: a @ w, owners[1])
     first.replay()
     del first, _
     gc.collect()
