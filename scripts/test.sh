@@ -6,7 +6,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup_venv.sh" "test,serve,onnx,kernels-cpu,cxx"
 cd "$ROOT"
-"$PY" -m pytest -ra "$@"
+# Two workers (pytest-xdist): each test file runs on one worker, so its module's engines are built once, and the
+# session's shared engines (the aoti engine, the C++ library) are built once in the run by whichever worker
+# asks first (tests/conftest.py, once_per_run). TEST_WORKERS=0: one process.
+workers=()
+"$PY" -c "import xdist" 2>/dev/null && [ "${TEST_WORKERS:-2}" != 0 ] && workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)
+"$PY" -m pytest -ra "${workers[@]}" "$@"
 if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     # No GPU: the Triton kernels' tests once more, on Triton's CPU interpreter (small sizes;
     # correct, not fast). With a GPU the run above has compiled and run them.

@@ -37,24 +37,54 @@ def random_pair(tmp_path_factory):
 AOTI_MAX_BATCH, AOTI_MAX_SEQ, AOTI_NARROW_WIDTH, AOTI_PREFILL_BATCH = 3, 256, 2, 3
 
 
+def once_per_run(tmp_path_factory, name: str, make):
+    """``make()``'s result (JSON: paths as strings) made once in a test run, however many pytest-xdist workers
+    it has (scripts/test.sh runs two): the first worker to ask makes it under a file lock in the workers'
+    common temporary folder, the others wait for it and take the recorded result. Without workers: ``make()``."""
+    import fcntl
+    import json
+    import os
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make()
+    root = tmp_path_factory.getbasetemp().parent
+    record = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes, a failed make() too)
+        if record.exists():
+            return json.loads(record.read_text())
+        result = make()
+        record.write_text(json.dumps(result))
+        return result
+
+
 @pytest.fixture(scope="session")
 def aoti_built(agreeing_pair, tmp_path_factory):
-    """→ (the engine directory, the build's stderr). An AOTInductor compile of the tiny pair takes about a
-    minute on two cores; lengths of ENGINE_PROMPTS straddle its prefill chunk (128)."""
-    out = tmp_path_factory.mktemp("aoti") / "engine"
-    r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend",
-                "aoti", "--device", "cpu", "--max-batch", AOTI_MAX_BATCH, "--max-seq", AOTI_MAX_SEQ,
-                "--verify-widths", AOTI_NARROW_WIDTH, "--prefill-batch", AOTI_PREFILL_BATCH)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return out, r.stderr
+    """→ (the engine directory, the build's stderr). An AOTInductor compile of the tiny pair takes about
+    three minutes on two cores; lengths of ENGINE_PROMPTS straddle its prefill chunk (128). (Every worker's
+    agreeing pair is the same tiny pair: the engine of one serves all.)"""
+    from pathlib import Path
+
+    def make():
+        out = tmp_path_factory.mktemp("aoti") / "engine"
+        r = run_cli("build", "--target", agreeing_pair[0], "--draft", agreeing_pair[1], "--out", out, "--backend",
+                    "aoti", "--device", "cpu", "--max-batch", AOTI_MAX_BATCH, "--max-seq", AOTI_MAX_SEQ,
+                    "--verify-widths", AOTI_NARROW_WIDTH, "--prefill-batch", AOTI_PREFILL_BATCH)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return str(out), r.stderr
+
+    out, stderr = once_per_run(tmp_path_factory, "aoti_built", make)
+    return Path(out), stderr
 
 
 @pytest.fixture(scope="session")
 def cxx_build(tmp_path_factory):
     """The C++ embedding (cxx/), built once with CMake against this torch → its build directory."""
+    from pathlib import Path
+
     from cxx_utils import build_cxx
 
-    return build_cxx(tmp_path_factory)
+    return Path(once_per_run(tmp_path_factory, "cxx_build", lambda: str(build_cxx(tmp_path_factory))))
 
 
 @pytest.fixture(scope="session")
