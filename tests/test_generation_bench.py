@@ -46,18 +46,23 @@ def test_the_benchmark_measures_both_sides_on_a_pair(tmp_path):
 
 def test_schedules_off_and_confidence_side_by_side(tmp_path):
     """`--schedule off,confidence --calibrate`: both policies on the same engine, the cost table measured
-    first; confidence verifies fewer drafts a step and the outputs stay the target's."""
+    first; confidence verifies fewer drafts a step and the outputs stay the target's. The head's calibration
+    is checked on a run by the threshold alone: the measured table's cut depends on the machine's load (a
+    budget may verify low-confidence drafts where they are cheap), the threshold's does not."""
     make_pair(tmp_path / "pair", "tiny", acceptance=0.6, seed=0)
-    out = tmp_path / "results"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--pair", str(tmp_path / "pair"),
-                        "--backend", "eager", "--device", "cpu", "--batches", "2", "--max-tokens", "16",
-                        "--prompt-len", "8", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out),
-                        "--schedule", "off,confidence", "--confidence-threshold", "0.5", "--calibrate",
-                        "--sampled-acceptance", "0"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    (doc,) = [json.loads(p.read_text()) for p in out.glob("*_generation.json")]
-    rows = {row["schedule"]: row for row in doc["results"]["batches"]}
+
+    def run(name, *args):
+        out = tmp_path / name
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation.py"), "--pair", str(tmp_path / "pair"),
+                            "--backend", "eager", "--device", "cpu", "--batches", "2", "--max-tokens", "16",
+                            "--prompt-len", "8", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out),
+                            "--confidence-threshold", "0.5", "--sampled-acceptance", "0", *args],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-4000:]
+        (doc,) = [json.loads(p.read_text()) for p in out.glob("*_generation.json")]
+        return doc, {row["schedule"]: row for row in doc["results"]["batches"]}
+
+    doc, rows = run("calibrated", "--schedule", "off,confidence", "--calibrate")
     assert set(rows) == {"off", "confidence"} and all(row["outputs_identical"] for row in rows.values())
     assert rows["off"]["speculative"]["mean_verified_per_step"] == 5
     assert rows["confidence"]["speculative"]["mean_verified_per_step"] < 5
@@ -66,10 +71,12 @@ def test_schedules_off_and_confidence_side_by_side(tmp_path):
     assert sum(k * c for k, c in enumerate(counts)) / sum(counts) == pytest.approx(
         rows["confidence"]["speculative"]["mean_verified_per_step"])
     assert len(doc["config"]["cost_ms"]["2"]) == 6
+    assert "confidence" in rows["confidence"]["speculative"] and "sampled_acceptance" not in doc["results"]
     # the scheduled steps report the head's values: its calibration (the informative head separates)
+    doc, rows = run("threshold", "--schedule", "confidence")
     conf = rows["confidence"]["speculative"]["confidence"]
+    assert rows["confidence"]["outputs_identical"] and conf["decided_positions"] > 20
     assert conf["auroc"] > 0.9 and conf["mean_when_accepted"] > conf["mean_when_rejected"]
-    assert "sampled_acceptance" not in doc["results"]
 
 
 def test_an_fp8_pair_with_an_fp8_kv_cache(tmp_path):
