@@ -78,6 +78,7 @@ from muse_spark.config import MuseSpark1xConfig, MuseSparkDSparkConfig
 from muse_spark.models.layers import Fp8Linear, attention_path, linear_path
 from muse_spark.plugins.pdl import pdl_active, PDL_KERNELS
 from muse_spark.options import KernelOptions, use_options
+from muse_spark.builder.package_cache import PackageCache, check_package, open_cache
 from muse_spark.graphs.parts import (CTL_FLOATS, CTL_INTS, GRAPH_INPUTS, LAYOUT, LOGPROBS_TOP, GraphFn, SpecPair,
                                      build_pair, part_weight_names, torch_dtype, weight_specs)
 
@@ -347,22 +348,6 @@ def variant_cache(options: KernelOptions):
     return temporary_cache_dir(folder)
 
 
-def check_package(path: str | Path) -> None:
-    """Refuse an AOTI package whose JSON members are empty or do not parse (a package assembled
-    from files another process was rewriting): the loader would fail later, far from the cause."""
-    import json
-    import zipfile
-
-    with zipfile.ZipFile(path) as z:
-        for member in (n for n in z.namelist() if n.endswith(".json")):
-            try:
-                json.loads(z.read(member) or b"")
-            except ValueError as e:
-                raise RuntimeError(f"AOTI package {path}: {member} is not valid JSON ({e}); the compile's "
-                                   "files were changed while it was packaged (another compile of the same "
-                                   "graph sharing TORCHINDUCTOR_CACHE_DIR?); build again") from None
-
-
 def install_fp8(pair, names: list[str], dtype: torch.dtype) -> None:
     """An ``Fp8Linear`` (on meta) in the export modules for every projection whose weights the graphs read in
     FP8 (its ``weight_scale`` among ``names``), as ``checkpoint.materialize`` installs them in the runtime's:
@@ -451,40 +436,59 @@ def _stop(pool: ProcessPoolExecutor) -> None:
 
 
 def compile_graphs(jobs: list[dict], workers: int | None = None,
-                   log: Callable[[str], None] = lambda m: None) -> list[dict]:
-    """Compile every job, in ``workers`` spawned processes (1: in this process)."""
+                   log: Callable[[str], None] = lambda m: None, cache: PackageCache | None = None) -> list[dict]:
+    """Compile every job, in ``workers`` spawned processes (1: in this process). With a build ``cache``
+    (``package_cache``), a job compiled before takes its stored package instead (its result says
+    ``cached``), and each package compiled is stored as soon as it is done."""
     if not jobs:
         return []
+    results = []
+    if cache is not None:
+        hits = [j for j in jobs if cache.take(j)]
+        results = [dict(name=j["name"], file=Path(j["out"]).name, fn=j["fn"], batch=j["batch"], tokens=j["tokens"],
+                        width=j.get("width"), export_s=0.0, compile_s=0.0, cached=True) for j in hits]
+        if hits:
+            log(f"{len(hits)} of {len(jobs)} graphs from the build cache ({cache.root}): "
+                f"{', '.join(j['name'] for j in hits)}")
+        jobs = [j for j in jobs if j not in hits]
+        if not jobs:
+            return sorted(results, key=lambda r: r["name"])
+
+    def done(job: dict, r: dict) -> None:
+        results.append(r)
+        if cache is not None:
+            cache.store(job)
+
     workers = max(1, min(workers or len(jobs), len(jobs)))
     threads = max(1, (os.cpu_count() or 1) // workers)
     jobs = [dict(j, compile_threads=threads) for j in jobs]
     t0 = time.perf_counter()
-    results = []
     if workers == 1:
         for i, job in enumerate(jobs, 1):
             log(f"compiling {job['name']} ({i}/{len(jobs)})")
-            results.append(compile_job(job))
+            done(job, compile_job(job))
             log(f"{job['name']} compiled in {time.perf_counter() - t0:.0f}s")
-        return results
+        return sorted(results, key=lambda r: r["name"])
     log(f"compiling {len(jobs)} graphs ({', '.join(j['name'] for j in jobs)}) in {workers} worker processes")
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         pending = {pool.submit(compile_job, j): j for j in jobs}
+        n = len(results)  # (taken from the cache)
         while pending:
-            done, _ = wait(pending, timeout=30, return_when=FIRST_COMPLETED)
-            if not done:
+            finished, _ = wait(pending, timeout=30, return_when=FIRST_COMPLETED)
+            if not finished:
                 log(f"… still compiling {', '.join(pending[f]['name'] for f in pending)} "
                     f"({time.perf_counter() - t0:.0f}s)")
-            for f in done:
+            for f in finished:
                 job = pending.pop(f)
                 try:
                     r = f.result()
                 except Exception as e:
                     _stop(pool)  # the other graphs would only finish (or fail) for nothing
                     raise RuntimeError(f"compiling {job['name']} failed: {type(e).__name__}: {e}") from e
-                results.append(r)
+                done(job, r)
                 log(f"{r['name']} compiled (export {r['export_s']}s, AOTInductor {r['compile_s']}s; "
-                    f"{len(results)}/{len(jobs)} after {time.perf_counter() - t0:.0f}s)")
+                    f"{len(results) - n}/{len(jobs)} after {time.perf_counter() - t0:.0f}s)")
     return sorted(results, key=lambda r: r["name"])
 
 
@@ -493,7 +497,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
                plugins: str = "auto", jobs: int | None = None, log: Callable[[str], None] = lambda m: None,
                options: KernelOptions | None = None, verify_widths: list[int] | None = None,
                sampling_controls: bool = True, kv_pool: list[int] | None = None, tp: dict | None = None,
-               prefill_batch: int = 1) -> dict:
+               prefill_batch: int = 1, build_cache: str | None = None) -> dict:
     """Compile the prefill and step packages into ``out_dir`` under the kernel ``options`` (default:
     the defaults); → the manifest's ``aoti`` section. ``verify_widths``: verification widths K < γ
     to compile step packages for beside the full width (confidence-scheduled steps verify the first
@@ -503,7 +507,9 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
     parts address through block tables. ``tp``: {"world", "vocab"}: ``target`` is one tensor-parallel rank's
     slice (``shard_target``), whose packages every rank runs on its own slice (``split_pair``).
     ``prefill_batch`` P > 1: a prefill package for P prompt chunks at once beside the one for a single chunk
-    (the runtime prefills a round of up to P requests' chunks in one pass over the weights)."""
+    (the runtime prefills a round of up to P requests' chunks in one pass over the weights). ``build_cache``:
+    the build cache's folder or ``off`` (default: ``MUSE_SPARK_BUILD_CACHE``, else the user's cache folder;
+    ``package_cache``): graphs compiled before, for this device with these sources, are taken from it."""
     options = options or KernelOptions()
     prefill_batch = check_prefill_batch(prefill_batch, max_batch)
     buckets, chunk = graph_plan(device, max_batch, max_seq, buckets, prefill_chunk)
@@ -519,6 +525,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
     wspecs = weight_specs(SpecPair(target, draft))
     configs = inductor_configs(device, fast_compile)
     cache_dtype = str(target.dtype).removeprefix("torch.")
+    cache = open_cache(build_cache, device, log)
 
     def compile_with(impl: str) -> tuple[list[dict], dict[int, int]]:
         words = markov_workspaces(impl, device, draft, target.cfg.vocab_size, buckets)
@@ -527,7 +534,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
                               cache_dtype=cache_dtype, configs=configs, out_dir=out_dir, markov_words=words,
                               options=options, widths=widths, controls=sampling_controls, kv_pool=kv_pool, tp=tp,
                               prefill_batch=prefill_batch)
-        return compile_graphs(job_list, jobs, log), words
+        return compile_graphs(job_list, jobs, log, cache=cache), words
 
     fallback = None
     try:
@@ -594,5 +601,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
         # target.model.layers.*, "weights[layer i]" layer i's, both in the order of "weights".
         "graph_inputs": GRAPH_INPUTS,
         "compile": {"fast_compile": fast_compile, "inductor_configs": configs,
-                    "seconds": {r["name"]: r["export_s"] + r["compile_s"] for r in results}},
+                    "seconds": {r["name"]: r["export_s"] + r["compile_s"] for r in results},
+                    # the graphs taken from the build cache (compiled by an earlier build: builder/package_cache.py)
+                    "cached": sorted(r["name"] for r in results if r.get("cached"))},
     }

@@ -107,6 +107,8 @@ def cmd_build(a) -> int:
     from muse_spark.builder.build import build_engine
 
     aoti = {"plugins": a.plugins} if a.plugins is not None else {}
+    if a.build_cache is not None and a.backend == "aoti":  # (the other backends compile no packages)
+        aoti["build_cache"] = a.build_cache
     if a.verify_widths is not None:
         if a.backend != "aoti":
             print("error: --verify-widths applies to --backend aoti (the eager engine verifies any number of drafts)",
@@ -531,6 +533,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="aoti: also compile a prefill for up to P prompt chunks at once (one pass over the weights "
                         "for a round of P requests' chunks; default 1: one chunk a call; 8 prefilled 32 short "
                         "prompts 2.7x faster on an H100, docs/performance.md)")
+    b.add_argument("--build-cache", default=None, metavar="DIR|off",
+                   help="aoti: the folder of compiled packages a build takes graphs compiled before from (same "
+                        "shapes, options, sources and device; the weights are not in them) and stores new ones "
+                        "in; off: compile every graph. Default: $MUSE_SPARK_BUILD_CACHE, else "
+                        "~/.cache/muse-spark/packages")
     b.set_defaults(fn=cmd_build)
 
     q = sub.add_parser("quantize", help="write the FP8 (E4M3) checkpoint of a bf16/fp16/fp32 target (and draft): "

@@ -189,9 +189,10 @@ serving)
         tee "$OUT/serving-tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|tok/s|[0-9]+ (passed|failed)"
     ;;
 workload)
-    # tokens/s at real acceptance: an 8B-shaped pair whose drafts agree at ACCEPTANCE (default 0.85), with
-    # the informative confidence head; an engine built from it (BACKEND, default aoti: with the default
-    # verification widths), its cost table measured, and the Generator's 256-token generations at batch 1,
+    # tokens/s at real acceptance: an 8B-shaped pair whose drafts agree at ACCEPTANCE (default 0.85; a list, e.g.
+    # 0.6,0.85, runs each in turn: the later pairs' engines take every package from the build cache, the same
+    # shapes), with the informative confidence head; an engine built from it (BACKEND, default aoti: with the
+    # default verification widths), its cost table measured, and the Generator's 256-token generations at batch 1,
     # 8 and 32 with fixed γ and with confidence scheduling (SCHEDULES, default off,confidence), each against
     # the same engine's target-only decoding (benchmarks/generation.py; JSON and table in $OUT). The pair
     # and the engine stay in /tmp/w8b: a run the call's time limit cut short (the 8B aoti build takes
@@ -199,16 +200,18 @@ workload)
     # 1,8,32; the largest is the engine's max batch, so another list builds another engine). GEN_ARGS: more
     # arguments for benchmarks/generation.py (e.g. --prefill-batch 8: each batch size prefilled one chunk a
     # call and 8).
-    p=${ACCEPTANCE:-0.85} backend=${BACKEND:-aoti}
-    here=/tmp/w8b/workload-$p
-    free_disk "$here"
-    pair_at "$here/pair" "$p" "$OUT/make-pair-$p.log" || exit 1
-    cp "$here/pair/pair.json" "$OUT/pair-$p.json"
-    timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/generation.py --pair "$here/pair" --reuse-engine \
-        --backend "$backend" --batches "${BATCHES:-1,8,32}" --max-tokens "${MAX_TOKENS:-256}" --prompt-len 32 \
-        --work-dir "$here/engine-$backend" --out-dir "$OUT" --schedule "${SCHEDULES:-off,confidence}" --calibrate \
-        --markdown "$OUT/generation-$p-$backend.md" ${GEN_ARGS:-} 2>&1 | grep -v "^\[build\]" \
-        | tee "$OUT/generation-$p-$backend.log"
+    backend=${BACKEND:-aoti}
+    for p in $(echo "${ACCEPTANCE:-0.85}" | tr ',' ' '); do
+        here=/tmp/w8b/workload-$p
+        free_disk "$here"
+        pair_at "$here/pair" "$p" "$OUT/make-pair-$p.log" || exit 1
+        cp "$here/pair/pair.json" "$OUT/pair-$p.json"
+        timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/generation.py --pair "$here/pair" --reuse-engine \
+            --backend "$backend" --batches "${BATCHES:-1,8,32}" --max-tokens "${MAX_TOKENS:-256}" --prompt-len 32 \
+            --work-dir "$here/engine-$backend" --out-dir "$OUT" --schedule "${SCHEDULES:-off,confidence}" --calibrate \
+            --markdown "$OUT/generation-$p-$backend.md" ${GEN_ARGS:-} 2>&1 | grep -v "^\[build\]" \
+            | tee "$OUT/generation-$p-$backend.log"
+    done
     ;;
 serving-sweep)
     # what a serving user sees on the 8B-shaped pair (acceptance 0.8): a concurrency sweep in process, the

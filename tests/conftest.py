@@ -58,6 +58,21 @@ def once_per_run(tmp_path_factory, name: str, make):
         return result
 
 
+@pytest.fixture(scope="session", autouse=True)
+def build_cache(tmp_path_factory):
+    """One build cache (builder/package_cache.py) for the whole run, shared by its workers and the CLI
+    processes the tests start: a graph compiled by one test's build is taken by every later build of
+    the same job, and nothing of another run (or of the user's own cache) is taken."""
+    import os
+    from pathlib import Path
+
+    root = tmp_path_factory.getbasetemp()
+    folder = Path(root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "build-cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MUSE_SPARK_BUILD_CACHE", str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def aoti_built(agreeing_pair, tmp_path_factory):
     """→ (the engine directory, the build's stderr). An AOTInductor compile of the tiny pair takes about
