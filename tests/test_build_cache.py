@@ -133,7 +133,8 @@ def test_a_pair_of_other_weights_takes_every_graph_from_the_cache_and_runs_its_o
     out = tmp_path / "engine"
     r = run_cli("build", "--target", tmp_path / "pair" / "target", "--draft", tmp_path / "pair" / "draft", "--out", out,
                 "--backend", "aoti", "--device", "cpu", "--max-batch", AOTI_MAX_BATCH, "--max-seq", AOTI_MAX_SEQ,
-                "--verify-widths", AOTI_NARROW_WIDTH, "--prefill-batch", AOTI_PREFILL_BATCH)
+                "--verify-widths", AOTI_NARROW_WIDTH, "--prefill-batch", AOTI_PREFILL_BATCH,
+                "--build-cache", build_cache, env={"MUSE_SPARK_BUILD_CACHE": "off"})  # (the flag over the variable)
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads((out / "manifest.json").read_text())["aoti"]
     assert m["compile"]["cached"] == sorted(m["graphs"]) and len(m["graphs"]) == 12
