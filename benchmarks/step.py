@@ -121,7 +121,7 @@ class Bench(AotiSections):
     def _run(self) -> dict:
         import torch
 
-        from muse_spark.builder.aoti import (compile_job, graph_jobs, inductor_configs, int64_indexing,
+        from muse_spark.builder.aoti import (compile_job_cached, graph_jobs, inductor_configs, int64_indexing,
                                              markov_workspaces, resolve_plugin_impl)
         from muse_spark.graphs.parts import SpecPair, weight_specs
         from muse_spark.runtime.engine import EagerEngine
@@ -242,8 +242,8 @@ class Bench(AotiSections):
             n_jobs = len(jobs) + sum(map(len, vjobs.values()))
             pool = ProcessPoolExecutor(max_workers=n_jobs, mp_context=multiprocessing.get_context("spawn"))
             threads = max(1, (os.cpu_count() or 1) // (n_jobs + 1))
-            futures = [pool.submit(compile_job, dict(j, compile_threads=threads)) for j in jobs]
-            vfutures = {name: [pool.submit(compile_job, dict(j, compile_threads=threads)) for j in js]
+            futures = [pool.submit(compile_job_cached, dict(j, compile_threads=threads)) for j in jobs]
+            vfutures = {name: [pool.submit(compile_job_cached, dict(j, compile_threads=threads)) for j in js]
                         for name, js in vjobs.items()}
             self.log(f"aoti: compiling {len(jobs)} step packages (draft, one target layer, finish per batch; "
                      f"{impl} plugins) in worker processes")
@@ -319,7 +319,7 @@ class Bench(AotiSections):
                          f"all {len(jobs)} step packages with the reference plugins (inline)")
                 sec["aoti_plugin_fallback"] = sorted(j["name"] for j in failed)
                 aoti_impl = "inline"
-                retry = [pool.submit(compile_job, dict(j, impl="inline", compile_threads=threads)) for j in jobs]
+                retry = [pool.submit(compile_job_cached, dict(j, impl="inline", compile_threads=threads)) for j in jobs]
                 compiled_files.clear()
                 for f in retry:
                     try:
@@ -339,6 +339,7 @@ class Bench(AotiSections):
                         self.log(f"aoti {name}: compile failed: {str(e)[:1000]}")
             pool.shutdown()
             sec["aoti_compile_s"] = {k: v["export_s"] + v["compile_s"] for k, v in compiled_files.items()}
+            sec["aoti_cached"] = sorted(k for k, v in compiled_files.items() if v.get("cached"))  # (build cache)
             self.log(f"aoti: compiled {sorted(compiled_files)}")
         aoti_batches = [b for b in batches if all(f"step_{p}_b{b}" in compiled_files for p in STEP_PARTS)]
         if aoti_batches:

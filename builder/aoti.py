@@ -62,6 +62,7 @@ Footguns this module handles:
 from __future__ import annotations
 
 import contextlib
+import copy
 import multiprocessing
 import os
 import sys
@@ -303,7 +304,8 @@ def compile_job(job: dict) -> dict:
     try:
         options = job_options(job)
         with use_options(options), variant_cache(options):
-            return _compile_job(job)
+            # (a copy: aoti_compile_and_package writes its own keys into the inductor_configs dict it is given)
+            return _compile_job(copy.deepcopy(job))
     except Exception as e:
         tb = traceback.format_exc()
         raise RuntimeError(f"{type(e).__name__}: {e}\n{tb[-6000:]}") from None
@@ -435,6 +437,25 @@ def _stop(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
+def cached_result(job: dict) -> dict:
+    """``compile_job``'s result for a job whose package came from the build cache."""
+    return dict(name=job["name"], file=Path(job["out"]).name, fn=job["fn"], batch=job["batch"], tokens=job["tokens"],
+                width=job.get("width"), export_s=0.0, compile_s=0.0, cached=True)
+
+
+def compile_job_cached(job: dict, build_cache: str | None = None) -> dict:
+    """``compile_job`` through the build cache ``build_cache`` names (``package_cache.open_cache``): the
+    worker entry point of callers that run their own pool of compiles (``benchmarks/step.py``)."""
+    cache = open_cache(build_cache, job["device"])
+    if cache is not None and cache.take(job):
+        return cached_result(job)
+    key = cache.key(job) if cache is not None else None
+    result = compile_job(job)
+    if cache is not None:
+        cache.store(job, key)
+    return result
+
+
 def compile_graphs(jobs: list[dict], workers: int | None = None,
                    log: Callable[[str], None] = lambda m: None, cache: PackageCache | None = None) -> list[dict]:
     """Compile every job, in ``workers`` spawned processes (1: in this process). With a build ``cache``
@@ -445,8 +466,7 @@ def compile_graphs(jobs: list[dict], workers: int | None = None,
     results = []
     if cache is not None:
         hits = [j for j in jobs if cache.take(j)]
-        results = [dict(name=j["name"], file=Path(j["out"]).name, fn=j["fn"], batch=j["batch"], tokens=j["tokens"],
-                        width=j.get("width"), export_s=0.0, compile_s=0.0, cached=True) for j in hits]
+        results = [cached_result(j) for j in hits]
         if hits:
             log(f"{len(hits)} of {len(jobs)} graphs from the build cache ({cache.root}): "
                 f"{', '.join(j['name'] for j in hits)}")
@@ -454,10 +474,12 @@ def compile_graphs(jobs: list[dict], workers: int | None = None,
         if not jobs:
             return sorted(results, key=lambda r: r["name"])
 
+    keys = {j["name"]: cache.key(j) for j in jobs} if cache is not None else {}  # (before any compile)
+
     def done(job: dict, r: dict) -> None:
         results.append(r)
         if cache is not None:
-            cache.store(job)
+            cache.store(job, keys[job["name"]])
 
     workers = max(1, min(workers or len(jobs), len(jobs)))
     threads = max(1, (os.cpu_count() or 1) // workers)

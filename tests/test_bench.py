@@ -188,7 +188,8 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
            "--batches", "1", "--context", "16", "--iters", "2", "--skip", "compile",
            "--pdl", "both", "--work-dir", str(work),
            "--out-dir", str(out), "--markdown", str(md)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MUSE_SPARK_")}  # the run's options: the defaults
+    # the run's options: the defaults (the test run's build cache kept)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MUSE_SPARK_") or k == "MUSE_SPARK_BUILD_CACHE"}
     subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     (path,) = result_files(out)
     res = json.loads(path.read_text())["results"]
@@ -212,6 +213,15 @@ def test_the_variants_are_compiled_and_timed_beside_the_default(tmp_path):
         assert f"### Variant `{name}` ({field}={value}), beside the default aoti step" in text
     rows = [line for line in text.splitlines() if line.startswith("| 1 | ") and line.endswith("| True |")]
     assert len(rows) == 1 and all(len(row.split("|")) == 10 for row in rows)
+
+    # Run again into another folder: every package, the default's and the variant's, from the build cache
+    again = [c if c != str(work) else str(tmp_path / "again") for c in cmd]
+    again[again.index(str(out))] = str(tmp_path / "results-again")
+    subprocess.run(again, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    (path,) = result_files(tmp_path / "results-again")
+    sec = json.loads(path.read_text())["results"]["sections"]
+    assert sec["aoti_cached"] == ["step_context_b1", "step_draft_b1", "step_layer_b1", "step_verify_b1"]
+    assert sec["aoti_matches_eager"]["1"] is True and sec["variants"]["no_pdl"]["aoti_matches_eager"]["1"] is True
 
 
 def test_every_variant_has_its_option_and_changes_kernel_options():
