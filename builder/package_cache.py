@@ -98,14 +98,17 @@ def device_identity(device: str) -> dict:
 
 
 def toolchain() -> dict:
-    """The versions that compile a package: torch, Triton (where it imports) and Python."""
+    """What compiles a package: the versions of torch, Triton (where it imports) and Python, and the
+    variables that steer Inductor and Triton (``TORCHINDUCTOR_*``, ``TRITON_*``, but the folders)."""
     try:
         import triton
 
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return {"torch": torch.__version__, "triton": triton_version, "python": list(sys.version_info[:2])}
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith(("TORCHINDUCTOR_", "TRITON_")) and not k.endswith(("_DIR", "_HOME", "_PATH"))}
+    return {"torch": torch.__version__, "triton": triton_version, "python": list(sys.version_info[:2]), "env": env}
 
 
 class PackageCache:

@@ -33,7 +33,7 @@ def write_package(path: Path, payload: bytes = b"code", metadata: bytes = b'{"ok
     return path
 
 
-def test_the_key_is_what_is_compiled_not_where_it_goes(tmp_path):
+def test_the_key_is_what_is_compiled_not_where_it_goes(tmp_path, monkeypatch):
     cache = PackageCache(tmp_path / "cache", "cpu")
     job = a_job(tmp_path)
     key = cache.key(job)
@@ -50,6 +50,11 @@ def test_the_key_is_what_is_compiled_not_where_it_goes(tmp_path):
     other = PackageCache(tmp_path / "cache", "cpu")
     other.context = dict(other.context, source="0" * 64)  # (what an edit to the project's code does)
     assert other.key(job) != key
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")  # (a variable that steers Inductor)
+    assert PackageCache(tmp_path / "cache", "cpu").key(job) != key
+    monkeypatch.delenv("TORCHINDUCTOR_MAX_AUTOTUNE")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # (a folder: the same compile)
+    assert PackageCache(tmp_path / "cache", "cpu").key(job) == key
     assert cache.context["device"]["type"] == "cpu" and cache.context["toolchain"]["torch"]
 
 
