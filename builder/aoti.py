@@ -530,7 +530,7 @@ def build_aoti(target, draft, out_dir: Path, *, device: str, max_batch: int, max
     slice (``shard_target``), whose packages every rank runs on its own slice (``split_pair``).
     ``prefill_batch`` P > 1: a prefill package for P prompt chunks at once beside the one for a single chunk
     (the runtime prefills a round of up to P requests' chunks in one pass over the weights). ``build_cache``:
-    the build cache's folder or ``off`` (default: ``MUSE_SPARK_BUILD_CACHE``, else the user's cache folder;
+    the build cache's folder or ``off`` (default: the build-cache variable's, else the user's cache folder;
     ``package_cache``): graphs compiled before, for this device with these sources, are taken from it."""
     options = options or KernelOptions()
     prefill_batch = check_prefill_batch(prefill_batch, max_batch)

@@ -10,12 +10,12 @@ the same model, a draft trained further), or another build of the same pair with
 only some parts (a KV pool, another verification width) costs seconds where a fresh 8B build takes
 minutes on the GPU.
 
-The cache is a folder of ``<key>.pt2`` files (``MUSE_SPARK_BUILD_CACHE``; default
+The cache is a folder of ``<key>.pt2`` files (``options.BUILD_CACHE_ENV``; default
 ``~/.cache/muse-spark/packages``, under ``XDG_CACHE_HOME`` where that is set; ``off`` turns it off;
 ``muse-spark build --build-cache``). Writes go to a temporary file renamed into place, so builds
 running at once never see a torn package; a stored package that does not read back whole
 (``check_package``) is dropped and compiled again. The folder is kept under
-``MUSE_SPARK_BUILD_CACHE_GB`` (default 8) by removing the packages least recently used. A cache that
+``options.BUILD_CACHE_GB_ENV`` (default 8) by removing the packages least recently used. A cache that
 cannot be written is reported once and the build goes on without it.
 """
 
@@ -34,7 +34,8 @@ from typing import Callable
 
 import torch
 
-ENV, LIMIT_ENV = "MUSE_SPARK_BUILD_CACHE", "MUSE_SPARK_BUILD_CACHE_GB"
+from muse_spark.options import build_cache_limit_gb, build_cache_setting
+
 DEFAULT_LIMIT_GB = 8.0
 OFF = ("off", "0", "no", "none", "false")
 # A job's fields that say where its package goes and how fast it compiles, not what it compiles.
@@ -60,10 +61,10 @@ def check_package(path: str | Path) -> None:
 
 
 def cache_folder(setting: str | None = None) -> Path | None:
-    """The cache's folder: ``setting`` (a folder, or ``off``), else ``MUSE_SPARK_BUILD_CACHE``, else the
-    default under the user's cache folder; None: no cache."""
+    """The cache's folder: ``setting`` (a folder, or ``off``), else the build-cache variable's
+    (``options.build_cache_setting``), else the default under the user's cache folder; None: no cache."""
     if setting is None:
-        setting = os.environ.get(ENV) or None
+        setting = build_cache_setting()
     if setting is not None and str(setting).strip().lower() in OFF:
         return None
     if setting:
@@ -119,7 +120,7 @@ class PackageCache:
         self.root, self.log = Path(root), log
         self.root.mkdir(parents=True, exist_ok=True)
         if limit_bytes is None:
-            limit_bytes = int(float(os.environ.get(LIMIT_ENV) or DEFAULT_LIMIT_GB) * 2**30)
+            limit_bytes = int((build_cache_limit_gb() or DEFAULT_LIMIT_GB) * 2**30)
         self.limit_bytes = limit_bytes
         self.context = {"source": source_digest(), "device": device_identity(device), "toolchain": toolchain()}
         self.broken: str | None = None  # why storing stopped (a full disk, a folder not writable)

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from muse_spark.serving.server import _positive, add_kv_pool_arguments, kv_pool  # (argparse types, said once)
+from muse_spark.options import BUILD_CACHE_ENV
 
 
 def _die(msg: str, code: int = 2) -> int:
@@ -536,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--build-cache", default=None, metavar="DIR|off",
                    help="aoti: the folder of compiled packages a build takes graphs compiled before from (same "
                         "shapes, options, sources and device; the weights are not in them) and stores new ones "
-                        "in; off: compile every graph. Default: $MUSE_SPARK_BUILD_CACHE, else "
+                        f"in; off: compile every graph. Default: ${BUILD_CACHE_ENV}, else "
                         "~/.cache/muse-spark/packages")
     b.set_defaults(fn=cmd_build)
 

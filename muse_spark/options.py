@@ -59,6 +59,32 @@ def serve_tp_port(environ: Mapping[str, str] = os.environ) -> int | None:
     value = environ.get(SERVE_TP_PORT_ENV)
     return int(value) if value else None
 
+# Not kernel options: the build cache of compiled packages (builder/package_cache.py), its folder (or "off") and
+# its size limit in GiB.
+BUILD_CACHE_ENV = ENV_PREFIX + "BUILD_CACHE"
+BUILD_CACHE_GB_ENV = ENV_PREFIX + "BUILD_CACHE_GB"
+
+
+def build_cache_setting(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The build cache's folder or ``off`` as ``BUILD_CACHE_ENV`` sets it, or None (unset or empty)."""
+    return environ.get(BUILD_CACHE_ENV) or None
+
+
+def build_cache_limit_gb(environ: Mapping[str, str] = os.environ) -> float | None:
+    """The build cache's size limit in GiB (``BUILD_CACHE_GB_ENV``), or None; a value that is not a positive
+    number is refused, naming the variable."""
+    value = environ.get(BUILD_CACHE_GB_ENV)
+    if not value:
+        return None
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = -1.0
+    if not gb > 0:
+        raise OptionsError(f"{BUILD_CACHE_GB_ENV}={value!r}: expected a positive number of GiB")
+    return gb
+
+
 ATTENTION_KERNELS = ("triton", "sdpa")
 LINEAR_KERNELS = ("triton", "cublas")
 SCOPES = ("build", "run")

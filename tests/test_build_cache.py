@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from muse_spark.builder.package_cache import PackageCache, cache_folder, check_package
+from muse_spark.options import OptionsError
 from muse_spark.runtime import EagerEngine, Generator, SamplingParams, load_engine
 
 from conftest import AOTI_MAX_BATCH, AOTI_MAX_SEQ, AOTI_NARROW_WIDTH, AOTI_PREFILL_BATCH, ENGINE_PROMPTS, run_cli
@@ -125,6 +126,12 @@ def test_the_cache_folder_setting(tmp_path, monkeypatch):
         assert cache_folder(off) is None
     monkeypatch.setenv("MUSE_SPARK_BUILD_CACHE", "off")
     assert cache_folder() is None
+    monkeypatch.setenv("MUSE_SPARK_BUILD_CACHE_GB", "0.000001")
+    assert PackageCache(tmp_path / "small", "cpu").limit_bytes == int(0.000001 * 2**30)
+    for bad in ("lots", "-1", "0"):
+        monkeypatch.setenv("MUSE_SPARK_BUILD_CACHE_GB", bad)
+        with pytest.raises(OptionsError, match=f"MUSE_SPARK_BUILD_CACHE_GB={bad!r}: expected a positive number"):
+            PackageCache(tmp_path / "small", "cpu")
 
 
 def test_a_pair_of_other_weights_takes_every_graph_from_the_cache_and_runs_its_own_weights(aoti_built, build_cache,
