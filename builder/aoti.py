@@ -449,10 +449,9 @@ def compile_job_cached(job: dict, build_cache: str | None = None) -> dict:
     cache = open_cache(build_cache, job["device"])
     if cache is not None and cache.take(job):
         return cached_result(job)
-    key = cache.key(job) if cache is not None else None
     result = compile_job(job)
     if cache is not None:
-        cache.store(job, key)
+        cache.store(job)
     return result
 
 
@@ -465,21 +464,21 @@ def compile_graphs(jobs: list[dict], workers: int | None = None,
         return []
     results = []
     if cache is not None:
-        hits = [j for j in jobs if cache.take(j)]
+        hits, misses = [], []
+        for j in jobs:
+            (hits if cache.take(j) else misses).append(j)
         results = [cached_result(j) for j in hits]
         if hits:
             log(f"{len(hits)} of {len(jobs)} graphs from the build cache ({cache.root}): "
                 f"{', '.join(j['name'] for j in hits)}")
-        jobs = [j for j in jobs if j not in hits]
+        jobs = misses
         if not jobs:
             return sorted(results, key=lambda r: r["name"])
-
-    keys = {j["name"]: cache.key(j) for j in jobs} if cache is not None else {}  # (before any compile)
 
     def done(job: dict, r: dict) -> None:
         results.append(r)
         if cache is not None:
-            cache.store(job, keys[job["name"]])
+            cache.store(job)  # (compile_job compiles a copy: the job is as it was keyed)
 
     workers = max(1, min(workers or len(jobs), len(jobs)))
     threads = max(1, (os.cpu_count() or 1) // workers)

@@ -165,10 +165,9 @@ class PackageCache:
             os.replace(tmp, out)
         return True
 
-    def store(self, job: dict, key: str | None = None) -> None:
-        """Keep the package just compiled at ``job["out"]`` under ``key`` (default: the job's; pass the key
-        taken before the compile where the compile may have changed the job's dicts); a failure to write
-        stops storing (said once) and never fails the build."""
+    def store(self, job: dict) -> None:
+        """Keep the package just compiled at ``job["out"]``; a failure to write stops storing (said once)
+        and never fails the build."""
         if self.broken:
             return
         tmp = None
@@ -177,7 +176,7 @@ class PackageCache:
             os.fchmod(fd, 0o644)  # (mkstemp's 0600 would follow the hard links into engines others serve)
             with os.fdopen(fd, "wb") as f:
                 f.write(Path(job["out"]).read_bytes())
-            os.replace(tmp, self.root / f"{key or self.key(job)}.pt2")
+            os.replace(tmp, self.path(job))
             tmp = None
             self.prune()
         except OSError as e:
